@@ -1,0 +1,94 @@
+"""Configuration shared by every subquadratic family.
+
+`SubquadraticConfig` mirrors the fields of the dense Llama / Mistral / Qwen2 / Qwen3 configs so that
+converting a checkpoint is a rename, and adds `mixer_types`: one entry per layer naming the token
+mixer of that layer. A hybrid model is just a list with several kinds. Transformers validates and
+interprets `config.layer_types` itself, so our per-layer list lives in a field of its own.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from transformers import PreTrainedConfig
+
+#: Token mixers the shared decoder knows how to build. Families add their own names.
+SOFTMAX_MIXERS = ("full_attention", "sliding_attention")
+ALL_MIXERS = (*SOFTMAX_MIXERS, "spla", "sse", "hla")
+
+
+class SubquadraticConfig(PreTrainedConfig):
+    """Fields common to all families (decoder shape, attention projections, rotary, norms).
+
+    Attention projections: `qkv_bias` adds a bias to q/k/v (Qwen2, Llama with attention_bias),
+    `o_bias` to the output projection (Llama with attention_bias), `qk_norm` applies a per-head
+    RMSNorm to q and k before rotary (Qwen3). `mixer_types[i]` names layer i's token mixer.
+    """
+
+    model_type = "subquadratic"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    #: Mixer used when `mixer_types` is not given; set by each family.
+    default_mixer: ClassVar[str] = "full_attention"
+
+    vocab_size: int = 32000
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 131072
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    attention_dropout: float = 0.0
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    mixer_types: list[str] | None = None
+    #: model_type of the dense checkpoint this model was converted from (informational).
+    source_model_type: str | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.mixer_types is None:
+            self.mixer_types = [self.default_mixer] * self.num_hidden_layers
+        else:
+            self.mixer_types = list(self.mixer_types)
+        if self.rope_parameters is None and "rope_theta" not in kwargs and "rope_scaling" not in kwargs:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        super().__post_init__(**kwargs)
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError with one clear line when the configuration cannot work."""
+        if len(self.mixer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"mixer_types has {len(self.mixer_types)} entries but num_hidden_layers is "
+                f"{self.num_hidden_layers}; give one mixer name per layer"
+            )
+        unknown = sorted(set(self.mixer_types) - set(ALL_MIXERS))
+        if unknown:
+            raise ValueError(f"unknown mixer type(s) {unknown}; known: {', '.join(ALL_MIXERS)}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if "sliding_attention" in self.mixer_types and not self.sliding_window:
+            raise ValueError("a 'sliding_attention' layer needs sliding_window > 0 in the config")
+
+    @property
+    def num_key_value_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads

@@ -1,0 +1,63 @@
+"""Brute-force definition of SPLA, one query at a time with explicit masks (tests only; use fp64).
+
+It recomputes block statistics from the raw keys for every query and sums the residual linear term
+directly over the unselected causal keys, so it shares no code path with `reference.py` beyond
+the feature map.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .reference import feature_map
+
+
+def spla_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_size: int,
+    top_k_blocks: int,
+    num_sink_blocks: int,
+    num_local_blocks: int,
+    selection: str = "taylor",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [HQ, T, D], k, v: [H, T, D] of one unpadded sequence. Returns (o_sp, o_rla), both [HQ, T, D]."""
+    HQ, T, D = q.shape
+    H = k.shape[0]
+    G = HQ // H
+    o_sp = torch.zeros_like(q)
+    o_rla = torch.zeros_like(q)
+    for t in range(T):
+        cur = t // block_size
+        forced = {b for b in range(cur + 1) if b < num_sink_blocks or b > cur - num_local_blocks}
+        cands = [b for b in range(cur) if b not in forced]
+        free = top_k_blocks - len(forced)
+        for h in range(H):
+            qs = q[h * G:(h + 1) * G, t] / math.sqrt(D)  # [G, D]
+            group = torch.zeros(len(cands), dtype=q.dtype)
+            if cands:
+                scores = []
+                for b in cands:
+                    kb = k[h, b * block_size:(b + 1) * block_size]
+                    mu = kb.mean(0)
+                    s = qs @ mu
+                    if selection == "taylor":
+                        s2 = ((kb * kb).mean(0) - mu * mu).clamp(min=0)
+                        s = s + torch.log1p(0.5 * (qs * qs) @ s2)
+                    scores.append(s)
+                group = torch.softmax(torch.stack(scores, -1), dim=-1).sum(0)
+            order = torch.argsort(group, descending=True).tolist()
+            chosen = forced | {cands[i] for i in order[:max(free, 0)]}
+            sel = torch.tensor([(j // block_size) in chosen for j in range(t + 1)])
+            for g in range(G):
+                hq = h * G + g
+                logits = (k[h, : t + 1] @ q[hq, t]) / math.sqrt(D)
+                logits = logits.masked_fill(~sel, float("-inf"))
+                o_sp[hq, t] = torch.softmax(logits, -1) @ v[h, : t + 1]
+                w = feature_map(k[h, : t + 1]).to(q.dtype) @ feature_map(q[hq, t]).to(q.dtype)
+                o_rla[hq, t] = (w * (~sel)) @ v[h, : t + 1]
+    return o_sp, o_rla

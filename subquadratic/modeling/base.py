@@ -1,0 +1,355 @@
+"""The decoder shared by every family, written once: embeddings -> L x [RMSNorm -> token mixer ->
+residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head.
+
+Families only add token mixers. A mixer is an `nn.Module` registered under a name with
+`register_mixer`; `config.mixer_types[i]` picks layer i's mixer. Each mixer class names the cache
+layer it keeps (`cache_layer_cls`). Transformers supplies rotary embeddings, RMSNorm, the SwiGLU MLP,
+the attention functions, weight loading and generation.
+"""
+
+from __future__ import annotations
+
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+from ..configuration.base import SubquadraticConfig
+from .cache import KVLayer, StateLayer, SubquadraticCache, positions_from_mask
+
+#: Name of the cache field in model outputs and of the forward argument generate() passes:
+#: Transformers 5.24 renamed `past_key_values` to `cache`; both names are accepted on input.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+MIXERS: dict[str, type[nn.Module]] = {}
+
+
+def register_mixer(*names: str):
+    """Class decorator: make a token mixer available under `names` in `config.mixer_types`."""
+
+    def wrap(cls):
+        for name in names:
+            MIXERS[name] = cls
+        return cls
+
+    return wrap
+
+
+@dataclass
+class SequenceInfo:
+    """Where the new tokens sit. positions, valid: [B, T]; key_positions: [B, S] for every cached +
+    new slot (-1 at padding). Logical positions count a row's real tokens, so left padding is invisible."""
+
+    positions: torch.Tensor
+    valid: torch.Tensor
+    key_positions: torch.Tensor
+
+
+class HeadNorm(nn.Module):
+    """RMSNorm over the head dimension with a per-head weight [heads, dim] (x: [B, heads, T, dim])."""
+
+    def __init__(self, num_heads: int, dim: int, eps: float = 1e-6, init_value: float = 1.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((num_heads, dim), float(init_value)))
+        self.eps = eps
+        self.init_value = init_value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()[:, None, :]).to(x.dtype)
+
+
+class AttentionBase(nn.Module):
+    """q/k/v/o projections with the source model's bias and qk-norm, and RoPE. Names match Llama,
+    Qwen2 and Qwen3 so weights convert by name and PEFT targets q_proj/k_proj/v_proj/o_proj."""
+
+    cache_layer_cls: type[StateLayer] = KVLayer
+    needs_key_positions = True
+
+    def __init__(self, config: SubquadraticConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        h, d = config.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+
+    def project(self, x: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, hidden] -> q [B, HQ, T, D], k, v [B, H, T, D]; q and k after RoPE."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q, k, v.transpose(1, 2)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """o: [B, HQ, T, D] -> [B, T, hidden]."""
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+@register_mixer("full_attention", "sliding_attention")
+class SoftmaxAttention(AttentionBase):
+    """Exact softmax attention (full, or a sliding window for `sliding_attention` layers), through
+    Transformers' eager or SDPA attention function with an explicit position-based mask."""
+
+    def __init__(self, config: SubquadraticConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        kind = config.mixer_types[layer_idx]
+        self.window = config.sliding_window if kind == "sliding_attention" else None
+
+    def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
+        q, k, v = self.project(hidden_states, position_embeddings)
+        if cache_layer is not None:
+            k, v = cache_layer.update(k, v)
+        qp, kp = seq.positions[:, :, None], seq.key_positions[:, None, :]
+        allowed = (kp >= 0) & (kp <= qp)
+        if self.window:
+            allowed &= qp - kp < self.window
+        allowed |= (qp < 0)  # padded queries attend anywhere (their output is discarded)
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None]
+        if self.config._attn_implementation == "eager":
+            fn = eager_attention_forward
+        else:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+        o, _ = fn(
+            self, q, k, v, mask, dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling, is_causal=False,
+        )
+        o = o * seq.valid[:, :, None, None]  # [B, T, HQ, D]
+        return self.o_proj(o.reshape(*o.shape[:2], -1)), None
+
+
+class SubquadraticDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: SubquadraticConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.mixer_type = config.mixer_types[layer_idx]
+        if self.mixer_type not in MIXERS:
+            raise ValueError(
+                f"mixer {self.mixer_type!r} is not available; import the family that provides it "
+                f"(available: {', '.join(sorted(MIXERS))})"
+            )
+        self.self_attn = MIXERS[self.mixer_type](config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, position_embeddings=None, seq=None, cache_layer=None, **kwargs):
+        residual = hidden_states
+        h, aux = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, seq, cache_layer)
+        hidden_states = residual + h
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states, aux
+
+
+@dataclass
+class SubquadraticModelOutput(BaseModelOutputWithPast):
+    """Adds the mixers' auxiliary loss (SSE's router load balance), None when no layer has one."""
+
+    aux_loss: torch.FloatTensor | None = None
+
+
+@dataclass
+class SubquadraticCausalLMOutput(CausalLMOutputWithPast):
+    aux_loss: torch.FloatTensor | None = None
+
+
+class SubquadraticPreTrainedModel(PreTrainedModel):
+    config_class = SubquadraticConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["SubquadraticDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
+    _supports_sdpa = True
+    _supports_attention_backend = False
+    # Running states cannot be rolled back token by token (no assisted decoding).
+    _is_stateful = True
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model builds its own SubquadraticCache
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, HeadNorm):
+            init.constant_(module.weight, module.init_value)
+        if hasattr(module, "reset_mixer_parameters"):
+            module.reset_mixer_parameters()
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save as usual, plus the flat model code and `auto_map` so that `trust_remote_code=True`
+        loads the folder where the package is not installed."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        try:
+            from subquadratic.modeling.remote_code import write_remote_code
+        except ImportError:  # running as remote code: Transformers copies the files itself
+            return
+        if kwargs.get("is_main_process", True):
+            write_remote_code(save_directory, self.config.model_type)
+
+    def new_cache(self) -> SubquadraticCache:
+        """An empty cache with one state layer per decoder layer."""
+        kinds = [MIXERS[t] for t in self.config.mixer_types]
+        return SubquadraticCache(
+            [cls.cache_layer_cls() for cls in kinds],
+            track_key_positions=any(getattr(cls, "needs_key_positions", False) for cls in kinds),
+        )
+
+
+class SubquadraticModel(SubquadraticPreTrainedModel):
+    def __init__(self, config: SubquadraticConfig) -> None:
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(SubquadraticDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: SubquadraticCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        cache: SubquadraticCache | None = None,
+        **kwargs,
+    ) -> SubquadraticModelOutput:
+        cache = cache if cache is not None else past_key_values
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, T = inputs_embeds.shape[:2]
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if use_cache and cache is None:
+            cache = self.new_cache()
+        if cache is not None and not isinstance(cache, SubquadraticCache):
+            raise TypeError(
+                f"{type(self).__name__} needs a SubquadraticCache (model.new_cache()), got {type(cache).__name__}"
+            )
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("attention_mask must be a 2D [batch, length] padding mask (1 = token, 0 = padding)")
+        full_valid = torch.ones(B, T, dtype=torch.bool, device=inputs_embeds.device)
+        if attention_mask is not None:
+            full_valid = attention_mask.to(inputs_embeds.device).bool()
+        if cache is not None:
+            valid = full_valid[:, -T:]
+            q_pos, k_pos = cache.advance(valid)
+        else:
+            q_pos = positions_from_mask(full_valid)[:, -T:]
+            valid, k_pos = full_valid[:, -T:], q_pos
+        if position_ids is None:
+            position_ids = q_pos.clamp(min=0)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos)
+
+        hidden = inputs_embeds
+        all_hidden = (hidden,) if output_hidden_states else None
+        aux_total = None
+        for i, layer in enumerate(self.layers):
+            hidden, aux = layer(
+                hidden, position_embeddings=position_embeddings, seq=seq,
+                cache_layer=cache.layers[i] if cache is not None else None,
+            )
+            if aux is not None:
+                aux_total = aux if aux_total is None else aux_total + aux
+            if output_hidden_states:
+                all_hidden += (hidden,)
+        hidden = self.norm(hidden)
+        if output_hidden_states:
+            all_hidden = all_hidden[:-1] + (hidden,)
+        return SubquadraticModelOutput(
+            last_hidden_state=hidden, hidden_states=all_hidden, aux_loss=aux_total,
+            **{CACHE_FIELD: cache if use_cache else None},
+        )
+
+
+class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
+    base_model_class = SubquadraticModel
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: SubquadraticConfig) -> None:
+        super().__init__(config)
+        self.model = self.base_model_class(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def new_cache(self) -> SubquadraticCache:
+        return self.model.new_cache()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: SubquadraticCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cache: SubquadraticCache | None = None,
+        **kwargs,
+    ) -> SubquadraticCausalLMOutput:
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
+            cache=cache if cache is not None else past_key_values,
+        )
+        hidden = out.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                num_items_in_batch=kwargs.get("num_items_in_batch"),
+            )
+            weight = getattr(self.config, "aux_loss_weight", 0.0)
+            if out.aux_loss is not None and weight:
+                loss = loss + weight * out.aux_loss
+        return SubquadraticCausalLMOutput(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, aux_loss=out.aux_loss,
+            **{CACHE_FIELD: getattr(out, CACHE_FIELD)},
+        )
+
+
