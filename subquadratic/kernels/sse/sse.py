@@ -1,0 +1,262 @@
+"""Sparse State Expansion (SSE): the operator, its router and its auxiliary loss.
+
+Owns the math of one SSE token mixer after the projections and feature maps
+(those live in the model code). Per head, with N partitions and top-K routing:
+
+    shared:                   S0_t = diag(exp g1_t) S0_{t-1} + k1_t^T v_t
+    partition i in T_t:       Si_t = diag(exp g2_t) Si_{t-1} + (p^i_t k2_t)^T v_t
+    partition i not in T_t:   Si_t = Si_{t-1}                     (no write, no decay)
+    read:                     o_t  = q1_t S0_t + sum_{i in T_t} p^i_t q2_t Si_t
+
+Three implementations that agree up to rounding:
+
+- `sse_recurrent`: serial loop over t, the oracle and the decode step; each
+  step gathers, updates and scatters back only the selected partitions.
+- `sse_masked`: the (N+1)-heads form: every partition is an extra head of the
+  chunked base with k = p k2, q = p q2, g = g2 where selected and 0 elsewhere.
+  Costs N T; simple, a second reference.
+- `sse_varlen`: tokens sorted by (sample, partition) in time order (a token
+  appears once per selected partition), one variable-length chunked pass over
+  the non-empty (sample, partition) segments, each starting from its
+  partition's state, outputs scattered back. Costs (1 + K) T.
+
+Bases (`base=`):
+
+- "gla" (default): g1, g2: [B, T, H, Dk] log decays per key dim (<= 0).
+- "gdn": gated delta rule. g1, g2 are the per-head log_alpha1 / log_alpha2:
+  [B, T, H], and `beta`: [B, T, H] (required) is the delta-rule step size,
+  shared by the shared state and all partitions. A partition write uses the
+  key p^i k2, exactly as in the GLA case:
+      Si_t = alpha2_t (I - beta_t (p^i_t k2_t)^T (p^i_t k2_t)) Si_{t-1} + beta_t (p^i_t k2_t)^T v_t
+  (so the erase strength along k2 scales with (p^i_t)^2); this is what the
+  masked (N+1)-heads form computes, and an unselected partition (k = 0,
+  log_alpha = 0) is left unchanged.
+
+Shapes: q1, k1, q2, k2: [B, T, H, Dk], v: [B, T, H, Dv], probs: [B, T, N]
+(router softmax, float32), sel: [B, T, N] bool (top-K mask, all False at
+padding tokens). State: `SSEState` with shared [B, H, Dk, Dv] and parts
+[B, N, H, Dk, Dv], float32 (float64 when the inputs are float64). Outputs are
+in q1's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .gla import (
+    compute_dtype,
+    gdn_chunked,
+    gdn_step,
+    gdn_varlen,
+    gla_chunked,
+    gla_step,
+    gla_varlen,
+)
+
+
+@dataclass
+class SSEState:
+    """Recurrent state of one SSE layer."""
+
+    shared: Tensor  # [B, H, Dk, Dv]
+    parts: Tensor   # [B, N, H, Dk, Dv]
+
+    @classmethod
+    def zeros(cls, batch: int, num_partitions: int, heads: int, dk: int, dv: int,
+              device: torch.device | str | None = None,
+              dtype: torch.dtype = torch.float32) -> SSEState:
+        return cls(torch.zeros(batch, heads, dk, dv, device=device, dtype=dtype),
+                   torch.zeros(batch, num_partitions, heads, dk, dv, device=device, dtype=dtype))
+
+
+@dataclass(frozen=True)
+class _Base:
+    step: Callable[..., Tensor]                  # (S, k, v, decay, *extra) -> S
+    chunked: Callable[..., tuple[Tensor, Tensor]]  # (q, k, v, decay, *extra, state=, chunk_size=)
+    varlen: Callable[..., tuple[Tensor, Tensor]]   # (q, k, v, decay, *extra, cu_seqlens=, ...)
+    per_key_decay: bool                          # decay [B, T, H, Dk] (else [B, T, H])
+    needs_beta: bool
+
+
+_BASES = {
+    "gla": _Base(gla_step, gla_chunked, gla_varlen, per_key_decay=True, needs_beta=False),
+    "gdn": _Base(gdn_step, gdn_chunked, gdn_varlen, per_key_decay=False, needs_beta=True),
+}
+
+
+def _read(q: Tensor, S: Tensor) -> Tensor:
+    return torch.einsum("...k,...kv->...v", q, S)
+
+
+def _setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base: str, beta: Tensor | None):
+    """Validate the inputs; return (base ops, extra per-token args, state in compute dtype)."""
+    if base not in _BASES:
+        raise ValueError(f"SSE base '{base}' is not supported; supported: {', '.join(_BASES)}")
+    ops = _BASES[base]
+    if ops.needs_beta and beta is None:
+        raise ValueError(f"SSE base '{base}' needs beta: [B, T, H]")
+    if not ops.needs_beta and beta is not None:
+        raise ValueError(f"SSE base '{base}' takes no beta (it is for base='gdn')")
+    if q1.dim() != 4:
+        raise ValueError(f"q1 must be [B, T, H, Dk]; got {list(q1.shape)}")
+    B, T, H, Dk = q1.shape
+    Dv = v.shape[-1]
+    for name, x in (("k1", k1), ("q2", q2), ("k2", k2)):
+        if x.shape != q1.shape:
+            raise ValueError(f"{name} must match q1 {list(q1.shape)}; got {list(x.shape)}")
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B={B}, T={T}, H={H}, Dv]; got {list(v.shape)}")
+    want = (B, T, H, Dk) if ops.per_key_decay else (B, T, H)
+    for name, x in (("g1", g1), ("g2", g2)) + ((("beta", beta),) if beta is not None else ()):
+        w = (B, T, H) if name == "beta" else want
+        if x.shape != w:
+            raise ValueError(f"{name} must be {list(w)} for base='{base}'; got {list(x.shape)}")
+    if probs.dim() != 3 or probs.shape[:2] != (B, T) or sel.shape != probs.shape:
+        raise ValueError(f"probs and sel must both be [B={B}, T={T}, N]; got {list(probs.shape)} "
+                         f"and {list(sel.shape)}")
+    if sel.dtype != torch.bool:
+        raise ValueError(f"sel must be a bool mask; got {sel.dtype}")
+    N = probs.shape[-1]
+    dt = compute_dtype(q1)
+    if state is None:
+        state = SSEState.zeros(B, N, H, Dk, Dv, device=q1.device, dtype=dt)
+    elif isinstance(state, Mapping):
+        state = SSEState(**state)
+    if state.shared.shape != (B, H, Dk, Dv) or state.parts.shape != (B, N, H, Dk, Dv):
+        raise ValueError(f"state must have shared [B, H, Dk, Dv] = {[B, H, Dk, Dv]} and parts "
+                         f"[B, N, H, Dk, Dv] = {[B, N, H, Dk, Dv]}; got {list(state.shared.shape)} "
+                         f"and {list(state.parts.shape)}")
+    extra = (beta,) if beta is not None else ()
+    return ops, extra, state
+
+
+def sse_recurrent(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor,
+                  g2: Tensor, probs: Tensor, sel: Tensor, state: SSEState | None = None, *,
+                  base: str = "gla", beta: Tensor | None = None,
+                  inplace: bool = False) -> tuple[Tensor, SSEState]:
+    """Serial SSE (the oracle, and the decode step when T = 1).
+
+    Each step touches only the selected partitions: their states are gathered
+    with an index, updated and scattered back. With `inplace=True` (inference
+    with a cache) the new states are written into `state`'s tensors, so only
+    the selected rows of `state.parts` are written; otherwise `state` is left
+    as it is and new tensors are returned. Returns (o [B, T, H, Dv], state).
+    """
+    ops, extra, state = _setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
+    B, T, H, _ = q1.shape
+    dt = compute_dtype(q1)
+    if inplace and (state.shared.dtype != dt or state.parts.dtype != dt):
+        raise ValueError(f"inplace=True needs the state in the compute dtype {dt}")
+    q1, k1, q2, k2, v, g1, g2, probs = (x.to(dt) for x in (q1, k1, q2, k2, v, g1, g2, probs))
+    extra = tuple(x.to(dt) for x in extra)
+    S0, parts = state.shared.to(dt), state.parts.to(dt)   # [B, H, Dk, Dv], [B, N, H, Dk, Dv]
+    outs = []
+    for t in range(T):
+        S0 = ops.step(S0, k1[:, t], v[:, t], g1[:, t], *(x[:, t] for x in extra))
+        o_t = _read(q1[:, t], S0)                                    # [B, H, Dv]
+        b, n = sel[:, t].nonzero(as_tuple=True)                      # [P] selected (b, partition)
+        p = probs[b, t, n][:, None, None]                            # [P, 1, 1]
+        S_sel = ops.step(parts[b, n], p * k2[b, t], v[b, t], g2[b, t], *(x[b, t] for x in extra))
+        parts = parts.index_put_((b, n), S_sel) if inplace else parts.index_put((b, n), S_sel)
+        outs.append(o_t.index_add(0, b, _read(p * q2[b, t], S_sel)))
+    o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, v.shape[-1])
+    if inplace:
+        state.shared.copy_(S0)
+        return o.to(q1.dtype), state
+    return o.to(q1.dtype), SSEState(S0, parts)
+
+
+def _expand(x: Tensor, sel: Tensor, w: Tensor | None = None) -> Tensor:
+    """x: [B, T, H, *] -> [B, T, N * H, *]: x (times w) where sel, else 0.
+    sel, w: [B, T, N]."""
+    B, T, N = sel.shape
+    tail = (1,) * (x.dim() - 2)
+    xs = x[:, :, None] if w is None else w.view(B, T, N, *tail) * x[:, :, None]
+    zero = torch.zeros((), dtype=xs.dtype, device=xs.device)
+    xs = torch.where(sel.view(B, T, N, *tail), xs, zero)
+    return xs.reshape(B, T, N * x.shape[2], *x.shape[3:])
+
+
+def sse_masked(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor,
+               g2: Tensor, probs: Tensor, sel: Tensor, state: SSEState | None = None,
+               chunk_size: int = 64, *, base: str = "gla",
+               beta: Tensor | None = None) -> tuple[Tensor, SSEState]:
+    """SSE as the shared branch plus N masked extra heads of the chunked base.
+    Cost grows with N T. Returns (o [B, T, H, Dv], state)."""
+    ops, extra, state = _setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
+    B, T, H, Dk = q1.shape
+    N, Dv = probs.shape[-1], v.shape[-1]
+    dt = compute_dtype(q1)
+    o_shared, S0 = ops.chunked(q1, k1, v, g1, *extra, state=state.shared, chunk_size=chunk_size)
+    p = probs.to(dt)
+    heads = [_expand(q2.to(dt), sel, p), _expand(k2.to(dt), sel, p),
+             v.to(dt)[:, :, None].expand(B, T, N, H, Dv).reshape(B, T, N * H, Dv),
+             _expand(g2.to(dt), sel), *(_expand(x.to(dt), sel) for x in extra)]
+    o_parts, parts = ops.chunked(*heads, state=state.parts.reshape(B, N * H, Dk, Dv),
+                                 chunk_size=chunk_size)
+    o = o_shared.to(dt) + o_parts.view(B, T, N, H, Dv).sum(2)
+    return o.to(q1.dtype), SSEState(S0, parts.view(B, N, H, Dk, Dv))
+
+
+def sse_varlen(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor,
+               g2: Tensor, probs: Tensor, sel: Tensor, state: SSEState | None = None,
+               chunk_size: int = 64, *, base: str = "gla",
+               beta: Tensor | None = None) -> tuple[Tensor, SSEState]:
+    """SSE with the partitions run as variable-length segments: cost grows with
+    (1 + K) T. Partitions with no token keep their state exactly.
+    Returns (o [B, T, H, Dv], state)."""
+    ops, extra, state = _setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
+    B, T, H, Dk = q1.shape
+    N, Dv = probs.shape[-1], v.shape[-1]
+    dt = compute_dtype(q1)
+    o_shared, S0 = ops.chunked(q1, k1, v, g1, *extra, state=state.shared, chunk_size=chunk_size)
+
+    # one row per (token, selected partition), sorted by (sample, partition, time)
+    b, n, t = sel.permute(0, 2, 1).nonzero(as_tuple=True)           # [M]
+    seg = b * N + n                                                  # (sample, partition) id
+    seg_ids, seg_lens = torch.unique_consecutive(seg, return_counts=True)  # non-empty segments [S]
+    cu = torch.cat([seg_lens.new_zeros(1), seg_lens.cumsum(0)])      # [S + 1]
+    p = probs.to(dt)[b, t, n][:, None, None]                         # [M, 1, 1]
+    packed = [p * q2.to(dt)[b, t], p * k2.to(dt)[b, t], v.to(dt)[b, t], g2.to(dt)[b, t],
+              *(x.to(dt)[b, t] for x in extra)]
+    parts = state.parts.to(dt).reshape(B * N, H, Dk, Dv)
+    o_seg, S_seg = ops.varlen(*packed, cu_seqlens=cu, initial_state=parts[seg_ids],
+                              chunk_size=chunk_size)                 # [M, H, Dv], [S, H, Dk, Dv]
+    parts = parts.index_copy(0, seg_ids, S_seg).view(B, N, H, Dk, Dv)
+    o = o_shared.to(dt).reshape(B * T, H, Dv).index_add(0, b * T + t, o_seg)
+    return o.view(B, T, H, Dv).to(q1.dtype), SSEState(S0, parts)
+
+
+def router_topk(logits: Tensor, k: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Router: softmax over the N partitions in float32 (float64 stays float64),
+    then the top-k mask. logits: [B, T, N], valid: [B, T] bool (False at
+    padding). Returns (probs [B, T, N], sel [B, T, N] bool; all False where invalid)."""
+    N = logits.shape[-1]
+    if not 1 <= k <= N:
+        raise ValueError(f"top-k must be in [1, N={N}]; got {k}")
+    probs = torch.softmax(logits.to(compute_dtype(logits)), dim=-1)
+    top = probs.topk(k, dim=-1).indices
+    sel = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top, True)
+    if valid is not None:
+        sel = sel & valid[..., None].bool()
+    return probs, sel
+
+
+def sse_aux_loss(probs: Tensor, sel: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Load-balancing loss (N / K) sum_i mean_t(p^i_t) mean_t(1[i in T_t]) over
+    the valid tokens of the whole batch; 1 when routing is uniform.
+    probs, sel: [B, T, N], valid: [B, T] bool (default: tokens with any selection).
+    K is the number of selected partitions of a valid token."""
+    N = probs.shape[-1]
+    if valid is None:
+        valid = sel.any(-1)
+    valid = valid.bool()
+    p, s = probs[valid], sel[valid].to(probs.dtype)                  # [V, N]
+    if p.shape[0] == 0:
+        return probs.sum() * 0.0
+    K = s[0].sum()
+    return N / K * (p.mean(0) * s.mean(0)).sum()

@@ -1,0 +1,265 @@
+"""SSE kernels: chunked / varlen / masked forms against the serial oracles.
+
+Tolerances are relative to the largest entry of the reference:
+float64 <= 1e-10, float32 <= 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from subquadratic.kernels.sse import (
+    SSEState,
+    gdn_chunked,
+    gdn_recurrent,
+    gla_chunked,
+    gla_recurrent,
+    gla_varlen,
+    router_topk,
+    sse_aux_loss,
+    sse_masked,
+    sse_recurrent,
+    sse_varlen,
+)
+
+F64, F32 = torch.float64, torch.float32
+TOL = {F64: 1e-10, F32: 1e-4}
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def gla_inputs(B, T, H, Dk, Dv, dtype, seed, decay_scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)
+    g = F.logsigmoid(r(B, T, H, Dk) * 2) * decay_scale
+    return r(B, T, H, Dk), r(B, T, H, Dk), r(B, T, H, Dv), g, r(B, H, Dk, Dv)
+
+
+def gdn_inputs(B, T, H, Dk, Dv, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)
+    k = F.normalize(r(B, T, H, Dk), dim=-1)
+    la = F.logsigmoid(r(B, T, H) + 2)
+    beta = torch.rand(B, T, H, generator=gen, dtype=dtype)
+    return r(B, T, H, Dk), k, r(B, T, H, Dv), la, beta, r(B, H, Dk, Dv)
+
+
+# --------------------------------------------------------------------------- GLA / GDN
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("T", [1, 7, 37, 100])
+@pytest.mark.parametrize("chunk", [7, 16, 64])
+def test_gla_chunked_matches_recurrent(dtype, T, chunk):
+    q, k, v, g, S = gla_inputs(2, T, 2, 32 if chunk == 64 else 8, 6, dtype, seed=T * 100 + chunk)
+    o_ref, S_ref = gla_recurrent(q, k, v, g, S)
+    o, S_out = gla_chunked(q, k, v, g, S, chunk_size=chunk)
+    assert o.dtype == dtype and S_out.dtype == dtype
+    assert rel_err(o, o_ref) <= TOL[dtype]
+    assert rel_err(S_out, S_ref) <= TOL[dtype]
+
+
+def test_gla_chunked_strong_decay_is_finite():
+    # cumulative log decay reaches ~ -4000 inside a chunk: exp(-b) would overflow
+    q, k, v, g, S = gla_inputs(1, 100, 2, 8, 4, F32, seed=1, decay_scale=60.0)
+    o_ref, S_ref = gla_recurrent(q, k, v, g, S)
+    o, S_out = gla_chunked(q, k, v, g, S, chunk_size=64)
+    assert torch.isfinite(o).all() and torch.isfinite(S_out).all()
+    assert rel_err(o, o_ref) <= TOL[F32] and rel_err(S_out, S_ref) <= TOL[F32]
+
+
+@pytest.mark.parametrize("split", [1, 30, 64])
+def test_gla_state_handover(split):
+    q, k, v, g, S = gla_inputs(2, 100, 2, 8, 6, F64, seed=split)
+    o_all, S_all = gla_chunked(q, k, v, g, S, chunk_size=16)
+    a, b = slice(None, split), slice(split, None)
+    o_a, S_a = gla_chunked(q[:, a], k[:, a], v[:, a], g[:, a], S, chunk_size=16)
+    o_b, S_b = gla_chunked(q[:, b], k[:, b], v[:, b], g[:, b], S_a, chunk_size=16)
+    assert rel_err(torch.cat([o_a, o_b], 1), o_all) <= TOL[F64]
+    assert rel_err(S_b, S_all) <= TOL[F64]
+
+
+def test_gla_varlen_matches_per_segment_recurrent():
+    lens = [5, 0, 37, 16, 1]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    q, k, v, g, _ = gla_inputs(1, sum(lens), 2, 8, 6, F64, seed=7)
+    S0 = torch.randn(len(lens), 2, 8, 6, dtype=F64)
+    o, S = gla_varlen(q[0], k[0], v[0], g[0], cu_seqlens=cu, initial_state=S0, chunk_size=16)
+    for i in range(len(lens)):
+        a, b = cu[i].item(), cu[i + 1].item()
+        o_ref, S_ref = gla_recurrent(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], S0[i : i + 1])
+        if b > a:
+            assert rel_err(o[a:b], o_ref[0]) <= TOL[F64]
+        assert rel_err(S[i], S_ref[0]) <= TOL[F64]
+    assert torch.equal(S[1], S0[1])  # empty segment: state passes through
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("T,chunk", [(1, 16), (7, 16), (37, 16), (100, 64), (37, 7)])
+def test_gdn_chunked_matches_recurrent(dtype, T, chunk):
+    q, k, v, la, beta, S = gdn_inputs(2, T, 2, 8, 6, dtype, seed=T + chunk)
+    o_ref, S_ref = gdn_recurrent(q, k, v, la, beta, S)
+    o, S_out = gdn_chunked(q, k, v, la, beta, S, chunk_size=chunk)
+    assert rel_err(o, o_ref) <= TOL[dtype]
+    assert rel_err(S_out, S_ref) <= TOL[dtype]
+    o_a, S_a = gdn_chunked(q[:, :5], k[:, :5], v[:, :5], la[:, :5], beta[:, :5], S, chunk)
+    o_b, S_b = gdn_chunked(q[:, 5:], k[:, 5:], v[:, 5:], la[:, 5:], beta[:, 5:], S_a, chunk)
+    assert rel_err(torch.cat([o_a, o_b], 1), o_ref) <= TOL[dtype]
+    assert rel_err(S_b, S_ref) <= TOL[dtype]
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+def sse_inputs(B, T, H, Dk, Dv, N, K, base, dtype=F64, seed=0):
+    """Feature-mapped inputs as the model produces them, a random state, a router."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)
+    dshape = (B, T, H, Dk) if base == "gla" else (B, T, H)
+    x = {
+        "q1": F.silu(r(B, T, H, Dk)), "k1": torch.softmax(r(B, T, H, Dk), -1),
+        "q2": F.silu(r(B, T, H, Dk)), "k2": torch.softmax(r(B, T, H, Dk), -1),
+        "v": F.silu(r(B, T, H, Dv)),
+        "g1": F.logsigmoid(r(*dshape)) / 4, "g2": F.logsigmoid(r(*dshape)) / 4,
+    }
+    x["probs"], x["sel"] = router_topk(r(B, T, N), K)
+    beta = torch.rand(B, T, H, generator=gen, dtype=dtype) if base == "gdn" else None
+    kw = {"base": base, "beta": beta}
+    state = SSEState(r(B, H, Dk, Dv), r(B, N, H, Dk, Dv))
+    return x, kw, state
+
+
+GRAD_NAMES = ["q1", "k1", "q2", "k2", "v", "g1", "g2", "probs"]
+
+
+def _run(fn, x, kw, state, **extra):
+    return fn(**x, state=state, **kw, **extra)
+
+
+@pytest.mark.parametrize("base", ["gla", "gdn"])
+@pytest.mark.parametrize("N,K", [(4, 1), (4, 2), (8, 2)])
+@pytest.mark.parametrize("form", ["masked", "varlen"])
+def test_sse_forms_match_recurrent(base, N, K, form):
+    x, kw, state = sse_inputs(2, 37, 2, 8, 6, N, K, base, seed=N * 10 + K)
+    for name in GRAD_NAMES:
+        x[name] = x[name].requires_grad_()
+    fn = sse_masked if form == "masked" else sse_varlen
+    gen = torch.Generator().manual_seed(1)
+
+    def loss(o, s):
+        w = [torch.randn(t.shape, generator=gen, dtype=F64) for t in (o, s.shared, s.parts)]
+        return (o * w[0]).sum() + (s.shared * w[1]).sum() + (s.parts * w[2]).sum()
+
+    o_ref, s_ref = _run(sse_recurrent, x, kw, state)
+    g_ref = torch.autograd.grad(loss(o_ref, s_ref), [x[n] for n in GRAD_NAMES])
+    gen.manual_seed(1)
+    o, s = _run(fn, x, kw, state, chunk_size=16)
+    grads = torch.autograd.grad(loss(o, s), [x[n] for n in GRAD_NAMES])
+    assert rel_err(o, o_ref) <= TOL[F64]
+    assert rel_err(s.shared, s_ref.shared) <= TOL[F64]
+    assert rel_err(s.parts, s_ref.parts) <= TOL[F64]
+    for name, a, b in zip(GRAD_NAMES, grads, g_ref, strict=True):
+        assert rel_err(a, b) <= TOL[F64], name
+
+
+@pytest.mark.parametrize("form", ["recurrent", "masked", "varlen"])
+@pytest.mark.parametrize("base", ["gla", "gdn"])
+def test_unselected_partitions_unchanged(form, base):
+    N, K = 4, 2
+    x, kw, state = sse_inputs(2, 5, 2, 8, 6, N, K, base, seed=3)
+    x["sel"][..., 0] = False          # partition 0 never selected in this window
+    fn = {"recurrent": sse_recurrent, "masked": sse_masked, "varlen": sse_varlen}[form]
+    for t in range(5):                # one decode-sized step at a time
+        step = {n: a[:, t : t + 1] for n, a in x.items()}
+        kw_t = dict(kw, beta=None if kw["beta"] is None else kw["beta"][:, t : t + 1])
+        _, new = fn(**step, state=state, **kw_t)
+        unsel = ~step["sel"][:, 0]    # [B, N]
+        assert torch.equal(new.parts[unsel], state.parts[unsel])
+        assert not torch.equal(new.parts[~unsel], state.parts[~unsel])
+        state = new
+
+
+@pytest.mark.parametrize("form", ["recurrent", "masked", "varlen"])
+@pytest.mark.parametrize("base", ["gla", "gdn"])
+def test_padding_token_leaves_state_unchanged(form, base):
+    x, kw, state = sse_inputs(2, 3, 2, 8, 6, 4, 2, base, seed=4)
+    x["sel"][:, 1] = False
+    x["k1"][:, 1] = 0.0
+    x["g1"][:, 1] = 0.0
+    fn = {"recurrent": sse_recurrent, "masked": sse_masked, "varlen": sse_varlen}[form]
+    pad = {n: a[:, 1:2] for n, a in x.items()}
+    kw_p = dict(kw, beta=None if kw["beta"] is None else kw["beta"][:, 1:2])
+    _, new = fn(**pad, state=state, **kw_p)
+    assert torch.equal(new.shared, state.shared)
+    assert torch.equal(new.parts, state.parts)
+
+
+def test_decode_inplace_and_handover():
+    x, kw, state = sse_inputs(2, 20, 2, 8, 6, 4, 1, "gla", seed=5)
+    o_ref, s_ref = sse_recurrent(**x, state=state, **kw)
+    prefill = {n: a[:, :15] for n, a in x.items()}
+    o_pre, s = sse_varlen(**prefill, state=state, **kw, chunk_size=8)
+    s = SSEState(s.shared.clone(), s.parts.clone())
+    outs = [o_pre]
+    for t in range(15, 20):
+        step = {n: a[:, t : t + 1] for n, a in x.items()}
+        before = s.parts.clone()
+        o_t, s2 = sse_recurrent(**step, state=s, **kw, inplace=True)
+        assert s2 is s
+        assert torch.equal(s.parts[~step["sel"][:, 0]], before[~step["sel"][:, 0]])
+        outs.append(o_t)
+    assert rel_err(torch.cat(outs, 1), o_ref) <= TOL[F64]
+    assert rel_err(s.parts, s_ref.parts) <= TOL[F64]
+    assert rel_err(s.shared, s_ref.shared) <= TOL[F64]
+
+
+def test_sse_fp32_forms_agree():
+    x, kw, state = sse_inputs(2, 100, 2, 16, 8, 4, 2, "gla", dtype=F32, seed=6)
+    state = SSEState(state.shared.float(), state.parts.float())
+    o_ref, s_ref = sse_recurrent(**x, state=state, **kw)
+    for fn in (sse_masked, sse_varlen):
+        o, s = fn(**x, state=state, **kw)
+        assert o.dtype == F32 and s.parts.dtype == F32
+        assert rel_err(o, o_ref) <= TOL[F32] and rel_err(s.parts, s_ref.parts) <= TOL[F32]
+
+
+def test_bad_base_and_missing_beta():
+    x, _, state = sse_inputs(1, 3, 1, 4, 4, 4, 1, "gdn", seed=8)
+    with pytest.raises(ValueError, match="supported: gla, gdn"):
+        sse_recurrent(**x, state=state, base="mamba")
+    with pytest.raises(ValueError, match="needs beta"):
+        sse_masked(**x, state=state, base="gdn")
+
+
+# --------------------------------------------------------------------------- router and aux loss
+
+
+def test_router_topk():
+    logits = torch.randn(2, 9, 8, dtype=torch.bfloat16)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, :3] = False
+    probs, sel = router_topk(logits, 2, valid)
+    assert probs.dtype == F32 and sel.dtype == torch.bool
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 9))
+    assert (sel.sum(-1) == 2 * valid).all()
+    top = probs.topk(2, -1).values[..., -1:]
+    assert ((probs >= top) == sel)[valid].all()
+
+
+def test_aux_loss_by_hand():
+    # N = 2, K = 1, three valid tokens and one padding token (ignored)
+    probs = torch.tensor([[[0.7, 0.3], [0.6, 0.4], [0.4, 0.6], [0.1, 0.9]]])
+    sel = torch.tensor([[[True, False], [True, False], [False, True], [False, False]]])
+    valid = torch.tensor([[True, True, True, False]])
+    # mean p = (1.7/3, 1.3/3), fraction selected = (2/3, 1/3)
+    expected = 2 / 1 * (1.7 / 3 * 2 / 3 + 1.3 / 3 * 1 / 3)
+    assert sse_aux_loss(probs, sel, valid).item() == pytest.approx(expected, rel=1e-6)
+    assert sse_aux_loss(probs, sel).item() == pytest.approx(expected, rel=1e-6)  # default: sel.any
+    # uniform routing gives 1; N = 4, K = 2 by the definition
+    p = torch.full((1, 4, 4), 0.25)
+    s = torch.tensor([[[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 1, 0], [0, 1, 0, 1]]], dtype=torch.bool)
+    assert sse_aux_loss(p, s).item() == pytest.approx(1.0)
