@@ -1,0 +1,313 @@
+"""Dense checkpoint -> subquadratic checkpoint, streamed shard by shard.
+
+The conversion of the common weights (embeddings, norms, MLP, q/k/v/o) is written once here; a
+family adds itself with `register_family(FamilyConverter(...))`, giving:
+  - `build_config(fields, options)`: the family's config from the common `fields` (mirrored from the
+    dense config by `source_fields`) and the CLI options;
+  - `map_tensor(name, tensor, config)`: the (name, tensor) pairs a source tensor becomes (the
+    default keeps it as is: Llama-style names are ours);
+  - `new_tensors(config)`: parameters the source lacks (SPLA's gamma = 0, routers, ...);
+  - `card`: the model card template under model_cards/ and `card_notes(config)` for its text.
+`convert()` checks the source, writes everything into a temporary folder next to OUT and renames
+it at the end, so a failure leaves nothing behind and SRC is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+SUPPORTED_SOURCES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COPIED_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json",
+)
+CARDS_DIR = Path(__file__).resolve().parent.parent / "model_cards"
+
+
+class ConversionError(Exception):
+    """A problem with the user's input: printed as one line, exit code 2."""
+
+
+@dataclass
+class FamilyConverter:
+    name: str
+    build_config: Callable[[dict, dict], object]
+    new_tensors: Callable[[object], dict[str, torch.Tensor]] = lambda config: {}
+    map_tensor: Callable[[str, torch.Tensor, object], Iterable[tuple[str, torch.Tensor]]] = (
+        lambda name, t, config: [(name, t)]
+    )
+    card: str = "spla.md"
+    card_notes: Callable[[object], dict[str, str]] = lambda config: {}
+    options: dict = field(default_factory=dict)
+
+
+FAMILIES: dict[str, FamilyConverter] = {}
+
+
+def register_family(conv: FamilyConverter) -> FamilyConverter:
+    FAMILIES[conv.name] = conv
+    return conv
+
+
+# --- reading the source -----------------------------------------------------------------------
+
+
+def resolve_source(src: str) -> Path:
+    """A local folder, or a Hub id resolved through huggingface_hub (its cache; offline if so set)."""
+    p = Path(src).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ConversionError(f"source {src} is a file; give the checkpoint folder")
+        return p.resolve()
+    if src.count("/") != 1 or src.startswith((".", "/")):
+        raise ConversionError(f"source {src} does not exist; give a checkpoint folder or a Hub id like org/name")
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(
+            src, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.md"]
+        )
+    except Exception as e:  # network, auth, missing repo: one line for the user
+        raise ConversionError(f"could not fetch {src} from the Hub ({type(e).__name__}: {e}); "
+                              "download it first or give a local folder") from None
+    return Path(path)
+
+
+def read_source_config(src: Path) -> dict:
+    path = src / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{src} has no config.json; is it a Transformers checkpoint folder?")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path} is not valid JSON ({e}); re-download the checkpoint") from None
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_SOURCES:
+        raise ConversionError(f"source model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_SOURCES)}")
+    return cfg
+
+
+def source_shards(src: Path) -> list[Path]:
+    """The safetensors files of the checkpoint, checked to exist and be readable."""
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ConversionError(f"{index} is corrupt ({e}); re-download the checkpoint") from None
+        shards = [src / n for n in names]
+    elif (src / "model.safetensors").is_file():
+        shards = [src / "model.safetensors"]
+    elif any(src.glob("*.bin")) or any(src.glob("*.pt")):
+        raise ConversionError(f"{src} has only PyTorch .bin weights; re-save it with safetensors "
+                              "(model.save_pretrained(dir)) and convert that")
+    else:
+        raise ConversionError(f"{src} has no model.safetensors or model.safetensors.index.json")
+    for s in shards:
+        if not s.is_file():
+            raise ConversionError(f"shard {s.name} listed in the index is missing from {src}; re-download it")
+        try:
+            with safe_open(s, framework="pt") as f:
+                f.keys()
+        except Exception as e:
+            raise ConversionError(f"shard {s.name} is not a readable safetensors file ({e}); re-download it") from None
+    return shards
+
+
+def source_fields(cfg: dict) -> dict:
+    """Our common config fields from a dense Llama / Mistral / Qwen2 / Qwen3 config.json."""
+    mt = cfg["model_type"]
+    hq = cfg["num_attention_heads"]
+    h = cfg.get("num_key_value_heads") or hq
+    d = cfg.get("head_dim") or cfg["hidden_size"] // hq
+    if hq % h:
+        raise ConversionError(f"num_attention_heads ({hq}) is not a multiple of num_key_value_heads ({h}); "
+                              "the source config is inconsistent")
+    attention_bias = bool(cfg.get("attention_bias", False))
+    fields = {
+        k: cfg[k]
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "hidden_act",
+                  "max_position_embeddings", "initializer_range", "rms_norm_eps", "bos_token_id",
+                  "eos_token_id", "pad_token_id", "tie_word_embeddings", "mlp_bias")
+        if k in cfg
+    }
+    fields.update(num_attention_heads=hq, num_key_value_heads=h, head_dim=d, source_model_type=mt)
+    rope = cfg.get("rope_parameters")
+    if rope is None:
+        rope = dict(cfg.get("rope_scaling") or {})
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        rope["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    fields["rope_parameters"] = rope
+    fields["qkv_bias"] = True if mt == "qwen2" else (attention_bias if mt in ("llama", "qwen3") else False)
+    fields["o_bias"] = attention_bias if mt in ("llama", "qwen3") else False
+    fields["qk_norm"] = mt == "qwen3"
+    return fields
+
+
+def check_shapes(shards: list[Path], fields: dict) -> None:
+    """Layer 0's q/k/v shapes must match heads x head_dim, or the config and weights disagree."""
+    want = {
+        "model.layers.0.self_attn.q_proj.weight": fields["num_attention_heads"] * fields["head_dim"],
+        "model.layers.0.self_attn.k_proj.weight": fields["num_key_value_heads"] * fields["head_dim"],
+        "model.layers.0.self_attn.v_proj.weight": fields["num_key_value_heads"] * fields["head_dim"],
+    }
+    seen = {}
+    for s in shards:
+        with safe_open(s, framework="pt") as f:
+            for name in want:
+                if name in f.keys():
+                    seen[name] = f.get_slice(name).get_shape()
+    for name, rows in want.items():
+        if name not in seen:
+            raise ConversionError(f"weight {name} is missing; the checkpoint is incomplete or not a decoder LM")
+        if seen[name][0] != rows or seen[name][1] != fields["hidden_size"]:
+            raise ConversionError(
+                f"{name} has shape {tuple(seen[name])} but the config implies ({rows}, {fields['hidden_size']}); "
+                "head_dim / num_key_value_heads (GQA) in config.json do not match the weights"
+            )
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def _prepare_out(src: Path, out: Path, overwrite: bool) -> None:
+    o = out.resolve()
+    if o == src or src in o.parents or o in src.parents:
+        raise ConversionError(f"output {out} overlaps the source {src}; choose a folder outside it")
+    if o.exists() and not o.is_dir():
+        raise ConversionError(f"output {out} exists and is a file; choose a folder path")
+    if o.is_dir() and any(o.iterdir()) and not overwrite:
+        raise ConversionError(f"output {out} is not empty; pass --overwrite to replace it")
+
+
+def render_card(template: str, values: dict) -> str:
+    text = (CARDS_DIR / template).read_text()
+    for k, v in values.items():
+        text = text.replace("{{" + k + "}}", str(v))
+    return text
+
+
+def convert(
+    src: str,
+    out: str,
+    to: str,
+    options: dict | None = None,
+    dtype: str = "auto",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Convert the dense checkpoint `src` into family `to` at `out`; returns the output folder."""
+    if to not in FAMILIES:
+        raise ConversionError(f"unknown target {to!r}; available: {', '.join(sorted(FAMILIES))}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ConversionError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+    fam = FAMILIES[to]
+    options = dict(options or {})
+    src_path = resolve_source(src)
+    out_path = Path(out).expanduser()
+    _prepare_out(src_path, out_path, overwrite)
+    src_cfg = read_source_config(src_path)
+    shards = source_shards(src_path)
+    fields = source_fields(src_cfg)
+    check_shapes(shards, fields)
+    try:
+        config = fam.build_config(fields, options)
+    except ValueError as e:
+        raise ConversionError(f"invalid settings: {e}") from None
+    cast = DTYPES.get(dtype)
+    drop = {"lm_head.weight"} if fields.get("tie_word_embeddings") else set()
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
+    try:
+        extra = {k: v for k, v in fam.new_tensors(config).items()}
+        n_out = len(shards) + (1 if extra else 0)
+        weight_map: dict[str, str] = {}
+        total = 0
+        first_dtype = None
+        for i, shard in enumerate(tqdm(shards, desc=f"converting to {to}", unit="shard", disable=not progress)):
+            tensors = {}
+            with safe_open(shard, framework="pt") as f:
+                for name in f.keys():
+                    if name in drop or name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    for new_name, t in fam.map_tensor(name, f.get_tensor(name), config):
+                        if cast is not None and t.is_floating_point():
+                            t = t.to(cast)
+                        first_dtype = first_dtype or t.dtype
+                        tensors[new_name] = t.contiguous()
+            fname = f"model-{i + 1:05d}-of-{n_out:05d}.safetensors"
+            save_file(tensors, tmp / fname, metadata={"format": "pt"})
+            for k, t in tensors.items():
+                weight_map[k] = fname
+                total += t.numel() * t.element_size()
+            del tensors
+        if extra:
+            fname = f"model-{n_out:05d}-of-{n_out:05d}.safetensors"
+            ex_dtype = cast or first_dtype or torch.float32
+            extra = {k: v.to(ex_dtype).contiguous() for k, v in extra.items()}
+            save_file(extra, tmp / fname, metadata={"format": "pt"})
+            for k, t in extra.items():
+                weight_map[k] = fname
+                total += t.numel() * t.element_size()
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+        config.dtype = cast or first_dtype or torch.float32
+        config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+        config.save_pretrained(tmp)
+        from ..modeling.remote_code import write_remote_code
+
+        write_remote_code(tmp, config.model_type)
+        for name in COPIED_FILES:
+            if (src_path / name).is_file():
+                shutil.copy2(src_path / name, tmp / name)
+        card_values = {
+            "base_model": src if not Path(src).expanduser().exists() else src_path.name,
+            "source_model_type": fields["source_model_type"],
+            "target": to,
+            "model_type": config.model_type,
+            "settings": "\n".join(f"- `{k}`: {v}" for k, v in sorted(options.items())) or "- defaults",
+            "dtype": str(config.dtype).removeprefix("torch."),
+            **fam.card_notes(config),
+        }
+        (tmp / "README.md").write_text(render_card(fam.card, card_values))
+        _finish(tmp, out_path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_path
+
+
+def _finish(tmp: Path, out: Path) -> None:
+    """Move the finished temporary folder into place (replacing an old OUT only now)."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
+    """Upload the finished folder with huggingface_hub; returns the repo URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    url = api.create_repo(repo_id, private=private, exist_ok=True)
+    api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message="Upload converted checkpoint")
+    return str(url)
