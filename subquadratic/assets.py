@@ -63,3 +63,17 @@ def smollm2_checkpoint(cache_dir: str | Path | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def english_text(min_chars: int = 60_000) -> str:
+    """Real English prose available offline: the Python reference documentation topics shipped
+    with CPython (`pydoc_data.topics`), in a fixed order."""
+    from pydoc_data.topics import topics
+
+    parts, n = [], 0
+    for key in sorted(topics):
+        parts.append(topics[key].strip())
+        n += len(parts[-1])
+        if n >= min_chars:
+            break
+    return "\n\n".join(parts)

@@ -157,7 +157,7 @@ def spla_attention_reference(
     k_valid = k_pos >= 0
     k_blk = torch.where(k_valid, k_pos // block_size, 0)  # [B, S]
     if query_chunk is None:
-        query_chunk = max(16, (1 << 26) // max(1, B * HQ * S))
+        query_chunk = min(1024, max(128, (1 << 23) // max(1, B * HQ * S)))  # ~32 MB score tiles
     acc = acc_dtype(q)
     kf = k.to(acc)
     vf = v.to(acc)
@@ -167,32 +167,32 @@ def spla_attention_reference(
     o_rla = torch.zeros_like(o_sp) if use_rla else None
     for c0 in range(0, Tq, query_chunk):
         c1 = min(Tq, c0 + query_chunk)
-        C = c1 - c0
+        C, Sc = c1 - c0, P + c1  # keys after the chunk's last slot are never causal for it
         qp = q_pos[:, c0:c1]  # [B, C]
-        causal = k_valid[:, None, :] & (k_pos[:, None, :] <= qp[:, :, None])  # [B, C, S]
+        kp = k_pos[:, :Sc]
+        causal = (kp >= 0)[:, None, :] & (kp[:, None, :] <= qp[:, :, None])  # [B, C, Sc]
         blk_sel = sel_blocks[:, :, c0:c1].gather(
-            -1, k_blk[:, None, None, :].expand(B, H, C, S)
-        )  # [B, H, C, S]
+            -1, k_blk[:, None, None, :Sc].expand(B, H, C, Sc)
+        )  # [B, H, C, Sc]
         mask = blk_sel & causal[:, None]  # selected causal keys
         qc = q[:, :, c0:c1].to(acc).view(B, H, G, C, D)
-        logits = torch.einsum("bhgcd,bhsd->bhgcs", qc, kf) * scale
+        logits = torch.einsum("bhgcd,bhsd->bhgcs", qc, kf[:, :, :Sc]) * scale
         logits = logits.masked_fill(~mask[:, :, None], NEG)
         attn = torch.softmax(logits, dim=-1)
-        o_sp[:, :, c0:c1] = torch.einsum("bhgcs,bhsd->bhgcd", attn, vf).reshape(B, HQ, C, D)
+        o_sp[:, :, c0:c1] = torch.einsum("bhgcs,bhsd->bhgcd", attn, vf[:, :, :Sc]).reshape(B, HQ, C, D)
         if use_rla:
             phiq = feature_map(qc)  # [B, H, G, C, D]
             # global causal linear term phi(q)^T Sbar_t: cached part through Sbar, new part exactly
             new = slice(P + c0, P + c1)
-            intra_mask = causal[:, :, new]  # [B, C, C]
+            intra_mask = causal[:, :, P + c0:]  # [B, C, C]
             a_intra = torch.einsum("bhgcd,bhsd->bhgcs", phiq, phik[:, :, new]) * intra_mask[:, None, None]
             full = torch.einsum("bhgcd,bhde->bhgce", phiq, sbar) + torch.einsum(
                 "bhgcs,bhsd->bhgcd", a_intra, vf[:, :, new]
             )
             # correction otilde over the selected tokens (the tiles the sparse branch loads)
-            a_sel = torch.einsum("bhgcd,bhsd->bhgcs", phiq, phik) * mask[:, :, None]
-            rla = full - torch.einsum("bhgcs,bhsd->bhgcd", a_sel, vf)
-            n_causal = causal.sum(-1)  # [B, C]
-            all_selected = mask.sum(-1) == n_causal[:, None]  # [B, H, C]
+            a_sel = torch.einsum("bhgcd,bhsd->bhgcs", phiq, phik[:, :, :Sc]) * mask[:, :, None]
+            rla = full - torch.einsum("bhgcs,bhsd->bhgcd", a_sel, vf[:, :, :Sc])
+            all_selected = mask.sum(-1) == causal.sum(-1)[:, None]  # [B, H, C]
             rla = rla.masked_fill(all_selected[:, :, None, :, None], 0.0)
             o_rla[:, :, c0:c1] = rla.reshape(B, HQ, C, D)
             sbar = sbar + torch.einsum("bhsd,bhse->bhde", phik[:, :, new], vf[:, :, new])

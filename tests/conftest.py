@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random dense checkpoints made with Transformers, and tiny SPLA models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import subquadratic  # noqa: F401  (registers the model types)
+
+TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+)
+
+DENSE = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "llama-bias-tied": (LlamaConfig, LlamaForCausalLM, dict(attention_bias=True, tie_word_embeddings=True)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32)),
+}
+
+
+def make_dense(kind: str, seed: int = 0, **overrides):
+    cfg_cls, model_cls, extra = DENSE[kind]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**{**TINY, **extra, **overrides})).eval()
+    with torch.no_grad():  # non-trivial norms and biases so that every mapped weight matters
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture
+def dense_checkpoint(tmp_path):
+    """Factory: save a tiny dense model of `kind` (several shards) and return (model, folder)."""
+
+    def make(kind: str = "llama", **overrides):
+        model = make_dense(kind, **overrides)
+        folder = tmp_path / f"dense-{kind}"
+        model.save_pretrained(folder, max_shard_size="40KB")
+        return model, folder
+
+    return make
+
+
+def tiny_spla(seed: int = 0, gamma: float | None = 1.0, **overrides):
+    """A tiny SPLA model; gamma (the residual norm gain) set to random values so the RLA term counts."""
+    from subquadratic import SPLAConfig, SPLAForCausalLM
+
+    kw = dict(TINY, block_size=8, top_k_blocks=4, num_sink_blocks=1, num_local_blocks=2, pad_token_id=0,
+              bos_token_id=None, eos_token_id=None)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = SPLAForCausalLM(SPLAConfig(**kw)).eval()
+    if gamma is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "rla_norm" in name:
+                    p.copy_(gamma * torch.randn_like(p))
+    return model

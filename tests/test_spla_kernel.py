@@ -1,0 +1,105 @@
+"""SPLA reference kernel vs the brute-force definition (fp64), gradients, padding, edge cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subquadratic.kernels.spla import BlockStats, spla_attention_reference
+from subquadratic.kernels.spla.naive import spla_naive
+
+
+def run_reference(q, k, v, pos_q=None, pos_k=None, query_chunk=None, **cfg):
+    """q: [B, HQ, T, D], k, v: [B, H, S, D]; fresh cache (all tokens new)."""
+    B, H, S, D = k.shape
+    T = q.shape[2]
+    if pos_k is None:
+        pos_k = torch.arange(S).expand(B, S)
+    if pos_q is None:
+        pos_q = pos_k[:, S - T:]
+    stats = BlockStats.empty(B, H, D, q.device, q.dtype).add(k, pos_k, cfg["block_size"])
+    sbar = torch.zeros(B, H, D, D, dtype=q.dtype)
+    return spla_attention_reference(q, k, v, pos_q, pos_k, stats, sbar, query_chunk=query_chunk, **cfg)
+
+
+CASES = [
+    # (HQ, H, T, block, top_k, sink, local, selection)
+    (4, 2, 70, 8, 4, 1, 2, "taylor"),
+    (4, 2, 70, 8, 4, 1, 2, "mean"),
+    (3, 3, 53, 4, 5, 0, 1, "taylor"),  # MHA, no sink
+    (8, 1, 40, 8, 3, 1, 2, "taylor"),  # G = 8
+    (2, 1, 33, 16, 2, 1, 1, "taylor"),  # tiny budget
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reference_matches_bruteforce_fp64(case):
+    HQ, H, T, bs, top, sink, local, sel = case
+    torch.manual_seed(hash(case) % 1000)
+    D = 8
+    q = torch.randn(HQ, T, D, dtype=torch.float64)
+    k = torch.randn(H, T, D, dtype=torch.float64) * 1.5
+    v = torch.randn(H, T, D, dtype=torch.float64)
+    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=sel)
+    want_sp, want_rla = spla_naive(q, k, v, **cfg)
+    o_sp, o_rla, _ = run_reference(q[None], k[None], v[None], query_chunk=16, **cfg)
+    assert (o_sp[0] - want_sp).abs().max() < 1e-10
+    assert (o_rla[0] - want_rla).abs().max() < 1e-10
+    assert want_rla.abs().max() > 0.1  # the budget is exceeded: the residual term is exercised
+
+
+def test_gradients_match_bruteforce_fp64():
+    torch.manual_seed(1)
+    HQ, H, T, D = 4, 2, 40, 8
+    cfg = dict(block_size=8, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1, selection="taylor")
+    q = torch.randn(HQ, T, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(H, T, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(H, T, D, dtype=torch.float64, requires_grad=True)
+    w1, w2 = torch.randn(HQ, T, D, dtype=torch.float64), torch.randn(HQ, T, D, dtype=torch.float64)
+    a_sp, a_rla = spla_naive(q, k, v, **cfg)
+    ga = torch.autograd.grad((a_sp * w1).sum() + (a_rla * w2).sum(), (q, k, v))
+    b_sp, b_rla, _ = run_reference(q[None], k[None], v[None], query_chunk=8, **cfg)
+    gb = torch.autograd.grad((b_sp[0] * w1).sum() + (b_rla[0] * w2).sum(), (q, k, v))
+    for x, y in zip(ga, gb, strict=True):
+        assert x.abs().max() > 0
+        assert (x - y).abs().max() / x.abs().max() < 1e-10
+
+
+def test_rla_is_exactly_zero_when_budget_covers_context():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8)
+    cfg = dict(block_size=8, top_k_blocks=4, num_sink_blocks=1, num_local_blocks=2)
+    o_sp, o_rla, _ = run_reference(q, k, v, **cfg)
+    assert torch.equal(o_rla, torch.zeros_like(o_rla))
+    dense = torch.softmax((q.view(1, 2, 2, 32, 8) @ k[:, :, None].transpose(-1, -2)) / 8**0.5
+                          + torch.full((32, 32), float("-inf")).triu(1), -1) @ v[:, :, None]
+    assert (o_sp - dense.reshape(1, 4, 32, 8)).abs().max() < 1e-5
+
+
+def test_left_padding_is_invisible():
+    """A row with p padding slots in front gives the same outputs as the row alone."""
+    torch.manual_seed(3)
+    HQ, H, T, D, p = 4, 2, 45, 8, 11
+    cfg = dict(block_size=8, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1)
+    q, k, v = torch.randn(1, HQ, T, D), torch.randn(1, H, T, D), torch.randn(1, H, T, D)
+    alone = run_reference(q, k, v, **cfg)
+    pad = lambda x: torch.cat([torch.randn(1, x.shape[1], p, D) * 5, x], dim=2)  # noqa: E731
+    pos = torch.cat([torch.full((1, p), -1), torch.arange(T)[None]], dim=1)
+    padded = run_reference(pad(q), pad(k), pad(v), pos_q=pos, pos_k=pos, **cfg)
+    for a, b in zip(alone[:2], padded[:2], strict=True):
+        assert (a - b[:, :, p:]).abs().max() < 1e-5
+        assert torch.equal(b[:, :, :p], torch.zeros_like(b[:, :, :p]))
+    assert (alone[2] - padded[2]).abs().max() < 1e-4  # Sbar ignores padding
+
+
+def test_block_stats_running_sums_equal_recomputation():
+    torch.manual_seed(4)
+    k = torch.randn(2, 3, 50, 8)
+    pos = torch.arange(50).expand(2, 50)
+    whole = BlockStats.empty(2, 3, 8, "cpu").add(k, pos, 8)
+    inc = BlockStats.empty(2, 3, 8, "cpu")
+    for t in range(50):
+        inc = inc.add(k[:, :, t:t + 1], pos[:, t:t + 1], 8)
+    for a, b in ((whole.sum_k, inc.sum_k), (whole.sum_k2, inc.sum_k2), (whole.count, inc.count)):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert whole.count[0].tolist() == [8.0] * 6 + [2.0]
