@@ -56,8 +56,10 @@ def run_demo(prompt: str | None = None, max_new_tokens: int = 40, workdir: str |
     budget = spla.config.budget_tokens
     print(f"[3/3] greedy generation, {max_new_tokens} new tokens; SPLA budget {budget} tokens per query")
     doc = english_text(8_000)
-    cases = [("short prompt (inside the budget: outputs must match)", prompt or SHORT_PROMPT),
-             ("long document (beyond the budget: sparse attention)", doc + "\n\nSummarise the text above in one sentence.")]
+    cases = [
+        ("short prompt (inside the budget: outputs must match)", prompt or SHORT_PROMPT),
+        ("long document (beyond the budget: sparse attention)", doc + "\n\nSummarise the text above in one sentence."),
+    ]
     for title, text in cases:
         d_text, d_last, d_dt = _generate(dense, tok, text, max_new_tokens)
         s_text, s_last, s_dt = _generate(spla, tok, text, max_new_tokens)

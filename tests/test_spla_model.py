@@ -160,8 +160,8 @@ def test_peft_lora_trains():
 
 
 def test_text_generation_pipeline():
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)} | {"[UNK]": 127}, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -9,7 +9,6 @@ the attention functions, weight loading and generation.
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass
 
 import torch

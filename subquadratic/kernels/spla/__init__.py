@@ -21,7 +21,9 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     if device.type == "cuda" and TRITON_OPS:
         return "triton"
     if requested == "triton":
-        raise RuntimeError("spla_backend='triton' needs a CUDA device and the Triton kernels; use 'auto' or 'reference'")
+        raise RuntimeError(
+            "spla_backend='triton' needs a CUDA device and the Triton kernels; use 'auto' or 'reference'"
+        )
     return "reference"
 
 

@@ -1,0 +1,136 @@
+"""Dense -> SSE-H: softmax layers keep the source attention; the other layers become SSE layers.
+
+Conversion table (layer i, names under model.layers.{i}.self_attn):
+
+| source          | softmax layer | SSE layer                                                 |
+| --------------- | ------------- | --------------------------------------------------------- |
+| q_proj, o_proj  | as is         | as is                                                     |
+| k_proj, v_proj  | as is         | each K/V head repeated to its G = HQ/H query heads        |
+| q_norm, k_norm  | as is         | as is, applied to q1/q2 and k1/k2 (Qwen3)                 |
+| (all)           | -             | also copied to swa.* as is, with --sliding-window         |
+| -               | -             | new: LoRA down random / up = 0, router small random, decay |
+|                 |               | biases for long memory, output gate, norms = 1            |
+
+Everything outside self_attn (embeddings, MLPs, layer norms, lm_head) is copied unchanged. The new
+parameters come from `SSEAttention.reset_mixer_parameters` (one source of truth for the
+initialisation) under a fixed seed, so a conversion is reproducible.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+from ..configuration.base import SOFTMAX_MIXERS
+from ..configuration.sse import SSEConfig, sse_h_mixer_types
+from .core import FamilyConverter, register_family
+
+#: CLI destinations passed straight to SSEConfig.
+CONFIG_OPTIONS = ("sse_num_partitions", "sse_top_k", "sse_sliding_window", "sse_base", "sse_key_topk", "sse_lora_rank")
+SEED = 0
+_ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(.+)$")
+#: Parameters of an SSE layer that the dense source provides (everything else is new).
+_FROM_SOURCE = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm|swa)\.")
+
+
+def parse_layers(text: str, num_layers: int) -> list[int]:
+    """'3,7,11' -> [3, 7, 11], checked against the number of layers."""
+    try:
+        layers = sorted({int(x) for x in str(text).split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--softmax-layers must be a comma list of layer indices like 5,11,17; got {text!r}") from None
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"--softmax-layers {bad} out of range: the source has layers 0..{num_layers - 1}")
+    return layers
+
+
+def build_config(fields: dict, options: dict) -> SSEConfig:
+    n = fields["num_hidden_layers"]
+    every, layers = options.get("softmax_every"), options.get("softmax_layers")
+    if every is not None and layers is not None:
+        raise ValueError("give either --softmax-every or --softmax-layers, not both")
+    if layers is not None:
+        keep = set(parse_layers(layers, n))
+        mixers = ["full_attention" if i in keep else "sse" for i in range(n)]
+    else:
+        mixers = sse_h_mixer_types(n, 6 if every is None else every)
+    extra = {k: v for k, v in options.items() if k in CONFIG_OPTIONS and v is not None}
+    return SSEConfig(**fields, mixer_types=mixers, **extra)
+
+
+def _is_sse(config: SSEConfig, layer: int) -> bool:
+    return config.mixer_types[layer] not in SOFTMAX_MIXERS
+
+
+def map_tensor(name: str, t: torch.Tensor, config: SSEConfig) -> Iterable[tuple[str, torch.Tensor]]:
+    m = _ATTN.match(name)
+    if m is None or not _is_sse(config, int(m.group(1))):
+        return [(name, t)]
+    prefix, rest = name[: -len(m.group(2))], m.group(2)
+    out = [(prefix + "swa." + rest, t.clone())] if config.sse_sliding_window else []
+    if rest.split(".")[0] in ("k_proj", "v_proj"):  # [H * D, ...] -> [HQ * D, ...], kv head j -> q heads jG..jG+G-1
+        h, g = config.num_key_value_heads, config.num_key_value_groups
+        t = t.reshape(h, -1, *t.shape[1:]).repeat_interleave(g, dim=0).reshape(-1, *t.shape[1:])
+    return [(name, t), *out]
+
+
+def new_tensors(config: SSEConfig) -> dict[str, torch.Tensor]:
+    """The SSE layers' new parameters, initialised by the mixer itself (on CPU, fixed seed). The layer is
+    built on the meta device and materialised uninitialised; only its new parameters are written."""
+    from ..modeling.sse import SSEAttention
+
+    out: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        for i in range(config.num_hidden_layers):
+            if not _is_sse(config, i):
+                continue
+            with torch.device("meta"):
+                layer = SSEAttention(config, i)
+            layer.to_empty(device="cpu")
+            layer.reset_mixer_parameters()
+            for n, p in layer.named_parameters():
+                if not _FROM_SOURCE.match(n):
+                    out[f"model.layers.{i}.self_attn.{n}"] = p.detach()
+            del layer
+    return out
+
+
+def card_notes(config: SSEConfig) -> dict[str, str]:
+    soft = config.softmax_layers
+    return {
+        "partitions": str(config.sse_num_partitions),
+        "top_k": str(config.sse_top_k),
+        "sse_base": config.sse_base,
+        "num_layers": str(config.num_hidden_layers),
+        "num_sse_layers": str(config.num_hidden_layers - len(soft)),
+        "softmax_layers": ", ".join(map(str, soft)) or "none (pure SSE)",
+        "sliding_window": f"{config.sse_sliding_window} tokens" if config.sse_sliding_window else "off",
+    }
+
+
+CLI_OPTIONS = {
+    "--partitions": dict(type=int, dest="sse_num_partitions", help="state partitions N (default 4)"),
+    "--top-k": dict(type=int, dest="sse_top_k", help="partitions written and read per token K (default 1)"),
+    "--softmax-every": dict(
+        type=int, dest="softmax_every",
+        help="every K-th layer keeps softmax attention (default 6: five SSE layers then one softmax; 0: pure SSE)",
+    ),
+    "--softmax-layers": dict(dest="softmax_layers", help="comma list of the layers that keep softmax attention"),
+    "--sliding-window": dict(
+        type=int, dest="sse_sliding_window", help="add an in-layer sliding-window softmax branch of this many tokens",
+    ),
+    "--sse-base": dict(choices=["gla", "gdn"], dest="sse_base", help="linear-attention base (default gla)"),
+    "--key-topk": dict(type=int, dest="sse_key_topk", help="row-sparse keys: softmax over the top entries only"),
+    "--lora-rank": dict(type=int, dest="sse_lora_rank", help="rank of the q2/k2 offsets (default head_dim)"),
+}
+
+register_family(
+    FamilyConverter(
+        "sse-h", build_config, new_tensors=new_tensors, map_tensor=map_tensor, card="sse-h.md",
+        card_notes=card_notes, options=CLI_OPTIONS,
+    )
+)
