@@ -331,7 +331,7 @@ def test_convert_dense_to_hla(kind, dense_checkpoint, tmp_path):
     with torch.no_grad():  # the converted hybrid runs: cached decode equals the full forward
         full = model(x, use_cache=False).logits
         cache = model.new_cache()
-        steps = [model(x[:, :20], cache=cache).logits] + [model(x[:, t : t + 1], cache=cache).logits for t in range(20, 24)]
+        steps = [model(x[:, :20], cache=cache).logits] + [model(x[:, t : t + 1], cache=cache).logits for t in range(20, 24)]  # noqa: E501
     assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-4
     assert main([*convert[:2], str(tmp_path / "bad"), *convert[2:], "--hla-softmax-layers", "7"]) == 2
 
