@@ -1,5 +1,6 @@
-"""HLA models: dispatch, chunked vs recurrent paths, cache and generation, hybrids, save/load (also
-as remote code), gradient checkpointing, PEFT LoRA, training on associative recall, stability.
+"""HLA models: dispatch, the three forms (chunked, recurrent, O(T^3)) in the mixer and the model, cache
+and generation, hybrids, save/load (also as remote code), `convert --to hla`, gradient checkpointing,
+PEFT LoRA, training on associative recall, long-sequence stability.
 
 Tiny presets only (hidden 64, vocab 128); CPU; the whole file runs in well under a minute and a half.
 """
@@ -155,9 +156,9 @@ def test_chunked_equals_recurrent_model_level(name):
     serial = make_model(name, hla_backend="recurrent")
     with torch.no_grad():
         diff = (chunked(ids).logits - serial(ids).logits).abs().max().item()
-    # measured 2.5e-7 / 3.0e-6 / 7.2e-5. The normalised form divides by q^T eta, which passes near 0
-    # at random init (|den| down to 1.6e-4 here), so fp32 rounding is amplified up to 1/eps = 1e3;
-    # both fp32 paths are equally far from an fp64 run.
+    # measured 2.7e-7 / 5.8e-7 / 3.9e-7. The normalised form divides by q^T eta, which can pass near 0
+    # at random init, amplifying fp32 rounding up to 1/eps = 1e3 (another init measured 7e-5, both fp32
+    # paths equally far from fp64), hence its looser bound.
     assert diff <= (5e-4 if "normalized" in name else 1e-4), diff
     # fp64: values to 1e-10 and gradients of the chunked path match the recurrence
     grads = []
@@ -372,7 +373,7 @@ def test_peft_lora_trains():
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert losses[-1] < 0.9 * losses[0], losses  # measured 4.85 -> 3.96 (only the mixers adapt)
+    assert losses[-1] < 0.9 * losses[0], losses  # measured 4.86 -> 3.94 (only the mixers adapt)
     merged = pm.merge_and_unload()
     changed = [n for n, p in merged.named_parameters() if not torch.equal(p, base[n])]
     assert changed and all(n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for n in changed)
@@ -393,7 +394,7 @@ def recall_batch(g, B=32, n_pairs=4, n_keys=16, n_values=16):
 
 def test_training_learns_associative_recall():
     initial, final = _train_recall(steps=600)
-    # measured: initial 4.86 (ln 128), final ~1.9. Guessing among the 16 values gives ln 16 = 2.77,
+    # measured: initial 4.89 (~ln 128), final 2.03. Guessing among the 16 values gives ln 16 = 2.77,
     # so a final loss well below it means the model recalls values from context.
     assert final < 0.5 * initial, (initial, final)
     assert final < 0.85 * torch.log(torch.tensor(16.0)).item(), final

@@ -2,14 +2,14 @@
 
 Conversion table (layer i, names under model.layers.{i}.self_attn):
 
-| source          | softmax layer | SSE layer                                                 |
-| --------------- | ------------- | --------------------------------------------------------- |
-| q_proj, o_proj  | as is         | as is                                                     |
-| k_proj, v_proj  | as is         | each K/V head repeated to its G = HQ/H query heads        |
-| q_norm, k_norm  | as is         | as is, applied to q1/q2 and k1/k2 (Qwen3)                 |
-| (all)           | -             | also copied to swa.* as is, with --sliding-window         |
+| source          | softmax layer | SSE layer                                                  |
+| --------------- | ------------- | ---------------------------------------------------------- |
+| q_proj, o_proj  | as is         | as is                                                      |
+| k_proj, v_proj  | as is         | each K/V head repeated to its G = HQ/H query heads         |
+| q_norm, k_norm  | as is         | as is, applied to q1/q2 and k1/k2 (Qwen3)                  |
+| (all of these)  | -             | also copied to swa.* as is, with --sliding-window          |
 | -               | -             | new: LoRA down random / up = 0, router small random, decay |
-|                 |               | biases for long memory, output gate, norms = 1            |
+|                 |               | biases for long memory, output gate, norms = 1             |
 
 Everything outside self_attn (embeddings, MLPs, layer norms, lm_head) is copied unchanged. The new
 parameters come from `SSEAttention.reset_mixer_parameters` (one source of truth for the

@@ -206,8 +206,16 @@ class SSEAttention(nn.Module):
         g1, g2 = a.split(self.num_heads, dim=-1)
         return g1, g2, torch.sigmoid(self.b_proj(x).to(dt))
 
-    def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer: RecurrentLayer | None = None):
-        """hidden_states [B, T, hidden] -> (out [B, T, hidden], load-balance loss in training else None)."""
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        seq: SequenceInfo,
+        cache_layer: RecurrentLayer | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [B, T, hidden] -> (out [B, T, hidden], load-balance loss in training else None).
+        position_embeddings (cos, sin) are used by the sliding-window branch only. With a cache, the
+        states are read from and written back to `cache_layer` (in place at decode, without grad)."""
         cfg = self.config
         x = hidden_states
         B, T, _ = x.shape
@@ -250,7 +258,9 @@ class SSEAttention(nn.Module):
         return out, aux
 
     # --- the optional sliding-window branch -----------------------------------------------------
-    def window_attention(self, x, position_embeddings, seq: SequenceInfo, past: dict | None, keep: bool):
+    def window_attention(
+        self, x: torch.Tensor, position_embeddings, seq: SequenceInfo, past: dict | None, keep: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Softmax attention over the last `sse_sliding_window` tokens, through the shared
         `SoftmaxAttention`; returns (out [B, T, hidden], the window's keys/values to cache)."""
         kv = _WindowKV(past)
