@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
@@ -60,6 +61,55 @@ FAMILIES: dict[str, FamilyConverter] = {}
 def register_family(conv: FamilyConverter) -> FamilyConverter:
     FAMILIES[conv.name] = conv
     return conv
+
+
+# --- helpers for families -------------------------------------------------------------------
+
+
+def softmax_layer_set(
+    num_layers: int, every: int | None, layers: str | None, *, every_flag: str, layers_flag: str
+) -> set[int]:
+    """Layers that keep softmax attention in a hybrid: every `every`-th layer ((i + 1) % every == 0;
+    0 or None: none), or the comma list `layers` ("5,11,17"). Raises ValueError naming the flag."""
+    if every is not None and layers is not None:
+        raise ValueError(f"give either {every_flag} or {layers_flag}, not both")
+    if layers is not None:
+        try:
+            keep = {int(x) for x in str(layers).split(",") if x.strip()}
+        except ValueError:
+            msg = f"{layers_flag} must be a comma list of layer indices like 5,11,17; got {layers!r}"
+            raise ValueError(msg) from None
+        bad = sorted(i for i in keep if not 0 <= i < num_layers)
+        if bad:
+            raise ValueError(f"{layers_flag} {bad} out of range: the source has layers 0..{num_layers - 1}")
+        return keep
+    if every is not None and every < 0:
+        raise ValueError(f"{every_flag} must be >= 0, got {every}")
+    return {i for i in range(num_layers) if every and (i + 1) % every == 0}
+
+
+def fresh_mixer_tensors(config, mixer_cls, from_source: re.Pattern, seed: int = 0) -> dict[str, torch.Tensor]:
+    """New parameters of every non-softmax layer, initialised by the mixer's own
+    `reset_mixer_parameters` (one source of truth) on CPU under a fixed seed. Each layer is built on
+    the meta device and materialised uninitialised; parameters whose names match `from_source` come
+    from the dense checkpoint and are skipped."""
+    from ..configuration.base import SOFTMAX_MIXERS
+
+    out: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for i, kind in enumerate(config.mixer_types):
+            if kind in SOFTMAX_MIXERS:
+                continue
+            with torch.device("meta"):
+                layer = mixer_cls(config, i)
+            layer.to_empty(device="cpu")
+            layer.reset_mixer_parameters()
+            for n, p in layer.named_parameters():
+                if not from_source.match(n):
+                    out[f"model.layers.{i}.self_attn.{n}"] = p.detach()
+            del layer
+    return out
 
 
 # --- reading the source -----------------------------------------------------------------------

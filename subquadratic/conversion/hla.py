@@ -22,7 +22,7 @@ import torch
 
 from ..configuration.base import SOFTMAX_MIXERS
 from ..configuration.hla import HLAConfig
-from .core import FamilyConverter, register_family
+from .core import FamilyConverter, fresh_mixer_tensors, register_family, softmax_layer_set
 
 #: CLI destinations passed straight to HLAConfig.
 CONFIG_OPTIONS = ("hla_variant", "decay_mode", "hla_chunk_size", "hla_normalize", "hla_rope")
@@ -31,56 +31,22 @@ SEED = 0
 _FROM_SOURCE = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.")
 
 
-def hla_mixer_types(num_layers: int, softmax_every: int | None = None, softmax_layers: str | None = None) -> list[str]:
-    """Which layers keep softmax attention: every `softmax_every`-th layer ((i + 1) % K == 0), or the
-    comma list `softmax_layers`; neither: pure HLA."""
-    if softmax_every is not None and softmax_layers is not None:
-        raise ValueError("give either --hla-softmax-every or --hla-softmax-layers, not both")
-    if softmax_layers is not None:
-        try:
-            keep = {int(x) for x in str(softmax_layers).split(",") if x.strip()}
-        except ValueError:
-            raise ValueError(f"--hla-softmax-layers must be a comma list like 3,7; got {softmax_layers!r}") from None
-        bad = sorted(i for i in keep if not 0 <= i < num_layers)
-        if bad:
-            raise ValueError(f"--hla-softmax-layers {bad} out of range: the source has layers 0..{num_layers - 1}")
-    elif softmax_every:
-        if softmax_every < 0:
-            raise ValueError(f"--hla-softmax-every must be >= 0, got {softmax_every}")
-        keep = {i for i in range(num_layers) if (i + 1) % softmax_every == 0}
-    else:
-        keep = set()
-    return ["full_attention" if i in keep else "hla" for i in range(num_layers)]
-
-
 def build_config(fields: dict, options: dict) -> HLAConfig:
-    mixers = hla_mixer_types(
-        fields["num_hidden_layers"], options.get("hla_softmax_every"), options.get("hla_softmax_layers")
+    n = fields["num_hidden_layers"]
+    keep = softmax_layer_set(
+        n, options.get("hla_softmax_every"), options.get("hla_softmax_layers"),
+        every_flag="--hla-softmax-every", layers_flag="--hla-softmax-layers",
     )
+    mixers = ["full_attention" if i in keep else "hla" for i in range(n)]
     extra = {k: v for k, v in options.items() if k in CONFIG_OPTIONS and v is not None}
     return HLAConfig(**fields, mixer_types=mixers, **extra)
 
 
 def new_tensors(config: HLAConfig) -> dict[str, torch.Tensor]:
-    """The HLA layers' new parameters, initialised by the mixer itself (CPU, fixed seed). The layer is
-    built on the meta device and materialised uninitialised; only its new parameters are written."""
+    """The HLA layers' new parameters (see `fresh_mixer_tensors`)."""
     from ..modeling.hla import HLAAttention
 
-    out: dict[str, torch.Tensor] = {}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        for i, kind in enumerate(config.mixer_types):
-            if kind in SOFTMAX_MIXERS:
-                continue
-            with torch.device("meta"):
-                layer = HLAAttention(config, i)
-            layer.to_empty(device="cpu")
-            layer.reset_mixer_parameters()
-            for n, p in layer.named_parameters():
-                if not _FROM_SOURCE.match(n):
-                    out[f"model.layers.{i}.self_attn.{n}"] = p.detach()
-            del layer
-    return out
+    return fresh_mixer_tensors(config, HLAAttention, _FROM_SOURCE, SEED)
 
 
 def card_notes(config: HLAConfig) -> dict[str, str]:

@@ -24,8 +24,8 @@ from collections.abc import Iterable
 import torch
 
 from ..configuration.base import SOFTMAX_MIXERS
-from ..configuration.sse import SSEConfig, sse_h_mixer_types
-from .core import FamilyConverter, register_family
+from ..configuration.sse import SSEConfig
+from .core import FamilyConverter, fresh_mixer_tensors, register_family, softmax_layer_set
 
 #: CLI destinations passed straight to SSEConfig.
 CONFIG_OPTIONS = ("sse_num_partitions", "sse_top_k", "sse_sliding_window", "sse_base", "sse_key_topk", "sse_lora_rank")
@@ -35,28 +35,13 @@ _ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(.+)$")
 _FROM_SOURCE = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm|swa)\.")
 
 
-def parse_layers(text: str, num_layers: int) -> list[int]:
-    """'3,7,11' -> [3, 7, 11], checked against the number of layers."""
-    try:
-        layers = sorted({int(x) for x in str(text).split(",") if x.strip()})
-    except ValueError:
-        raise ValueError(f"--softmax-layers must be a comma list of layer indices like 5,11,17; got {text!r}") from None
-    bad = [i for i in layers if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"--softmax-layers {bad} out of range: the source has layers 0..{num_layers - 1}")
-    return layers
-
-
 def build_config(fields: dict, options: dict) -> SSEConfig:
     n = fields["num_hidden_layers"]
     every, layers = options.get("softmax_every"), options.get("softmax_layers")
-    if every is not None and layers is not None:
-        raise ValueError("give either --softmax-every or --softmax-layers, not both")
-    if layers is not None:
-        keep = set(parse_layers(layers, n))
-        mixers = ["full_attention" if i in keep else "sse" for i in range(n)]
-    else:
-        mixers = sse_h_mixer_types(n, 6 if every is None else every)
+    if every is None and layers is None:
+        every = 6  # the paper's SSE-H: five SSE layers, then one softmax layer
+    keep = softmax_layer_set(n, every, layers, every_flag="--softmax-every", layers_flag="--softmax-layers")
+    mixers = ["full_attention" if i in keep else "sse" for i in range(n)]
     extra = {k: v for k, v in options.items() if k in CONFIG_OPTIONS and v is not None}
     return SSEConfig(**fields, mixer_types=mixers, **extra)
 
@@ -78,25 +63,10 @@ def map_tensor(name: str, t: torch.Tensor, config: SSEConfig) -> Iterable[tuple[
 
 
 def new_tensors(config: SSEConfig) -> dict[str, torch.Tensor]:
-    """The SSE layers' new parameters, initialised by the mixer itself (on CPU, fixed seed). The layer is
-    built on the meta device and materialised uninitialised; only its new parameters are written."""
+    """The SSE layers' new parameters (see `fresh_mixer_tensors`)."""
     from ..modeling.sse import SSEAttention
 
-    out: dict[str, torch.Tensor] = {}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        for i in range(config.num_hidden_layers):
-            if not _is_sse(config, i):
-                continue
-            with torch.device("meta"):
-                layer = SSEAttention(config, i)
-            layer.to_empty(device="cpu")
-            layer.reset_mixer_parameters()
-            for n, p in layer.named_parameters():
-                if not _FROM_SOURCE.match(n):
-                    out[f"model.layers.{i}.self_attn.{n}"] = p.detach()
-            del layer
-    return out
+    return fresh_mixer_tensors(config, SSEAttention, _FROM_SOURCE, SEED)
 
 
 def card_notes(config: SSEConfig) -> dict[str, str]:
