@@ -42,6 +42,15 @@ def make_dense(kind: str, seed: int = 0, **overrides):
     return model
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: one thread is as fast as several and suffers far less on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def dense_checkpoint(tmp_path):
     """Factory: save a tiny dense model of `kind` (several shards) and return (model, folder)."""

@@ -34,13 +34,7 @@ from subquadratic.modeling.sse import SSEAttention
 PRESET_CASES = ["tiny", "tiny-h", "tiny-swa", "tiny-gdn"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny shapes: threads only add overhead, and oversubscribed cores slow them down a lot
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model(preset: str = "tiny", seed: int = 0, **overrides) -> SSEForCausalLM:
