@@ -227,6 +227,19 @@ def test_sse_fp32_forms_agree():
         assert rel_err(o, o_ref) <= TOL[F32] and rel_err(s.parts, s_ref.parts) <= TOL[F32]
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_bf16_inputs_give_bf16_outputs_fp32_states(inplace):
+    x, kw, state = sse_inputs(1, 5, 2, 8, 8, 4, 1, "gla", dtype=F32, seed=7)
+    x = {k: t.to(torch.bfloat16) if t.is_floating_point() and k != "probs" else t for k, t in x.items()}
+    state = SSEState(state.shared.float(), state.parts.float())
+    fresh = SSEState(state.shared.clone(), state.parts.clone())  # inplace=True writes into its state
+    outs = [sse_recurrent(**x, state=fresh, inplace=inplace, **kw), sse_masked(**x, state=state, **kw),
+            sse_varlen(**x, state=state, **kw)]
+    for o, s in outs:
+        assert o.dtype == torch.bfloat16 and s.shared.dtype == F32 and s.parts.dtype == F32
+    assert rel_err(outs[1][0].float(), outs[0][0].float()) <= 1e-2
+
+
 def test_bad_base_and_missing_beta():
     x, _, state = sse_inputs(1, 3, 1, 4, 4, 4, 1, "gdn", seed=8)
     with pytest.raises(ValueError, match="supported: gla, gdn"):

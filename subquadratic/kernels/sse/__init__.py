@@ -93,8 +93,7 @@ def sse_attention(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
         return TRITON_OPS["sse_attention"](q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=base,
                                            beta=beta, chunk_size=chunk_size, inplace=inplace)
     if form == "recurrent":
-        o, state = sse_recurrent(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=base, beta=beta,
-                                 inplace=inplace and state is not None)
-        return o.to(q1.dtype), state  # sse_recurrent returns its compute dtype (fp32) for bf16/fp16 inputs
+        return sse_recurrent(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=base, beta=beta,
+                             inplace=inplace and state is not None)
     return _PYTORCH_FORMS[form](q1, k1, q2, k2, v, g1, g2, probs, sel, state, chunk_size,
                                 base=base, beta=beta)

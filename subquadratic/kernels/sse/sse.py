@@ -148,7 +148,7 @@ def sse_recurrent(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
     """
     ops, extra, state = _setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
     B, T, H, _ = q1.shape
-    dt = compute_dtype(q1)
+    dt, out_dtype = compute_dtype(q1), q1.dtype
     if inplace and (state.shared.dtype != dt or state.parts.dtype != dt):
         raise ValueError(f"inplace=True needs the state in the compute dtype {dt}")
     q1, k1, q2, k2, v, g1, g2, probs = (x.to(dt) for x in (q1, k1, q2, k2, v, g1, g2, probs))
@@ -166,8 +166,8 @@ def sse_recurrent(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
     o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, v.shape[-1])
     if inplace:
         state.shared.copy_(S0)
-        return o.to(q1.dtype), state
-    return o.to(q1.dtype), SSEState(S0, parts)
+        return o.to(out_dtype), state
+    return o.to(out_dtype), SSEState(S0, parts)
 
 
 def _expand(x: Tensor, sel: Tensor, w: Tensor | None = None) -> Tensor:
