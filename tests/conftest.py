@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
-from transformers import (
+
+if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CPU; set before Triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -15,7 +21,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-import subquadratic  # noqa: F401  (registers the model types)
+import subquadratic  # noqa: F401, E402  (registers the model types)
 
 TINY = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

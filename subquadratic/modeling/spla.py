@@ -71,9 +71,9 @@ class SPLAAttention(AttentionBase):
             sbar = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
         o_sp, o_rla, sbar = spla_attention(
             q, K, V, seq.positions, seq.key_positions, stats, sbar,
-            backend=cfg.spla_backend, block_size=cfg.block_size, top_k_blocks=cfg.top_k_blocks,
-            num_sink_blocks=cfg.num_sink_blocks, num_local_blocks=cfg.num_local_blocks,
-            selection=cfg.selection, use_rla=cfg.use_rla,
+            backend=cfg.spla_backend, k_offsets=seq.key_offsets() if q.is_cuda else None,
+            block_size=cfg.block_size, top_k_blocks=cfg.top_k_blocks, num_sink_blocks=cfg.num_sink_blocks,
+            num_local_blocks=cfg.num_local_blocks, selection=cfg.selection, use_rla=cfg.use_rla,
         )
         if cache_layer is not None:
             cache_layer.set_sbar(sbar)

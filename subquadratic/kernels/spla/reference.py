@@ -138,12 +138,14 @@ def spla_attention_reference(
     selection: str = "taylor",
     use_rla: bool = True,
     query_chunk: int | None = None,
+    k_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """SPLA for the new tokens. Returns (o_sp [B, HQ, Tq, D], o_rla [B, HQ, Tq, D] or None, new Sbar).
 
     q: [B, HQ, Tq, D] post-RoPE queries of the new tokens, which are the last Tq entries of
     k, v: [B, H, S, D]. `stats` must already include the new keys; `sbar` [B, H, D, D] covers the
-    S - Tq cached tokens only. Padded queries (q_pos < 0) return zeros.
+    S - Tq cached tokens only. Padded queries (q_pos < 0) return zeros. `k_offsets` is used by the
+    Triton path only (accepted here so both share one signature).
     """
     B, HQ, Tq, D = q.shape
     H, S = k.shape[1], k.shape[2]

@@ -1,0 +1,131 @@
+"""SPLA Triton forward kernel vs the PyTorch reference (values), prefill and split-K decode, GQA
+groups 1..16, left padding, with and without the residual term. On CPU it runs under
+TRITON_INTERPRET=1 at small shapes; on CUDA at the shapes given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported
+pytest.importorskip("triton")
+from subquadratic.kernels.positions import left_pad_offsets  # noqa: E402
+from subquadratic.kernels.spla import (  # noqa: E402
+    BlockStats,
+    select_blocks,
+    spla_attention_reference,
+    triton_ops,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make(B, HQ, H, T, D, bs, pad=0, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, n, T, D, generator=g).to(DEV, dtype) for n in (HQ, H, H))
+    pos = torch.arange(T).expand(B, T).clone()
+    if pad:
+        pos[-1, :pad] = -1
+        pos[-1, pad:] = torch.arange(T - pad)
+    pos = pos.to(DEV)
+    stats = BlockStats.empty(B, H, D, DEV).add(k, pos, bs)
+    sbar = torch.randn(B, H, D, D, generator=g).to(DEV) * 0.1
+    return q, k, v, pos, stats, sbar
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+CASES = [  # B, HQ, H, T, D, block, top_k, sink, local, use_rla, pad
+    (2, 4, 2, 70, 16, 16, 3, 1, 1, True, 9),
+    (1, 3, 1, 50, 32, 16, 2, 1, 1, True, 0),  # G = 3 (padded rows)
+    (1, 8, 1, 48, 16, 16, 2, 0, 1, False, 0),  # G = 8, SPA ablation
+    (2, 2, 2, 40, 16, 16, 8, 1, 2, True, 5),  # budget covers everything: o_rla exactly 0
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prefill_and_decode_match_reference(case):
+    B, HQ, H, T, D, bs, top, sink, local, use_rla, pad = case
+    q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=sum(case[:5]))
+    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, use_rla=use_rla)
+    want = spla_attention_reference(q, k, v, pos, pos, stats, sbar, **cfg)
+    got = triton_ops.spla_attention_triton(q, k, v, pos, pos, stats, sbar, **cfg)
+    for a, b in zip(got, want, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        assert torch.isfinite(a).all()
+        assert rel(a, b) <= 1e-4 or (a - b).abs().max() <= 1e-5
+    if top * bs >= T:
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
+    # one decode step, the selected blocks split over several programs
+    want = spla_attention_reference(q[:, :, -1:], k, v, pos[:, -1:], pos, stats, sbar, **cfg)
+    got = triton_ops.spla_attention_triton(q[:, :, -1:], k, v, pos[:, -1:], pos, stats, sbar, num_splits=2, **cfg)
+    for a, b in zip(got, want, strict=True):
+        if b is not None:
+            assert rel(a, b) <= 1e-4 or (a - b).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("selection", ["taylor", "mean"])
+@pytest.mark.parametrize("case", [(2, 4, 2, 90, 16, 16, 4, 1, 2, 7), (1, 3, 1, 64, 32, 16, 3, 0, 1, 0)])
+def test_scoring_kernel_selects_the_reference_blocks(case, selection):
+    B, HQ, H, T, D, bs, top, sink, local, pad = case
+    q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=T + D)
+    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=selection)
+    want = select_blocks(q, stats, pos, **cfg)  # [B, H, T, NB]
+    idx = triton_ops.select_block_indices(q, stats, pos, **cfg).long()  # [B, T, H, K]
+    got = torch.zeros(B, T, H, want.shape[-1] + 1, dtype=torch.bool, device=DEV)
+    got.scatter_(-1, torch.where(idx >= 0, idx, want.shape[-1]), True)
+    assert torch.equal(got[..., :-1].permute(0, 2, 1, 3), want)
+    kept = torch.sort(idx, -1).values
+    assert (kept[..., 1:] != kept[..., :-1])[kept[..., 1:] >= 0].all()  # no block twice
+
+
+def test_middle_padding_falls_back_to_reference():
+    q, k, v, pos, stats, sbar = make(1, 2, 1, 40, 16, 16)
+    pos = pos.clone()
+    pos[0, 10:15] = -1
+    pos[0, 15:] = torch.arange(10, 35, device=DEV)
+    assert left_pad_offsets(pos) is None
+    cfg = dict(block_size=16, top_k_blocks=2, num_sink_blocks=1, num_local_blocks=1)
+    stats = BlockStats.empty(1, 1, 16, DEV).add(k, pos, 16)
+    want = spla_attention_reference(q, k, v, pos, pos, stats, sbar, **cfg)
+    got = triton_ops.spla_attention_triton(q, k, v, pos, pos, stats, sbar, **cfg)
+    assert torch.equal(got[0], want[0])
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="bf16 at real shapes needs the GPU")
+@pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_bf16_real_shapes_on_gpu(G, D):
+    H, T = 2, 4096
+    q, k, v, pos, stats, sbar = make(1, H * G, H, T, D, 64, seed=G + D, dtype=torch.bfloat16)
+    cfg = dict(block_size=64, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2)
+    want = spla_attention_reference(q.double(), k.double(), v.double(), pos, pos,
+                                    BlockStats(*(x.double() for x in (stats.sum_k, stats.sum_k2, stats.count))),
+                                    sbar.double(), **cfg)
+    got = triton_ops.spla_attention_triton(q, k, v, pos, pos, stats, sbar, **cfg)
+    assert rel(got[0], want[0]) <= 1e-2 and rel(got[1], want[1]) <= 1e-2
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the model takes the Triton path on CUDA only")
+def test_model_on_gpu_uses_kernel_and_matches_reference():
+    from subquadratic.modeling.base import CACHE_FIELD
+    from tests.conftest import tiny_spla
+
+    model = tiny_spla(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1).cuda()
+    x = torch.randint(1, 128, (2, 150), device="cuda")
+    with torch.no_grad():
+        want = model(x, use_cache=False).logits  # Triton path (auto on CUDA)
+        model.config.spla_backend = "reference"
+        ref = model(x, use_cache=False).logits
+        model.config.spla_backend = "auto"
+        out = model(x[:, :100], use_cache=True)
+        cache, steps = getattr(out, CACHE_FIELD), [out.logits]
+        for t in range(100, 150):
+            out = model(x[:, t:t + 1], use_cache=True, **{CACHE_FIELD: cache})
+            steps.append(out.logits)
+    assert (want - ref).abs().max() <= 1e-3
+    assert (torch.cat(steps, 1) - ref).abs().max() <= 1e-3
