@@ -20,6 +20,12 @@ from subquadratic.kernels.spla import (  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every kernel output starts as NaN (or -1 for indices): anything left unwritten fails the test."""
+    monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
+
+
 def make(B, HQ, H, T, D, bs, pad=0, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, n, T, D, generator=g).to(DEV, dtype) for n in (HQ, H, H))
@@ -60,12 +66,14 @@ def test_prefill_and_decode_match_reference(case):
         assert rel(a, b) <= 1e-4 or (a - b).abs().max() <= 1e-5
     if top * bs >= T:
         assert torch.equal(got[1], torch.zeros_like(got[1]))
-    # one decode step, the selected blocks split over several programs
+    # one decode step: the fused decode kernels, and the general kernel with the blocks split in two
     want = spla_attention_reference(q[:, :, -1:], k, v, pos[:, -1:], pos, stats, sbar, **cfg)
-    got = triton_ops.spla_attention_triton(q[:, :, -1:], k, v, pos[:, -1:], pos, stats, sbar, num_splits=2, **cfg)
-    for a, b in zip(got, want, strict=True):
-        if b is not None:
-            assert rel(a, b) <= 1e-4 or (a - b).abs().max() <= 1e-5
+    for split in (None, 2):
+        got = triton_ops.spla_attention_triton(q[:, :, -1:], k, v, pos[:, -1:], pos, stats, sbar, num_splits=split,
+                                               **cfg)
+        for a, b in zip(got, want, strict=True):
+            if b is not None:
+                assert rel(a, b) <= 1e-4 or (a - b).abs().max() <= 1e-5, split
 
 
 @pytest.mark.parametrize("selection", ["taylor", "mean"])
@@ -96,6 +104,11 @@ def test_middle_padding_falls_back_to_reference():
     assert torch.equal(got[0], want[0])
 
 
+def stats_upto(k, pos, t, bs):
+    return BlockStats.empty(k.shape[0], k.shape[1], k.shape[3], k.device, torch.float64).add(
+        k[:, :, :t + 1].double(), pos[:, :t + 1], bs)
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="bf16 at real shapes needs the GPU")
 @pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("D", [64, 128])
@@ -108,6 +121,15 @@ def test_bf16_real_shapes_on_gpu(G, D):
                                     sbar.double(), **cfg)
     got = triton_ops.spla_attention_triton(q, k, v, pos, pos, stats, sbar, **cfg)
     assert rel(got[0], want[0]) <= 1e-2 and rel(got[1], want[1]) <= 1e-2
+    for b in range(1, 4):  # decode rows at several depths
+        t = T - 1 - 997 * b
+        sel = slice(t, t + 1)
+        want = spla_attention_reference(q[:, :, sel].double(), k[:, :, :t + 1].double(), v[:, :, :t + 1].double(),
+                                        pos[:, sel], pos[:, :t + 1], stats_upto(k, pos, t, 64), sbar.double(), **cfg)
+        got = triton_ops.spla_attention_triton(q[:, :, sel], k[:, :, :t + 1], v[:, :, :t + 1], pos[:, sel],
+                                               pos[:, :t + 1], stats_upto(k, pos, t, 64), sbar, **cfg)
+        assert rel(got[0], want[0]) <= 1e-2 and rel(got[1], want[1]) <= 1e-2
+        assert (got[2] - want[2]).abs().max() <= 1e-3
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the model takes the Triton path on CUDA only")

@@ -29,6 +29,10 @@ from .reference import BlockStats, acc_dtype, feature_map, select_blocks
 
 NEG = tl.constexpr(-1e30)  # finite "minus infinity" for masked scores
 SCORE_KERNEL_MAX_TQ = 64
+#: Launch settings of the decode path (blocks per scoring program; tf32 scores; decode kernel warps).
+DECODE_SCORE_BN = 32
+DECODE_SCORE_IEEE = True
+DECODE_WARPS = 4
 
 
 @triton.jit
@@ -114,6 +118,7 @@ def spla_score_kernel(
     stride_qb, stride_qh, stride_qt,
     T, H, NB, block_size, n_sink, n_local, scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, TAYLOR: tl.constexpr,
+    IEEE: tl.constexpr = True,
 ):
     """Block scores of the G query heads of one (token, batch x KV head) for BN blocks:
     qs.mu + log(1 + qs^2.s2 / 2) ("taylor") or qs.mu, NEG for blocks that are not candidates
@@ -134,14 +139,229 @@ def spla_score_kernel(
     stat = (b * H + h) * NB + n
     cnt = tl.maximum(tl.load(CNT + b * NB + n, mask=n < NB, other=1.0), 1.0)
     mu = tl.load(SUMK + stat[:, None] * D + d[None, :], mask=(n < NB)[:, None], other=0.0) / cnt[:, None]
-    sc = tl.dot(q, tl.trans(mu), input_precision="ieee")
+    if IEEE:
+        sc = tl.dot(q, tl.trans(mu), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(mu))
     if TAYLOR:
         s2 = tl.load(SUMK2 + stat[:, None] * D + d[None, :], mask=(n < NB)[:, None], other=0.0)
         s2 = tl.maximum(s2 / cnt[:, None] - mu * mu, 0.0)
-        sc += tl.log(1.0 + 0.5 * tl.dot(q * q, tl.trans(s2), input_precision="ieee"))
+        if IEEE:
+            sc += tl.log(1.0 + 0.5 * tl.dot(q * q, tl.trans(s2), input_precision="ieee"))
+        else:
+            sc += tl.log(1.0 + 0.5 * tl.dot(q * q, tl.trans(s2)))
     sc = tl.where(cand[None, :], sc, NEG)
     out = (((b * T + t) * H + h) * G + rows)[:, None] * NB + n[None, :]
     tl.store(SC + out, sc, mask=row_ok[:, None] & (n < NB)[None, :])
+
+
+@triton.jit
+def spla_topk_kernel(
+    SC, QPOS, GS, IDX,
+    T, H, NB, block_size, n_sink, n_local, top_k, NSEL,
+    G: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, NBP: tl.constexpr,
+):
+    """Group top-k of one (token, batch x KV head) from the raw scores SC [B, T, H, G, NB]: softmax
+    over the candidate blocks per query head, summed over the group (written to the scratch GS
+    [B, T, H, NB]), then the forced blocks (local, then sinks) and the best `top_k - forced`
+    candidates into IDX [B, T, H, NSEL] (-1 = none)."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    tpos = tl.load(QPOS + b * T + t)
+    cur = tl.where(tpos >= 0, tpos // block_size, -1)
+    sc_base = SC + (((b * T + t) * H + h) * G + rows)[:, None] * NB
+    gs_base = GS + ((b * T + t) * H + h) * NB
+    m_i = tl.full([GP], NEG, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    for n0 in range(0, NB, BN):  # softmax statistics per query head over the candidates
+        n = n0 + tl.arange(0, BN)
+        cand = (n < cur) & (n >= n_sink) & (n <= cur - n_local)
+        sc = tl.load(sc_base + n[None, :], mask=row_ok[:, None] & (n < NB)[None, :], other=NEG)
+        sc = tl.where(cand[None, :], sc, NEG)
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.where(cand[None, :], tl.exp(sc - m_new[:, None]), 0.0), 1)
+        m_i = m_new
+    inv_l = tl.where(row_ok & (l_i > 0), 1.0 / tl.maximum(l_i, 1e-30), 0.0)
+    for n0 in range(0, NB, BN):  # group score of each candidate, -1 elsewhere
+        n = n0 + tl.arange(0, BN)
+        cand = (n < cur) & (n >= n_sink) & (n <= cur - n_local)
+        sc = tl.load(sc_base + n[None, :], mask=row_ok[:, None] & (n < NB)[None, :], other=NEG)
+        p = tl.exp(sc - m_i[:, None]) * inv_l[:, None]
+        tl.store(gs_base + n, tl.where(cand, tl.sum(p, 0), -1.0), mask=n < NB)
+    out = IDX + ((b * T + t) * H + h) * NSEL
+    n_forced = tl.full([], 0, tl.int32)
+    for i in range(0, n_local):  # the current block and the ones before it
+        blk = cur - i
+        tl.store(out + i, tl.where(blk >= 0, blk, -1))
+        n_forced += tl.where(blk >= 0, 1, 0)
+    for i in range(0, n_sink):  # sinks not already local
+        ok = i <= cur - n_local
+        tl.store(out + n_local + i, tl.where(ok, i, -1))
+        n_forced += tl.where(ok, 1, 0)
+    free = top_k - n_forced
+    tl.debug_barrier()  # the group scores written above are read back by other threads
+    nn = tl.arange(0, NBP)
+    g = tl.load(gs_base + nn, mask=nn < NB, other=-1.0)  # all group scores in registers
+    for r in range(0, top_k):  # iterative arg-max
+        best_v = tl.max(g, 0)
+        best_i = tl.argmax(g, 0)
+        ok = (best_v >= 0) & (r < free)
+        tl.store(out + n_local + n_sink + r, tl.where(ok, best_i, -1))
+        g = tl.where(nn == best_i, -2.0, g)
+
+
+@triton.jit
+def spla_decode_kernel(
+    Q, K, V, IDX, QPOS, KOFF, SBAR, O_SP, O_RLA, SBAR_NEW,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    H, NSEL, scale,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, DC: tl.constexpr,
+    USE_RLA: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One decode token for one (batch, KV head), everything after the selection in one program:
+    online softmax over the selected blocks, the correction otilde on the same tiles, the read-out
+    phi(q)^T Sbar_t, the residual o_rla = phi(q)^T Sbar_t - otilde (exactly 0 when every causal key
+    was selected), and Sbar_t = Sbar_{t-1} + phi(k_t) v_t^T. Outputs O_SP, O_RLA [B, HQ, D] (fp32)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    d = tl.arange(0, D)
+    j = tl.arange(0, BS)
+    q_row = Q + b * stride_qb + (h * G + rows)[:, None] * stride_qh
+    q = tl.load(q_row + d[None, :], mask=row_ok[:, None], other=0.0)
+    tpos = tl.load(QPOS + b)
+    koff = tl.load(KOFF + b)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    m_i = tl.full([GP], NEG, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    ot = tl.zeros([GP, D], tl.float32)
+    n_sel = tl.full([], 0, tl.int32)
+    qf = q.to(tl.float32)
+    q_max = tl.max(qf, 1)
+    q_sum = tl.sum(tl.exp(qf - q_max[:, None]), 1)
+    if USE_RLA:
+        phiq = tl.exp(qf - q_max[:, None]) / q_sum[:, None]
+    idx_base = IDX + (b * H + h) * NSEL
+    for i in range(0, NSEL):
+        blk = tl.load(idx_base + i)
+        pos = blk * BS + j
+        kmask = (blk >= 0) & (pos <= tpos)
+        n_sel += tl.sum(kmask.to(tl.int32), 0)
+        slot = koff + pos
+        k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kmask[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(kmask[None, :], s, NEG)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(kmask[None, :], tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        if USE_RLA:
+            kf = k.to(tl.float32)
+            ek = tl.exp(kf - tl.max(kf, 1)[:, None])
+            phik = ek / tl.sum(ek, 1)[:, None]
+            if IEEE:
+                a = tl.dot(phiq, tl.trans(phik), input_precision="ieee")
+                ot += tl.dot(tl.where(kmask[None, :], a, 0.0), v.to(tl.float32), input_precision="ieee")
+            else:
+                a = tl.dot(phiq, tl.trans(phik))
+                ot += tl.dot(tl.where(kmask[None, :], a, 0.0), v.to(tl.float32))
+    valid = tpos >= 0
+    o = tl.where(valid & (l_i > 0)[:, None], acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    out = (b * H * G + h * G + rows)[:, None] * D + d[None, :]
+    tl.store(O_SP + out, o, mask=row_ok[:, None])
+    if USE_RLA:
+        # the new token's key and value (slot koff + tpos) update Sbar and enter the read-out
+        slot_t = koff + tl.maximum(tpos, 0)
+        kt = tl.load(k_base + slot_t * stride_ks + d).to(tl.float32)
+        kt_max = tl.max(kt, 0)
+        kt_sum = tl.sum(tl.exp(kt - kt_max), 0)
+        vt = tl.load(v_base + slot_t * stride_vs + d).to(tl.float32)
+        vt = tl.where(valid, vt, 0.0)
+        dc = tl.arange(0, DC)
+        lin = tl.zeros([GP, D], tl.float32)
+        sb_base = SBAR + (b * H + h) * D * D
+        sbn_base = SBAR_NEW + (b * H + h) * D * D
+        for c0 in range(0, D, DC):
+            qc = tl.load(q_row + c0 + dc[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+            phiq_c = tl.exp(qc - q_max[:, None]) / q_sum[:, None]
+            phik_c = tl.exp(tl.load(k_base + slot_t * stride_ks + c0 + dc).to(tl.float32) - kt_max) / kt_sum
+            sb = tl.load(sb_base + (c0 + dc)[:, None] * D + d[None, :])
+            sb = sb + phik_c[:, None] * vt[None, :]
+            tl.store(sbn_base + (c0 + dc)[:, None] * D + d[None, :], sb)
+            lin += tl.dot(phiq_c, sb, input_precision="ieee")
+        rla = tl.where(valid & (n_sel != tpos + 1), lin - ot, 0.0)
+        tl.store(O_RLA + out, rla, mask=row_ok[:, None])
+
+
+def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_blocks, num_sink_blocks,
+                       num_local_blocks, selection="taylor", use_rla=True):
+    """One token per row (q [B, HQ, 1, D]) in three launches: scores, group top-k, decode kernel."""
+    B, HQ, _, D = q.shape
+    H, NB = stats.sum_k.shape[1], stats.num_blocks
+    G = HQ // H
+    GP = max(16, triton.next_power_of_2(G))
+    dev = q.device
+    qpos = q_pos.to(torch.int32).contiguous()
+    BN = DECODE_SCORE_BN
+    sc = _new((B, 1, H, G, NB), dev)
+    spla_score_kernel[(1, B * H, triton.cdiv(NB, BN))](
+        q, stats.sum_k.float().contiguous(), stats.sum_k2.float().contiguous(), stats.count.float().contiguous(),
+        qpos, sc, q.stride(0), q.stride(1), q.stride(2),
+        1, H, NB, block_size, num_sink_blocks, num_local_blocks, 1.0 / math.sqrt(D),
+        G=G, GP=GP, D=D, BN=BN, TAYLOR=selection == "taylor", IEEE=DECODE_SCORE_IEEE, num_warps=4,
+    )
+    nsel = num_local_blocks + num_sink_blocks + top_k_blocks
+    idx = _new((B, 1, H, nsel), dev, torch.int32)
+    gs = _new((B, 1, H, NB), dev)
+    spla_topk_kernel[(1, B * H)](
+        sc, qpos, gs, idx, 1, H, NB, block_size, num_sink_blocks, num_local_blocks, top_k_blocks, nsel,
+        G=G, GP=GP, BN=128, NBP=max(16, triton.next_power_of_2(NB)), num_warps=4 if NB <= 4096 else 8,
+    )
+    o_sp = _new((B, HQ, 1, D), dev)
+    o_rla = _new((B, HQ, 1, D), dev) if use_rla else o_sp
+    sbar_new = _new(tuple(sbar.shape), dev) if use_rla else sbar
+    spla_decode_kernel[(B * H,)](
+        q, k, v, idx, qpos, koff, sbar.float().contiguous(), o_sp, o_rla, sbar_new,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        H, nsel, 1.0 / math.sqrt(D),
+        G=G, GP=GP, D=D, BS=block_size, DC=min(32, D), USE_RLA=use_rla, IEEE=q.dtype == torch.float32,
+        num_warps=DECODE_WARPS, num_stages=2,
+    )
+    if not use_rla:
+        valid = (q_pos >= 0)[:, None, :, None]
+        kv_t = torch.einsum("bhsd,bhse->bhde", feature_map(k[:, :, -1:]) * valid, v[:, :, -1:].float())
+        return o_sp.to(q.dtype), None, sbar + kv_t
+    return o_sp.to(q.dtype), o_rla.to(q.dtype), sbar_new
+
+
+#: Tests set this to fill every kernel output with NaN before the launch (poisoned outputs).
+POISON_OUTPUTS = False
+
+
+def _new(shape, device, dtype=torch.float32):
+    if POISON_OUTPUTS:
+        return torch.full(shape, -1 if dtype == torch.int32 else float("nan"), device=device, dtype=dtype)
+    return torch.empty(shape, device=device, dtype=dtype)
+
 
 
 def select_block_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks, num_local_blocks,
@@ -154,7 +374,7 @@ def select_block_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_
     G = HQ // H
     dev = q.device
     BN = 32
-    sc = torch.full((B, Tq, H, G, NB), float("nan"), device=dev, dtype=torch.float32)  # poisoned
+    sc = _new((B, Tq, H, G, NB), dev)
     spla_score_kernel[(Tq, B * H, triton.cdiv(NB, BN))](
         q, stats.sum_k.float().contiguous(), stats.sum_k2.float().contiguous(), stats.count.float().contiguous(),
         q_pos.to(torch.int32).contiguous(), sc, q.stride(0), q.stride(1), q.stride(2),
@@ -236,6 +456,8 @@ def spla_attention_triton(
         )
     kw = dict(block_size=block_size, top_k_blocks=top_k_blocks, num_sink_blocks=num_sink_blocks,
               num_local_blocks=num_local_blocks, selection=selection)
+    if Tq == 1 and q.dtype != torch.float64 and num_splits is None:  # decode: three launches
+        return spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, use_rla=use_rla, **kw)
     if Tq <= SCORE_KERNEL_MAX_TQ:  # decode and short chunks: fused scoring, no host sync
         idx = select_block_indices(q, stats, q_pos, **kw)  # [B, Tq, H, K]
     else:  # long prefill: scores as batched matmuls
@@ -247,11 +469,10 @@ def spla_attention_triton(
     num_splits = -(-K_sel // per)
     GP = max(16, triton.next_power_of_2(G))
     dev = q.device
-    # poisoned: every element must be written by the kernel
-    o_part = torch.full((num_splits, B, Tq, HQ, D), float("nan"), device=dev, dtype=torch.float32)
-    ot_part = torch.full_like(o_part, float("nan")) if use_rla else o_part
-    m_part = torch.full((num_splits, B, Tq, HQ), float("nan"), device=dev, dtype=torch.float32)
-    l_part = torch.full_like(m_part, float("nan"))
+    o_part = _new((num_splits, B, Tq, HQ, D), dev)
+    ot_part = _new((num_splits, B, Tq, HQ, D), dev) if use_rla else o_part
+    m_part = _new((num_splits, B, Tq, HQ), dev)
+    l_part = _new((num_splits, B, Tq, HQ), dev)
     qpos = q_pos.to(torch.int32).contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
