@@ -50,6 +50,24 @@ def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
     with torch.cuda.graph(graph):
         step()
     ours_graph = bench(graph.replay)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # GPU time of each kernel of the step
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+    from subquadratic.kernels.spla import triton_ops as tk
+
+    print("\ndecode launch settings (whole step, median ms)")
+    default = (tk.DECODE_SCORE_BN, tk.DECODE_SCORE_IEEE, tk.DECODE_WARPS)
+    for bn, ieee, warps in ((32, True, 4), (64, True, 4), (128, True, 4), (128, False, 4), (64, True, 8),
+                            (64, False, 2)):
+        tk.DECODE_SCORE_BN, tk.DECODE_SCORE_IEEE, tk.DECODE_WARPS = bn, ieee, warps
+        print(f"  score BN={bn:3} ieee={ieee!s:5} decode warps={warps}: {bench(step):8.4f}")
+    tk.DECODE_SCORE_BN, tk.DECODE_SCORE_IEEE, tk.DECODE_WARPS = default
+    print("\nGPU kernels of one decode step (mean of 20 steps)")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+        print(f"  {e.key[:60]:60} {e.device_time_total / 20 / 1000:8.4f} ms")
     dense_bytes = 2 * B * H * S * D * 2
     ours_bytes = (2 * B * H * top * bs * D * 2  # selected K and V tiles
                   + 2 * B * H * (S // bs) * D * 4 + B * (S // bs) * 4  # block statistics (fp32)
