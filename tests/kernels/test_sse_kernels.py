@@ -252,7 +252,9 @@ def test_bad_base_and_missing_beta():
 
 
 def test_router_topk():
-    logits = torch.randn(2, 9, 8, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    # distinct values (exact in bf16): a tie at the K-th place would make the top-k set ambiguous
+    logits = (torch.stack([torch.randperm(8, generator=gen) for _ in range(18)]).view(2, 9, 8) * 0.25).bfloat16()
     valid = torch.ones(2, 9, dtype=torch.bool)
     valid[1, :3] = False
     probs, sel = router_topk(logits, 2, valid)
