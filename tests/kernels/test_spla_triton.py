@@ -1,5 +1,6 @@
-"""SPLA Triton forward kernel vs the PyTorch reference (values), prefill and split-K decode, GQA
-groups 1..16, left padding, with and without the residual term. On CPU it runs under
+"""SPLA Triton kernels vs the PyTorch reference: values of prefill and split-K decode, and the
+gradients of the backward kernels, GQA groups 1..16, left padding, with and without the residual
+term. On CPU it runs under
 TRITON_INTERPRET=1 at small shapes; on CUDA at the shapes given."""
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ CASES = [  # B, HQ, H, T, D, block, top_k, sink, local, use_rla, pad
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_prefill_and_decode_match_reference(case):
+def test_prefill_and_decode_match_reference(case, monkeypatch):
     B, HQ, H, T, D, bs, top, sink, local, use_rla, pad = case
     q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=sum(case[:5]))
     cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, use_rla=use_rla)
@@ -74,6 +75,63 @@ def test_prefill_and_decode_match_reference(case):
         for a, b in zip(got, want, strict=True):
             if b is not None:
                 assert rel(a, b) <= 1e-4 or (a - b).abs().max() <= 1e-5, split
+    # the decode launches in their other settings: elementwise scores, one block or all blocks per program
+    for dot, per in ((False, 1), (False, 64)):
+        monkeypatch.setattr(triton_ops, "DECODE_SCORE_DOT", dot)
+        monkeypatch.setattr(triton_ops, "DECODE_BLOCKS_PER_SPLIT", per)
+        got = triton_ops.spla_attention_triton(q[:, :, -1:], k, v, pos[:, -1:], pos, stats, sbar, **cfg)
+        for a, b in zip(got, want, strict=True):
+            if b is not None:
+                assert rel(a, b) <= 1e-4 or (a - b).abs().max() <= 1e-5, (dot, per)
+
+
+def forward_backward(fn, q, k, v, pos, stats, sbar, grads, dtype, **cfg):
+    """Values and input gradients of sum(o_sp * g_sp) + sum(o_rla * g_rla) in `dtype`."""
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    stats = BlockStats(*(x.to(torch.float64 if dtype == torch.float64 else torch.float32)
+                         for x in (stats.sum_k, stats.sum_k2, stats.count)))
+    o_sp, o_rla, _ = fn(q, k, v, pos, pos, stats, sbar.to(stats.sum_k.dtype), **cfg)
+    loss = (o_sp.double() * grads[0]).sum()
+    if o_rla is not None:
+        loss = loss + (o_rla.double() * grads[1]).sum()
+    loss.backward()
+    return [o_sp, o_rla, q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_backward_matches_reference(case):
+    """dq, dk, dv of the Triton backward (fp32 inputs) against the fp64 reference's autograd."""
+    B, HQ, H, T, D, bs, top, sink, local, use_rla, pad = case
+    q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=sum(case[:5]) + 1)
+    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, use_rla=use_rla)
+    g = torch.Generator().manual_seed(T)
+    grads = [torch.randn(B, HQ, T, D, generator=g, dtype=torch.float64).to(DEV) for _ in range(2)]
+    want = forward_backward(spla_attention_reference, q, k, v, pos, stats, sbar, grads, torch.float64, **cfg)
+    got = forward_backward(triton_ops.spla_attention_triton, q, k, v, pos, stats, sbar, grads, torch.float32,
+                           **cfg)
+    for name, a, b in zip(["o_sp", "o_rla", "dq", "dk", "dv"], got, want, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) <= 1e-4, (name, rel(a, b))
+    if pad:  # padded query and key slots get exactly zero gradient
+        assert torch.equal(got[2][-1, :, :pad], torch.zeros_like(got[2][-1, :, :pad]))
+        assert torch.equal(got[3][-1, :, :pad], torch.zeros_like(got[3][-1, :, :pad]))
+
+
+def test_queries_by_block_inverts_the_selection():
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(-1, 6, (2, 9, 3, 4), generator=g).to(DEV, torch.int32)
+    toks, off = triton_ops.queries_by_block(idx, 6)
+    assert off.shape == (2 * 3 * 6 + 1,) and off[-1] == (idx >= 0).sum()
+    for b in range(2):
+        for h in range(3):
+            for n in range(6):
+                row = (b * 3 + h) * 6 + n
+                got = sorted(toks[off[row]:off[row + 1]].tolist())
+                want = sorted(t for t in range(9) for x in idx[b, t, h].tolist() if x == n)
+                assert got == want
 
 
 @pytest.mark.parametrize("selection", ["taylor", "mean"])
@@ -151,3 +209,40 @@ def test_model_on_gpu_uses_kernel_and_matches_reference():
             steps.append(out.logits)
     assert (want - ref).abs().max() <= 1e-3
     assert (torch.cat(steps, 1) - ref).abs().max() <= 1e-3
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="bf16 at real shapes needs the GPU")
+@pytest.mark.parametrize("G", [1, 3, 4, 16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_bf16_backward_real_shapes_on_gpu(G, D):
+    H, T, B = 2, 2048, 2
+    q, k, v, pos, stats, sbar = make(B, H * G, H, T, D, 64, pad=100, seed=G * D, dtype=torch.bfloat16)
+    cfg = dict(block_size=64, top_k_blocks=8, num_sink_blocks=1, num_local_blocks=2)
+    g = torch.Generator().manual_seed(G)
+    grads = [torch.randn(B, H * G, T, D, generator=g, dtype=torch.float64).to(DEV) for _ in range(2)]
+    want = forward_backward(spla_attention_reference, q, k, v, pos, stats, sbar, grads, torch.float64, **cfg)
+    got = forward_backward(triton_ops.spla_attention_triton, q, k, v, pos, stats, sbar, grads, torch.bfloat16,
+                           **cfg)
+    for name, a, b in zip(["o_sp", "o_rla", "dq", "dk", "dv"], got, want, strict=True):
+        assert rel(a, b) <= 1e-2, (name, rel(a, b))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the model takes the Triton path on CUDA only")
+def test_model_training_step_on_gpu_matches_reference():
+    from tests.conftest import tiny_spla
+
+    # gamma random (tiny_spla), so the residual term reaches the loss
+    model = tiny_spla(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1).cuda().train()
+    x = torch.randint(1, 128, (2, 150), device="cuda")
+    mask = torch.ones_like(x)
+    mask[1, :20] = 0  # left padding
+    grads = {}
+    for backend in ("auto", "reference"):
+        model.config.spla_backend = backend
+        model.zero_grad()
+        loss = model(x, attention_mask=mask, labels=x).loss
+        loss.backward()
+        grads[backend] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert abs(grads["auto"][0] - grads["reference"][0]) <= 1e-4
+    for name, g_ref in grads["reference"][1].items():
+        assert rel(grads["auto"][1][name], g_ref) <= 1e-3, name

@@ -40,7 +40,6 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto", **kw):
     """SPLA attention of the new tokens over the cache; see `spla_attention_reference` for shapes."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if not needs_grad and resolve_backend(backend, q.device) == "triton":  # no Triton backward yet
+    if resolve_backend(backend, q.device) == "triton":
         return TRITON_OPS["spla_attention"](q, k, v, q_pos, k_pos, stats, sbar, **kw)
     return spla_attention_reference(q, k, v, q_pos, k_pos, stats, sbar, **kw)

@@ -1,15 +1,22 @@
-"""Triton kernels of SPLA (forward: prefill and decode). Imported only where Triton is installed.
+"""Triton kernels of SPLA: prefill, training (forward and backward) and decode. Imported only
+where Triton is installed.
 
 `spla_sparse_kernel` runs one program per (query token, batch x KV head, split): the G query
 heads of the group are the rows of one tile (padded to at least 16 for tl.dot), and the program
 loops over the token's selected KV blocks doing the online softmax of the sparse branch and, on
 the same K/V tiles, the correction otilde = sum_{selected j} (phi(q).phi(k_j)) v_j of the residual
-term. Unselected blocks are never read. Decode splits the selected blocks over several programs
-(split-K) and merges the partial softmax states afterwards.
+term. Unselected blocks are never read. Short query chunks split the selected blocks over several
+programs (split-K) and merge the partial softmax states afterwards.
 
-Selection (block scores from the running block statistics, group top-k) and the global causal
-linear term phi(q)^T Sbar_t (chunked matmuls) run in PyTorch around the kernel. The backward pass
-is not written yet: when gradients are needed the dispatcher uses the PyTorch reference.
+Backward (`SparseAttention`): `spla_bwd_dq_kernel` walks each token's selected blocks again for dq;
+`spla_bwd_dkv_kernel` runs one program per (key block, batch x KV head) over the queries that
+selected that block (CSR lists inverted from the block indices), so dk and dv need no atomics.
+Both go through the sparse softmax and the correction term, the feature map's Jacobian included.
+
+Decode (`spla_decode_triton`) is three launches: block scores, group top-k, and one kernel that
+does the selected tiles, the correction, the read-out phi(q)^T Sbar_t and the Sbar update. Long
+prefill selects with batched matmuls (`reference.select_blocks`); the global causal linear term
+phi(q)^T Sbar_t is chunked PyTorch matmuls (`causal_linear_term`), differentiated by autograd.
 """
 
 from __future__ import annotations
@@ -29,10 +36,33 @@ from .reference import BlockStats, acc_dtype, feature_map, select_blocks
 
 NEG = tl.constexpr(-1e30)  # finite "minus infinity" for masked scores
 SCORE_KERNEL_MAX_TQ = 64
-#: Launch settings of the decode path (blocks per scoring program; tf32 scores; decode kernel warps).
-DECODE_SCORE_BN = 32
-DECODE_SCORE_IEEE = True
+#: Launch settings of the decode path: blocks per scoring program, dot precision (or elementwise
+#: sums) of the scores and that launch's warps; selected blocks per decode program, decode warps.
+#: The fp32 "ieee" dot made scoring the slowest launch of a step (0.17 ms at 128k on the H200).
+DECODE_SCORE_BN = 64
+DECODE_SCORE_PREC = "tf32x3"
+DECODE_SCORE_DOT = True
+DECODE_SCORE_WARPS = 4
+DECODE_BLOCKS_PER_SPLIT = 4
 DECODE_WARPS = 4
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation: exact fp32 ("ieee") for fp32 inputs, else on the tensor cores
+    with `a` cast to b's dtype."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _softmax_rows(x):
+    """phi(x) = softmax over the last (head) dimension, in fp32."""
+    xf = x.to(tl.float32)
+    e = tl.exp(xf - tl.max(xf, 1)[:, None])
+    return e / tl.sum(e, 1)[:, None]
 
 
 @triton.jit
@@ -63,9 +93,7 @@ def spla_sparse_kernel(
     acc = tl.zeros([GP, D], tl.float32)
     ot = tl.zeros([GP, D], tl.float32)
     if USE_RLA:
-        qf = q.to(tl.float32)
-        eq = tl.exp(qf - tl.max(qf, 1)[:, None])
-        phiq = eq / tl.sum(eq, 1)[:, None]
+        phiq = _softmax_rows(q)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     idx_base = IDX + (b * T + t) * H * NSEL + h * NSEL
@@ -77,32 +105,17 @@ def spla_sparse_kernel(
         slot = koff + pos
         k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kmask[:, None], other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kmask[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
+        s = _mm(q, tl.trans(k), IEEE) * scale
         s = tl.where(kmask[None, :], s, NEG)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.where(kmask[None, :], tl.exp(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _mm(p, v, IEEE)
         m_i = m_new
         if USE_RLA:
-            kf = k.to(tl.float32)
-            ek = tl.exp(kf - tl.max(kf, 1)[:, None])
-            phik = ek / tl.sum(ek, 1)[:, None]
-            if IEEE:
-                a = tl.dot(phiq, tl.trans(phik), input_precision="ieee")
-                a = tl.where(kmask[None, :], a, 0.0)
-                ot += tl.dot(a, v.to(tl.float32), input_precision="ieee")
-            else:
-                a = tl.dot(phiq, tl.trans(phik))
-                a = tl.where(kmask[None, :], a, 0.0)
-                ot += tl.dot(a, v.to(tl.float32))
+            a = tl.where(kmask[None, :], _mm(phiq, tl.trans(_softmax_rows(k)), IEEE), 0.0)
+            ot += _mm(a, v.to(tl.float32), IEEE)
     HQ = H * G
     out_row = ((sp * (tl.num_programs(1) // H) + b) * T + t) * HQ + h * G + rows  # [nsp, B, T, HQ]
     tl.store(M_OUT + out_row, m_i, mask=row_ok)
@@ -118,11 +131,13 @@ def spla_score_kernel(
     stride_qb, stride_qh, stride_qt,
     T, H, NB, block_size, n_sink, n_local, scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, TAYLOR: tl.constexpr,
-    IEEE: tl.constexpr = True,
+    PREC: tl.constexpr = "ieee", USE_DOT: tl.constexpr = True,
 ):
     """Block scores of the G query heads of one (token, batch x KV head) for BN blocks:
     qs.mu + log(1 + qs^2.s2 / 2) ("taylor") or qs.mu, NEG for blocks that are not candidates
-    (complete past blocks that are not forced). SC: [B, T, H, G, NB]."""
+    (complete past blocks that are not forced). SC: [B, T, H, G, NB]. The scores are one padded
+    [GP, D] x [D, BN] fp32 dot at precision PREC ("ieee"; "tf32x3", within fp32 rounding of it and
+    faster), or with USE_DOT=False each head's scores as elementwise fp32 sums."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -139,20 +154,24 @@ def spla_score_kernel(
     stat = (b * H + h) * NB + n
     cnt = tl.maximum(tl.load(CNT + b * NB + n, mask=n < NB, other=1.0), 1.0)
     mu = tl.load(SUMK + stat[:, None] * D + d[None, :], mask=(n < NB)[:, None], other=0.0) / cnt[:, None]
-    if IEEE:
-        sc = tl.dot(q, tl.trans(mu), input_precision="ieee")
-    else:
-        sc = tl.dot(q, tl.trans(mu))
     if TAYLOR:
         s2 = tl.load(SUMK2 + stat[:, None] * D + d[None, :], mask=(n < NB)[:, None], other=0.0)
         s2 = tl.maximum(s2 / cnt[:, None] - mu * mu, 0.0)
-        if IEEE:
-            sc += tl.log(1.0 + 0.5 * tl.dot(q * q, tl.trans(s2), input_precision="ieee"))
-        else:
-            sc += tl.log(1.0 + 0.5 * tl.dot(q * q, tl.trans(s2)))
-    sc = tl.where(cand[None, :], sc, NEG)
-    out = (((b * T + t) * H + h) * G + rows)[:, None] * NB + n[None, :]
-    tl.store(SC + out, sc, mask=row_ok[:, None] & (n < NB)[None, :])
+    if USE_DOT:
+        sc = tl.dot(q, tl.trans(mu), input_precision=PREC)
+        if TAYLOR:
+            sc += tl.log(1.0 + 0.5 * tl.dot(q * q, tl.trans(s2), input_precision=PREC))
+        sc = tl.where(cand[None, :], sc, NEG)
+        out = (((b * T + t) * H + h) * G + rows)[:, None] * NB + n[None, :]
+        tl.store(SC + out, sc, mask=row_ok[:, None] & (n < NB)[None, :])
+    else:
+        for g in tl.static_range(G):
+            qg = tl.load(Q + b * stride_qb + (h * G + g) * stride_qh + t * stride_qt + d).to(tl.float32) * scale
+            sg = tl.sum(mu * qg[None, :], 1)
+            if TAYLOR:
+                sg += tl.log(1.0 + 0.5 * tl.sum(s2 * (qg * qg)[None, :], 1))
+            sg = tl.where(cand, sg, NEG)
+            tl.store(SC + (((b * T + t) * H + h) * G + g) * NB + n, sg, mask=n < NB)
 
 
 @triton.jit
@@ -216,80 +235,75 @@ def spla_topk_kernel(
 
 @triton.jit
 def spla_decode_kernel(
-    Q, K, V, IDX, QPOS, KOFF, SBAR, O_SP, O_RLA, SBAR_NEW,
+    Q, K, V, IDX, QPOS, KOFF, SBAR, M_PART, L_PART, O_PART, OT_PART, N_PART, LIN, SBAR_NEW,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
-    H, NSEL, scale,
+    H, NSEL, PER_SPLIT, NSPLIT, scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, DC: tl.constexpr,
     USE_RLA: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One decode token for one (batch, KV head), everything after the selection in one program:
-    online softmax over the selected blocks, the correction otilde on the same tiles, the read-out
-    phi(q)^T Sbar_t, the residual o_rla = phi(q)^T Sbar_t - otilde (exactly 0 when every causal key
-    was selected), and Sbar_t = Sbar_{t-1} + phi(k_t) v_t^T. Outputs O_SP, O_RLA [B, HQ, D] (fp32)."""
+    """One decode token of one (batch, KV head), split over NSPLIT + 1 programs. Program sp < NSPLIT
+    takes selected-block slots [sp * PER_SPLIT, (sp + 1) * PER_SPLIT): the partial online softmax
+    (M, L, O parts), the correction otilde on the same tiles (OT part) and the number of causal keys it
+    saw (N part). Program NSPLIT (with the residual term) reads out phi(q)^T Sbar_t into LIN and writes
+    Sbar_t = Sbar_{t-1} + phi(k_t) v_t^T. `spla_decode_merge_kernel` combines the parts."""
     bh = tl.program_id(0)
+    sp = tl.program_id(1)
     b = bh // H
     h = bh % H
     rows = tl.arange(0, GP)
     row_ok = rows < G
     d = tl.arange(0, D)
-    j = tl.arange(0, BS)
     q_row = Q + b * stride_qb + (h * G + rows)[:, None] * stride_qh
-    q = tl.load(q_row + d[None, :], mask=row_ok[:, None], other=0.0)
     tpos = tl.load(QPOS + b)
     koff = tl.load(KOFF + b)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
-    m_i = tl.full([GP], NEG, tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    ot = tl.zeros([GP, D], tl.float32)
-    n_sel = tl.full([], 0, tl.int32)
-    qf = q.to(tl.float32)
-    q_max = tl.max(qf, 1)
-    q_sum = tl.sum(tl.exp(qf - q_max[:, None]), 1)
-    if USE_RLA:
-        phiq = tl.exp(qf - q_max[:, None]) / q_sum[:, None]
-    idx_base = IDX + (b * H + h) * NSEL
-    for i in range(0, NSEL):
-        blk = tl.load(idx_base + i)
-        pos = blk * BS + j
-        kmask = (blk >= 0) & (pos <= tpos)
-        n_sel += tl.sum(kmask.to(tl.int32), 0)
-        slot = koff + pos
-        k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kmask[:, None], other=0.0)
-        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kmask[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(kmask[None, :], s, NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.where(kmask[None, :], tl.exp(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    part = (sp * tl.num_programs(0) + bh) * G + rows
+    if sp < NSPLIT:
+        j = tl.arange(0, BS)
+        q = tl.load(q_row + d[None, :], mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([GP], NEG, tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        ot = tl.zeros([GP, D], tl.float32)
+        n_sel = tl.full([], 0, tl.int32)
         if USE_RLA:
-            kf = k.to(tl.float32)
-            ek = tl.exp(kf - tl.max(kf, 1)[:, None])
-            phik = ek / tl.sum(ek, 1)[:, None]
-            if IEEE:
-                a = tl.dot(phiq, tl.trans(phik), input_precision="ieee")
-                ot += tl.dot(tl.where(kmask[None, :], a, 0.0), v.to(tl.float32), input_precision="ieee")
-            else:
-                a = tl.dot(phiq, tl.trans(phik))
-                ot += tl.dot(tl.where(kmask[None, :], a, 0.0), v.to(tl.float32))
-    valid = tpos >= 0
-    o = tl.where(valid & (l_i > 0)[:, None], acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-    out = (b * H * G + h * G + rows)[:, None] * D + d[None, :]
-    tl.store(O_SP + out, o, mask=row_ok[:, None])
-    if USE_RLA:
+            phiq = _softmax_rows(q)
+        idx_base = IDX + (b * H + h) * NSEL
+        for i in range(0, PER_SPLIT):
+            kk = sp * PER_SPLIT + i
+            blk = tl.load(idx_base + kk, mask=kk < NSEL, other=-1)
+            pos = blk * BS + j
+            kmask = (blk >= 0) & (pos <= tpos)
+            n_sel += tl.sum(kmask.to(tl.int32), 0)
+            slot = koff + pos
+            k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kmask[:, None], other=0.0)
+            v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kmask[:, None], other=0.0)
+            s = _mm(q, tl.trans(k), IEEE) * scale
+            s = tl.where(kmask[None, :], s, NEG)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.where(kmask[None, :], tl.exp(s - m_new[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _mm(p, v, IEEE)
+            m_i = m_new
+            if USE_RLA:
+                a = tl.where(kmask[None, :], _mm(phiq, tl.trans(_softmax_rows(k)), IEEE), 0.0)
+                ot += _mm(a, v.to(tl.float32), IEEE)
+        tl.store(M_PART + part, m_i, mask=row_ok)
+        tl.store(L_PART + part, l_i, mask=row_ok)
+        tl.store(O_PART + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(N_PART + sp * tl.num_programs(0) + bh, n_sel)
+        if USE_RLA:
+            tl.store(OT_PART + part[:, None] * D + d[None, :], ot, mask=row_ok[:, None])
+    elif USE_RLA:
         # the new token's key and value (slot koff + tpos) update Sbar and enter the read-out
+        valid = tpos >= 0
+        qf = tl.load(q_row + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q_max = tl.max(qf, 1)
+        q_sum = tl.sum(tl.exp(qf - q_max[:, None]), 1)
         slot_t = koff + tl.maximum(tpos, 0)
         kt = tl.load(k_base + slot_t * stride_ks + d).to(tl.float32)
         kt_max = tl.max(kt, 0)
@@ -308,13 +322,180 @@ def spla_decode_kernel(
             sb = sb + phik_c[:, None] * vt[None, :]
             tl.store(sbn_base + (c0 + dc)[:, None] * D + d[None, :], sb)
             lin += tl.dot(phiq_c, sb, input_precision="ieee")
-        rla = tl.where(valid & (n_sel != tpos + 1), lin - ot, 0.0)
+        tl.store(LIN + ((b * H + h) * G + rows)[:, None] * D + d[None, :], lin, mask=row_ok[:, None])
+
+
+@triton.jit
+def spla_decode_merge_kernel(
+    QPOS, M_PART, L_PART, O_PART, OT_PART, N_PART, LIN, O_SP, O_RLA,
+    H, NSPLIT, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, USE_RLA: tl.constexpr,
+):
+    """Combine the decode parts of one (batch, KV head): o_sp = sum_s w_s O_s / sum_s w_s L_s with
+    w_s = exp(M_s - max M), and o_rla = LIN - sum_s OT_s, exactly 0 when every causal key was
+    selected. O_SP, O_RLA: [B, HQ, D] fp32."""
+    bh = tl.program_id(0)
+    BH = tl.num_programs(0)
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    d = tl.arange(0, D)
+    m = tl.full([GP], NEG, tl.float32)
+    for sp in range(0, NSPLIT):
+        m = tl.maximum(m, tl.load(M_PART + (sp * BH + bh) * G + rows, mask=row_ok, other=NEG))
+    l_sum = tl.zeros([GP], tl.float32)
+    o = tl.zeros([GP, D], tl.float32)
+    ot = tl.zeros([GP, D], tl.float32)
+    n_sel = tl.full([], 0, tl.int32)
+    for sp in range(0, NSPLIT):
+        part = (sp * BH + bh) * G + rows
+        w = tl.exp(tl.load(M_PART + part, mask=row_ok, other=NEG) - m)
+        l_sum += w * tl.load(L_PART + part, mask=row_ok, other=0.0)
+        o += w[:, None] * tl.load(O_PART + part[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        n_sel += tl.load(N_PART + sp * BH + bh)
+        if USE_RLA:
+            ot += tl.load(OT_PART + part[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+    out = (bh * G + rows)[:, None] * D + d[None, :]
+    o = tl.where((l_sum > 0)[:, None], o / tl.maximum(l_sum, 1e-30)[:, None], 0.0)
+    tl.store(O_SP + out, o, mask=row_ok[:, None])
+    if USE_RLA:
+        tpos = tl.load(QPOS + bh // H)
+        rla = tl.load(LIN + out, mask=row_ok[:, None], other=0.0) - ot
+        rla = tl.where((tpos >= 0) & (n_sel != tpos + 1), rla, 0.0)
         tl.store(O_RLA + out, rla, mask=row_ok[:, None])
+
+
+@triton.jit
+def spla_bwd_dq_kernel(
+    Q, K, V, IDX, QPOS, KOFF, LSE, DELTA, DO, DOT, DQ,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    T, H, NSEL, scale,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    USE_RLA: tl.constexpr, IEEE: tl.constexpr,
+):
+    """dq of one (query token, batch x KV head) for the G heads of the group, over the token's
+    selected blocks: the sparse softmax branch (p = exp(s - lse), ds = p (dO v - delta)) and the
+    correction otilde = (phi(q).phi(k)) v, whose d phi(q) goes through the softmax feature map's
+    Jacobian. LSE, DELTA: [B, T, HQ]; DO, DOT, DQ: [B, T, HQ, D] (fp32)."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    d = tl.arange(0, D)
+    j = tl.arange(0, BS)
+    q = tl.load(Q + b * stride_qb + (h * G + rows)[:, None] * stride_qh + t * stride_qt + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    tpos = tl.load(QPOS + b * T + t)
+    koff = tl.load(KOFF + b)
+    row = (b * T + t) * (H * G) + h * G + rows
+    lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+    dq = tl.zeros([GP, D], tl.float32)
+    if USE_RLA:
+        phiq = _softmax_rows(q)
+        dot_ = tl.load(DOT + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        dphiq = tl.zeros([GP, D], tl.float32)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    idx_base = IDX + (b * T + t) * H * NSEL + h * NSEL
+    for i in range(0, NSEL):
+        blk = tl.load(idx_base + i)
+        pos = blk * BS + j
+        kmask = (blk >= 0) & (pos <= tpos)
+        slot = koff + pos
+        k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kmask[:, None], other=0.0)
+        s = _mm(q, tl.trans(k), IEEE) * scale
+        p = tl.where(kmask[None, :], tl.exp(s - lse[:, None]), 0.0)
+        ds = p * (_mm(do, tl.trans(v), IEEE) - delta[:, None])
+        dq += _mm(ds, k, IEEE)
+        if USE_RLA:
+            da = tl.where(kmask[None, :], _mm(dot_, tl.trans(v.to(tl.float32)), IEEE), 0.0)
+            dphiq += _mm(da, _softmax_rows(k), IEEE)
+    dq = dq * scale
+    if USE_RLA:  # softmax Jacobian: dx = phi * (dphi - <dphi, phi>)
+        dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
+    tl.store(DQ + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None])
+
+
+@triton.jit
+def spla_bwd_dkv_kernel(
+    Q, K, V, QPOS, KOFF, LSE, DELTA, DO, DOT, CSR_T, CSR_OFF, DK, DV,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    T, H, NB, S, scale,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    USE_RLA: tl.constexpr, IEEE: tl.constexpr,
+):
+    """dk, dv of one (key block, batch x KV head): loops over the queries that selected the block
+    (CSR lists built from the block indices), R // G queries x G heads per tile, through both the
+    sparse branch and the correction term (d phi(k) through the feature map's Jacobian). DK, DV:
+    [B, H, S, D] fp32, written at the block's slots."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, D)
+    j = tl.arange(0, BS)
+    koff = tl.load(KOFF + b)
+    pos = blk * BS + j
+    slot = koff + pos
+    kv_ok = slot < S
+    k = tl.load(K + b * stride_kb + h * stride_kh + slot[:, None] * stride_ks + d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + slot[:, None] * stride_vs + d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    dk = tl.zeros([BS, D], tl.float32)
+    dv = tl.zeros([BS, D], tl.float32)
+    if USE_RLA:
+        phik = _softmax_rows(k)
+        dphik = tl.zeros([BS, D], tl.float32)
+    r = tl.arange(0, R)
+    BQ: tl.constexpr = R // G
+    qslot = r // G
+    head = h * G + r % G
+    HQ = H * G
+    off0 = tl.load(CSR_OFF + bh * NB + blk)
+    off1 = tl.load(CSR_OFF + bh * NB + blk + 1)
+    for c in range(off0, off1, BQ):
+        e = c + qslot
+        ok = (qslot < BQ) & (e < off1)
+        t = tl.load(CSR_T + e, mask=ok, other=0)
+        tpos = tl.load(QPOS + b * T + t, mask=ok, other=-1)
+        q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                    mask=ok[:, None], other=0.0)
+        row = (b * T + t) * HQ + head
+        lse = tl.load(LSE + row, mask=ok, other=0.0)
+        delta = tl.load(DELTA + row, mask=ok, other=0.0)
+        do = tl.load(DO + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        causal = (pos[:, None] <= tpos[None, :]) & ok[None, :] & kv_ok[:, None]  # [BS, R]
+        p = tl.where(causal, tl.exp(_mm(k, tl.trans(q), IEEE) * scale - lse[None, :]), 0.0)
+        dv += _mm(p, do.to(tl.float32), IEEE)
+        ds = p * (_mm(v, tl.trans(do), IEEE) - delta[None, :])
+        dk += _mm(ds, q, IEEE)
+        if USE_RLA:
+            phiq = _softmax_rows(q)
+            dot_ = tl.load(DOT + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            a = tl.where(causal, _mm(phik, tl.trans(phiq), IEEE), 0.0)
+            dv += _mm(a, dot_, IEEE)
+            da = tl.where(causal, _mm(v, tl.trans(dot_), IEEE), 0.0)
+            dphik += _mm(da, phiq, IEEE)
+    dk = dk * scale
+    if USE_RLA:
+        dk += phik * (dphik - tl.sum(dphik * phik, 1)[:, None])
+    out = (bh * S + slot)[:, None] * D + d[None, :]
+    tl.store(DK + out, dk, mask=kv_ok[:, None])
+    tl.store(DV + out, dv, mask=kv_ok[:, None])
 
 
 def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_blocks, num_sink_blocks,
                        num_local_blocks, selection="taylor", use_rla=True):
-    """One token per row (q [B, HQ, 1, D]) in three launches: scores, group top-k, decode kernel."""
+    """One token per row (q [B, HQ, 1, D]) in four launches: block scores, group top-k, the split
+    decode kernel (selected tiles in parallel with the Sbar read-out and update), and the merge."""
     B, HQ, _, D = q.shape
     H, NB = stats.sum_k.shape[1], stats.num_blocks
     G = HQ // H
@@ -327,7 +508,8 @@ def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_b
         q, stats.sum_k.float().contiguous(), stats.sum_k2.float().contiguous(), stats.count.float().contiguous(),
         qpos, sc, q.stride(0), q.stride(1), q.stride(2),
         1, H, NB, block_size, num_sink_blocks, num_local_blocks, 1.0 / math.sqrt(D),
-        G=G, GP=GP, D=D, BN=BN, TAYLOR=selection == "taylor", IEEE=DECODE_SCORE_IEEE, num_warps=4,
+        G=G, GP=GP, D=D, BN=BN, TAYLOR=selection == "taylor", PREC=DECODE_SCORE_PREC, USE_DOT=DECODE_SCORE_DOT,
+        num_warps=DECODE_SCORE_WARPS,
     )
     nsel = num_local_blocks + num_sink_blocks + top_k_blocks
     idx = _new((B, 1, H, nsel), dev, torch.int32)
@@ -336,15 +518,27 @@ def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_b
         sc, qpos, gs, idx, 1, H, NB, block_size, num_sink_blocks, num_local_blocks, top_k_blocks, nsel,
         G=G, GP=GP, BN=128, NBP=max(16, triton.next_power_of_2(NB)), num_warps=4 if NB <= 4096 else 8,
     )
-    o_sp = _new((B, HQ, 1, D), dev)
-    o_rla = _new((B, HQ, 1, D), dev) if use_rla else o_sp
+    per = min(nsel, DECODE_BLOCKS_PER_SPLIT)
+    nsplit = -(-nsel // per)
+    m_part = _new((nsplit, B * H * G), dev)
+    l_part = _new((nsplit, B * H * G), dev)
+    o_part = _new((nsplit, B * H * G, D), dev)
+    ot_part = _new((nsplit, B * H * G, D), dev) if use_rla else o_part
+    n_part = _new((nsplit, B * H), dev, torch.int32)
+    lin = _new((B, HQ, 1, D), dev) if use_rla else o_part
     sbar_new = _new(tuple(sbar.shape), dev) if use_rla else sbar
-    spla_decode_kernel[(B * H,)](
-        q, k, v, idx, qpos, koff, sbar.float().contiguous(), o_sp, o_rla, sbar_new,
+    spla_decode_kernel[(B * H, nsplit + int(use_rla))](
+        q, k, v, idx, qpos, koff, sbar.float().contiguous(), m_part, l_part, o_part, ot_part, n_part, lin, sbar_new,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        H, nsel, 1.0 / math.sqrt(D),
+        H, nsel, per, nsplit, 1.0 / math.sqrt(D),
         G=G, GP=GP, D=D, BS=block_size, DC=min(32, D), USE_RLA=use_rla, IEEE=q.dtype == torch.float32,
         num_warps=DECODE_WARPS, num_stages=2,
+    )
+    o_sp = _new((B, HQ, 1, D), dev)
+    o_rla = _new((B, HQ, 1, D), dev) if use_rla else o_sp
+    spla_decode_merge_kernel[(B * H,)](
+        qpos, m_part, l_part, o_part, ot_part, n_part, lin, o_sp, o_rla, H, nsplit,
+        G=G, GP=GP, D=D, USE_RLA=use_rla, num_warps=4,
     )
     if not use_rla:
         valid = (q_pos >= 0)[:, None, :, None]
@@ -434,6 +628,108 @@ def causal_linear_term(phiq, phik, v, sbar, valid, chunk: int = 64):
     return o, sbar + kv.sum(2)
 
 
+def sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1):
+    """The sparse kernel over the selected blocks idx [B, Tq, H, K] (split-K over `num_splits`
+    programs, merged here). Returns o_sp (normalised), otilde (or None) [B, Tq, HQ, D] fp32 and the
+    log-sum-exp [B, Tq, HQ] of the sparse softmax."""
+    B, HQ, Tq, D = q.shape
+    H = k.shape[1]
+    G = HQ // H
+    K_sel = idx.shape[-1]
+    per = -(-K_sel // num_splits)
+    num_splits = -(-K_sel // per)
+    dev = q.device
+    o_part = _new((num_splits, B, Tq, HQ, D), dev)
+    ot_part = _new((num_splits, B, Tq, HQ, D), dev) if use_rla else o_part
+    m_part = _new((num_splits, B, Tq, HQ), dev)
+    l_part = _new((num_splits, B, Tq, HQ), dev)
+    spla_sparse_kernel[(Tq, B * H, num_splits)](
+        q, k, v, idx, qpos, koff, o_part, ot_part, m_part, l_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        Tq, H, K_sel, per, 1.0 / math.sqrt(D),
+        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=block_size, USE_RLA=use_rla,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+    )
+    if num_splits == 1:
+        m, l_sum, o = m_part[0], l_part[0], o_part[0]
+    else:
+        m = m_part.max(0).values
+        w = torch.exp(m_part - m[None])  # [nsp, B, Tq, HQ]
+        l_sum = (w * l_part).sum(0)
+        o = (w[..., None] * o_part).sum(0)
+    o_sp = o / l_sum.clamp(min=1e-30)[..., None]
+    lse = torch.where(l_sum > 0, m + torch.log(l_sum.clamp(min=1e-30)), 0.0)
+    return o_sp, ot_part.sum(0) if use_rla else None, lse
+
+
+def queries_by_block(idx: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Invert the selection idx [B, Tq, H, K] (-1 = none) into CSR lists: for each (batch x KV head,
+    block) the query tokens that selected it. Returns (tokens int32 [n], offsets int32 [B*H*NB + 1])."""
+    B, Tq, H, _ = idx.shape
+    dev = idx.device
+    bh = (torch.arange(B, device=dev)[:, None] * H + torch.arange(H, device=dev)[None, :])[:, None, :, None]
+    t = torch.arange(Tq, device=dev, dtype=torch.int32)[None, :, None, None].expand_as(idx)
+    valid = idx >= 0
+    key = (bh * num_blocks + idx.long())[valid]
+    key, order = key.sort(stable=True)
+    counts = torch.bincount(key, minlength=B * H * num_blocks)
+    offsets = torch.zeros(B * H * num_blocks + 1, dtype=torch.int32, device=dev)
+    offsets[1:] = counts.cumsum(0)
+    return t[valid][order].contiguous(), offsets
+
+
+class SparseAttention(torch.autograd.Function):
+    """The sparse branch and the correction otilde with Triton kernels for the backward pass too:
+    dq per query token over its selected blocks, dk/dv per key block over the queries that selected
+    it. The selection itself (idx) carries no gradient, as in the reference."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size):
+        o, ot, lse = sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size)
+        ctx.save_for_backward(q, k, v, idx, qpos, koff, o, lse)
+        ctx.use_rla, ctx.block_size = use_rla, block_size
+        return o, ot
+
+    @staticmethod
+    def backward(ctx, do, dot_):
+        q, k, v, idx, qpos, koff, o, lse = ctx.saved_tensors
+        use_rla, bs = ctx.use_rla, ctx.block_size
+        B, HQ, Tq, D = q.shape
+        H, S = k.shape[1], k.shape[2]
+        G = HQ // H
+        dev = q.device
+        do = torch.zeros_like(o) if do is None else do.float().contiguous()
+        delta = (do * o).sum(-1).contiguous()  # [B, Tq, HQ]
+        if use_rla:
+            dot_ = torch.zeros_like(o) if dot_ is None else dot_.float().contiguous()
+        else:
+            dot_ = do
+        ieee = q.dtype == torch.float32
+        scale = 1.0 / math.sqrt(D)
+        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                   v.stride(0), v.stride(1), v.stride(2))
+        dq = _new((B, Tq, HQ, D), dev)
+        spla_bwd_dq_kernel[(Tq, B * H)](
+            q, k, v, idx, qpos, koff, lse, delta, do, dot_, dq, *strides, Tq, H, idx.shape[-1], scale,
+            G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, USE_RLA=use_rla, IEEE=ieee,
+            num_warps=4, num_stages=2,
+        )
+        NB = triton.cdiv(S, bs)
+        csr_t, csr_off = queries_by_block(idx, NB)
+        # slots before a row's position 0 (left padding) belong to no block: their gradient is 0
+        dk = torch.zeros(B, H, S, D, device=dev, dtype=torch.float32)
+        dv = torch.zeros_like(dk)
+        R = max(16, triton.next_power_of_2(G), 64 if D <= 64 else 32)
+        spla_bwd_dkv_kernel[(NB, B * H)](
+            q, k, v, qpos, koff, lse, delta, do, dot_, csr_t, csr_off, dk, dv, *strides,
+            Tq, H, NB, S, scale, G=G, R=R, D=D, BS=bs, USE_RLA=use_rla, IEEE=ieee,
+            num_warps=4 if D <= 64 else 8, num_stages=1,
+        )
+        return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
 def spla_attention_triton(
     q, k, v, q_pos, k_pos, stats: BlockStats, sbar, *, block_size, top_k_blocks, num_sink_blocks,
     num_local_blocks, selection="taylor", use_rla=True, query_chunk=None, num_splits=None, k_offsets=None,
@@ -456,43 +752,24 @@ def spla_attention_triton(
         )
     kw = dict(block_size=block_size, top_k_blocks=top_k_blocks, num_sink_blocks=num_sink_blocks,
               num_local_blocks=num_local_blocks, selection=selection)
-    if Tq == 1 and q.dtype != torch.float64 and num_splits is None:  # decode: three launches
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if Tq == 1 and q.dtype != torch.float64 and num_splits is None and not needs_grad:  # decode: 3 launches
         return spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, use_rla=use_rla, **kw)
     if Tq <= SCORE_KERNEL_MAX_TQ:  # decode and short chunks: fused scoring, no host sync
         idx = select_block_indices(q, stats, q_pos, **kw)  # [B, Tq, H, K]
     else:  # long prefill: scores as batched matmuls
         idx = selected_block_indices(select_blocks(q, stats, q_pos, **kw), top_k_blocks)
-    K_sel = idx.shape[-1]
-    if num_splits is None:
-        num_splits = max(1, min(K_sel, 264 // max(1, B * H * Tq))) if Tq <= 8 else 1
-    per = -(-K_sel // num_splits)
-    num_splits = -(-K_sel // per)
-    GP = max(16, triton.next_power_of_2(G))
-    dev = q.device
-    o_part = _new((num_splits, B, Tq, HQ, D), dev)
-    ot_part = _new((num_splits, B, Tq, HQ, D), dev) if use_rla else o_part
-    m_part = _new((num_splits, B, Tq, HQ), dev)
-    l_part = _new((num_splits, B, Tq, HQ), dev)
     qpos = q_pos.to(torch.int32).contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    ieee = q.dtype in (torch.float32, torch.float64)
-    if q.dtype == torch.float64:  # fp64 inputs (tests) run the kernel in fp32
-        q, k, v = q.float(), k.float(), v.float()
-    spla_sparse_kernel[(Tq, B * H, num_splits)](
-        q, k, v, idx, qpos, koff, o_part, ot_part, m_part, l_part,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        Tq, H, K_sel, per, 1.0 / math.sqrt(D),
-        G=G, GP=GP, D=D, BS=block_size, USE_RLA=use_rla, IEEE=ieee,
-        num_warps=4, num_stages=2,
-    )
-    m = m_part.max(0).values
-    w = torch.exp(m_part - m[None])  # [nsp, B, Tq, HQ]
-    l_sum = (w * l_part).sum(0)
-    o_sp = (w[..., None] * o_part).sum(0) / l_sum.clamp(min=1e-30)[..., None]
+    # kernel operands: unit stride in the head dimension; fp64 inputs (tests) run the kernels in fp32
+    kq, kk, kv = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if q.dtype == torch.float64:
+        kq, kk, kv = kq.float(), kk.float(), kv.float()
+    if needs_grad:
+        o_sp, otilde = SparseAttention.apply(kq, kk, kv, idx, qpos, koff, use_rla, block_size)
+    else:
+        if num_splits is None:
+            num_splits = max(1, min(idx.shape[-1], 264 // max(1, B * H * Tq))) if Tq <= 8 else 1
+        o_sp, otilde, _ = sparse_forward(kq, kk, kv, idx, qpos, koff, use_rla, block_size, num_splits)
     q_ok = (q_pos >= 0)[:, :, None, None]
     o_sp = (o_sp * q_ok).transpose(1, 2)  # [B, HQ, Tq, D]
     out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
@@ -501,7 +778,6 @@ def spla_attention_triton(
         kv_new = torch.einsum("bhsd,bhse->bhde", feature_map(k[:, :, S - Tq:]).to(acc) *
                               (q_pos >= 0)[:, None, :, None], v[:, :, S - Tq:].to(acc))
         return o_sp.to(out_dtype), None, sbar + kv_new
-    otilde = ot_part.sum(0)  # [B, Tq, HQ, D]
     phiq = feature_map(q).to(acc).view(B, H, G, Tq, D)
     o_lin, sbar_new = causal_linear_term(
         phiq, feature_map(k[:, :, S - Tq:]).to(acc), v[:, :, S - Tq:].to(acc), sbar.to(acc), q_pos >= 0,
