@@ -6,13 +6,15 @@ from __future__ import annotations
 import torch
 
 
-def left_pad_offsets(k_pos: torch.Tensor) -> torch.Tensor | None:
-    """Slot of logical position 0 per row ([B] int32) when every row of k_pos [B, S] is left padded
-    only (padding slots first, then positions 0, 1, 2, ...), else None. One host sync."""
+def slot_offsets(k_pos: torch.Tensor) -> torch.Tensor | None:
+    """Slot of logical position 0 per row ([B] int32) when each row of k_pos [B, S] holds its real
+    tokens in consecutive slots (positions 0, 1, 2, ...), with padding (-1) only before them (left
+    padding, as in generation), after them (right padding, as in training batches), or both; else
+    None. One host sync."""
     S = k_pos.shape[1]
-    off = (k_pos < 0).sum(-1)
+    valid = k_pos >= 0
+    off = valid.int().argmax(-1)  # first real slot (0 for a row without real tokens)
     expect = torch.arange(S, device=k_pos.device)[None, :] - off[:, None]
-    expect = torch.where(expect >= 0, expect, torch.full_like(expect, -1))
-    if not torch.equal(expect, k_pos):
+    if not bool(torch.where(valid, k_pos == expect, True).all()):
         return None
     return off.to(torch.int32)

@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ..configuration.base import SubquadraticConfig
-from ..kernels.positions import left_pad_offsets
+from ..kernels.positions import slot_offsets
 from .cache import KVLayer, StateLayer, SubquadraticCache, positions_from_mask
 
 #: Name of the cache field in model outputs and of the forward argument generate() passes:
@@ -58,10 +58,11 @@ class SequenceInfo:
     _key_offsets: tuple = ()
 
     def key_offsets(self) -> torch.Tensor | None:
-        """Slot of each row's position 0 when the rows are left padded only (else None); computed
+        """Slot of each row's position 0 when each row's real tokens sit in consecutive slots (left or
+        right padding; else None); computed
         once per forward and shared by all layers."""
         if not self._key_offsets:
-            self._key_offsets = (left_pad_offsets(self.key_positions),)
+            self._key_offsets = (slot_offsets(self.key_positions),)
         return self._key_offsets[0]
 
 

@@ -1,6 +1,6 @@
 """SPLA Triton kernels vs the PyTorch reference: values of prefill and split-K decode, and the
-gradients of the backward kernels, GQA groups 1..16, left padding, with and without the residual
-term. On CPU it runs under
+gradients of the backward kernels, GQA groups 1..16, left and right padding, with and without the
+residual term. On CPU it runs under
 TRITON_INTERPRET=1 at small shapes; on CUDA at the shapes given."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 # tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported
 pytest.importorskip("triton")
-from subquadratic.kernels.positions import left_pad_offsets  # noqa: E402
+from subquadratic.kernels.positions import slot_offsets  # noqa: E402
 from subquadratic.kernels.spla import (  # noqa: E402
     BlockStats,
     select_blocks,
@@ -31,9 +31,11 @@ def make(B, HQ, H, T, D, bs, pad=0, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, n, T, D, generator=g).to(DEV, dtype) for n in (HQ, H, H))
     pos = torch.arange(T).expand(B, T).clone()
-    if pad:
+    if pad > 0:  # left padding of the last row
         pos[-1, :pad] = -1
         pos[-1, pad:] = torch.arange(T - pad)
+    elif pad < 0:  # right padding of the last row
+        pos[-1, pad:] = -1
     pos = pos.to(DEV)
     stats = BlockStats.empty(B, H, D, DEV).add(k, pos, bs)
     sbar = torch.randn(B, H, D, D, generator=g).to(DEV) * 0.1
@@ -49,6 +51,7 @@ CASES = [  # B, HQ, H, T, D, block, top_k, sink, local, use_rla, pad
     (1, 3, 1, 50, 32, 16, 2, 1, 1, True, 0),  # G = 3 (padded rows)
     (1, 8, 1, 48, 16, 16, 2, 0, 1, False, 0),  # G = 8, SPA ablation
     (2, 2, 2, 40, 16, 16, 8, 1, 2, True, 5),  # budget covers everything: o_rla exactly 0
+    (2, 4, 2, 60, 16, 16, 2, 1, 1, True, -13),  # right padding (training batches)
 ]
 
 
@@ -116,8 +119,9 @@ def test_backward_matches_reference(case):
         assert torch.isfinite(a).all(), name
         assert rel(a, b) <= 1e-4, (name, rel(a, b))
     if pad:  # padded query and key slots get exactly zero gradient
-        assert torch.equal(got[2][-1, :, :pad], torch.zeros_like(got[2][-1, :, :pad]))
-        assert torch.equal(got[3][-1, :, :pad], torch.zeros_like(got[3][-1, :, :pad]))
+        pads = slice(0, pad) if pad > 0 else slice(T + pad, T)
+        assert torch.equal(got[2][-1, :, pads], torch.zeros_like(got[2][-1, :, pads]))
+        assert torch.equal(got[3][-1, :, pads], torch.zeros_like(got[3][-1, :, pads]))
 
 
 def test_queries_by_block_inverts_the_selection():
@@ -136,12 +140,18 @@ def test_queries_by_block_inverts_the_selection():
 
 @pytest.mark.parametrize("selection", ["taylor", "mean"])
 @pytest.mark.parametrize("case", [(2, 4, 2, 90, 16, 16, 4, 1, 2, 7), (1, 3, 1, 64, 32, 16, 3, 0, 1, 0)])
-def test_scoring_kernel_selects_the_reference_blocks(case, selection):
+@pytest.mark.parametrize("setting", [("tf32x3", True, None), ("ieee", False, 40)])
+def test_selection_kernels_select_the_reference_blocks(case, selection, setting, monkeypatch):
+    """Scores (dot or elementwise) + group top-k, whole or in query chunks, vs reference.select_blocks."""
     B, HQ, H, T, D, bs, top, sink, local, pad = case
+    prec, use_dot, max_scores = setting
+    monkeypatch.setattr(triton_ops, "DECODE_SCORE_PREC", prec)
+    monkeypatch.setattr(triton_ops, "DECODE_SCORE_DOT", use_dot)
     q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=T + D)
     cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=selection)
     want = select_blocks(q, stats, pos, **cfg)  # [B, H, T, NB]
-    idx = triton_ops.select_block_indices(q, stats, pos, **cfg).long()  # [B, T, H, K]
+    kw = {} if max_scores is None else dict(max_scores=max_scores * B * HQ)  # chunks of 40 queries
+    idx = triton_ops.select_indices(q, stats, pos, **cfg, **kw).long()  # [B, T, H, K]
     got = torch.zeros(B, T, H, want.shape[-1] + 1, dtype=torch.bool, device=DEV)
     got.scatter_(-1, torch.where(idx >= 0, idx, want.shape[-1]), True)
     assert torch.equal(got[..., :-1].permute(0, 2, 1, 3), want)
@@ -149,12 +159,19 @@ def test_scoring_kernel_selects_the_reference_blocks(case, selection):
     assert (kept[..., 1:] != kept[..., :-1])[kept[..., 1:] >= 0].all()  # no block twice
 
 
+def test_slot_offsets():
+    pos = torch.tensor([[-1, -1, 0, 1, 2], [0, 1, 2, -1, -1], [-1, 0, 1, -1, -1], [0, 1, 2, 3, 4]])
+    assert slot_offsets(pos).tolist() == [2, 0, 1, 0]
+    assert slot_offsets(torch.tensor([[0, 1, -1, 2, 3]])) is None  # padding in the middle
+    assert slot_offsets(torch.tensor([[1, 0, 2]])) is None  # out of order
+
+
 def test_middle_padding_falls_back_to_reference():
     q, k, v, pos, stats, sbar = make(1, 2, 1, 40, 16, 16)
     pos = pos.clone()
     pos[0, 10:15] = -1
     pos[0, 15:] = torch.arange(10, 35, device=DEV)
-    assert left_pad_offsets(pos) is None
+    assert slot_offsets(pos) is None
     cfg = dict(block_size=16, top_k_blocks=2, num_sink_blocks=1, num_local_blocks=1)
     stats = BlockStats.empty(1, 1, 16, DEV).add(k, pos, 16)
     want = spla_attention_reference(q, k, v, pos, pos, stats, sbar, **cfg)
@@ -233,14 +250,16 @@ def test_model_training_step_on_gpu_matches_reference():
 
     # gamma random (tiny_spla), so the residual term reaches the loss
     model = tiny_spla(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1).cuda().train()
-    x = torch.randint(1, 128, (2, 150), device="cuda")
+    x = torch.randint(1, 128, (3, 150), device="cuda")
     mask = torch.ones_like(x)
     mask[1, :20] = 0  # left padding
+    mask[2, -25:] = 0  # right padding
+    labels = x.masked_fill(mask == 0, -100)
     grads = {}
     for backend in ("auto", "reference"):
         model.config.spla_backend = backend
         model.zero_grad()
-        loss = model(x, attention_mask=mask, labels=x).loss
+        loss = model(x, attention_mask=mask, labels=labels).loss
         loss.backward()
         grads[backend] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert abs(grads["auto"][0] - grads["reference"][0]) <= 1e-4

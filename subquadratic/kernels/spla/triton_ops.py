@@ -13,10 +13,12 @@ Backward (`SparseAttention`): `spla_bwd_dq_kernel` walks each token's selected b
 selected that block (CSR lists inverted from the block indices), so dk and dv need no atomics.
 Both go through the sparse softmax and the correction term, the feature map's Jacobian included.
 
-Decode (`spla_decode_triton`) is three launches: block scores, group top-k, and one kernel that
-does the selected tiles, the correction, the read-out phi(q)^T Sbar_t and the Sbar update. Long
-prefill selects with batched matmuls (`reference.select_blocks`); the global causal linear term
-phi(q)^T Sbar_t is chunked PyTorch matmuls (`causal_linear_term`), differentiated by autograd.
+Selection (`select_indices`) is two launches for any number of queries: block scores from the
+running block statistics, then per (token, KV head) the per-head softmax over the candidate blocks,
+the group sum and the top-k, in registers. Decode (`spla_decode_triton`) adds two: the selected
+tiles split over several programs while one more program reads out phi(q)^T Sbar_t and updates
+Sbar, then a merge. The global causal linear term phi(q)^T Sbar_t of a prefill is chunked PyTorch
+matmuls (`causal_linear_term`), differentiated by autograd.
 """
 
 from __future__ import annotations
@@ -31,13 +33,12 @@ try:
 except ImportError as e:  # the package's reference path needs no Triton
     raise ImportError("the SPLA Triton kernels need `pip install triton`") from e
 
-from ..positions import left_pad_offsets
-from .reference import BlockStats, acc_dtype, feature_map, select_blocks
+from ..positions import slot_offsets
+from .reference import BlockStats, acc_dtype, feature_map
 
 NEG = tl.constexpr(-1e30)  # finite "minus infinity" for masked scores
-SCORE_KERNEL_MAX_TQ = 64
-#: Launch settings of the decode path: blocks per scoring program, dot precision (or elementwise
-#: sums) of the scores and that launch's warps; selected blocks per decode program, decode warps.
+#: Launch settings: blocks per scoring program, dot precision (or elementwise sums) of the scores
+#: and that launch's warps; selected blocks per decode program and the decode kernel's warps.
 #: The fp32 "ieee" dot made scoring the slowest launch of a step (0.17 ms at 128k on the H200).
 DECODE_SCORE_BN = 64
 DECODE_SCORE_PREC = "tf32x3"
@@ -497,27 +498,14 @@ def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_b
     """One token per row (q [B, HQ, 1, D]) in four launches: block scores, group top-k, the split
     decode kernel (selected tiles in parallel with the Sbar read-out and update), and the merge."""
     B, HQ, _, D = q.shape
-    H, NB = stats.sum_k.shape[1], stats.num_blocks
+    H = stats.sum_k.shape[1]
     G = HQ // H
     GP = max(16, triton.next_power_of_2(G))
     dev = q.device
     qpos = q_pos.to(torch.int32).contiguous()
-    BN = DECODE_SCORE_BN
-    sc = _new((B, 1, H, G, NB), dev)
-    spla_score_kernel[(1, B * H, triton.cdiv(NB, BN))](
-        q, stats.sum_k.float().contiguous(), stats.sum_k2.float().contiguous(), stats.count.float().contiguous(),
-        qpos, sc, q.stride(0), q.stride(1), q.stride(2),
-        1, H, NB, block_size, num_sink_blocks, num_local_blocks, 1.0 / math.sqrt(D),
-        G=G, GP=GP, D=D, BN=BN, TAYLOR=selection == "taylor", PREC=DECODE_SCORE_PREC, USE_DOT=DECODE_SCORE_DOT,
-        num_warps=DECODE_SCORE_WARPS,
-    )
-    nsel = num_local_blocks + num_sink_blocks + top_k_blocks
-    idx = _new((B, 1, H, nsel), dev, torch.int32)
-    gs = _new((B, 1, H, NB), dev)
-    spla_topk_kernel[(1, B * H)](
-        sc, qpos, gs, idx, 1, H, NB, block_size, num_sink_blocks, num_local_blocks, top_k_blocks, nsel,
-        G=G, GP=GP, BN=128, NBP=max(16, triton.next_power_of_2(NB)), num_warps=4 if NB <= 4096 else 8,
-    )
+    idx = select_indices(q, stats, q_pos, block_size=block_size, top_k_blocks=top_k_blocks,
+                         num_sink_blocks=num_sink_blocks, num_local_blocks=num_local_blocks, selection=selection)
+    nsel = idx.shape[-1]
     per = min(nsel, DECODE_BLOCKS_PER_SPLIT)
     nsplit = -(-nsel // per)
     m_part = _new((nsplit, B * H * G), dev)
@@ -558,50 +546,42 @@ def _new(shape, device, dtype=torch.float32):
 
 
 
-def select_block_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks, num_local_blocks,
-                         selection="taylor") -> torch.Tensor:
-    """The selected blocks of every query as int32 indices [B, Tq, H, sink + local + top_k] (-1 = none),
-    from the scoring kernel plus one top-k, with no host synchronisation. Same selection as
-    `reference.select_blocks`."""
+def select_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks, num_local_blocks,
+                   selection="taylor", max_scores: int = 1 << 27) -> torch.Tensor:
+    """The selected blocks of every query as int32 indices [B, Tq, H, local + sink + top_k] (-1 = none):
+    the scoring kernel, then the group top-k kernel, over chunks of queries whose raw scores
+    [B, chunk, HQ, NB] stay under `max_scores` floats. No host synchronisation. The same selection as
+    `reference.select_blocks` (up to ties and fp32 rounding of the scores)."""
     B, HQ, Tq, D = q.shape
     H, NB = stats.sum_k.shape[1], stats.num_blocks
     G = HQ // H
+    GP = max(16, triton.next_power_of_2(G))
     dev = q.device
-    BN = 32
-    sc = _new((B, Tq, H, G, NB), dev)
-    spla_score_kernel[(Tq, B * H, triton.cdiv(NB, BN))](
-        q, stats.sum_k.float().contiguous(), stats.sum_k2.float().contiguous(), stats.count.float().contiguous(),
-        q_pos.to(torch.int32).contiguous(), sc, q.stride(0), q.stride(1), q.stride(2),
-        Tq, H, NB, block_size, num_sink_blocks, num_local_blocks, 1.0 / math.sqrt(D),
-        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BN=BN, TAYLOR=selection == "taylor", num_warps=4,
-    )
-    cur = torch.where(q_pos >= 0, q_pos // block_size, -1)  # [B, Tq]
-    nb = torch.arange(NB, device=dev)
-    cand = (nb < cur[..., None]) & (nb >= num_sink_blocks) & (nb <= cur[..., None] - num_local_blocks)
-    gs = torch.softmax(sc, dim=-1).sum(-2).masked_fill(~cand[:, :, None], -1.0)  # [B, Tq, H, NB] group score
-    # forced blocks: local ones (cur - n_local, cur], then sinks below them
-    loc = cur[..., None] - torch.arange(num_local_blocks, device=dev)  # [B, Tq, nl]
-    sink = torch.arange(num_sink_blocks, device=dev).expand(B, Tq, num_sink_blocks)
-    sink = torch.where(sink <= cur[..., None] - num_local_blocks, sink, -1)
-    forced = torch.cat([torch.where(loc >= 0, loc, -1), sink], -1)  # [B, Tq, nl + ns]
-    free = top_k_blocks - (forced >= 0).sum(-1)  # [B, Tq]
-    kk = min(top_k_blocks, NB)
-    val, top = gs.topk(kk, dim=-1) if kk else (gs[..., :0], gs[..., :0].long())
-    ok = (val >= 0) & (torch.arange(kk, device=dev) < free[:, :, None, None])
-    picked = torch.where(ok, top, -1)
-    forced = forced[:, :, None, :].expand(B, Tq, H, forced.shape[-1])
-    return torch.cat([forced, picked], -1).to(torch.int32).contiguous()
-
-
-def selected_block_indices(sel: torch.Tensor, top_k: int) -> torch.Tensor:
-    """bool [B, H, T, NB] -> int32 [B, T, H, top_k] block indices (descending), -1 for none."""
-    NB = sel.shape[-1]
-    ar = torch.arange(NB, device=sel.device, dtype=torch.int32)
-    idx = torch.where(sel, ar, torch.full_like(ar, -1))
-    idx = idx.sort(dim=-1, descending=True).values[..., : min(top_k, NB)]
-    if idx.shape[-1] < top_k:
-        idx = torch.nn.functional.pad(idx, (0, top_k - idx.shape[-1]), value=-1)
-    return idx.permute(0, 2, 1, 3).contiguous()
+    nsel = num_local_blocks + num_sink_blocks + top_k_blocks
+    stat = [x.float().contiguous() for x in (stats.sum_k, stats.sum_k2, stats.count)]
+    qpos = q_pos.to(torch.int32).contiguous()
+    chunk = max(1, min(Tq, max_scores // max(1, B * HQ * NB)))
+    out = _new((B, Tq, H, nsel), dev, torch.int32) if chunk < Tq else None
+    for c0 in range(0, Tq, chunk):
+        C = min(Tq, c0 + chunk) - c0
+        qc, pc = q[:, :, c0:c0 + C], qpos[:, c0:c0 + C].contiguous()
+        sc = _new((B, C, H, G, NB), dev)
+        spla_score_kernel[(C, B * H, triton.cdiv(NB, DECODE_SCORE_BN))](
+            qc, *stat, pc, sc, qc.stride(0), qc.stride(1), qc.stride(2),
+            C, H, NB, block_size, num_sink_blocks, num_local_blocks, 1.0 / math.sqrt(D),
+            G=G, GP=GP, D=D, BN=DECODE_SCORE_BN, TAYLOR=selection == "taylor", PREC=DECODE_SCORE_PREC,
+            USE_DOT=DECODE_SCORE_DOT, num_warps=DECODE_SCORE_WARPS,
+        )
+        idx = _new((B, C, H, nsel), dev, torch.int32)
+        spla_topk_kernel[(C, B * H)](
+            sc, pc, _new((B, C, H, NB), dev), idx, C, H, NB, block_size, num_sink_blocks, num_local_blocks,
+            top_k_blocks, nsel, G=G, GP=GP, BN=128, NBP=max(16, triton.next_power_of_2(NB)),
+            num_warps=4 if NB <= 4096 else 8,
+        )
+        if out is None:
+            return idx
+        out[:, c0:c0 + C] = idx
+    return out
 
 
 def causal_linear_term(phiq, phik, v, sbar, valid, chunk: int = 64):
@@ -718,7 +698,7 @@ class SparseAttention(torch.autograd.Function):
         )
         NB = triton.cdiv(S, bs)
         csr_t, csr_off = queries_by_block(idx, NB)
-        # slots before a row's position 0 (left padding) belong to no block: their gradient is 0
+        # padding slots belong to no block: their gradient is 0
         dk = torch.zeros(B, H, S, D, device=dev, dtype=torch.float32)
         dv = torch.zeros_like(dk)
         R = max(16, triton.next_power_of_2(G), 64 if D <= 64 else 32)
@@ -736,14 +716,14 @@ def spla_attention_triton(
 ):
     """Same contract as `spla_attention_reference` (q [B, HQ, Tq, D], k, v [B, H, S, D] with the new
     tokens last); returns (o_sp, o_rla or None, new Sbar). `k_offsets` [B]: slot of each row's position
-    0 (`left_pad_offsets(k_pos)`, computed here when not given); rows padded elsewhere than on the left
-    take the reference path."""
+    0 (`slot_offsets(k_pos)`, computed here when not given); rows whose real tokens do not sit in
+    consecutive slots (padding in the middle) take the reference path."""
     from .reference import spla_attention_reference
 
     B, HQ, Tq, D = q.shape
     H, S = k.shape[1], k.shape[2]
     G = HQ // H
-    koff = left_pad_offsets(k_pos) if k_offsets is None else k_offsets
+    koff = slot_offsets(k_pos) if k_offsets is None else k_offsets
     if koff is None or D not in (16, 32, 64, 128, 256) or block_size < 16:
         return spla_attention_reference(
             q, k, v, q_pos, k_pos, stats, sbar, block_size=block_size, top_k_blocks=top_k_blocks,
@@ -755,10 +735,7 @@ def spla_attention_triton(
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if Tq == 1 and q.dtype != torch.float64 and num_splits is None and not needs_grad:  # decode: 3 launches
         return spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, use_rla=use_rla, **kw)
-    if Tq <= SCORE_KERNEL_MAX_TQ:  # decode and short chunks: fused scoring, no host sync
-        idx = select_block_indices(q, stats, q_pos, **kw)  # [B, Tq, H, K]
-    else:  # long prefill: scores as batched matmuls
-        idx = selected_block_indices(select_blocks(q, stats, q_pos, **kw), top_k_blocks)
+    idx = select_indices(q, stats, q_pos, **kw)  # [B, Tq, H, K]
     qpos = q_pos.to(torch.int32).contiguous()
     # kernel operands: unit stride in the head dimension; fp64 inputs (tests) run the kernels in fp32
     kq, kk, kv = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
