@@ -67,7 +67,8 @@ class SPLAAttention(AttentionBase):
             K, V = k, v
             acc = torch.float64 if k.dtype == torch.float64 else torch.float32
             B, H, _, D = k.shape
-            stats = BlockStats.empty(B, H, D, k.device, acc).add(k, seq.positions, cfg.block_size)
+            nb = -(-k.shape[2] // cfg.block_size)  # an upper bound of the blocks, without a host sync
+            stats = BlockStats.empty(B, H, D, k.device, acc, num_blocks=nb).add_(k, seq.positions, cfg.block_size)
             sbar = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
         o_sp, o_rla, sbar = spla_attention(
             q, K, V, seq.positions, seq.key_positions, stats, sbar,
