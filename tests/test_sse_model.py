@@ -259,6 +259,26 @@ def test_sse_cache_memory_does_not_grow(preset):
     assert state["shared"].dtype == torch.float32 and state["parts"].dtype == torch.float32
 
 
+def test_sse_h_cache_bytes_split_by_layer_kind():
+    """SSE-H: the SSE layers' bytes do not depend on the context; the softmax layers' keys and values
+    count for exactly the tokens cached (nbytes reports the state in use, not the spare room)."""
+    m = model("tiny-h")
+    cfg = m.config
+    soft = [i for i, kind in enumerate(cfg.mixer_types) if kind == "full_attention"]
+    assert soft and len(soft) < cfg.num_hidden_layers
+    sse_bytes = []
+    with torch.no_grad():
+        for T in (64, 512):
+            out = m(tokens(1, T), use_cache=True)
+            cache = cache_of(m(tokens(1, 1), **{CACHE_FIELD: cache_of(out)}, use_cache=True))
+            sse_bytes.append(sum(layer.nbytes() for i, layer in enumerate(cache.layers) if i not in soft))
+            kv = 2 * cfg.num_key_value_heads * (T + 1) * cfg.head_dim * 4  # K and V, fp32
+            assert [cache.layers[i].nbytes() for i in soft] == [kv] * len(soft)
+            assert cache.nbytes(allocated=True) > cache.nbytes() == sse_bytes[-1] + kv * len(soft)
+    per_layer = (cfg.sse_num_partitions + 1) * cfg.num_attention_heads * cfg.head_dim**2 * 4
+    assert sse_bytes == [per_layer * (cfg.num_hidden_layers - len(soft))] * 2
+
+
 def test_decode_touches_only_selected_partitions():
     m = model("tiny-h", sse_num_partitions=4, sse_top_k=1)
     routes = {}

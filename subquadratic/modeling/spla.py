@@ -20,33 +20,42 @@ from .base import (
     SubquadraticModel,
     register_mixer,
 )
-from .cache import StateLayer
+from .cache import GrowingBuffer, StateLayer
 
 
 class SPLALayer(StateLayer):
     """SPLA cache: post-RoPE keys k and values v [B, H, S, D], running block sums (sum_k, sum_k2
     [B, H, NB, D], count [B, NB]) and the residual linear state sbar [B, H, D, D], all updated with the
-    new tokens only."""
+    new tokens only. K, V and the block sums grow in place in preallocated buffers (`GrowingBuffer`);
+    sbar (constant size) is replaced each step."""
 
     def update(self, k, v, pos, block_size):
-        """Append new keys/values at logical positions pos [B, T]; returns (K, V, stats incl. new, sbar before)."""
+        """Append new keys/values at logical positions pos [B, T]; returns (K, V, stats incl. new, sbar before).
+
+        The stats have ceil(S / block_size) blocks for S cached slots (padding included): an upper
+        bound of every row's blocks known without reading pos on the host. Blocks past a row's current
+        block hold zeros and are never candidates for selection."""
         B, H, _, D = k.shape
-        st = self.state
-        if "k" in st:
-            K, V = torch.cat([st["k"], k], dim=2), torch.cat([st["v"], v], dim=2)
-            stats = BlockStats(st["sum_k"], st["sum_k2"], st["count"])
-            sbar = st["sbar"]
-        else:
-            K, V = k, v
+        if not self.buffers:
             acc = torch.float64 if k.dtype == torch.float64 else torch.float32
-            stats = BlockStats.empty(B, H, D, k.device, acc)
-            sbar = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
-        stats = stats.add(k, pos, block_size)
-        st.update(k=K, v=V, sum_k=stats.sum_k, sum_k2=stats.sum_k2, count=stats.count)
-        return K, V, stats, sbar
+            self.buffers = {
+                "k": GrowingBuffer(dim=2), "v": GrowingBuffer(dim=2),  # along the slots
+                "sum_k": GrowingBuffer(dim=2, slots_per_entry=block_size),  # along the blocks
+                "sum_k2": GrowingBuffer(dim=2, slots_per_entry=block_size),
+                "count": GrowingBuffer(dim=1, slots_per_entry=block_size),
+            }
+            self.tensors["sbar"] = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
+        bufs = self.buffers
+        K, V = bufs["k"].append(k), bufs["v"].append(v)
+        nb = -(-K.shape[2] // block_size)
+        like = k.new_empty(B, H, 0, D, dtype=self.tensors["sbar"].dtype)  # shape, dtype and device of the sums
+        stats = BlockStats(
+            bufs["sum_k"].extend(nb, like), bufs["sum_k2"].extend(nb, like), bufs["count"].extend(nb, like[:, 0, :, 0])
+        ).add_(k, pos, block_size)
+        return K, V, stats, self.tensors["sbar"]
 
     def set_sbar(self, sbar: torch.Tensor) -> None:
-        self.state["sbar"] = sbar
+        self.tensors["sbar"] = sbar
 
 
 @register_mixer("spla")
@@ -67,7 +76,8 @@ class SPLAAttention(AttentionBase):
             K, V = k, v
             acc = torch.float64 if k.dtype == torch.float64 else torch.float32
             B, H, _, D = k.shape
-            stats = BlockStats.empty(B, H, D, k.device, acc).add(k, seq.positions, cfg.block_size)
+            nb = -(-k.shape[2] // cfg.block_size)  # an upper bound of the blocks, without a host sync
+            stats = BlockStats.empty(B, H, D, k.device, acc, num_blocks=nb).add_(k, seq.positions, cfg.block_size)
             sbar = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
         o_sp, o_rla, sbar = spla_attention(
             q, K, V, seq.positions, seq.key_positions, stats, sbar,

@@ -48,28 +48,39 @@ class BlockStats:
     def num_blocks(self) -> int:
         return self.count.shape[1]
 
-    def add(self, k: torch.Tensor, pos: torch.Tensor, block_size: int) -> BlockStats:
-        """Return the stats with keys k [B, H, T, D] at logical positions pos [B, T] added (pads skipped)."""
+    def add(self, k: torch.Tensor, pos: torch.Tensor, block_size: int, num_blocks: int | None = None) -> BlockStats:
+        """Return the stats with keys k [B, H, T, D] at logical positions pos [B, T] added (pads skipped);
+        self is left unchanged. The result has max(self.num_blocks, num_blocks) blocks; `num_blocks`
+        must be an upper bound of the blocks of pos (ceil(slots / block_size) is one). Without it the
+        blocks needed are read from pos (a host synchronisation)."""
         B, H, T, D = k.shape
+        if num_blocks is None:
+            valid = pos >= 0
+            num_blocks = int(pos.max().item()) // block_size + 1 if bool(valid.any()) else 0
+        grow = max(0, num_blocks - self.num_blocks)
+        out = BlockStats(
+            torch.cat([self.sum_k, self.sum_k.new_zeros(B, H, grow, D)], dim=2),
+            torch.cat([self.sum_k2, self.sum_k2.new_zeros(B, H, grow, D)], dim=2),
+            torch.cat([self.count, self.count.new_zeros(B, grow)], dim=1),
+        )
+        return out.add_(k, pos, block_size)
+
+    def add_(self, k: torch.Tensor, pos: torch.Tensor, block_size: int) -> BlockStats:
+        """Add keys k [B, H, T, D] at logical positions pos [B, T] in place (pads skipped), with no host
+        synchronisation; every block of pos must be < self.num_blocks. The sums never join an autograd
+        graph (k is detached: selection does not propagate gradients). Returns self."""
+        B, H, T, D = k.shape
+        if T == 0 or self.num_blocks == 0:
+            return self
         valid = pos >= 0
-        need = int(pos.max().item()) // block_size + 1 if bool(valid.any()) else 0
-        nb = max(self.num_blocks, need)
-        sum_k, sum_k2, count = self.sum_k, self.sum_k2, self.count
-        if nb > self.num_blocks:
-            grow = nb - self.num_blocks
-            sum_k = torch.cat([sum_k, sum_k.new_zeros(B, H, grow, D)], dim=2)
-            sum_k2 = torch.cat([sum_k2, sum_k2.new_zeros(B, H, grow, D)], dim=2)
-            count = torch.cat([count, count.new_zeros(B, grow)], dim=1)
-        if T == 0 or nb == 0:
-            return BlockStats(sum_k, sum_k2, count)
         blk = torch.where(valid, pos // block_size, 0)  # [B, T]
-        w = valid.to(sum_k.dtype)
-        kf = k.to(sum_k.dtype) * w[:, None, :, None]
+        w = valid.to(self.sum_k.dtype)
+        kf = k.detach().to(self.sum_k.dtype) * w[:, None, :, None]
         idx = blk[:, None, :, None].expand(B, H, T, D)
-        sum_k = sum_k.scatter_add(2, idx, kf)
-        sum_k2 = sum_k2.scatter_add(2, idx, kf * kf)
-        count = count.scatter_add(1, blk, w)
-        return BlockStats(sum_k, sum_k2, count)
+        self.sum_k.scatter_add_(2, idx, kf)
+        self.sum_k2.scatter_add_(2, idx, kf * kf)
+        self.count.scatter_add_(1, blk, w)
+        return self
 
 
 def select_blocks(

@@ -1,0 +1,296 @@
+"""End-to-end decode speed (BENCHMARKS.md P7) on one GPU: a 1B-class Llama with random bf16 weights
+(Llama-3.2-1B shapes), converted to SPLA by the package's converter, against the dense source with
+SDPA and its DynamicCache, in the same run; plus the cache bytes of the HLA and SSE-H conversions of
+the same source, whose linear layers must not grow with the context. Prints one table (peer, ours,
+ratio) and writes it as JSON (rewritten after every row, so a run cut short keeps what it measured).
+
+  python scripts/bench_generate.py [--contexts 32768,131072] [--batch 1] [--new-tokens 64] [--out r.json]
+  python scripts/bench_generate.py --quick    # tiny model on CPU (reference kernels): a smoke run
+
+Per model and context: the prompt's first C - 1 tokens are prefilled into a cache (in chunks of
+--prefill-chunk tokens, not timed), then N = --new-tokens greedy tokens are decoded from copies of
+that cache, each run synchronised and timed:
+  generate: model.generate(prompt, cache=copy, max_new_tokens=N, min_new_tokens=N), which runs N
+            single-token forward steps (the first one reads the prompt's last token);
+  loop:     the same N steps as plain cached forward calls with argmax, without generate()'s
+            processors and bookkeeping.
+An untimed run of the same N steps comes first, so that every Triton kernel variant the steps need
+(they depend on the number of blocks) is compiled before the clock starts. Decode tokens/s is
+batch x N / seconds. The dense peer's DynamicCache grows by concatenation, as in stock generate().
+No network and no downloads: the weights are random (speed does not depend on them), built with
+Transformers' LlamaConfig / LlamaForCausalLM, saved and converted on local disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+#: Llama-3.2-1B shapes (its rope scaling left out: plain RoPE, theta 500000, long enough positions).
+LLAMA_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)
+#: --quick: six layers so that SSE-H keeps one softmax layer (every sixth).
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)
+PAD = 0
+
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def dense_model(shape: dict, max_positions: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A Llama with random weights (Transformers' own initialisation), built on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**shape, max_position_embeddings=max_positions, rope_theta=500000.0, pad_token_id=PAD,
+                      bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype).eval()
+    assert model.config._attn_implementation == "sdpa"
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def load_converted(folder: Path, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    import subquadratic  # noqa: F401  (registers the model types)
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def cache_of(out):
+    from subquadratic.modeling.base import CACHE_FIELD
+
+    return getattr(out, CACHE_FIELD)
+
+
+def prefill(model, ids: torch.Tensor, chunk: int):
+    """The cache after ids [B, T], fed in chunks (logits of the last token only)."""
+    from subquadratic.modeling.base import CACHE_FIELD
+
+    cache = model.new_cache() if hasattr(model, "new_cache") else None
+    with torch.no_grad():
+        for s in range(0, ids.shape[1], chunk):
+            kw = {CACHE_FIELD: cache} if cache is not None else {}
+            out = model(ids[:, s:s + chunk], use_cache=True, logits_to_keep=1, **kw)
+            cache = cache_of(out)
+    return cache
+
+
+def decode_generate(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
+    from subquadratic.modeling.base import CACHE_FIELD
+
+    return model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+        pad_token_id=PAD, eos_token_id=None, **{CACHE_FIELD: cache},
+    )[:, prompt.shape[1]:]
+
+
+def decode_loop(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
+    from subquadratic.modeling.base import CACHE_FIELD
+
+    tok, out = prompt[:, -1:], []
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(tok, use_cache=True, logits_to_keep=1, **{CACHE_FIELD: cache})
+            cache = cache_of(res)
+            tok = res.logits[:, -1].argmax(-1, keepdim=True)
+            out.append(tok)
+    return torch.cat(out, 1)
+
+
+def timed(fn, device: torch.device) -> tuple[float, object]:
+    sync(device)
+    t0 = time.perf_counter()
+    res = fn()
+    sync(device)
+    return time.perf_counter() - t0, res
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of the keys/values or states in use: ours report them; DynamicCache layers hold keys and values."""
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def measure_decode(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int, device: torch.device) -> dict:
+    """Prefill prompt[:, :-1] once, then time N decode steps through generate() and through a plain
+    loop, each from a fresh copy of the prefilled cache (copied before the clock starts); medians of
+    `repeats` runs."""
+    t_prefill, cache = timed(lambda: prefill(model, prompt[:, :-1], chunk), device)
+    res = dict(prefill_s=t_prefill, cache_bytes=cache_bytes(cache))
+    decode_loop(model, prompt, copy.deepcopy(cache), n)  # warm-up: compiles every kernel variant the steps use
+    times: dict[str, list[float]] = {"generate": [], "loop": []}
+    tokens = {}
+    for _ in range(repeats):
+        for how, fn in (("generate", decode_generate), ("loop", decode_loop)):
+            fresh = copy.deepcopy(cache)
+            t, tokens[how] = timed(lambda fn=fn, fresh=fresh: fn(model, prompt, fresh, n), device)
+            times[how].append(t)
+            del fresh
+    B = prompt.shape[0]
+    for how, ts in times.items():
+        res[how + "_s"] = statistics.median(ts)
+        res[how + "_tok_s"] = B * n / res[how + "_s"]
+    res["same_tokens"] = bool(torch.equal(tokens["generate"], tokens["loop"]))
+    del cache
+    free(device)
+    return res
+
+
+def state_bytes(model, ids: torch.Tensor, chunk: int) -> dict:
+    """Cache bytes after prefilling ids and one decode step, split into linear (recurrent) and softmax layers."""
+    from subquadratic.modeling.base import CACHE_FIELD
+    from subquadratic.modeling.cache import RecurrentLayer
+
+    cache = prefill(model, ids[:, :-1], chunk)
+    with torch.no_grad():
+        model(ids[:, -1:], use_cache=True, logits_to_keep=1, **{CACHE_FIELD: cache})
+    linear = sum(layer.nbytes() for layer in cache.layers if isinstance(layer, RecurrentLayer))
+    return dict(linear=linear, softmax=cache.nbytes() - linear, allocated=cache.nbytes(allocated=True),
+                tokens=cache.get_seq_length())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default=None, help="comma list of prompt lengths (default 32768,131072)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--new-tokens", type=int, default=None, help="decode steps timed (default 64)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per measure (median)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default 8192)")
+    ap.add_argument("--families", default="spla,hla,sse-h", help="conversions to run (spla: speed; hla, sse-h: bytes)")
+    ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--quick", action="store_true", help="tiny model on CPU, short contexts (smoke run)")
+    args = ap.parse_args()
+    import transformers
+
+    from subquadratic.conversion import convert
+
+    if args.quick:
+        device, dtype, shape = torch.device("cpu"), torch.float32, TINY
+        contexts, new_tokens, chunk = [256, 1024], 8, 512
+        spla_options = dict(block_size=16, top_k_blocks=4)  # a budget below the context: selection at work
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("needs a CUDA GPU; use --quick for a CPU smoke run")
+        device, dtype, shape = torch.device("cuda"), torch.bfloat16, LLAMA_1B
+        contexts, new_tokens, chunk = [32768, 131072], 64, 8192
+        spla_options = {}  # the defaults: 16 blocks of 64
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else contexts
+    new_tokens = args.new_tokens or new_tokens
+    chunk = args.prefill_chunk or chunk
+    families = [f for f in args.families.split(",") if f]
+    max_pos = -(-(max(131072, *contexts) + new_tokens + 1) // 1024) * 1024  # >= 128k + the new tokens
+
+    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if device.type == "cuda"
+                else "cpu", torch=torch.__version__, transformers=transformers.__version__, batch=args.batch,
+                new_tokens=new_tokens, contexts=contexts, prefill_chunk=chunk, dtype=str(dtype), model=shape,
+                spla_options=spla_options, quick=args.quick)
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        ratio = row.get("ratio", math.nan)
+        print(f"{row['id']:4} {row['what']:52} {row['peer']:>14} {row['ours']:>14} {ratio:8.2f}  {row['target']}",
+              flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+
+    print(json.dumps(meta))
+    print(f"{'id':4} {'what':52} {'peer':>14} {'ours':>14} {'ratio':>8}  target")
+    g = torch.Generator().manual_seed(1)
+    prompts = {c: torch.randint(1, shape["vocab_size"], (args.batch, c), generator=g).to(device) for c in contexts}
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        work = Path(tmp)
+        log("building the dense model and converting it")
+        dense = dense_model(shape, max_pos, device, dtype)
+        dense.save_pretrained(work / "dense")
+        for fam in families:
+            opts = spla_options if fam == "spla" else {}
+            convert(str(work / "dense"), str(work / fam), fam, options=opts, progress=False)
+
+        if "spla" in families:
+            spla = load_converted(work / "spla", device, dtype)
+            for c in contexts:
+                log(f"dense, context {c}")
+                peer = measure_decode(dense, prompts[c], new_tokens, chunk, args.repeats, device)
+                log(f"spla, context {c}")
+                ours = measure_decode(spla, prompts[c], new_tokens, chunk, args.repeats, device)
+                for how in ("generate", "loop"):
+                    emit(dict(id="P7", what=f"decode tok/s, {how}, ctx {c}, B{args.batch}",
+                              peer=f"{peer[how + '_tok_s']:.1f}", ours=f"{ours[how + '_tok_s']:.1f}",
+                              ratio=ours[how + "_tok_s"] / peer[how + "_tok_s"], target=">= 5x at 128k",
+                              dense=peer, spla=ours))
+                emit(dict(id="", what=f"  cache bytes after prefill, ctx {c} (SPLA vs dense)",
+                          peer=str(peer["cache_bytes"]), ours=str(ours["cache_bytes"]),
+                          ratio=ours["cache_bytes"] / peer["cache_bytes"], target="(info)"))
+            del spla
+        del dense
+        free(device)
+
+        for fam in [f for f in families if f != "spla"]:
+            model = load_converted(work / fam, device, dtype)
+            sizes = {}
+            for c in contexts:
+                log(f"{fam} cache bytes, context {c}")
+                sizes[c] = state_bytes(model, prompts[c], chunk)
+            lo, hi = contexts[0], contexts[-1]
+            emit(dict(id="P7", what=f"{fam} linear-layer cache bytes, ctx {hi} vs {lo}",
+                      peer=str(sizes[lo]["linear"]), ours=str(sizes[hi]["linear"]),
+                      ratio=sizes[hi]["linear"] / max(1, sizes[lo]["linear"]), target="= 1.00 (independent)",
+                      sizes=sizes))
+            if sizes[hi]["softmax"]:
+                emit(dict(id="", what=f"  {fam} softmax-layer KV bytes, ctx {hi} vs {lo}",
+                          peer=str(sizes[lo]["softmax"]), ours=str(sizes[hi]["softmax"]),
+                          ratio=sizes[hi]["softmax"] / sizes[lo]["softmax"], target="(grow with context)"))
+            del model
+            free(device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""scripts/bench_generate.py --quick runs end to end on CPU (tiny model) and reports what P7 asks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_generate_quick_smoke(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_generate.py"), "--quick", "--contexts", "128,320",
+           "--new-tokens", "3", "--repeats", "1", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    decode = [r for r in rows if r["what"].startswith("decode tok/s")]
+    assert len(decode) == 4 and all(r["ratio"] > 0 for r in decode)
+    assert all(r["spla"]["same_tokens"] and r["dense"]["same_tokens"] for r in decode)  # generate == loop
+    linear = {r["what"].split()[0]: r for r in rows if "linear-layer cache bytes" in r["what"]}
+    assert set(linear) == {"hla", "sse-h"} and all(r["ratio"] == 1.0 for r in linear.values())
+    soft = [r for r in rows if "softmax-layer KV bytes" in r["what"]]
+    assert len(soft) == 1 and soft[0]["ratio"] == 320 / 128  # SSE-H's softmax layer grows with the context

@@ -1,0 +1,175 @@
+"""The cache's growing buffers: decode steps write into preallocated room, growth past it gives the
+same cache as concatenation, beam reordering and batch selection work on buffers with stale spare
+entries, SPLA block statistics are kept in place equal to `BlockStats.add`, gradients flow through a
+chunked forward with a cache, and `nbytes` reports the state in use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subquadratic.kernels.spla import BlockStats
+from subquadratic.modeling import cache as cache_module
+from subquadratic.modeling.base import CACHE_FIELD
+from subquadratic.modeling.cache import GrowingBuffer
+from subquadratic.modeling.spla import SPLALayer
+
+from .conftest import tiny_spla
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MIXED = ["full_attention", "spla"]  # one plain KV layer and one SPLA layer
+
+
+def all_buffers(cache) -> dict[str, GrowingBuffer]:
+    bufs = {"key_positions": cache._key_positions}
+    for i, layer in enumerate(cache.layers):
+        bufs.update({f"{i}.{n}": b for n, b in layer.buffers.items()})
+    return bufs
+
+
+def run(model, ids, mask=None, prefill=20, cache=None, start=None):
+    """Prefill `prefill` tokens (unless a cache is given), then decode the rest one token at a time;
+    returns (logits of every step [B, T, V], cache)."""
+    steps = []
+    with torch.no_grad():
+        if cache is None:
+            cache = model.new_cache()
+            start = prefill
+            out = model(ids[:, :prefill], attention_mask=None if mask is None else mask[:, :prefill], cache=cache)
+            steps.append(out.logits)
+        for t in range(start, ids.shape[1]):
+            m = None if mask is None else mask[:, : t + 1]
+            steps.append(model(ids[:, t : t + 1], attention_mask=m, **{CACHE_FIELD: cache}).logits)
+    return torch.cat(steps, 1), cache
+
+
+def test_buffer_appends_in_place_and_grows_like_cat(monkeypatch):
+    monkeypatch.setattr(cache_module, "CHUNK", 8)
+    buf = GrowingBuffer(dim=2)
+    assert buf.capacity_for(100) == 128  # 100 + 25, rounded up to whole chunks
+    assert buf.capacity_for(7) == 16 and buf.capacity_for(8) == 16  # always some spare room
+    g = torch.Generator().manual_seed(0)
+    ref, moves = None, 0
+    for n in (5, 1, 1, 1, 3, 1, 9, 1, 1, 20, 1, 1):
+        x = torch.randn(2, 3, n, 4, generator=g)
+        ptr, cap = (buf.data.data_ptr(), buf.capacity) if buf.data is not None else (None, 0)
+        out = buf.append(x)
+        ref = x if ref is None else torch.cat([ref, x], 2)
+        assert torch.equal(out, ref)
+        assert out.data_ptr() == buf.data.data_ptr()  # a view of the allocation, not a copy
+        if ref.shape[2] <= cap:
+            assert buf.data.data_ptr() == ptr and buf.capacity == cap  # written in place
+        else:
+            moves += 1
+            assert buf.capacity == buf.capacity_for(ref.shape[2])
+    assert moves == 4 and buf.length == 45 and buf.capacity == 56
+    assert buf.nbytes() == 2 * 3 * 45 * 4 * 4 and buf.nbytes(allocated=True) == 2 * 3 * 56 * 4 * 4
+    assert torch.equal(buf.data[:, :, 45:], torch.zeros(2, 3, 11, 4))  # spare room untouched
+    # extend: new entries are zeros, whatever the allocation held
+    sums = GrowingBuffer(dim=1)
+    sums.extend(3, torch.zeros(2, 0)).add_(1.0)
+    assert torch.equal(sums.extend(20, torch.zeros(2, 0)), torch.cat([torch.ones(2, 3), torch.zeros(2, 17)], 1))
+    assert sums.extend(5, torch.zeros(2, 0)).shape == (2, 20)  # never shrinks
+
+
+def test_decode_steps_write_into_preallocated_buffers():
+    model = tiny_spla(mixer_types=MIXED)
+    ids = torch.randint(1, 128, (2, 30))
+    _, cache = run(model, ids[:, :20])
+    bufs = all_buffers(cache)
+    assert set(bufs) == {"key_positions", "0.k", "0.v", "1.k", "1.v", "1.sum_k", "1.sum_k2", "1.count"}
+    before = {n: (b.data.data_ptr(), b.capacity) for n, b in bufs.items()}
+    used = cache.nbytes()
+    run(model, ids, cache=cache, start=20)
+    assert {n: (b.data.data_ptr(), b.capacity) for n, b in all_buffers(cache).items()} == before
+    assert cache.layers[0].state["k"].shape == (2, 2, 30, 16) and cache.key_positions.shape == (2, 30)
+    assert cache.layers[1].state["count"].shape == (2, 4)  # ceil(30 slots / 8)
+    assert cache.nbytes() > used and cache.nbytes(allocated=True) > cache.nbytes()
+
+
+def test_growth_past_capacity_gives_the_same_cache(monkeypatch):
+    """Many reallocations (4-slot chunks) vs none (the default room): same logits, same states,
+    left padding included."""
+    ids = torch.randint(1, 128, (2, 70))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    want, ref = run(tiny_spla(mixer_types=MIXED), ids, mask)
+    assert all(b.capacity == 256 for n, b in all_buffers(ref).items() if not n.endswith(("sum_k", "sum_k2", "count")))
+    monkeypatch.setattr(cache_module, "CHUNK", 4)
+    got, cache = run(tiny_spla(mixer_types=MIXED), ids, mask)
+    assert all_buffers(cache)["1.k"].capacity < 100  # it did grow step by step
+    assert torch.equal(got, want)
+    assert torch.equal(cache.key_positions, ref.key_positions)
+    for a, b in zip(cache.layers, ref.layers, strict=True):
+        assert a.state.keys() == b.state.keys()
+        for name in a.state:
+            assert torch.equal(a.state[name], b.state[name]), name
+
+
+def test_beam_reorder_and_batch_selection_on_buffers_with_spare_room():
+    model = tiny_spla(mixer_types=MIXED)
+    ids = torch.randint(1, 128, (3, 50))
+    _, cache = run(model, ids[:, :36], prefill=30)
+    caps = {n: b.capacity for n, b in all_buffers(cache).items()}
+    idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(idx)
+    assert {n: b.capacity for n, b in all_buffers(cache).items()} == caps  # spare room kept
+    got, _ = run(model, ids[idx], cache=cache, start=36)
+    want, _ = run(model, ids[idx], prefill=30)
+    torch.testing.assert_close(got, want[:, -14:], rtol=0, atol=1e-5)
+
+    _, cache = run(model, ids[:, :36], prefill=30)
+    cache.batch_repeat_interleave(2)  # rows 0 0 1 1 2 2
+    cache.batch_select_indices(torch.tensor([1, 4, 5]))  # rows 0 2 2
+    got, _ = run(model, ids[[0, 2, 2]], cache=cache, start=36)
+    want, _ = run(model, ids[[0, 2, 2]], prefill=30)
+    torch.testing.assert_close(got, want[:, -14:], rtol=0, atol=1e-5)
+
+    cache.reset()
+    assert not any(layer.is_initialized for layer in cache.layers) and cache.key_positions is None
+    again, _ = run(model, ids[[0, 2, 2]], cache=cache, start=0)
+    torch.testing.assert_close(again, want, rtol=0, atol=1e-5)
+
+
+def test_spla_block_stats_kept_in_place_equal_functional_add(monkeypatch):
+    monkeypatch.setattr(cache_module, "CHUNK", 16)  # the stats grow by 2-block chunks
+    B, H, D, bs = 2, 3, 8, 8
+    g = torch.Generator().manual_seed(3)
+    layer, functional = SPLALayer(), BlockStats.empty(B, H, D, "cpu")
+    valid = torch.ones(B, 0, dtype=torch.bool)
+    for n in (13, 1, 1, 2, 1, 30, 1, 1, 1, 1):
+        k = torch.randn(B, H, n, D, generator=g).requires_grad_()  # keys of a training step
+        new_valid = torch.ones(B, n, dtype=torch.bool)
+        if valid.shape[1] == 0:
+            new_valid[1, :5] = False  # left padding of row 1
+        pos = cache_module.positions_from_mask(new_valid, valid.sum(-1))
+        valid = torch.cat([valid, new_valid], 1)
+        K, _, stats, _ = layer.update(k, k.detach(), pos, bs)
+        functional = functional.add(k, pos, bs)
+        S = valid.shape[1]
+        assert K.shape[2] == S and stats.num_blocks == -(-S // bs)  # sized from the slots, no host sync
+        nb = functional.num_blocks
+        for a, b in zip((stats.sum_k, stats.sum_k2, stats.count), (functional.sum_k, functional.sum_k2,
+                                                                   functional.count), strict=True):
+            assert not a.requires_grad and not b.requires_grad  # never part of the autograd graph
+            assert torch.equal(a[:, :, :nb] if a.dim() == 4 else a[:, :nb], b)
+            assert not (a[:, :, nb:] if a.dim() == 4 else a[:, nb:]).any()  # blocks no row has reached
+    assert layer.buffers["count"].capacity > stats.num_blocks
+    # num_blocks= sizes the functional result without reading pos; add never changes its input
+    before = functional.sum_k.clone()
+    wider = functional.add(k, pos, bs, num_blocks=functional.num_blocks + 3)
+    assert wider.num_blocks == functional.num_blocks + 3 and torch.equal(functional.sum_k, before)
+
+
+def test_chunked_forward_with_cache_backpropagates_like_one_forward():
+    """A training forward that keeps a cache must not overwrite tensors saved for backward."""
+    model = tiny_spla(mixer_types=MIXED).train()
+    ids = torch.randint(1, 128, (2, 40))
+    model(ids, use_cache=False).logits.square().mean().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    cache = model.new_cache()
+    parts = [model(ids[:, :25], cache=cache).logits, model(ids[:, 25:], cache=cache).logits]
+    torch.cat(parts, 1).square().mean().backward()
+    for n, g in want.items():
+        torch.testing.assert_close(model.get_parameter(n).grad, g, rtol=1e-4, atol=1e-6, msg=n)
