@@ -4,8 +4,8 @@ data, triton.testing.do_bench medians). Prints one table (peer, ours, ratio) and
   python scripts/bench_spla.py [--out results.json] [--quick]
 
 Rows: P1 decode step at 128k context (B4 HQ32 H8 d128, 16 blocks of 64) with the bytes each reads;
-P2 prefill forward at 32k (B1 HQ32 H8 d128); P6 time(64k)/time(32k) of the SPLA prefill forward.
-The backward kernels are not written yet, so no fwd+bwd row.
+P2 prefill forward and forward+backward at 32k (B1 HQ32 H8 d128); P3 against fla's parallel_nsa
+(needs fla installed; B1 HQ64 H4 d128, G = 16); P6 time(64k)/time(32k) of the SPLA prefill.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def bench(fn) -> float:
 
 
 def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
-    from subquadratic.kernels.positions import left_pad_offsets
+    from subquadratic.kernels.positions import slot_offsets
     from subquadratic.kernels.spla import BlockStats
     from subquadratic.kernels.spla.triton_ops import spla_attention_triton
 
@@ -38,7 +38,7 @@ def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
     stats = BlockStats.empty(B, H, D, dev).add(k, pos, bs)
     sbar = torch.randn(B, H, D, D, device=dev) * 0.01
     cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
-    koff = left_pad_offsets(pos)  # the model computes this once per forward for all layers
+    koff = slot_offsets(pos)  # the model computes this once per forward for all layers
     ours = bench(lambda: spla_attention_triton(q, k, v, pos[:, -1:], pos, stats, sbar, k_offsets=koff, **cfg))
     qd = q.transpose(1, 2).reshape(B, 1, HQ, D).transpose(1, 2)
     peer = bench(lambda: F.scaled_dot_product_attention(qd, k, v, enable_gqa=True))
@@ -58,13 +58,22 @@ def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
         torch.cuda.synchronize()
     from subquadratic.kernels.spla import triton_ops as tk
 
-    print("\ndecode launch settings (whole step, median ms)")
-    default = (tk.DECODE_SCORE_BN, tk.DECODE_SCORE_IEEE, tk.DECODE_WARPS)
-    for bn, ieee, warps in ((32, True, 4), (64, True, 4), (128, True, 4), (128, False, 4), (64, True, 8),
-                            (64, False, 2)):
-        tk.DECODE_SCORE_BN, tk.DECODE_SCORE_IEEE, tk.DECODE_WARPS = bn, ieee, warps
-        print(f"  score BN={bn:3} ieee={ieee!s:5} decode warps={warps}: {bench(step):8.4f}")
-    tk.DECODE_SCORE_BN, tk.DECODE_SCORE_IEEE, tk.DECODE_WARPS = default
+    print("\ndecode launch settings (whole step as a CUDA graph, median ms)")
+    names = ("SCORE_BN", "SCORE_DOT", "SCORE_PREC", "DECODE_BLOCKS_PER_SPLIT", "DECODE_WARPS")
+    default = tuple(getattr(tk, n) for n in names)
+    for setting in ((16, False, "ieee", 4, 4), (16, False, "ieee", 3, 4), (32, False, "ieee", 3, 4),
+                    (64, True, "tf32x3", 3, 4), (16, False, "ieee", 3, 8)):
+        for n, val in zip(names, setting, strict=True):
+            setattr(tk, n, val)
+        step()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        print("  " + " ".join(f"{n}={val}" for n, val in zip(names, setting, strict=True)) +
+              f": {bench(g.replay):8.4f}")
+    for n, val in zip(names, default, strict=True):
+        setattr(tk, n, val)
     print("\nGPU kernels of one decode step (mean of 20 steps)")
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
         print(f"  {e.key[:60]:60} {e.device_time_total / 20 / 1000:8.4f} ms")
@@ -77,8 +86,10 @@ def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
 
 def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
     """Median ms of each stage of one SPLA call (queries = the last Tq of S tokens)."""
-    from subquadratic.kernels.positions import left_pad_offsets
-    from subquadratic.kernels.spla import BlockStats, feature_map, select_blocks
+    import triton
+
+    from subquadratic.kernels.positions import slot_offsets
+    from subquadratic.kernels.spla import BlockStats, feature_map
     from subquadratic.kernels.spla import triton_ops as tk
 
     dev, dt = "cuda", torch.bfloat16
@@ -90,23 +101,18 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
     stats = BlockStats.empty(B, H, D, dev).add(k, pos, bs)
     sbar = torch.zeros(B, H, D, D, device=dev)
     kw = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
-    koff = left_pad_offsets(pos)
-    sel = select_blocks(q, stats, qpos, **kw)
-    idx = (tk.select_block_indices(q, stats, qpos, **kw) if Tq <= tk.SCORE_KERNEL_MAX_TQ
-           else tk.selected_block_indices(sel, top))
+    koff = slot_offsets(pos)
+    idx = tk.select_indices(q, stats, qpos, **kw)
     nsel = idx.shape[-1]
     G = HQ // H
     phiq = feature_map(q).view(B, H, G, Tq, D)
     out = {
-        "left_pad_offsets": bench(lambda: left_pad_offsets(pos)),
-        "select_blocks (scores + top-k)": bench(lambda: select_blocks(q, stats, qpos, **kw)),
-        "block indices (sort)": bench(lambda: tk.selected_block_indices(sel, top)),
+        "slot_offsets": bench(lambda: slot_offsets(pos)),
+        "selection (scores + group top-k kernel)": bench(lambda: tk.select_indices(q, stats, qpos, **kw)),
         "causal linear term": bench(lambda: tk.causal_linear_term(
             phiq, feature_map(k[:, :, S - Tq:]), v[:, :, S - Tq:].float(), sbar, qpos >= 0, chunk=min(64, Tq))),
         "whole call": bench(lambda: tk.spla_attention_triton(q, k, v, qpos, pos, stats, sbar, k_offsets=koff, **kw)),
     }
-    if Tq <= tk.SCORE_KERNEL_MAX_TQ:
-        out["scoring kernel + top-k (used for Tq <= 64)"] = bench(lambda: tk.select_block_indices(q, stats, qpos, **kw))
     if Tq == S:
         out["block stats (prefill)"] = bench(lambda: BlockStats.empty(B, H, D, dev).add(k, pos, bs))
     GP = max(16, G)
@@ -116,64 +122,159 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
     ml = [torch.empty(nsp, B, Tq, HQ, device=dev) for _ in range(2)]
     qi = qpos.to(torch.int32).contiguous()
 
-    def kernel(warps=4, stages=2):
+    phik = tk.key_features(k)
+
+    def kernel(use_rla=True, pre=False):
         tk.spla_sparse_kernel[(Tq, B * H, nsp)](
-            q, k, v, idx, qi, koff, parts[0], parts[1], ml[0], ml[1], q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), Tq, H, nsel, per,
-            1 / math.sqrt(D), G=G, GP=GP, D=D, BS=bs, USE_RLA=True, IEEE=False, num_warps=warps, num_stages=stages)
+            q, k, v, phik, idx, qi, koff, parts[0], parts[1], ml[0], ml[1], q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), phik.stride(0),
+            phik.stride(1), phik.stride(2), Tq, H, nsel, per, 1 / math.sqrt(D), G=G, GP=GP, D=D, BS=bs,
+            USE_RLA=use_rla, IEEE=False, PRE_PHIK=pre, num_warps=4, num_stages=2)
 
     out["sparse kernel (sparse branch + correction)"] = bench(kernel)
-    for warps, stages in ((2, 2), (4, 3), (8, 2), (8, 3)):
-        out[f"  sparse kernel, num_warps={warps} num_stages={stages}"] = bench(lambda w=warps, s=stages: kernel(w, s))
+    out["  same, phi(k) precomputed (used for Tq > 64)"] = bench(lambda: kernel(True, True))
+    out["  phi(k) of all keys (key_features)"] = bench(lambda: tk.key_features(k))
+    out["  same kernel without the correction (SPA)"] = bench(lambda: kernel(False))
+    if Tq == S:  # the backward pass of the sparse branch + correction
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        o, ot = tk.SparseAttention.apply(qg, kg, vg, idx, qi, koff, True, bs, True)
+        g = torch.randn_like(o)
+        out["CSR lists (queries per key block)"] = bench(lambda: tk.queries_by_block(idx, triton.cdiv(S, bs)))
+        out["sparse backward (dq kernel + CSR + dkv kernel)"] = bench(
+            lambda: torch.autograd.grad([o, ot], [qg, kg, vg], [g, g], retain_graph=True))
     return out
 
 
-def prefill_fn(T, B=1, HQ=32, H=8, D=128, bs=64, top=16):
+def prefill_fn(T, B=1, HQ=32, H=8, D=128, bs=64, top=16, backward=False, layout="bhtd"):
+    """(ours, peer) callables of one prefill call at T tokens: SPLA (block stats, selection, sparse
+    kernel, residual term) vs SDPA flash; with backward=True both also run the backward pass for
+    random output gradients. layout "bthd" stores q, k, v token-major (fla's layout) and passes views."""
     from subquadratic.kernels.spla import BlockStats
     from subquadratic.kernels.spla.triton_ops import spla_attention_triton
 
     dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(B, HQ, T, D, device=dev, dtype=dt)
-    k = torch.randn(B, H, T, D, device=dev, dtype=dt)
-    v = torch.randn(B, H, T, D, device=dev, dtype=dt)
+
+    def make(n):
+        if layout == "bthd":
+            return torch.randn(B, T, n, D, device=dev, dtype=dt).transpose(1, 2)
+        return torch.randn(B, n, T, D, device=dev, dtype=dt)
+
+    q, k, v = (make(n).requires_grad_(backward) for n in (HQ, H, H))
     pos = torch.arange(T, device=dev).expand(B, T).contiguous()
     sbar = torch.zeros(B, H, D, D, device=dev)
     cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
+    g_sp, g_rla = torch.randn(2, B, HQ, T, D, device=dev, dtype=dt)
 
     def ours():
-        stats = BlockStats.empty(B, H, D, dev).add(k, pos, bs)
-        return spla_attention_triton(q, k, v, pos, pos, stats, sbar, **cfg)
+        stats = BlockStats.empty(B, H, D, dev).add(k.detach(), pos, bs)
+        o_sp, o_rla, _ = spla_attention_triton(q, k, v, pos, pos, stats, sbar, **cfg)
+        if backward:
+            torch.autograd.backward([o_sp, o_rla], [g_sp, g_rla])
 
     def peer():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if backward:
+            o.backward(g_sp)
 
     return ours, peer
+
+
+def nsa_case(T=32768, B=1, HQ=64, H=4, D=128, bs=64, top=16, backward=False):
+    """P3: fla's parallel_nsa (compressed + selected branches, its own top-16 selection) vs SPLA on
+    the configuration NSA accepts (G = 16), same tensors; ms (nsa, ours)."""
+    from fla.ops.nsa import parallel_nsa
+
+    ours, _ = prefill_fn(T, B, HQ, H, D, bs, top, backward=backward, layout="bthd")
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(B, T, HQ, D, device=dev, dtype=dt, requires_grad=backward)
+    k, v = (torch.randn(B, T, H, D, device=dev, dtype=dt, requires_grad=backward) for _ in range(2))
+    g_cmp, g_slc = (torch.rand(B, T, HQ, device=dev, dtype=dt) for _ in range(2))
+    g = torch.randn(B, T, HQ, D, device=dev, dtype=dt)
+
+    def nsa():
+        o = parallel_nsa(q, k, v, g_cmp=g_cmp, g_slc=g_slc, block_counts=top, block_size=bs)
+        if backward:
+            o.backward(g)
+
+    return bench(nsa), bench(ours)
+
+
+def score_variants(B=4, HQ=32, H=8, D=128, S=131072, bs=64, Tq=1):
+    """Kernel-only median ms of the scoring launch for the last Tq queries in each setting (BN
+    blocks per program, dot precision or elementwise fp32 sums), and of the group top-k launch."""
+    import triton
+
+    from subquadratic.kernels.spla import BlockStats
+    from subquadratic.kernels.spla import triton_ops as tk
+
+    dev = "cuda"
+    G = HQ // H
+    q = torch.randn(B, HQ, Tq, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16)
+    pos = torch.arange(S, device=dev).expand(B, S).contiguous()
+    stats = BlockStats.empty(B, H, D, dev).add(k, pos, bs)
+    NB = stats.num_blocks
+    sc = torch.empty(B, Tq, H, G, NB, device=dev)
+    qpos = pos[:, -Tq:].to(torch.int32).contiguous()
+    out = {}
+    for bn, prec, use_dot, warps in ((64, "tf32x3", True, 4), (16, "ieee", False, 4)):
+        def launch(bn=bn, prec=prec, use_dot=use_dot, warps=warps):
+            tk.spla_score_kernel[(Tq, B * H, triton.cdiv(NB, bn))](
+                q, stats.sum_k, stats.sum_k2, stats.count, qpos, sc, q.stride(0), q.stride(1), q.stride(2),
+                stats.sum_k.stride(0), stats.sum_k.stride(1), stats.count.stride(0),
+                Tq, H, NB, bs, 1, 2, 1.0 / math.sqrt(D), G=G, GP=max(16, G), D=D, BN=bn, TAYLOR=True,
+                PREC=prec, USE_DOT=use_dot, num_warps=warps)
+        out[f"score BN={bn} {('dot ' + prec) if use_dot else 'elementwise'} warps={warps}"] = bench(launch)
+    idx = torch.empty(B, Tq, H, 19, device=dev, dtype=torch.int32)
+    gs = torch.empty(B, Tq, H, NB, device=dev)
+    out["group top-k kernel"] = bench(lambda: tk.spla_topk_kernel[(Tq, B * H)](
+        sc, qpos, gs, idx, *sc.stride()[:4], Tq, H, NB, bs, 1, 2, 16, 19, G=G, GP=max(16, G), BN=128,
+        NBP=max(16, triton.next_power_of_2(NB)), num_warps=4 if NB <= 4096 else 8))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="smaller contexts (smoke run)")
+    ap.add_argument("--prefill-only", action="store_true", help="skip the decode rows and stages (P1)")
     args = ap.parse_args()
     import transformers
     import triton
 
     rows = []
     S = 32768 if args.quick else 131072
-    peer, ours, ours_graph, frac = decode_case(S=S)
-    rows.append(dict(id="P1", what=f"decode step, B4 HQ32 H8 d128, {S // 1024}k ctx, 16x64", peer_ms=peer,
-                     ours_ms=ours, speedup=peer / ours, bytes_vs_dense=frac, target=">= 15x, bytes <= 5%"))
-    rows.append(dict(id="P1g", what="  same, SPLA step replayed as a CUDA graph", peer_ms=peer, ours_ms=ours_graph,
-                     speedup=peer / ours_graph, target=">= 15x"))
+    if not args.prefill_only:
+        peer, ours, ours_graph, frac = decode_case(S=S)
+        rows.append(dict(id="P1", what=f"decode step, B4 HQ32 H8 d128, {S // 1024}k ctx, 16x64", peer_ms=peer,
+                         ours_ms=ours, speedup=peer / ours, bytes_vs_dense=frac, target=">= 15x, bytes <= 5%"))
+        rows.append(dict(id="P1g", what="  same, SPLA step replayed as a CUDA graph", peer_ms=peer,
+                         ours_ms=ours_graph, speedup=peer / ours_graph, target=">= 15x"))
     T = 8192 if args.quick else 32768
     o_fn, p_fn = prefill_fn(T)
     t_ours, t_peer = bench(o_fn), bench(p_fn)
     rows.append(dict(id="P2", what=f"prefill fwd, B1 HQ32 H8 d128, T {T // 1024}k", peer_ms=t_peer, ours_ms=t_ours,
                      speedup=t_peer / t_ours, target=">= 3x"))
+    o_fn, p_fn = prefill_fn(T, backward=True)
+    tb_ours, tb_peer = bench(o_fn), bench(p_fn)
+    rows.append(dict(id="P2b", what=f"prefill fwd+bwd, B1 HQ32 H8 d128, T {T // 1024}k", peer_ms=tb_peer,
+                     ours_ms=tb_ours, speedup=tb_peer / tb_ours, target=">= 2x"))
+    try:
+        for bwd in (False, True):
+            t_nsa, t_o = nsa_case(T, backward=bwd)
+            rows.append(dict(id="P3" + ("b" if bwd else ""), peer="fla parallel_nsa (cmp + slc)",
+                             what=f"vs NSA, {'fwd+bwd' if bwd else 'fwd'}, B1 HQ64 H4 d128, T {T // 1024}k",
+                             peer_ms=t_nsa, ours_ms=t_o, speedup=t_nsa / t_o, target="> 1x"))
+    except ImportError as e:
+        print(f"P3 skipped: {e}")
     o2, _ = prefill_fn(2 * T)
     t2 = bench(o2)
     rows.append(dict(id="P6", what=f"SPLA prefill fwd time({2 * T // 1024}k)/time({T // 1024}k)", ours_ms=t2,
                      ratio=t2 / t_ours, target="<= 2.1"))
+    o2, _ = prefill_fn(2 * T, backward=True)
+    t2 = bench(o2)
+    rows.append(dict(id="P6b", what=f"SPLA fwd+bwd time({2 * T // 1024}k)/time({T // 1024}k)", ours_ms=t2,
+                     ratio=t2 / tb_ours, target="<= 2.1"))
     meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, transformers=transformers.__version__)
     print(json.dumps(meta))
@@ -183,7 +284,10 @@ def main() -> None:
         extra = f"  bytes {100 * r['bytes_vs_dense']:.2f}% of dense" if "bytes_vs_dense" in r else ""
         print(f"{r['id']:4} {r['what']:58} {r.get('peer_ms', math.nan):9.3f} {r['ours_ms']:9.3f} {ratio:8.2f}  "
               f"{r['target']}{extra}")
-    parts = {"decode, B4, 128k": breakdown(1, S, 4), f"prefill, B1, {T // 1024}k": breakdown(T, T, 1)}
+    parts = {f"prefill, B1, {T // 1024}k": breakdown(T, T, 1)}
+    if not args.prefill_only:
+        parts["decode, B4, 128k"] = breakdown(1, S, 4)
+        parts["decode selection kernels, settings"] = score_variants(S=S)
     for name, stages in parts.items():
         print(f"\nstages of one call, {name} (median ms)")
         for stage, ms in stages.items():

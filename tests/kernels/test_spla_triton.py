@@ -78,9 +78,9 @@ def test_prefill_and_decode_match_reference(case, monkeypatch):
         for a, b in zip(got, want, strict=True):
             if b is not None:
                 assert rel(a, b) <= 1e-4 or (a - b).abs().max() <= 1e-5, split
-    # the decode launches in their other settings: elementwise scores, one block or all blocks per program
-    for dot, per in ((False, 1), (False, 64)):
-        monkeypatch.setattr(triton_ops, "DECODE_SCORE_DOT", dot)
+    # the decode launches in other settings: scores as one dot, one block or all blocks per program
+    for dot, per in ((True, 1), (False, 64)):
+        monkeypatch.setattr(triton_ops, "SCORE_DOT", dot)
         monkeypatch.setattr(triton_ops, "DECODE_BLOCKS_PER_SPLIT", per)
         got = triton_ops.spla_attention_triton(q[:, :, -1:], k, v, pos[:, -1:], pos, stats, sbar, **cfg)
         for a, b in zip(got, want, strict=True):
@@ -101,9 +101,12 @@ def forward_backward(fn, q, k, v, pos, stats, sbar, grads, dtype, **cfg):
     return [o_sp, o_rla, q.grad, k.grad, v.grad]
 
 
+@pytest.mark.parametrize("precompute_phik", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_backward_matches_reference(case):
-    """dq, dk, dv of the Triton backward (fp32 inputs) against the fp64 reference's autograd."""
+def test_backward_matches_reference(case, precompute_phik, monkeypatch):
+    """dq, dk, dv of the Triton backward (fp32 inputs) against the fp64 reference's autograd, with
+    phi(k) from the loaded tiles or precomputed once per key."""
+    monkeypatch.setattr(triton_ops, "PHIK_PRECOMPUTE_MIN_TQ", 1 if precompute_phik else 1 << 30)
     B, HQ, H, T, D, bs, top, sink, local, use_rla, pad = case
     q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=sum(case[:5]) + 1)
     cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, use_rla=use_rla)
@@ -140,13 +143,16 @@ def test_queries_by_block_inverts_the_selection():
 
 @pytest.mark.parametrize("selection", ["taylor", "mean"])
 @pytest.mark.parametrize("case", [(2, 4, 2, 90, 16, 16, 4, 1, 2, 7), (1, 3, 1, 64, 32, 16, 3, 0, 1, 0)])
-@pytest.mark.parametrize("setting", [("tf32x3", True, None), ("ieee", False, 40)])
+@pytest.mark.parametrize("setting", [("tf32x3", True, None, True), ("ieee", False, 40, True), (None, None, 40, False)])
 def test_selection_kernels_select_the_reference_blocks(case, selection, setting, monkeypatch):
-    """Scores (dot or elementwise) + group top-k, whole or in query chunks, vs reference.select_blocks."""
+    """Scores (scoring kernel as one dot or elementwise sums, or matmuls) + group top-k kernel, whole
+    or in query chunks, vs reference.select_blocks."""
     B, HQ, H, T, D, bs, top, sink, local, pad = case
-    prec, use_dot, max_scores = setting
-    monkeypatch.setattr(triton_ops, "DECODE_SCORE_PREC", prec)
-    monkeypatch.setattr(triton_ops, "DECODE_SCORE_DOT", use_dot)
+    prec, use_dot, max_scores, use_kernel = setting
+    monkeypatch.setattr(triton_ops, "SCORE_KERNEL_MAX_TQ", T if use_kernel else 0)
+    if prec is not None:
+        monkeypatch.setattr(triton_ops, "SCORE_PREC", prec)
+        monkeypatch.setattr(triton_ops, "SCORE_DOT", use_dot)
     q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=T + D)
     cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=selection)
     want = select_blocks(q, stats, pos, **cfg)  # [B, H, T, NB]

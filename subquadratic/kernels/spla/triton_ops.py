@@ -37,15 +37,21 @@ from ..positions import slot_offsets
 from .reference import BlockStats, acc_dtype, feature_map
 
 NEG = tl.constexpr(-1e30)  # finite "minus infinity" for masked scores
-#: Launch settings: blocks per scoring program, dot precision (or elementwise sums) of the scores
-#: and that launch's warps; selected blocks per decode program and the decode kernel's warps.
-#: The fp32 "ieee" dot made scoring the slowest launch of a step (0.17 ms at 128k on the H200).
-DECODE_SCORE_BN = 64
-DECODE_SCORE_PREC = "tf32x3"
-DECODE_SCORE_DOT = True
-DECODE_SCORE_WARPS = 4
-DECODE_BLOCKS_PER_SPLIT = 4
+#: Launch settings: blocks per scoring program, dot precision (or elementwise fp32 sums) of the
+#: scores and that launch's warps; selected blocks per decode program and the decode kernel's warps.
+#: On the H200 at 128k, the fp32 "ieee" dot took 0.17 ms of a decode step, "tf32x3" 0.044 ms and
+#: elementwise sums 0.035 ms. The scoring kernel serves up to SCORE_KERNEL_MAX_TQ queries; beyond,
+#: every query would reload all block statistics (52 ms at 32k), so scores are fp32 matmuls.
+SCORE_BN = 16
+SCORE_PREC = "ieee"
+SCORE_DOT = False
+SCORE_WARPS = 4
+SCORE_KERNEL_MAX_TQ = 64
+DECODE_BLOCKS_PER_SPLIT = 3
 DECODE_WARPS = 4
+#: Queries per call from which the feature map phi(k) is computed once per key before the sparse
+#: kernels instead of on every loaded tile (prefill and training recompute it per token otherwise).
+PHIK_PRECOMPUTE_MIN_TQ = 65
 
 
 @triton.jit
@@ -68,13 +74,14 @@ def _softmax_rows(x):
 
 @triton.jit
 def spla_sparse_kernel(
-    Q, K, V, IDX, QPOS, KOFF, O_ACC, O_TIL, M_OUT, L_OUT,
+    Q, K, V, PHIK, IDX, QPOS, KOFF, O_ACC, O_TIL, M_OUT, L_OUT,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
+    stride_pb, stride_ph, stride_ps,
     T, H, NSEL, PER_SPLIT, scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    USE_RLA: tl.constexpr, IEEE: tl.constexpr,
+    USE_RLA: tl.constexpr, IEEE: tl.constexpr, PRE_PHIK: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     bh = tl.program_id(1)
@@ -97,6 +104,7 @@ def spla_sparse_kernel(
         phiq = _softmax_rows(q)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
+    p_base = PHIK + b * stride_pb + h * stride_ph
     idx_base = IDX + (b * T + t) * H * NSEL + h * NSEL
     for i in range(0, PER_SPLIT):
         kk = sp * PER_SPLIT + i
@@ -114,9 +122,13 @@ def spla_sparse_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _mm(p, v, IEEE)
         m_i = m_new
-        if USE_RLA:
-            a = tl.where(kmask[None, :], _mm(phiq, tl.trans(_softmax_rows(k)), IEEE), 0.0)
-            ot += _mm(a, v.to(tl.float32), IEEE)
+        if USE_RLA:  # the correction on the same tiles, on the tensor cores in the inputs' dtype
+            if PRE_PHIK:
+                phik = tl.load(p_base + slot[:, None] * stride_ps + d[None, :], mask=kmask[:, None], other=0.0)
+            else:
+                phik = _softmax_rows(k)
+            a = tl.where(kmask[None, :], _mm(phiq, tl.trans(phik.to(k.dtype)), IEEE), 0.0)
+            ot += _mm(a, v, IEEE)
     HQ = H * G
     out_row = ((sp * (tl.num_programs(1) // H) + b) * T + t) * HQ + h * G + rows  # [nsp, B, T, HQ]
     tl.store(M_OUT + out_row, m_i, mask=row_ok)
@@ -129,7 +141,7 @@ def spla_sparse_kernel(
 @triton.jit
 def spla_score_kernel(
     Q, SUMK, SUMK2, CNT, QPOS, SC,
-    stride_qb, stride_qh, stride_qt,
+    stride_qb, stride_qh, stride_qt, stride_sb, stride_sh, stride_cb,
     T, H, NB, block_size, n_sink, n_local, scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, TAYLOR: tl.constexpr,
     PREC: tl.constexpr = "ieee", USE_DOT: tl.constexpr = True,
@@ -152,11 +164,11 @@ def spla_score_kernel(
     tpos = tl.load(QPOS + b * T + t)
     cur = tl.where(tpos >= 0, tpos // block_size, -1)
     cand = (n < cur) & (n >= n_sink) & (n <= cur - n_local)
-    stat = (b * H + h) * NB + n
-    cnt = tl.maximum(tl.load(CNT + b * NB + n, mask=n < NB, other=1.0), 1.0)
-    mu = tl.load(SUMK + stat[:, None] * D + d[None, :], mask=(n < NB)[:, None], other=0.0) / cnt[:, None]
+    stat = b * stride_sb + h * stride_sh + n * D  # sum_k, sum_k2: [B, H, NB, D] views, unit stride in D
+    cnt = tl.maximum(tl.load(CNT + b * stride_cb + n, mask=n < NB, other=1.0), 1.0)
+    mu = tl.load(SUMK + stat[:, None] + d[None, :], mask=(n < NB)[:, None], other=0.0) / cnt[:, None]
     if TAYLOR:
-        s2 = tl.load(SUMK2 + stat[:, None] * D + d[None, :], mask=(n < NB)[:, None], other=0.0)
+        s2 = tl.load(SUMK2 + stat[:, None] + d[None, :], mask=(n < NB)[:, None], other=0.0)
         s2 = tl.maximum(s2 / cnt[:, None] - mu * mu, 0.0)
     if USE_DOT:
         sc = tl.dot(q, tl.trans(mu), input_precision=PREC)
@@ -178,10 +190,12 @@ def spla_score_kernel(
 @triton.jit
 def spla_topk_kernel(
     SC, QPOS, GS, IDX,
+    stride_sb, stride_st, stride_sh, stride_sg,
     T, H, NB, block_size, n_sink, n_local, top_k, NSEL,
     G: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, NBP: tl.constexpr,
 ):
-    """Group top-k of one (token, batch x KV head) from the raw scores SC [B, T, H, G, NB]: softmax
+    """Group top-k of one (token, batch x KV head) from the raw scores SC [B, T, H, G, NB] (any
+    strides, unit stride over the blocks; scores of non-candidate blocks are ignored): softmax
     over the candidate blocks per query head, summed over the group (written to the scratch GS
     [B, T, H, NB]), then the forced blocks (local, then sinks) and the best `top_k - forced`
     candidates into IDX [B, T, H, NSEL] (-1 = none)."""
@@ -193,7 +207,7 @@ def spla_topk_kernel(
     row_ok = rows < G
     tpos = tl.load(QPOS + b * T + t)
     cur = tl.where(tpos >= 0, tpos // block_size, -1)
-    sc_base = SC + (((b * T + t) * H + h) * G + rows)[:, None] * NB
+    sc_base = SC + b * stride_sb + t * stride_st + h * stride_sh + rows[:, None] * stride_sg
     gs_base = GS + ((b * T + t) * H + h) * NB
     m_i = tl.full([GP], NEG, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -366,13 +380,14 @@ def spla_decode_merge_kernel(
 
 @triton.jit
 def spla_bwd_dq_kernel(
-    Q, K, V, IDX, QPOS, KOFF, LSE, DELTA, DO, DOT, DQ,
+    Q, K, V, PHIK, IDX, QPOS, KOFF, LSE, DELTA, DO, DOT, DQ,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
+    stride_pb, stride_ph, stride_ps,
     T, H, NSEL, scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    USE_RLA: tl.constexpr, IEEE: tl.constexpr,
+    USE_RLA: tl.constexpr, IEEE: tl.constexpr, PRE_PHIK: tl.constexpr = False,
 ):
     """dq of one (query token, batch x KV head) for the G heads of the group, over the token's
     selected blocks: the sparse softmax branch (p = exp(s - lse), ds = p (dO v - delta)) and the
@@ -401,6 +416,7 @@ def spla_bwd_dq_kernel(
         dphiq = tl.zeros([GP, D], tl.float32)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
+    p_base = PHIK + b * stride_pb + h * stride_ph
     idx_base = IDX + (b * T + t) * H * NSEL + h * NSEL
     for i in range(0, NSEL):
         blk = tl.load(idx_base + i)
@@ -414,8 +430,12 @@ def spla_bwd_dq_kernel(
         ds = p * (_mm(do, tl.trans(v), IEEE) - delta[:, None])
         dq += _mm(ds, k, IEEE)
         if USE_RLA:
-            da = tl.where(kmask[None, :], _mm(dot_, tl.trans(v.to(tl.float32)), IEEE), 0.0)
-            dphiq += _mm(da, _softmax_rows(k), IEEE)
+            if PRE_PHIK:
+                phik = tl.load(p_base + slot[:, None] * stride_ps + d[None, :], mask=kmask[:, None], other=0.0)
+            else:
+                phik = _softmax_rows(k)
+            da = tl.where(kmask[None, :], _mm(dot_, tl.trans(v), IEEE), 0.0)
+            dphiq += _mm(da, phik.to(k.dtype), IEEE)
     dq = dq * scale
     if USE_RLA:  # softmax Jacobian: dx = phi * (dphi - <dphi, phi>)
         dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
@@ -454,6 +474,7 @@ def spla_bwd_dkv_kernel(
     dv = tl.zeros([BS, D], tl.float32)
     if USE_RLA:
         phik = _softmax_rows(k)
+        phik_lp = phik.to(k.dtype)
         dphik = tl.zeros([BS, D], tl.float32)
     r = tl.arange(0, R)
     BQ: tl.constexpr = R // G
@@ -472,16 +493,16 @@ def spla_bwd_dkv_kernel(
         row = (b * T + t) * HQ + head
         lse = tl.load(LSE + row, mask=ok, other=0.0)
         delta = tl.load(DELTA + row, mask=ok, other=0.0)
-        do = tl.load(DO + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        do = tl.load(DO + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(v.dtype)
         causal = (pos[:, None] <= tpos[None, :]) & ok[None, :] & kv_ok[:, None]  # [BS, R]
         p = tl.where(causal, tl.exp(_mm(k, tl.trans(q), IEEE) * scale - lse[None, :]), 0.0)
-        dv += _mm(p, do.to(tl.float32), IEEE)
+        dv += _mm(p, do, IEEE)
         ds = p * (_mm(v, tl.trans(do), IEEE) - delta[None, :])
         dk += _mm(ds, q, IEEE)
         if USE_RLA:
-            phiq = _softmax_rows(q)
-            dot_ = tl.load(DOT + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-            a = tl.where(causal, _mm(phik, tl.trans(phiq), IEEE), 0.0)
+            phiq = _softmax_rows(q).to(k.dtype)
+            dot_ = tl.load(DOT + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(v.dtype)
+            a = tl.where(causal, _mm(phik_lp, tl.trans(phiq), IEEE), 0.0)
             dv += _mm(a, dot_, IEEE)
             da = tl.where(causal, _mm(v, tl.trans(dot_), IEEE), 0.0)
             dphik += _mm(da, phiq, IEEE)
@@ -548,9 +569,10 @@ def _new(shape, device, dtype=torch.float32):
 
 def select_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks, num_local_blocks,
                    selection="taylor", max_scores: int = 1 << 27) -> torch.Tensor:
-    """The selected blocks of every query as int32 indices [B, Tq, H, local + sink + top_k] (-1 = none):
-    the scoring kernel, then the group top-k kernel, over chunks of queries whose raw scores
-    [B, chunk, HQ, NB] stay under `max_scores` floats. No host synchronisation. The same selection as
+    """The selected blocks of every query as int32 indices [B, Tq, H, local + sink + top_k] (-1 = none),
+    over chunks of queries whose raw scores [B, chunk, HQ, NB] stay under `max_scores` floats, with no
+    host synchronisation: block scores (the scoring kernel for a few queries; for more, fp32 matmuls,
+    which reuse the statistics across queries), then the group top-k kernel. The same selection as
     `reference.select_blocks` (up to ties and fp32 rounding of the scores)."""
     B, HQ, Tq, D = q.shape
     H, NB = stats.sum_k.shape[1], stats.num_blocks
@@ -558,24 +580,40 @@ def select_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks
     GP = max(16, triton.next_power_of_2(G))
     dev = q.device
     nsel = num_local_blocks + num_sink_blocks + top_k_blocks
-    stat = [x.float().contiguous() for x in (stats.sum_k, stats.sum_k2, stats.count)]
+    taylor = selection == "taylor"
+    sum_k, sum_k2, count = (x.float() for x in (stats.sum_k, stats.sum_k2, stats.count))
+    if Tq > SCORE_KERNEL_MAX_TQ:  # per-block mean and variance once, then matmuls
+        cnt = count.clamp(min=1.0)[:, None, :, None]
+        mu = sum_k / cnt
+        s2 = (sum_k2 / cnt - mu * mu).clamp(min=0.0) if taylor else None
+    elif not (sum_k.stride() == sum_k2.stride() and sum_k.stride()[2:] == (D, 1) and count.stride(1) == 1):
+        sum_k, sum_k2, count = sum_k.contiguous(), sum_k2.contiguous(), count.contiguous()
     qpos = q_pos.to(torch.int32).contiguous()
     chunk = max(1, min(Tq, max_scores // max(1, B * HQ * NB)))
     out = _new((B, Tq, H, nsel), dev, torch.int32) if chunk < Tq else None
     for c0 in range(0, Tq, chunk):
         C = min(Tq, c0 + chunk) - c0
         qc, pc = q[:, :, c0:c0 + C], qpos[:, c0:c0 + C].contiguous()
-        sc = _new((B, C, H, G, NB), dev)
-        spla_score_kernel[(C, B * H, triton.cdiv(NB, DECODE_SCORE_BN))](
-            qc, *stat, pc, sc, qc.stride(0), qc.stride(1), qc.stride(2),
-            C, H, NB, block_size, num_sink_blocks, num_local_blocks, 1.0 / math.sqrt(D),
-            G=G, GP=GP, D=D, BN=DECODE_SCORE_BN, TAYLOR=selection == "taylor", PREC=DECODE_SCORE_PREC,
-            USE_DOT=DECODE_SCORE_DOT, num_warps=DECODE_SCORE_WARPS,
-        )
+        if Tq > SCORE_KERNEL_MAX_TQ:
+            qs = qc.float().reshape(B, H, G, C, D) / math.sqrt(D)
+            sc = torch.matmul(qs, mu.transpose(-1, -2)[:, :, None])  # [B, H, G, C, NB]
+            if taylor:
+                sc += torch.log1p(0.5 * torch.matmul(qs * qs, s2.transpose(-1, -2)[:, :, None]))
+            strides = (sc.stride(0), sc.stride(3), sc.stride(1), sc.stride(2))
+        else:
+            sc = _new((B, C, H, G, NB), dev)
+            spla_score_kernel[(C, B * H, triton.cdiv(NB, SCORE_BN))](
+                qc, sum_k, sum_k2, count, pc, sc, qc.stride(0), qc.stride(1), qc.stride(2),
+                sum_k.stride(0), sum_k.stride(1), count.stride(0),
+                C, H, NB, block_size, num_sink_blocks, num_local_blocks, 1.0 / math.sqrt(D),
+                G=G, GP=GP, D=D, BN=SCORE_BN, TAYLOR=taylor, PREC=SCORE_PREC, USE_DOT=SCORE_DOT,
+                num_warps=SCORE_WARPS,
+            )
+            strides = (sc.stride(0), sc.stride(1), sc.stride(2), sc.stride(3))
         idx = _new((B, C, H, nsel), dev, torch.int32)
         spla_topk_kernel[(C, B * H)](
-            sc, pc, _new((B, C, H, NB), dev), idx, C, H, NB, block_size, num_sink_blocks, num_local_blocks,
-            top_k_blocks, nsel, G=G, GP=GP, BN=128, NBP=max(16, triton.next_power_of_2(NB)),
+            sc, pc, _new((B, C, H, NB), dev), idx, *strides, C, H, NB, block_size, num_sink_blocks,
+            num_local_blocks, top_k_blocks, nsel, G=G, GP=GP, BN=128, NBP=max(16, triton.next_power_of_2(NB)),
             num_warps=4 if NB <= 4096 else 8,
         )
         if out is None:
@@ -608,9 +646,15 @@ def causal_linear_term(phiq, phik, v, sbar, valid, chunk: int = 64):
     return o, sbar + kv.sum(2)
 
 
-def sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1):
+def key_features(k: torch.Tensor) -> torch.Tensor:
+    """phi(k) = softmax over the head dimension, once per key, in k's dtype [B, H, S, D]."""
+    return torch.softmax(k.float(), dim=-1).to(k.dtype)
+
+
+def sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1, phik=None):
     """The sparse kernel over the selected blocks idx [B, Tq, H, K] (split-K over `num_splits`
-    programs, merged here). Returns o_sp (normalised), otilde (or None) [B, Tq, HQ, D] fp32 and the
+    programs, merged here); `phik` (`key_features(k)`, optional) spares the kernel the feature map
+    of every loaded tile. Returns o_sp (normalised), otilde (or None) [B, Tq, HQ, D] fp32 and the
     log-sum-exp [B, Tq, HQ] of the sparse softmax."""
     B, HQ, Tq, D = q.shape
     H = k.shape[1]
@@ -623,14 +667,16 @@ def sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1):
     ot_part = _new((num_splits, B, Tq, HQ, D), dev) if use_rla else o_part
     m_part = _new((num_splits, B, Tq, HQ), dev)
     l_part = _new((num_splits, B, Tq, HQ), dev)
+    pk = k if phik is None else phik
     spla_sparse_kernel[(Tq, B * H, num_splits)](
-        q, k, v, idx, qpos, koff, o_part, ot_part, m_part, l_part,
+        q, k, v, pk, idx, qpos, koff, o_part, ot_part, m_part, l_part,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
+        pk.stride(0), pk.stride(1), pk.stride(2),
         Tq, H, K_sel, per, 1.0 / math.sqrt(D),
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=block_size, USE_RLA=use_rla,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32, PRE_PHIK=phik is not None, num_warps=4, num_stages=2,
     )
     if num_splits == 1:
         m, l_sum, o = m_part[0], l_part[0], o_part[0]
@@ -666,15 +712,16 @@ class SparseAttention(torch.autograd.Function):
     it. The selection itself (idx) carries no gradient, as in the reference."""
 
     @staticmethod
-    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size):
-        o, ot, lse = sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size)
-        ctx.save_for_backward(q, k, v, idx, qpos, koff, o, lse)
+    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik=False):
+        phik = key_features(k) if use_rla and precompute_phik else None
+        o, ot, lse = sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik)
+        ctx.save_for_backward(q, k, v, idx, qpos, koff, o, lse, phik)
         ctx.use_rla, ctx.block_size = use_rla, block_size
         return o, ot
 
     @staticmethod
     def backward(ctx, do, dot_):
-        q, k, v, idx, qpos, koff, o, lse = ctx.saved_tensors
+        q, k, v, idx, qpos, koff, o, lse, phik = ctx.saved_tensors
         use_rla, bs = ctx.use_rla, ctx.block_size
         B, HQ, Tq, D = q.shape
         H, S = k.shape[1], k.shape[2]
@@ -691,10 +738,11 @@ class SparseAttention(torch.autograd.Function):
         strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2))
         dq = _new((B, Tq, HQ, D), dev)
+        pk = k if phik is None else phik
         spla_bwd_dq_kernel[(Tq, B * H)](
-            q, k, v, idx, qpos, koff, lse, delta, do, dot_, dq, *strides, Tq, H, idx.shape[-1], scale,
-            G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, USE_RLA=use_rla, IEEE=ieee,
-            num_warps=4, num_stages=2,
+            q, k, v, pk, idx, qpos, koff, lse, delta, do, dot_, dq, *strides, pk.stride(0), pk.stride(1),
+            pk.stride(2), Tq, H, idx.shape[-1], scale, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs,
+            USE_RLA=use_rla, IEEE=ieee, PRE_PHIK=phik is not None, num_warps=4, num_stages=2,
         )
         NB = triton.cdiv(S, bs)
         csr_t, csr_off = queries_by_block(idx, NB)
@@ -707,7 +755,7 @@ class SparseAttention(torch.autograd.Function):
             Tq, H, NB, S, scale, G=G, R=R, D=D, BS=bs, USE_RLA=use_rla, IEEE=ieee,
             num_warps=4 if D <= 64 else 8, num_stages=1,
         )
-        return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def spla_attention_triton(
@@ -741,12 +789,14 @@ def spla_attention_triton(
     kq, kk, kv = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if q.dtype == torch.float64:
         kq, kk, kv = kq.float(), kk.float(), kv.float()
+    pre = use_rla and Tq >= PHIK_PRECOMPUTE_MIN_TQ
     if needs_grad:
-        o_sp, otilde = SparseAttention.apply(kq, kk, kv, idx, qpos, koff, use_rla, block_size)
+        o_sp, otilde = SparseAttention.apply(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre)
     else:
         if num_splits is None:
             num_splits = max(1, min(idx.shape[-1], 264 // max(1, B * H * Tq))) if Tq <= 8 else 1
-        o_sp, otilde, _ = sparse_forward(kq, kk, kv, idx, qpos, koff, use_rla, block_size, num_splits)
+        o_sp, otilde, _ = sparse_forward(kq, kk, kv, idx, qpos, koff, use_rla, block_size, num_splits,
+                                         phik=key_features(kk) if pre else None)
     q_ok = (q_pos >= 0)[:, :, None, None]
     o_sp = (o_sp * q_ok).transpose(1, 2)  # [B, HQ, Tq, D]
     out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
