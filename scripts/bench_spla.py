@@ -238,6 +238,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="smaller contexts (smoke run)")
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode rows and stages (P1)")
+    ap.add_argument("--no-nsa", action="store_true", help="skip the fla NSA rows (P3)")
     args = ap.parse_args()
     import transformers
     import triton
@@ -260,6 +261,8 @@ def main() -> None:
     rows.append(dict(id="P2b", what=f"prefill fwd+bwd, B1 HQ32 H8 d128, T {T // 1024}k", peer_ms=tb_peer,
                      ours_ms=tb_ours, speedup=tb_peer / tb_ours, target=">= 2x"))
     try:
+        if args.no_nsa:
+            raise ImportError("--no-nsa")
         for bwd in (False, True):
             t_nsa, t_o = nsa_case(T, backward=bwd)
             rows.append(dict(id="P3" + ("b" if bwd else ""), peer="fla parallel_nsa (cmp + slc)",
