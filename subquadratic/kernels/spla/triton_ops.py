@@ -524,7 +524,7 @@ def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_b
     GP = max(16, triton.next_power_of_2(G))
     dev = q.device
     qpos = q_pos.to(torch.int32).contiguous()
-    idx = select_indices(q, stats, q_pos, block_size=block_size, top_k_blocks=top_k_blocks,
+    idx = select_indices(q, stats, qpos, block_size=block_size, top_k_blocks=top_k_blocks,
                          num_sink_blocks=num_sink_blocks, num_local_blocks=num_local_blocks, selection=selection)
     nsel = idx.shape[-1]
     per = min(nsel, DECODE_BLOCKS_PER_SPLIT)
@@ -588,7 +588,7 @@ def select_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks
         s2 = (sum_k2 / cnt - mu * mu).clamp(min=0.0) if taylor else None
     elif not (sum_k.stride() == sum_k2.stride() and sum_k.stride()[2:] == (D, 1) and count.stride(1) == 1):
         sum_k, sum_k2, count = sum_k.contiguous(), sum_k2.contiguous(), count.contiguous()
-    qpos = q_pos.to(torch.int32).contiguous()
+    qpos = q_pos.to(torch.int32).contiguous()  # no copy when the caller passes int32 positions
     chunk = max(1, min(Tq, max_scores // max(1, B * HQ * NB)))
     out = _new((B, Tq, H, nsel), dev, torch.int32) if chunk < Tq else None
     for c0 in range(0, Tq, chunk):
@@ -687,7 +687,8 @@ def sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1, 
         o = (w[..., None] * o_part).sum(0)
     o_sp = o / l_sum.clamp(min=1e-30)[..., None]
     lse = torch.where(l_sum > 0, m + torch.log(l_sum.clamp(min=1e-30)), 0.0)
-    return o_sp, ot_part.sum(0) if use_rla else None, lse
+    otilde = (ot_part[0] if num_splits == 1 else ot_part.sum(0)) if use_rla else None
+    return o_sp, otilde, lse
 
 
 def queries_by_block(idx: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -781,10 +782,10 @@ def spla_attention_triton(
     kw = dict(block_size=block_size, top_k_blocks=top_k_blocks, num_sink_blocks=num_sink_blocks,
               num_local_blocks=num_local_blocks, selection=selection)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if Tq == 1 and q.dtype != torch.float64 and num_splits is None and not needs_grad:  # decode: 3 launches
+    if Tq == 1 and q.dtype != torch.float64 and num_splits is None and not needs_grad:  # decode: 4 launches
         return spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, use_rla=use_rla, **kw)
-    idx = select_indices(q, stats, q_pos, **kw)  # [B, Tq, H, K]
     qpos = q_pos.to(torch.int32).contiguous()
+    idx = select_indices(q, stats, qpos, **kw)  # [B, Tq, H, K]
     # kernel operands: unit stride in the head dimension; fp64 inputs (tests) run the kernels in fp32
     kq, kk, kv = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if q.dtype == torch.float64:
