@@ -1,0 +1,459 @@
+"""Query-tile SPLA kernels for prefill and training (DESIGN.md "Kernels").
+
+One program per (query tile of BM consecutive tokens, batch x KV head). The rows of a tile are
+(token, query head of the group): BM x GP rows, so tl.dot sees BM * GP rows instead of one token's
+G heads padded to 16. The program loops over the UNION of the blocks its tokens selected, loading
+each K/V tile once per query tile, and keeps each token's own selection exact with a per-row mask:
+row (t, g) uses key j of block b only if b is in t's selected list and j <= t. On the same tiles it
+accumulates the online softmax of the sparse branch and the correction
+otilde = sum_{selected j} (phi(q).phi(k_j)) v_j of the residual term.
+
+The union is built on the device, with no host synchronisation and no data-dependent shape
+(`tile_union_kernel`): per tile, the ascending list of the blocks selected by any of its tokens
+(at most min(NB, BM * K) entries, the count stored beside it) and, per entry, a BM-bit word saying
+which of the tile's tokens selected it.
+
+Backward (`TileSparseAttention`): dq per query tile over the same union (`tile_bwd_dq_kernel`);
+dk/dv per (key block, batch x KV head) over the query tiles whose union holds the block
+(`tile_bwd_dkv_kernel`), from the union lists inverted by one device sort, so no atomics.
+
+Same contract and values as `triton_ops.sparse_forward` / `triton_ops.SparseAttention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+NEG = tl.constexpr(-1e30)
+
+#: Rows (tokens x padded group heads) of one query tile, and its tokens at most (the per-entry
+#: token masks are int32 words). Union blocks per chunk of the union kernel.
+TILE_ROWS = 64
+TILE_MAX_TOKENS = 32
+UNION_NC = 16
+
+#: Tests set this to fill every kernel output with NaN (-1 for indices) before the launch.
+POISON_OUTPUTS = False
+
+
+def _new(shape, device, dtype=torch.float32):
+    if POISON_OUTPUTS:
+        return torch.full(shape, -1 if dtype == torch.int32 else float("nan"), device=device, dtype=dtype)
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _softmax_rows(x):
+    xf = x.to(tl.float32)
+    e = tl.exp(xf - tl.max(xf, 1)[:, None])
+    return e / tl.sum(e, 1)[:, None]
+
+
+@triton.jit
+def tile_union_kernel(
+    IDX, UNION, BITS, CNT, T, H, NSEL, NU,
+    BM: tl.constexpr, KP: tl.constexpr, NC: tl.constexpr,
+):
+    """Union of the blocks selected by the BM tokens of one query tile (IDX [B, T, H, NSEL], -1 =
+    none): ascending block ids into UNION [B*H, ntiles, NU], the tokens that chose each one as a
+    BM-bit word into BITS (same shape), and their number into CNT [B*H, ntiles]."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    ntiles = tl.num_programs(0)
+    b = bh // H
+    h = bh % H
+    m = tl.arange(0, BM)
+    kk = tl.arange(0, KP)
+    t = tile * BM + m
+    ok = (t < T)[:, None] & (kk < NSEL)[None, :]
+    sel = tl.load(IDX + ((b * T + t) * H + h)[:, None] * NSEL + kk[None, :], mask=ok, other=-1)  # [BM, KP]
+    nmax = tl.max(tl.max(sel, 1), 0) + 1
+    base = (bh * ntiles + tile) * NU
+    cnt = tl.zeros([], tl.int32)
+    for n0 in range(0, nmax, NC):
+        n = n0 + tl.arange(0, NC)
+        hit = tl.max((sel[:, :, None] == n[None, None, :]).to(tl.int32), 1)  # [BM, NC]
+        word = tl.sum(hit << m[:, None], 0)  # [NC]: bit m set when token m chose block n
+        mark = tl.max(hit, 0)
+        dst = cnt + tl.cumsum(mark, 0) - 1
+        keep = mark > 0
+        tl.store(UNION + base + dst, n, mask=keep)
+        tl.store(BITS + base + dst, word, mask=keep)
+        cnt += tl.sum(mark, 0)
+    tl.store(CNT + bh * ntiles + tile, cnt)
+
+
+@triton.jit
+def tile_fwd_kernel(
+    Q, K, V, PHIK, UNION, BITS, CNT, QPOS, KOFF, O, OT, LSE,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_pb, stride_ph, stride_ps,
+    T, H, NU, scale,
+    G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    USE_RLA: tl.constexpr, IEEE: tl.constexpr, PRE_PHIK: tl.constexpr,
+):
+    """Sparse softmax and the correction otilde of one query tile over the union of its blocks.
+    O (normalised), OT: [B, T, HQ, D] fp32; LSE: [B, T, HQ]."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    ntiles = tl.num_programs(0)
+    b = bh // H
+    h = bh % H
+    ROWS: tl.constexpr = BM * GP
+    r = tl.arange(0, ROWS)
+    m = r // GP
+    g = r % GP
+    t = tile * BM + m
+    row_ok = (t < T) & (g < G)
+    head = h * G + g
+    d = tl.arange(0, D)
+    j = tl.arange(0, BS)
+    q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    tpos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
+    tmax = tl.max(tpos, 0)
+    koff = tl.load(KOFF + b)
+    m_i = tl.full([ROWS], NEG, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    ot = tl.zeros([ROWS, D], tl.float32)
+    if USE_RLA:
+        phiq = _softmax_rows(q)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    p_base = PHIK + b * stride_pb + h * stride_ph
+    ubase = (bh * ntiles + tile) * NU
+    cnt = tl.load(CNT + bh * ntiles + tile)
+    for u in range(0, cnt):
+        blk = tl.load(UNION + ubase + u)
+        bits = tl.load(BITS + ubase + u)
+        rsel = ((bits >> m) & 1) != 0
+        pos = blk * BS + j
+        kload = pos <= tmax
+        mask = rsel[:, None] & (pos[None, :] <= tpos[:, None])
+        slot = koff + pos
+        k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kload[:, None], other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kload[:, None], other=0.0)
+        s = _mm(q, tl.trans(k), IEEE) * scale
+        s = tl.where(mask, s, NEG)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(mask, tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _mm(p, v, IEEE)
+        m_i = m_new
+        if USE_RLA:
+            if PRE_PHIK:
+                phik = tl.load(p_base + slot[:, None] * stride_ps + d[None, :], mask=kload[:, None], other=0.0)
+            else:
+                phik = _softmax_rows(k)
+            a = tl.where(mask, _mm(phiq, tl.trans(phik.to(k.dtype)), IEEE), 0.0)
+            ot += _mm(a, v, IEEE)
+    HQ = H * G
+    out_row = (b * T + t) * HQ + head
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), 0.0)
+    tl.store(LSE + out_row, lse, mask=row_ok)
+    tl.store(O + out_row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+    if USE_RLA:
+        tl.store(OT + out_row[:, None] * D + d[None, :], ot, mask=row_ok[:, None])
+
+
+@triton.jit
+def tile_bwd_dq_kernel(
+    Q, K, V, PHIK, UNION, BITS, CNT, QPOS, KOFF, LSE, DELTA, DO, DOT, DQ,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_pb, stride_ph, stride_ps,
+    T, H, NU, scale,
+    G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    USE_RLA: tl.constexpr, IEEE: tl.constexpr, PRE_PHIK: tl.constexpr,
+):
+    """dq of one query tile over the union of its blocks, through the sparse softmax
+    (ds = p (dO v - delta)) and the correction (d phi(q) through the feature map's Jacobian).
+    LSE, DELTA: [B, T, HQ]; DO, DOT, DQ: [B, T, HQ, D] fp32."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    ntiles = tl.num_programs(0)
+    b = bh // H
+    h = bh % H
+    ROWS: tl.constexpr = BM * GP
+    r = tl.arange(0, ROWS)
+    m = r // GP
+    g = r % GP
+    t = tile * BM + m
+    row_ok = (t < T) & (g < G)
+    head = h * G + g
+    d = tl.arange(0, D)
+    j = tl.arange(0, BS)
+    q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    tpos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
+    tmax = tl.max(tpos, 0)
+    koff = tl.load(KOFF + b)
+    HQ = H * G
+    row = (b * T + t) * HQ + head
+    lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(q.dtype)
+    dq = tl.zeros([ROWS, D], tl.float32)
+    if USE_RLA:
+        phiq = _softmax_rows(q)
+        dot_ = tl.load(DOT + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(q.dtype)
+        dphiq = tl.zeros([ROWS, D], tl.float32)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    p_base = PHIK + b * stride_pb + h * stride_ph
+    ubase = (bh * ntiles + tile) * NU
+    cnt = tl.load(CNT + bh * ntiles + tile)
+    for u in range(0, cnt):
+        blk = tl.load(UNION + ubase + u)
+        bits = tl.load(BITS + ubase + u)
+        rsel = ((bits >> m) & 1) != 0
+        pos = blk * BS + j
+        kload = pos <= tmax
+        mask = rsel[:, None] & (pos[None, :] <= tpos[:, None])
+        slot = koff + pos
+        k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kload[:, None], other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kload[:, None], other=0.0)
+        s = _mm(q, tl.trans(k), IEEE) * scale
+        p = tl.where(mask, tl.exp(s - lse[:, None]), 0.0)
+        ds = p * (_mm(do, tl.trans(v), IEEE) - delta[:, None])
+        dq += _mm(ds, k, IEEE)
+        if USE_RLA:
+            if PRE_PHIK:
+                phik = tl.load(p_base + slot[:, None] * stride_ps + d[None, :], mask=kload[:, None], other=0.0)
+            else:
+                phik = _softmax_rows(k)
+            da = tl.where(mask, _mm(dot_, tl.trans(v), IEEE), 0.0)
+            dphiq += _mm(da, phik.to(k.dtype), IEEE)
+    dq = dq * scale
+    if USE_RLA:
+        dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
+    tl.store(DQ + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None])
+
+
+@triton.jit
+def tile_bwd_dkv_kernel(
+    Q, K, V, QPOS, KOFF, LSE, DELTA, DO, DOT, E_TILE, E_BITS, E_OFF, DK, DV,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    T, H, NB, S, scale,
+    G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    USE_RLA: tl.constexpr, IEEE: tl.constexpr,
+):
+    """dk, dv of one (key block, batch x KV head) over the query tiles whose union holds the block
+    (entries E_TILE / E_BITS of CSR row bh * NB + blk), through both branches. DK, DV: [B, H, S, D]
+    fp32 at the block's slots."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, D)
+    j = tl.arange(0, BS)
+    koff = tl.load(KOFF + b)
+    pos = blk * BS + j
+    slot = koff + pos
+    kv_ok = slot < S
+    k = tl.load(K + b * stride_kb + h * stride_kh + slot[:, None] * stride_ks + d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + slot[:, None] * stride_vs + d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    dk = tl.zeros([BS, D], tl.float32)
+    dv = tl.zeros([BS, D], tl.float32)
+    if USE_RLA:
+        phik = _softmax_rows(k)
+        phik_lp = phik.to(k.dtype)
+        dphik = tl.zeros([BS, D], tl.float32)
+    ROWS: tl.constexpr = BM * GP
+    r = tl.arange(0, ROWS)
+    m = r // GP
+    g = r % GP
+    head = h * G + g
+    HQ = H * G
+    off0 = tl.load(E_OFF + bh * NB + blk)
+    off1 = tl.load(E_OFF + bh * NB + blk + 1)
+    for e in range(off0, off1):
+        tile = tl.load(E_TILE + e)
+        bits = tl.load(E_BITS + e)
+        t = tile * BM + m
+        ok = (t < T) & (g < G) & (((bits >> m) & 1) != 0)
+        tpos = tl.load(QPOS + b * T + t, mask=ok, other=-1)
+        q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                    mask=ok[:, None], other=0.0)
+        row = (b * T + t) * HQ + head
+        lse = tl.load(LSE + row, mask=ok, other=0.0)
+        delta = tl.load(DELTA + row, mask=ok, other=0.0)
+        do = tl.load(DO + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(v.dtype)
+        causal = (pos[:, None] <= tpos[None, :]) & ok[None, :] & kv_ok[:, None]  # [BS, ROWS]
+        p = tl.where(causal, tl.exp(_mm(k, tl.trans(q), IEEE) * scale - lse[None, :]), 0.0)
+        dv += _mm(p, do, IEEE)
+        ds = p * (_mm(v, tl.trans(do), IEEE) - delta[None, :])
+        dk += _mm(ds, q, IEEE)
+        if USE_RLA:
+            phiq = _softmax_rows(q).to(k.dtype)
+            dot_ = tl.load(DOT + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(v.dtype)
+            a = tl.where(causal, _mm(phik_lp, tl.trans(phiq), IEEE), 0.0)
+            dv += _mm(a, dot_, IEEE)
+            da = tl.where(causal, _mm(v, tl.trans(dot_), IEEE), 0.0)
+            dphik += _mm(da, phiq, IEEE)
+    dk = dk * scale
+    if USE_RLA:
+        dk += phik * (dphik - tl.sum(dphik * phik, 1)[:, None])
+    out = (bh * S + slot)[:, None] * D + d[None, :]
+    tl.store(DK + out, dk, mask=kv_ok[:, None])
+    tl.store(DV + out, dv, mask=kv_ok[:, None])
+
+
+def tile_shape(G: int, rows: int | None = None) -> tuple[int, int]:
+    """(GP, BM): the group padded to a power of two and the tokens of one query tile."""
+    GP = triton.next_power_of_2(G)
+    rows = TILE_ROWS if rows is None else rows
+    BM = max(1, min(TILE_MAX_TOKENS, rows // GP))
+    while BM * GP < 16:
+        BM *= 2
+    return GP, BM
+
+
+def tile_union(idx: torch.Tensor, num_blocks: int, BM: int):
+    """Per query tile of BM tokens: (union [B*H, ntiles, NU] int32 ascending, bits (same shape, int32:
+    bit m = token m of the tile chose the block), count [B*H, ntiles] int32, NU). No host sync."""
+    B, T, H, K = idx.shape
+    ntiles = triton.cdiv(T, BM)
+    NU = max(1, min(num_blocks, BM * K))
+    dev = idx.device
+    union = _new((B * H, ntiles, NU), dev, torch.int32)
+    bits = _new((B * H, ntiles, NU), dev, torch.int32)
+    cnt = _new((B * H, ntiles), dev, torch.int32)
+    tile_union_kernel[(ntiles, B * H)](
+        idx, union, bits, cnt, T, H, K, NU, BM=BM, KP=max(2, triton.next_power_of_2(K)), NC=UNION_NC,
+        num_warps=4,
+    )
+    return union, bits, cnt, NU
+
+
+def tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=None, union=None, rows=None):
+    """Same contract as `triton_ops.sparse_forward` (q [B, HQ, Tq, D], k, v [B, H, S, D], idx
+    [B, Tq, H, K] int32, qpos [B, Tq] int32, koff [B] int32): returns o_sp (normalised), otilde (or
+    None) [B, Tq, HQ, D] fp32 and the log-sum-exp [B, Tq, HQ]; also the union lists (for the backward)."""
+    B, HQ, Tq, D = q.shape
+    H, S = k.shape[1], k.shape[2]
+    G = HQ // H
+    GP, BM = tile_shape(G, rows)
+    NB = triton.cdiv(S, block_size)
+    if union is None:
+        union = tile_union(idx.contiguous(), NB, BM)
+    ul, ub, uc, NU = union
+    ntiles = ul.shape[1]
+    dev = q.device
+    o = _new((B, Tq, HQ, D), dev)
+    ot = _new((B, Tq, HQ, D), dev) if use_rla else o
+    lse = _new((B, Tq, HQ), dev)
+    pk = k if phik is None else phik
+    tile_fwd_kernel[(ntiles, B * H)](
+        q, k, v, pk, ul, ub, uc, qpos, koff, o, ot, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        pk.stride(0), pk.stride(1), pk.stride(2),
+        Tq, H, NU, 1.0 / math.sqrt(D),
+        G=G, GP=GP, BM=BM, D=D, BS=block_size, USE_RLA=use_rla, IEEE=q.dtype == torch.float32,
+        PRE_PHIK=phik is not None, num_warps=4 if BM * GP * D <= 64 * 64 else 8, num_stages=2,
+    )
+    return o, (ot if use_rla else None), lse, union
+
+
+def blocks_to_tiles(union, num_blocks: int):
+    """Invert the union lists: for each (batch x KV head, block) the query tiles whose union holds it,
+    as CSR (tiles int32 [n], bits int32 [n], offsets int32 [B*H*NB + 1]); one device sort, no host
+    sync (n is the padded size of the lists; entries past the offsets are unused)."""
+    ul, ub, uc, NU = union
+    BH, ntiles, _ = ul.shape
+    dev = ul.device
+    valid = torch.arange(NU, device=dev)[None, None, :] < uc[:, :, None]
+    bh = torch.arange(BH, device=dev, dtype=torch.int64)[:, None, None]
+    key = torch.where(valid, bh * num_blocks + ul.long(), BH * num_blocks).flatten()
+    skey, order = key.sort(stable=True)
+    offsets = torch.searchsorted(skey, torch.arange(BH * num_blocks + 1, device=dev)).to(torch.int32)
+    tiles = ((order // NU) % ntiles).to(torch.int32)
+    bits = ub.flatten()[order]
+    return tiles, bits, offsets
+
+
+class TileSparseAttention(torch.autograd.Function):
+    """The sparse branch and the correction otilde over query tiles, forward and backward. The
+    selection (idx) carries no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik=False):
+        phik = torch.softmax(k.float(), dim=-1).to(k.dtype) if use_rla and precompute_phik else None
+        o, ot, lse, union = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik)
+        ul, ub, uc, NU = union
+        ctx.save_for_backward(q, k, v, qpos, koff, o, lse, phik, ul, ub, uc)
+        ctx.use_rla, ctx.block_size, ctx.NU = use_rla, block_size, NU
+        return o, ot
+
+    @staticmethod
+    def backward(ctx, do, dot_):
+        q, k, v, qpos, koff, o, lse, phik, ul, ub, uc = ctx.saved_tensors
+        use_rla, bs, NU = ctx.use_rla, ctx.block_size, ctx.NU
+        B, HQ, Tq, D = q.shape
+        H, S = k.shape[1], k.shape[2]
+        G = HQ // H
+        GP, BM = tile_shape(G)
+        dev = q.device
+        do = torch.zeros_like(o) if do is None else do.float().contiguous()
+        delta = (do * o).sum(-1).contiguous()
+        if use_rla:
+            dot_ = torch.zeros_like(o) if dot_ is None else dot_.float().contiguous()
+        else:
+            dot_ = do
+        ieee = q.dtype == torch.float32
+        scale = 1.0 / math.sqrt(D)
+        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                   v.stride(0), v.stride(1), v.stride(2))
+        ntiles = ul.shape[1]
+        dq = _new((B, Tq, HQ, D), dev)
+        pk = k if phik is None else phik
+        warps = 4 if BM * GP * D <= 64 * 64 else 8
+        tile_bwd_dq_kernel[(ntiles, B * H)](
+            q, k, v, pk, ul, ub, uc, qpos, koff, lse, delta, do, dot_, dq, *strides,
+            pk.stride(0), pk.stride(1), pk.stride(2), Tq, H, NU, scale,
+            G=G, GP=GP, BM=BM, D=D, BS=bs, USE_RLA=use_rla, IEEE=ieee, PRE_PHIK=phik is not None,
+            num_warps=warps, num_stages=2,
+        )
+        NB = triton.cdiv(S, bs)
+        e_tile, e_bits, e_off = blocks_to_tiles((ul, ub, uc, NU), NB)
+        dk = torch.zeros(B, H, S, D, device=dev, dtype=torch.float32)
+        dv = torch.zeros_like(dk)
+        tile_bwd_dkv_kernel[(NB, B * H)](
+            q, k, v, qpos, koff, lse, delta, do, dot_, e_tile, e_bits, e_off, dk, dv, *strides,
+            Tq, H, NB, S, scale, G=G, GP=GP, BM=BM, D=D, BS=bs, USE_RLA=use_rla, IEEE=ieee,
+            num_warps=warps, num_stages=1,
+        )
+        return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def tile_sparse_attention(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik=False):
+    """Drop-in for `triton_ops.SparseAttention.apply`: (o_sp, otilde) [B, Tq, HQ, D] fp32 with autograd."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return TileSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik)
+    phik = torch.softmax(k.float(), dim=-1).to(k.dtype) if use_rla and precompute_phik else None
+    o, ot, _, _ = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik)
+    return o, ot
