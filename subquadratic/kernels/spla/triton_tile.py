@@ -97,7 +97,7 @@ def tile_union_kernel(
 
 @triton.jit
 def tile_fwd_kernel(
-    Q, K, V, PHIK, UNION, BITS, CNT, QPOS, KOFF, O, OT, LSE,
+    Q, K, V, PHIK, UNION, BITS, CNT, QPOS, KOFF, OUT, OT, LSE,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -107,7 +107,7 @@ def tile_fwd_kernel(
     USE_RLA: tl.constexpr, IEEE: tl.constexpr, PRE_PHIK: tl.constexpr,
 ):
     """Sparse softmax and the correction otilde of one query tile over the union of its blocks.
-    O (normalised), OT: [B, T, HQ, D] fp32; LSE: [B, T, HQ]."""
+    OUT (normalised), OT: [B, T, HQ, D] fp32; LSE: [B, T, HQ]."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     ntiles = tl.num_programs(0)
@@ -168,7 +168,7 @@ def tile_fwd_kernel(
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), 0.0)
     tl.store(LSE + out_row, lse, mask=row_ok)
-    tl.store(O + out_row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+    tl.store(OUT + out_row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
     if USE_RLA:
         tl.store(OT + out_row[:, None] * D + d[None, :], ot, mask=row_ok[:, None])
 

@@ -1,0 +1,231 @@
+"""SPLA query-tile kernels on one GPU: correctness at real shapes (bf16 vs the fp32 reference) and
+speed against SDPA flash and the per-token sparse kernel, measured in the same run
+(triton.testing.do_bench medians, fresh random data).
+
+  python scripts/bench_spla_tile.py [--check] [--time] [--T 32768 65536] [--rows 64 128]
+
+Two kinds of data: "random" (iid q, k: every token selects nearly independent blocks, the worst
+case of a tile's union) and "corr" (queries drift slowly along the sequence and keys carry a
+per-block offset, as in trained models, where consecutive queries share most of their blocks).
+The mean union size per tile is printed with each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+
+import torch
+import torch.nn.functional as F
+
+
+def bench(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def data(kind, B, HQ, H, T, D, dev="cuda", dt=torch.bfloat16, seed=0, bs=64):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    if kind == "random":
+        q, k, v = (torch.randn(B, n, T, D, device=dev, generator=g) for n in (HQ, H, H))
+    else:
+        rho = 0.98  # AR(1) drift of the queries along the sequence
+        w = torch.randn(B, HQ, T, D, device=dev, generator=g)
+        steps = torch.arange(T, device=dev, dtype=torch.float32)
+        # q_t = sum_s rho^(t-s) w_s, computed as a scan in chunks of a decaying cumulative sum
+        q = torch.empty_like(w)
+        state = torch.zeros(B, HQ, D, device=dev)
+        C = 256
+        dec = rho ** steps[:C]
+        for c0 in range(0, T, C):
+            wc = w[:, :, c0:c0 + C]
+            n = wc.shape[2]
+            cs = torch.cumsum(wc / dec[:n, None], dim=2) * dec[:n, None]
+            q[:, :, c0:c0 + n] = cs + state[:, :, None] * (rho * dec[:n, None])
+            state = q[:, :, c0 + n - 1]
+        q = q * (1 - rho * rho) ** 0.5 * 2.0
+        nb = -(-T // bs)
+        off = torch.randn(B, H, nb, D, device=dev, generator=g).repeat_interleave(bs, dim=2)[:, :, :T]
+        k = off + 0.5 * torch.randn(B, H, T, D, device=dev, generator=g)
+        v = torch.randn(B, H, T, D, device=dev, generator=g)
+    return q.to(dt), k.to(dt), v.to(dt)
+
+
+def patched(tile):
+    """Context: spla_attention_triton with the tile kernels in place of the per-token kernel."""
+    import contextlib
+
+    from subquadratic.kernels.spla import triton_ops
+
+    @contextlib.contextmanager
+    def ctx():
+        old = triton_ops.sparse_forward, triton_ops.SparseAttention
+
+        def fwd(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1, phik=None):
+            return tile.tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik)[:3]
+
+        triton_ops.sparse_forward = fwd
+        triton_ops.SparseAttention = types.SimpleNamespace(apply=tile.tile_sparse_attention)
+        try:
+            yield
+        finally:
+            triton_ops.sparse_forward, triton_ops.SparseAttention = old
+
+    return ctx()
+
+
+def check():
+    from subquadratic.kernels.spla import BlockStats, spla_attention_reference, triton_ops
+    from subquadratic.kernels.spla import triton_tile as tile
+
+    dev = "cuda"
+    worst = 0.0
+    for kind, T, G, D, grad in [("random", 2048, 1, 64, True), ("corr", 2048, 4, 128, True),
+                                ("random", 4096, 16, 128, True), ("corr", 8192, 4, 128, False),
+                                ("random", 8192, 16, 64, False), ("corr", 4096, 8, 64, True)]:
+        H = 2
+        HQ = G * H
+        q, k, v = data(kind, 1, HQ, H, T, D, seed=T + G)
+        pos = torch.arange(T, device=dev)[None].contiguous()
+        stats = BlockStats.empty(1, H, D, dev).add(k, pos, 64)
+        sbar = torch.zeros(1, H, D, D, device=dev)
+        cfg = dict(block_size=64, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2, use_rla=True)
+        ins = [x.float().requires_grad_(grad) for x in (q, k, v)]
+        want = spla_attention_reference(*ins, pos, pos, stats, sbar, **cfg)
+        outs = [x.detach().requires_grad_(grad) for x in (q, k, v)]
+        with patched(tile):
+            got = triton_ops.spla_attention_triton(*outs, pos, pos, stats, sbar, **cfg)
+        errs = [rel(got[0], want[0]), rel(got[1], want[1])]
+        if grad:
+            gs = [torch.randn_like(want[0]) for _ in range(2)]
+            torch.autograd.backward(want[:2], gs)
+            torch.autograd.backward(got[:2], [x.to(got[0].dtype) for x in gs])
+            errs += [rel(a.grad, b.grad) for a, b in zip(outs, ins, strict=True)]
+        worst = max(worst, *errs)
+        print(f"check {kind:6s} T{T} G{G} d{D}: rel o_sp {errs[0]:.2e} o_rla {errs[1]:.2e}"
+              + (f" dq {errs[2]:.2e} dk {errs[3]:.2e} dv {errs[4]:.2e}" if grad else ""), flush=True)
+    print(f"check worst rel {worst:.2e} ({'PASS' if worst <= 1e-2 else 'FAIL'})", flush=True)
+
+
+def flash_case(T, B=1, HQ=32, H=8, D=128):
+    q, k, v = data("random", B, HQ, H, T, D)
+    qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
+    gout = torch.randn_like(q)
+
+    def flash_fb():
+        F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True).backward(gout)
+
+    f_f = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    f_fb = bench(flash_fb)
+    print(f"T{T} flash fwd {f_f:.2f} ms fwd+bwd {f_fb:.2f} ms", flush=True)
+    return f_f, f_fb
+
+
+def tile_case(rows, q, k, v, idx, qpos, koff, phik, bs, ref, grads_old, g1, g2):
+    from subquadratic.kernels.spla import triton_tile as tile
+
+    B, HQ, T, D = q.shape
+    H = k.shape[1]
+    tile.TILE_ROWS = rows
+    GP, BM = tile.tile_shape(HQ // H)
+    NB = -(-T // bs)
+    union = tile.tile_union(idx, NB, BM)
+    mean_u = union[2].float().mean().item()
+    t_union = bench(lambda: tile.tile_union(idx, NB, BM))
+    t_new = bench(lambda: tile.tile_sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik))
+    o, ot, lse, _ = tile.tile_sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik)
+    err = max(rel(o, ref[0]), rel(ot, ref[1]), rel(lse, ref[2]))
+    qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
+
+    def new_fb():
+        o, ot = tile.tile_sparse_attention(qg, kg, vg, idx, qpos, koff, True, bs, True)
+        torch.autograd.backward([o, ot], [g1, g2])
+
+    t_new_fb = bench(new_fb)
+    qg.grad = kg.grad = vg.grad = None
+    new_fb()
+    gerr = max(rel(x.grad, y) for x, y in zip((qg, kg, vg), grads_old, strict=True))
+    return dict(rows=rows, BM=BM, union=mean_u, union_ms=t_union, new_f=t_new, new_fb=t_new_fb, err=err, gerr=gerr)
+
+
+def data_case(T, kind, rows_list, B=1, HQ=32, H=8, D=128, bs=64):
+    from subquadratic.kernels.spla import BlockStats, triton_ops
+    from subquadratic.kernels.spla import triton_tile as tile
+
+    dev = "cuda"
+    cfg = dict(block_size=bs, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2)
+    q, k, v = data(kind, B, HQ, H, T, D)
+    pos = torch.arange(T, device=dev)[None].contiguous()
+    qpos = pos.to(torch.int32)
+    koff = torch.zeros(B, dtype=torch.int32, device=dev)
+    stats = BlockStats.empty(B, H, D, dev).add(k, pos, bs)
+    t_sel = bench(lambda: triton_ops.select_indices(q, stats, qpos, **cfg))
+    idx = triton_ops.select_indices(q, stats, qpos, **cfg)
+    phik = triton_ops.key_features(k)
+    t_old = bench(lambda: triton_ops.sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik))
+    ref = triton_ops.sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik)
+    qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
+    g1, g2 = torch.randn(2, B, T, HQ, D, device=dev)
+
+    def old_fb():
+        o, ot = triton_ops.SparseAttention.apply(qg, kg, vg, idx, qpos, koff, True, bs, True)
+        torch.autograd.backward([o, ot], [g1, g2])
+
+    t_old_fb = bench(old_fb)
+    qg.grad = kg.grad = vg.grad = None
+    old_fb()
+    grads_old = [x.grad.clone() for x in (qg, kg, vg)]
+    out = []
+    for rows in rows_list:
+        r = dict(T=T, kind=kind, sel=t_sel, old_f=t_old, old_fb=t_old_fb)
+        r.update(tile_case(rows, q, k, v, idx, qpos, koff, phik, bs, ref, grads_old, g1, g2))
+        print(" ".join(f"{a}={b:.3g}" if isinstance(b, float) else f"{a}={b}" for a, b in r.items()), flush=True)
+        out.append(r)
+    # the whole prefill call (selection, sparse kernel, residual term), old and new
+    sbar = torch.zeros(B, H, D, D, device=dev)
+    whole_old = bench(lambda: triton_ops.spla_attention_triton(q, k, v, pos, pos, stats, sbar, **cfg))
+    with patched(tile):
+        whole_new = bench(lambda: triton_ops.spla_attention_triton(q, k, v, pos, pos, stats, sbar, **cfg))
+    print(f"T{T} {kind} whole call fwd: old {whole_old:.2f} new {whole_new:.2f} ms (rows {rows_list[-1]}, "
+          f"old/new {whole_old / whole_new:.2f}x)", flush=True)
+    return out
+
+
+def timing(Ts, rows_list, kinds):
+    table = []
+    for T in Ts:
+        f_f, f_fb = flash_case(T)
+        for kind in kinds:
+            for r in data_case(T, kind, rows_list):
+                table.append(dict(r, flash_f=f_f, flash_fb=f_fb))
+    print("\n| T | data | rows | BM | union | flash f | old f | new f | flash/new | old/new | flash fb | old fb "
+          "| new fb | flash/new | old/new | select | union ms |")
+    for r in table:
+        f, fb = r["flash_f"], r["flash_fb"]
+        print(f"| {r['T']} | {r['kind']} | {r['rows']} | {r['BM']} | {r['union']:.1f} | {f:.2f} | "
+              f"{r['old_f']:.2f} | {r['new_f']:.2f} | {f / r['new_f']:.2f} | {r['old_f'] / r['new_f']:.2f} | "
+              f"{fb:.2f} | {r['old_fb']:.2f} | {r['new_fb']:.2f} | {fb / r['new_fb']:.2f} | "
+              f"{r['old_fb'] / r['new_fb']:.2f} | {r['sel']:.2f} | {r['union_ms']:.3f} |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--T", type=int, nargs="+", default=[32768, 65536])
+    ap.add_argument("--rows", type=int, nargs="+", default=[64])
+    ap.add_argument("--kinds", nargs="+", default=["corr", "random"])
+    a = ap.parse_args()
+    if a.check:
+        check()
+    if a.time:
+        timing(a.T, a.rows, a.kinds)
+
+
+if __name__ == "__main__":
+    main()
