@@ -64,17 +64,18 @@ def patched(tile):
 
     @contextlib.contextmanager
     def ctx():
-        old = triton_ops.sparse_forward, triton_ops.SparseAttention
+        old = triton_ops.sparse_forward, triton_ops.SparseAttention, triton_ops.select_indices
 
         def fwd(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1, phik=None):
             return tile.tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik)[:3]
 
         triton_ops.sparse_forward = fwd
         triton_ops.SparseAttention = types.SimpleNamespace(apply=tile.tile_sparse_attention)
+        triton_ops.select_indices = tile.select_indices_fast
         try:
             yield
         finally:
-            triton_ops.sparse_forward, triton_ops.SparseAttention = old
+            triton_ops.sparse_forward, triton_ops.SparseAttention, triton_ops.select_indices = old
 
     return ctx()
 
@@ -166,6 +167,11 @@ def data_case(T, kind, rows_list, B=1, HQ=32, H=8, D=128, bs=64):
     stats = BlockStats.empty(B, H, D, dev).add(k, pos, bs)
     t_sel = bench(lambda: triton_ops.select_indices(q, stats, qpos, **cfg))
     idx = triton_ops.select_indices(q, stats, qpos, **cfg)
+    t_sel_new = bench(lambda: tile.select_indices_fast(q, stats, qpos, **cfg))
+    idx_new = tile.select_indices_fast(q, stats, qpos, **cfg)
+    same = (torch.sort(idx_new, -1).values == torch.sort(idx, -1).values).all(-1).float().mean().item()
+    print(f"T{T} {kind} selection: old {t_sel:.2f} ms new {t_sel_new:.2f} ms (old/new {t_sel / t_sel_new:.2f}x), "
+          f"same block set for {100 * same:.3f}% of (token, KV head)", flush=True)
     phik = triton_ops.key_features(k)
     t_old = bench(lambda: triton_ops.sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik))
     ref = triton_ops.sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik)

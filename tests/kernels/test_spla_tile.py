@@ -1,8 +1,9 @@
 """Query-tile SPLA kernels (kernels/spla/triton_tile.py) vs the fp64 reference: values of o_sp and
-o_rla and the gradients dq, dk, dv, through the same host path as the current sparse kernel
-(`triton_ops.spla_attention_triton` with the tile kernels in place of `sparse_forward` /
-`SparseAttention`). GQA groups 1..4 (8/16 on CUDA), left and right padding, cached prefixes, budgets
-smaller than the context. On CPU under TRITON_INTERPRET=1 at small shapes."""
+o_rla and the gradients dq, dk, dv, through the same host path as the current kernels
+(`triton_ops.spla_attention_triton` with the tile kernels in place of `select_indices`,
+`sparse_forward` and `SparseAttention`), and the tile selection against `reference.select_blocks`.
+GQA groups 1..8 (16 on CUDA), left and right padding, cached prefixes, budgets smaller than the
+context. On CPU under TRITON_INTERPRET=1 at small shapes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(autouse=True)
 def tile_kernels(monkeypatch):
-    """Poisoned outputs everywhere, and the tile kernels in place of the per-token sparse kernel."""
+    """Poisoned outputs everywhere, and the tile kernels in place of the per-token sparse kernel and
+    of the two-launch selection."""
     monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
     monkeypatch.setattr(triton_tile, "POISON_OUTPUTS", True)
 
@@ -27,6 +29,7 @@ def tile_kernels(monkeypatch):
         return triton_tile.tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik)[:3]
 
     monkeypatch.setattr(triton_ops, "sparse_forward", fwd)
+    monkeypatch.setattr(triton_ops, "select_indices", triton_tile.select_indices_fast)
     monkeypatch.setattr(triton_ops, "SparseAttention", types.SimpleNamespace(apply=triton_tile.tile_sparse_attention))
 
 
@@ -136,3 +139,24 @@ def test_tile_bf16_real_shapes_on_gpu(G, D):
     got = triton_ops.spla_attention_triton(q, k, v, pos, pos, stats, sbar, **cfg)
     for a, b in zip(got, want, strict=True):
         assert rel(a, b) <= 1e-2
+
+
+@pytest.mark.parametrize("selection", ["taylor", "mean"])
+@pytest.mark.parametrize("case", [(2, 4, 2, 90, 16, 16, 4, 1, 2, 7), (1, 3, 1, 64, 32, 16, 3, 0, 1, 0),
+                                  (1, 8, 2, 100, 16, 16, 3, 1, 1, -9), (1, 1, 1, 70, 32, 16, 2, 2, 1, 0)])
+@pytest.mark.parametrize("max_scores", [None, 40])
+def test_select_indices_fast_selects_the_reference_blocks(case, selection, max_scores):
+    """The one-launch tile selection vs reference.select_blocks, whole or in query chunks."""
+    from subquadratic.kernels.spla import select_blocks
+
+    B, HQ, H, T, D, bs, top, sink, local, pad = case
+    q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=T + D)
+    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=selection)
+    want = select_blocks(q, stats, pos, **cfg)  # [B, H, T, NB]
+    kw = {} if max_scores is None else dict(max_scores=max_scores * B * H * stats.num_blocks)
+    idx = triton_tile.select_indices_fast(q, stats, pos, **cfg, **kw).long()  # [B, T, H, K]
+    got = torch.zeros(B, T, H, want.shape[-1] + 1, dtype=torch.bool, device=DEV)
+    got.scatter_(-1, torch.where(idx >= 0, idx, want.shape[-1]), True)
+    assert torch.equal(got[..., :-1].permute(0, 2, 1, 3), want)
+    kept = torch.sort(idx, -1).values
+    assert (kept[..., 1:] != kept[..., :-1])[kept[..., 1:] >= 0].all()  # no block twice

@@ -326,6 +326,142 @@ def tile_bwd_dkv_kernel(
     tl.store(DV + out, dv, mask=kv_ok[:, None])
 
 
+@triton.jit
+def tile_select_kernel(
+    Q, MU, S2, QPOS, GS, IDX,
+    stride_qb, stride_qh, stride_qt, stride_ib, stride_it,
+    T, H, NB, block_size, n_sink, n_local, top_k, NSEL, scale,
+    G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+    NBP: tl.constexpr, TB: tl.constexpr, TAYLOR: tl.constexpr, PREC: tl.constexpr,
+):
+    """Selection of one query tile (BM tokens x the GP heads of a KV group) in one program: block
+    scores qs.mu + log(1 + qs^2.s2 / 2) on the tensor cores from the block means MU and variances
+    S2 [B, H, NB, D] (fp32), the softmax over the candidate blocks per query head (two passes over
+    the blocks, the second recomputing the scores), the group sum per token into the scratch GS
+    [B*H, T, NB], then per token the forced blocks (local, then sinks) and the best
+    `top_k - forced` candidates into IDX [B, T, H, NSEL] (-1 = none), as `spla_topk_kernel`."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    ROWS: tl.constexpr = BM * GP
+    r = tl.arange(0, ROWS)
+    mrow = r // GP
+    g = r % GP
+    t = tile * BM + mrow
+    row_ok = (t < T) & (g < G)
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                mask=row_ok[:, None], other=0.0).to(tl.float32) * scale
+    q2 = q * q
+    tpos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
+    cur = tl.where(tpos >= 0, tpos // block_size, -1)
+    cmax = tl.max(cur, 0)
+    stat = MU + bh * NB * D
+    stat2 = S2 + bh * NB * D
+    m_i = tl.full([ROWS], NEG, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    for n0 in range(0, cmax, BN):  # per-head softmax statistics over the candidates (n < cur)
+        n = n0 + tl.arange(0, BN)
+        nok = n < NB
+        mu = tl.load(stat + n[:, None] * D + d[None, :], mask=nok[:, None], other=0.0)
+        sc = tl.dot(q, tl.trans(mu), input_precision=PREC)
+        if TAYLOR:
+            s2 = tl.load(stat2 + n[:, None] * D + d[None, :], mask=nok[:, None], other=0.0)
+            sc += tl.log(1.0 + 0.5 * tl.dot(q2, tl.trans(s2), input_precision=PREC))
+        cand = (n[None, :] < cur[:, None]) & (n[None, :] >= n_sink) & (n[None, :] <= cur[:, None] - n_local)
+        sc = tl.where(cand, sc, NEG)
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.where(cand, tl.exp(sc - m_new[:, None]), 0.0), 1)
+        m_i = m_new
+    inv_l = tl.where(row_ok & (l_i > 0), 1.0 / tl.maximum(l_i, 1e-30), 0.0)
+    mt = tl.arange(0, BM)
+    tt = tile * BM + mt
+    ttok = tt < T
+    tposm = tl.load(QPOS + b * T + tt, mask=ttok, other=-1)
+    curm = tl.where(tposm >= 0, tposm // block_size, -1)
+    gs_base = GS + bh * T * NB
+    for n0 in range(0, cmax, BN):  # group score of each candidate, -1 elsewhere
+        n = n0 + tl.arange(0, BN)
+        nok = n < NB
+        mu = tl.load(stat + n[:, None] * D + d[None, :], mask=nok[:, None], other=0.0)
+        sc = tl.dot(q, tl.trans(mu), input_precision=PREC)
+        if TAYLOR:
+            s2 = tl.load(stat2 + n[:, None] * D + d[None, :], mask=nok[:, None], other=0.0)
+            sc += tl.log(1.0 + 0.5 * tl.dot(q2, tl.trans(s2), input_precision=PREC))
+        cand = (n[None, :] < cur[:, None]) & (n[None, :] >= n_sink) & (n[None, :] <= cur[:, None] - n_local)
+        p = tl.where(cand, tl.exp(sc - m_i[:, None]), 0.0) * inv_l[:, None]
+        gsum = tl.sum(tl.reshape(p, [BM, GP, BN]), 1)  # [BM, BN]
+        candm = (n[None, :] < curm[:, None]) & (n[None, :] >= n_sink) & (n[None, :] <= curm[:, None] - n_local)
+        tl.store(gs_base + tt[:, None] * NB + n[None, :], tl.where(candm, gsum, -1.0),
+                 mask=ttok[:, None] & (n[None, :] < cmax))
+    tl.debug_barrier()  # the group scores written above are read back by other threads
+    nn = tl.arange(0, NBP)
+    for m0 in tl.static_range(0, BM, TB):
+        ts = tile * BM + m0 + tl.arange(0, TB)
+        tok = ts < T
+        tp = tl.load(QPOS + b * T + ts, mask=tok, other=-1)
+        cu = tl.where(tp >= 0, tp // block_size, -1)
+        out = IDX + b * stride_ib + ts * stride_it + h * NSEL
+        n_forced = tl.zeros([TB], tl.int32)
+        for i in range(0, n_local):  # the current block and the ones before it
+            blk = cu - i
+            tl.store(out + i, tl.where(blk >= 0, blk, -1), mask=tok)
+            n_forced += tl.where(blk >= 0, 1, 0)
+        for i in range(0, n_sink):  # sinks not already local
+            sok = i <= cu - n_local
+            tl.store(out + n_local + i, tl.where(sok, i, -1), mask=tok)
+            n_forced += tl.where(sok, 1, 0)
+        free = top_k - n_forced
+        gsc = tl.load(gs_base + ts[:, None] * NB + nn[None, :],
+                      mask=tok[:, None] & (nn[None, :] < NB) & (nn[None, :] < cmax), other=-1.0,
+                      cache_modifier=".cg")  # [TB, NBP]
+        for rr in range(0, top_k):  # iterative arg-max
+            best_v = tl.max(gsc, 1)
+            best_i = tl.argmax(gsc, 1)
+            ok = (best_v >= 0) & (rr < free)
+            tl.store(out + n_local + n_sink + rr, tl.where(ok, best_i, -1), mask=tok)
+            gsc = tl.where(nn[None, :] == best_i[:, None], -2.0, gsc)
+
+
+def select_indices_fast(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks, num_local_blocks,
+                        selection="taylor", max_scores: int = 1 << 27, prec: str | None = None) -> torch.Tensor:
+    """Same contract as `triton_ops.select_indices` (q [B, HQ, Tq, D], stats with NB blocks, q_pos
+    [B, Tq]): int32 indices [B, Tq, H, local + sink + top_k] (-1 = none), one launch per chunk of
+    queries (chunks keep the scratch of group scores [B*H, chunk, NB] under `max_scores` floats),
+    no host synchronisation. Scores at `prec` ("tf32x3" on CUDA, "ieee" elsewhere)."""
+    B, HQ, Tq, D = q.shape
+    H, NB = stats.sum_k.shape[1], stats.num_blocks
+    G = HQ // H
+    GP = triton.next_power_of_2(G)
+    BM = max(1, min(TILE_MAX_TOKENS, 64 // GP))
+    while BM * GP < 16:
+        BM *= 2
+    dev = q.device
+    nsel = num_local_blocks + num_sink_blocks + top_k_blocks
+    if prec is None:
+        prec = "tf32x3" if dev.type == "cuda" else "ieee"
+    cnt = stats.count.float().clamp(min=1.0)[:, None, :, None]
+    mu = (stats.sum_k.float() / cnt).contiguous()
+    s2 = (stats.sum_k2.float() / cnt - mu * mu).clamp(min=0.0).contiguous() if selection == "taylor" else mu
+    qpos = q_pos.to(torch.int32).contiguous()
+    out = _new((B, Tq, H, nsel), dev, torch.int32)
+    chunk = max(BM, min(Tq, max_scores // max(1, B * H * max(1, NB))) // BM * BM)
+    gs = torch.empty(B * H * min(chunk, Tq) * max(1, NB), device=dev, dtype=torch.float32)
+    NBP = max(16, triton.next_power_of_2(NB))
+    TB = max(1, min(BM, 8192 // NBP))
+    for c0 in range(0, Tq, chunk):
+        C = min(Tq, c0 + chunk) - c0
+        qc, pc, oc = q[:, :, c0:c0 + C], qpos[:, c0:c0 + C].contiguous(), out[:, c0:c0 + C]
+        tile_select_kernel[(triton.cdiv(C, BM), B * H)](
+            qc, mu, s2, pc, gs, oc, qc.stride(0), qc.stride(1), qc.stride(2), oc.stride(0), oc.stride(1),
+            C, H, NB, block_size, num_sink_blocks, num_local_blocks, top_k_blocks, nsel, 1.0 / math.sqrt(D),
+            G=G, GP=GP, BM=BM, D=D, BN=64 if D <= 64 else 32, NBP=NBP, TB=TB, TAYLOR=selection == "taylor",
+            PREC=prec, num_warps=4,
+        )
+    return out
+
+
 def tile_shape(G: int, rows: int | None = None) -> tuple[int, int]:
     """(GP, BM): the group padded to a power of two and the tokens of one query tile."""
     GP = triton.next_power_of_2(G)
