@@ -255,8 +255,9 @@ def tile_bwd_dq_kernel(
 
 @triton.jit
 def tile_bwd_dkv_kernel(
-    Q, K, V, QPOS, KOFF, LSE, DELTA, DO, DOT, E_TILE, E_BITS, E_OFF, DK, DV,
+    Q, K, V, PHIQ, QPOS, KOFF, LSE, DELTA, DO, DOT, E_TILE, E_BITS, E_OFF, DK, DV,
     stride_qb, stride_qh, stride_qt,
+    stride_fb, stride_fh, stride_ft,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     T, H, NB, S, scale,
@@ -264,7 +265,8 @@ def tile_bwd_dkv_kernel(
     USE_RLA: tl.constexpr, IEEE: tl.constexpr,
 ):
     """dk, dv of one (key block, batch x KV head) over the query tiles whose union holds the block
-    (entries E_TILE / E_BITS of CSR row bh * NB + blk), through both branches. DK, DV: [B, H, S, D]
+    (entries E_TILE / E_BITS of CSR row bh * NB + blk), through both branches; PHIQ = phi(q), computed
+    once per query (layout of Q, own strides) rather than once per (block, tile). DK, DV: [B, H, S, D]
     fp32 at the block's slots."""
     blk = tl.program_id(0)
     bh = tl.program_id(1)
@@ -312,7 +314,8 @@ def tile_bwd_dkv_kernel(
         ds = p * (_mm(v, tl.trans(do), IEEE) - delta[None, :])
         dk += _mm(ds, q, IEEE)
         if USE_RLA:
-            phiq = _softmax_rows(q).to(k.dtype)
+            phiq = tl.load(PHIQ + b * stride_fb + head[:, None] * stride_fh + t[:, None] * stride_ft + d[None, :],
+                           mask=ok[:, None], other=0.0).to(k.dtype)
             dot_ = tl.load(DOT + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(v.dtype)
             a = tl.where(causal, _mm(phik_lp, tl.trans(phiq), IEEE), 0.0)
             dv += _mm(a, dot_, IEEE)
@@ -585,8 +588,10 @@ class TileSparseAttention(torch.autograd.Function):
         e_tile, e_bits, e_off = blocks_to_tiles((ul, ub, uc, NU), NB)
         dk = torch.zeros(B, H, S, D, device=dev, dtype=torch.float32)
         dv = torch.zeros_like(dk)
+        phiq = torch.softmax(q.float(), dim=-1).to(q.dtype) if use_rla else q
         tile_bwd_dkv_kernel[(NB, B * H)](
-            q, k, v, qpos, koff, lse, delta, do, dot_, e_tile, e_bits, e_off, dk, dv, *strides,
+            q, k, v, phiq, qpos, koff, lse, delta, do, dot_, e_tile, e_bits, e_off, dk, dv, *strides[:3],
+            phiq.stride(0), phiq.stride(1), phiq.stride(2), *strides[3:],
             Tq, H, NB, S, scale, G=G, GP=GP, BM=BM, D=D, BS=bs, USE_RLA=use_rla, IEEE=ieee,
             num_warps=warps, num_stages=1,
         )
