@@ -12,8 +12,9 @@ The mean union size per tile is printed with each row. ("corr" gives a union of 
 
 Measured on one H200 in one run (torch 2.11, Triton 3.6; B1 HQ32 H8 d128, blocks of 64, 16 selected
 incl. 1 sink + 2 local; sparse kernels only, phi(k) precomputed, selection not included; rows = tile
-rows, union = mean blocks per tile; the union build and the selection kernel were the earlier
-O(NB * BM * K) union kernel and the two-launch selection):
+rows, union = mean blocks per tile; "tile fwd" and the tile fwd+bwd include the union build, then
+the earlier O(NB * BM * K) union kernel, 2.78 ms at 32k and 10.7 ms at 64k; selection = the
+two-launch `select_indices`, not yet `select_indices_fast`):
 
 | T | data | rows | union | flash fwd | old fwd | tile fwd | fwd+bwd flash / old / tile | selection |
 | 32k | corr | 64 | 35.5 | 15.15 | 32.10 | 16.21 | 56.81 / 108.2 / 86.6 | 17.2 |
