@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         for flag, kw in fam.cli_options().items():
             kw = dict(kw)
             option = kw.pop("dest")  # the name `convert` receives; argparse's dest is unique per family
+            if "choices" not in kw and kw.get("action") is None:
+                kw.setdefault("metavar", option.upper())
             p.family_dests[fam.name].append((flag, group.add_argument(flag, dest=f"{fam.name}.{option}", **kw).dest,
                                              option))
     d = sub.add_parser("demo", help="convert SmolLM2-135M to a family and compare generations with the dense model")

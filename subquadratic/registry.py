@@ -89,8 +89,10 @@ def register_family(family: Family, *, auto_classes: bool = True) -> Family:
     if family.converter is not None and family.card is None:
         raise ValueError(f"family {family.name!r} has a converter but names no model card (card=...)")
     for name, cls in family.mixers.items():
-        if not hasattr(cls, "cache_layer_cls"):
-            raise TypeError(f"mixer {cls.__qualname__} of family {family.name!r} names no cache_layer_cls")
+        for attr in ("cache_layer_cls", "needs_key_positions", "reset_mixer_parameters"):
+            if not hasattr(cls, attr):
+                raise TypeError(f"mixer {cls.__qualname__} of family {family.name!r} has no {attr}; "
+                                "subclass subquadratic.modeling.base.AttentionBase")
         register_mixer(name, cls)
     FAMILIES[family.name] = family
     if auto_classes:

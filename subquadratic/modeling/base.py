@@ -259,7 +259,7 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         kinds = [MIXERS[t] for t in self.config.mixer_types]
         return SubquadraticCache(
             [cls.cache_layer_cls() for cls in kinds],
-            track_key_positions=any(getattr(cls, "needs_key_positions", False) for cls in kinds),
+            track_key_positions=any(cls.needs_key_positions for cls in kinds),
         )
 
 

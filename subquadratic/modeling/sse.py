@@ -100,8 +100,11 @@ class _WindowRing:
             # each slot takes the row's newest token that maps to it among the row's last W real tokens
             last = pos.max(dim=1, keepdim=True).values  # [B, 1]
             keep = (pos >= 0) & (pos > last - W)  # [B, T]; at most one kept token per slot
-            hits = keep[:, :, None] & (pos[:, :, None] % W == torch.arange(W, device=pos.device))  # [B, T, W]
-            has, src = hits.any(1), hits.float().argmax(1)  # [B, W]
+            index = torch.arange(T, device=pos.device).expand(B, T)
+            src = torch.full((B, W), -1, dtype=torch.long, device=pos.device).scatter_reduce(
+                1, pos.clamp(min=0) % W, torch.where(keep, index, -1), reduce="amax"
+            )  # [B, W]: the new token each slot takes, -1 for none
+            has, src = src >= 0, src.clamp(min=0)
             gather = src[:, None, :, None].expand(B, H, W, D)
             ring_k = torch.where(has[:, None, :, None], k.gather(2, gather), ring_k)
             ring_v = torch.where(has[:, None, :, None], v.gather(2, gather), ring_v)
