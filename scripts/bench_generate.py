@@ -96,14 +96,14 @@ def load_converted(folder: Path, device: torch.device, dtype: torch.dtype):
 
 
 def cache_of(out):
-    from subquadratic.modeling.base import CACHE_FIELD
+    from subquadratic import CACHE_FIELD
 
     return getattr(out, CACHE_FIELD)
 
 
 def prefill(model, ids: torch.Tensor, chunk: int):
     """The cache after ids [B, T], fed in chunks (logits of the last token only)."""
-    from subquadratic.modeling.base import CACHE_FIELD
+    from subquadratic import CACHE_FIELD
 
     cache = model.new_cache() if hasattr(model, "new_cache") else None
     with torch.no_grad():
@@ -115,7 +115,7 @@ def prefill(model, ids: torch.Tensor, chunk: int):
 
 
 def decode_generate(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
-    from subquadratic.modeling.base import CACHE_FIELD
+    from subquadratic import CACHE_FIELD
 
     return model.generate(
         prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n, do_sample=False,
@@ -124,7 +124,7 @@ def decode_generate(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
 
 
 def decode_loop(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
-    from subquadratic.modeling.base import CACHE_FIELD
+    from subquadratic import CACHE_FIELD
 
     tok, out = prompt[:, -1:], []
     with torch.no_grad():
@@ -178,8 +178,7 @@ def measure_decode(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int
 
 def state_bytes(model, ids: torch.Tensor, chunk: int) -> dict:
     """Cache bytes after prefilling ids and one decode step, split into linear (recurrent) and softmax layers."""
-    from subquadratic.modeling.base import CACHE_FIELD
-    from subquadratic.modeling.cache import RecurrentLayer
+    from subquadratic import CACHE_FIELD, RecurrentLayer
 
     cache = prefill(model, ids[:, :-1], chunk)
     with torch.no_grad():

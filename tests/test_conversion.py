@@ -32,13 +32,13 @@ def test_logits_equal_dense_while_budget_covers_context(kind, dense_checkpoint, 
     dense, src = dense_checkpoint(kind)
     before = tree_digest(src)
     out = tmp_path / "spla"
-    assert convert(src, out, "--block-size", "16", "--top-k-blocks", "4") == 0
+    assert convert(src, out, "--spla-block-size", "16", "--spla-top-k-blocks", "4") == 0
     assert tree_digest(src) == before  # the source is never touched
     assert len(list(out.glob("model-*.safetensors"))) > 1  # streamed shard by shard
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "README.md", "generation_config.json", "modeling_spla.py"} <= files
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == "spla" and cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_spla.SPLAForCausalLM"
+    assert cfg["model_type"] == "spla" and cfg["auto_map"]["AutoModelForCausalLM"] == "family_spla.SPLAForCausalLM"
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert model.config.source_model_type == dense.config.model_type
     x = torch.randint(0, 128, (2, 64))  # budget 4 x 16 = 64 tokens
@@ -79,8 +79,8 @@ def expect_error(capsys, args, text, out):
 def test_errors_are_one_line_exit_2_and_leave_nothing(dense_checkpoint, tmp_path, capsys):
     _, src = dense_checkpoint("llama")
     out = tmp_path / "out"
-    expect_error(capsys, [src, out, "--to", "spla", "--block-size", "48"], "power of two", out)
-    expect_error(capsys, [src, out, "--to", "spla", "--top-k-blocks", "2"], "smaller than sink + local", out)
+    expect_error(capsys, [src, out, "--to", "spla", "--spla-block-size", "48"], "power of two", out)
+    expect_error(capsys, [src, out, "--to", "spla", "--spla-top-k-blocks", "2"], "smaller than sink + local", out)
     expect_error(capsys, [tmp_path / "nope", out, "--to", "spla"], "does not exist", out)
     expect_error(capsys, [src, src / "inside", "--to", "spla"], "overlaps the source", out)
     expect_error(capsys, [src, src, "--to", "spla"], "overlaps the source", out)
@@ -160,12 +160,12 @@ def test_push_to_hub_uploads_finished_folder(dense_checkpoint, tmp_path, monkeyp
 
 
 def test_option_of_another_family_is_refused(dense_checkpoint, tmp_path, capsys):
-    from subquadratic.conversion import FAMILIES
+    from subquadratic.registry import families
 
-    others = [f for f in FAMILIES.values() if f.name != "spla" and f.options]
+    others = [f for f in families() if f.name != "spla" and f.options]
     if not others:
         pytest.skip("only SPLA conversion is registered")
-    flag = next(iter(others[0].options))
+    flag = next(iter(others[0].cli_options()))
     _, src = dense_checkpoint("llama")
     out = tmp_path / "o"
     value = "2"

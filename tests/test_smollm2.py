@@ -13,7 +13,7 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-assets = pytest.importorskip("subquadratic.assets")
+assets = pytest.importorskip("subquadratic.demo.assets")
 
 
 @pytest.fixture(scope="module")

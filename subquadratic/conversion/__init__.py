@@ -1,6 +1,6 @@
-"""Checkpoint conversion: the shared streaming converter (`core`) and one module per target family."""
+"""Checkpoint conversion: the shared streaming converter (`core`) and one module per target family
+(its `Converter`, named in the family's registration)."""
 
-from . import hla, spla, sse  # noqa: F401  (registers the families)
-from .core import FAMILIES, SUPPORTED_SOURCES, ConversionError, convert, push_to_hub
+from .core import SUPPORTED_SOURCES, ConversionError, Converter, convert, fresh_mixer_tensors, push_to_hub
 
-__all__ = ["FAMILIES", "SUPPORTED_SOURCES", "ConversionError", "convert", "push_to_hub"]
+__all__ = ["SUPPORTED_SOURCES", "ConversionError", "Converter", "convert", "fresh_mixer_tensors", "push_to_hub"]

@@ -1,13 +1,15 @@
 """Dense checkpoint -> subquadratic checkpoint, streamed shard by shard.
 
 The conversion of the common weights (embeddings, norms, MLP, q/k/v/o) is written once here; a
-family adds itself with `register_family(FamilyConverter(...))`, giving:
+family gives a `Converter` in its registration (`registry.register_family`, which also names the
+model card and the CLI options):
   - `build_config(fields, options)`: the family's config from the common `fields` (mirrored from the
-    dense config by `source_fields`) and the CLI options;
+    dense config by `source_fields`) and the options;
   - `map_tensor(name, tensor, config)`: the (name, tensor) pairs a source tensor becomes (the
     default keeps it as is: Llama-style names are ours);
-  - `new_tensors(config)`: parameters the source lacks (SPLA's gamma = 0, routers, ...);
-  - `card`: the model card template under model_cards/ and `card_notes(config)` for its text.
+  - `new_tensors(config)`: parameters the source lacks; by default every mixer's own
+    `reset_mixer_parameters` output for the parameters whose names `from_source` does not match;
+  - `card_notes(config)`: values for the family's model card template.
 `convert()` checks the source, writes everything into a temporary folder next to OUT and renames
 it at the end, so a failure leaves nothing behind and SRC is never touched.
 """
@@ -20,7 +22,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,58 +44,49 @@ class ConversionError(Exception):
     """A problem with the user's input: printed as one line, exit code 2."""
 
 
+#: Parameters of a mixer that a dense source provides (`AttentionBase`'s names); the rest are new.
+SOURCE_PARAMS = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.")
+
+
 @dataclass
-class FamilyConverter:
-    name: str
+class Converter:
+    """How a dense checkpoint becomes a family's checkpoint (see the module docstring)."""
+
     build_config: Callable[[dict, dict], object]
-    new_tensors: Callable[[object], dict[str, torch.Tensor]] = lambda config: {}
     map_tensor: Callable[[str, torch.Tensor, object], Iterable[tuple[str, torch.Tensor]]] = (
         lambda name, t, config: [(name, t)]
     )
-    card: str = "spla.md"
+    new_tensors: Callable[[object], dict[str, torch.Tensor]] | None = None
+    from_source: re.Pattern = SOURCE_PARAMS
     card_notes: Callable[[object], dict[str, str]] = lambda config: {}
-    options: dict = field(default_factory=dict)
+    seed: int = 0
+
+    def fresh_tensors(self, config) -> dict[str, torch.Tensor]:
+        if self.new_tensors is not None:
+            return self.new_tensors(config)
+        return fresh_mixer_tensors(config, self.from_source, self.seed)
 
 
-FAMILIES: dict[str, FamilyConverter] = {}
+def _family(to: str):
+    from ..registry import FAMILIES
 
-
-def register_family(conv: FamilyConverter) -> FamilyConverter:
-    FAMILIES[conv.name] = conv
-    return conv
+    fam = FAMILIES.get(to)
+    if fam is None or fam.converter is None:
+        known = sorted(n for n, f in FAMILIES.items() if f.converter is not None)
+        raise ConversionError(f"unknown target {to!r}; available: {', '.join(known)}")
+    return fam
 
 
 # --- helpers for families -------------------------------------------------------------------
 
 
-def softmax_layer_set(
-    num_layers: int, every: int | None, layers: str | None, *, every_flag: str, layers_flag: str
-) -> set[int]:
-    """Layers that keep softmax attention in a hybrid: every `every`-th layer ((i + 1) % every == 0;
-    0 or None: none), or the comma list `layers` ("5,11,17"). Raises ValueError naming the flag."""
-    if every is not None and layers is not None:
-        raise ValueError(f"give either {every_flag} or {layers_flag}, not both")
-    if layers is not None:
-        try:
-            keep = {int(x) for x in str(layers).split(",") if x.strip()}
-        except ValueError:
-            msg = f"{layers_flag} must be a comma list of layer indices like 5,11,17; got {layers!r}"
-            raise ValueError(msg) from None
-        bad = sorted(i for i in keep if not 0 <= i < num_layers)
-        if bad:
-            raise ValueError(f"{layers_flag} {bad} out of range: the source has layers 0..{num_layers - 1}")
-        return keep
-    if every is not None and every < 0:
-        raise ValueError(f"{every_flag} must be >= 0, got {every}")
-    return {i for i in range(num_layers) if every and (i + 1) % every == 0}
-
-
-def fresh_mixer_tensors(config, mixer_cls, from_source: re.Pattern, seed: int = 0) -> dict[str, torch.Tensor]:
-    """New parameters of every non-softmax layer, initialised by the mixer's own
+def fresh_mixer_tensors(config, from_source: re.Pattern = SOURCE_PARAMS, seed: int = 0) -> dict[str, torch.Tensor]:
+    """New parameters of every non-softmax layer, initialised by its mixer's own
     `reset_mixer_parameters` (one source of truth) on CPU under a fixed seed. Each layer is built on
     the meta device and materialised uninitialised; parameters whose names match `from_source` come
     from the dense checkpoint and are skipped."""
     from ..configuration.base import SOFTMAX_MIXERS
+    from ..registry import MIXERS
 
     out: dict[str, torch.Tensor] = {}
     with torch.random.fork_rng(devices=[]):
@@ -102,7 +95,7 @@ def fresh_mixer_tensors(config, mixer_cls, from_source: re.Pattern, seed: int = 
             if kind in SOFTMAX_MIXERS:
                 continue
             with torch.device("meta"):
-                layer = mixer_cls(config, i)
+                layer = MIXERS[kind](config, i)
             layer.to_empty(device="cpu")
             layer.reset_mixer_parameters()
             for n, p in layer.named_parameters():
@@ -243,8 +236,9 @@ def _prepare_out(src: Path, out: Path, overwrite: bool) -> None:
         raise ConversionError(f"output {out} is not empty; pass --overwrite to replace it")
 
 
-def render_card(template: str, values: dict) -> str:
-    text = (CARDS_DIR / template).read_text()
+def render_card(template: str | Path, values: dict) -> str:
+    """The card template (a name under model_cards/, or a path) with its {{key}} fields filled in."""
+    text = (CARDS_DIR / template).read_text()  # an absolute path replaces CARDS_DIR
     for k, v in values.items():
         text = text.replace("{{" + k + "}}", str(v))
     return text
@@ -260,11 +254,10 @@ def convert(
     progress: bool = True,
 ) -> Path:
     """Convert the dense checkpoint `src` into family `to` at `out`; returns the output folder."""
-    if to not in FAMILIES:
-        raise ConversionError(f"unknown target {to!r}; available: {', '.join(sorted(FAMILIES))}")
+    fam = _family(to)
+    conv = fam.converter
     if dtype != "auto" and dtype not in DTYPES:
         raise ConversionError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
-    fam = FAMILIES[to]
     options = dict(options or {})
     src_path = resolve_source(src)
     out_path = Path(out).expanduser()
@@ -274,7 +267,7 @@ def convert(
     fields = source_fields(src_cfg)
     check_shapes(shards, fields)
     try:
-        config = fam.build_config(fields, options)
+        config = conv.build_config(fields, options)
     except ValueError as e:
         raise ConversionError(f"invalid settings: {e}") from None
     cast = DTYPES.get(dtype)
@@ -283,7 +276,7 @@ def convert(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
     try:
-        extra = {k: v for k, v in fam.new_tensors(config).items()}
+        extra = dict(conv.fresh_tensors(config))
         n_out = len(shards) + (1 if extra else 0)
         weight_map: dict[str, str] = {}
         total = 0
@@ -294,7 +287,7 @@ def convert(
                 for name in f.keys():
                     if name in drop or name.endswith("rotary_emb.inv_freq"):
                         continue
-                    for new_name, t in fam.map_tensor(name, f.get_tensor(name), config):
+                    for new_name, t in conv.map_tensor(name, f.get_tensor(name), config):
                         if cast is not None and t.is_floating_point():
                             t = t.to(cast)
                         first_dtype = first_dtype or t.dtype
@@ -317,7 +310,7 @@ def convert(
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
         config.dtype = cast or first_dtype or torch.float32
-        config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+        config.architectures = [fam.causal_lm_class.__name__]
         config.save_pretrained(tmp)
         from ..modeling.remote_code import write_remote_code
 
@@ -332,7 +325,7 @@ def convert(
             "model_type": config.model_type,
             "settings": "\n".join(f"- `{k}`: {v}" for k, v in sorted(options.items())) or "- defaults",
             "dtype": str(config.dtype).removeprefix("torch."),
-            **fam.card_notes(config),
+            **conv.card_notes(config),
         }
         (tmp / "README.md").write_text(render_card(fam.card, card_values))
         _finish(tmp, out_path)

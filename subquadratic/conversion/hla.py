@@ -16,37 +16,21 @@ says so). The new parameters come from `HLAAttention.reset_mixer_parameters` und
 
 from __future__ import annotations
 
-import re
-
-import torch
-
-from ..configuration.base import SOFTMAX_MIXERS
+from ..configuration.base import SOFTMAX_MIXERS, hybrid_mixer_types
 from ..configuration.hla import HLAConfig
-from .core import FamilyConverter, fresh_mixer_tensors, register_family, softmax_layer_set
+from .core import Converter
 
-#: CLI destinations passed straight to HLAConfig.
+#: Options passed straight to HLAConfig.
 CONFIG_OPTIONS = ("hla_variant", "decay_mode", "hla_chunk_size", "hla_normalize", "hla_rope")
-SEED = 0
-#: Parameters of an HLA layer that the dense source provides (everything else is new).
-_FROM_SOURCE = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.")
 
 
 def build_config(fields: dict, options: dict) -> HLAConfig:
-    n = fields["num_hidden_layers"]
-    keep = softmax_layer_set(
-        n, options.get("hla_softmax_every"), options.get("hla_softmax_layers"),
-        every_flag="--hla-softmax-every", layers_flag="--hla-softmax-layers",
+    mixers = hybrid_mixer_types(
+        fields["num_hidden_layers"], "hla", options.get("softmax_every"), options.get("softmax_layers"),
+        every_name="--hla-softmax-every", layers_name="--hla-softmax-layers",
     )
-    mixers = ["full_attention" if i in keep else "hla" for i in range(n)]
     extra = {k: v for k, v in options.items() if k in CONFIG_OPTIONS and v is not None}
     return HLAConfig(**fields, mixer_types=mixers, **extra)
-
-
-def new_tensors(config: HLAConfig) -> dict[str, torch.Tensor]:
-    """The HLA layers' new parameters (see `fresh_mixer_tensors`)."""
-    from ..modeling.hla import HLAAttention
-
-    return fresh_mixer_tensors(config, HLAAttention, _FROM_SOURCE, SEED)
 
 
 def card_notes(config: HLAConfig) -> dict[str, str]:
@@ -60,20 +44,5 @@ def card_notes(config: HLAConfig) -> dict[str, str]:
     }
 
 
-CLI_OPTIONS = {
-    "--hla-softmax-layers": dict(dest="hla_softmax_layers", help="comma list of the layers that keep softmax attention"),  # noqa: E501
-    "--hla-softmax-every": dict(
-        type=int, dest="hla_softmax_every", help="every K-th layer keeps softmax attention (default: none, pure HLA)"
-    ),
-    "--hla-variant": dict(choices=["hla2", "ahla"], dest="hla_variant", help="second-order or asymmetric (default hla2)"),  # noqa: E501
-    "--hla-decay": dict(choices=["data", "constant"], dest="decay_mode", help="per-head decay gate (default data)"),
-    "--hla-chunk-size": dict(type=int, dest="hla_chunk_size", help="chunk of the training / prefill form (default 64)"),
-    "--hla-normalize": dict(action="store_const", const=True, dest="hla_normalize", help="normalised form"),
-    "--hla-rope": dict(action="store_const", const=True, dest="hla_rope", help="apply the source's RoPE to q and k"),
-}
-
-register_family(
-    FamilyConverter(
-        "hla", build_config, new_tensors=new_tensors, card="hla.md", card_notes=card_notes, options=CLI_OPTIONS
-    )
-)
+#: New parameters come from `HLAAttention.reset_mixer_parameters` (the default `new_tensors`).
+CONVERTER = Converter(build_config, card_notes=card_notes)

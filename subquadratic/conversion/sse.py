@@ -7,7 +7,7 @@ Conversion table (layer i, names under model.layers.{i}.self_attn):
 | q_proj, o_proj  | as is         | as is                                                      |
 | k_proj, v_proj  | as is         | each K/V head repeated to its G = HQ/H query heads         |
 | q_norm, k_norm  | as is         | as is, applied to q1/q2 and k1/k2 (Qwen3)                  |
-| (all of these)  | -             | also copied to swa.* as is, with --sliding-window          |
+| (all of these)  | -             | also copied to swa.* as is, with --sse-sliding-window      |
 | -               | -             | new: LoRA down random / up = 0, router small random, decay |
 |                 |               | biases for long memory, output gate, norms = 1             |
 
@@ -23,11 +23,11 @@ from collections.abc import Iterable
 
 import torch
 
-from ..configuration.base import SOFTMAX_MIXERS
+from ..configuration.base import SOFTMAX_MIXERS, hybrid_mixer_types
 from ..configuration.sse import SSEConfig
-from .core import FamilyConverter, fresh_mixer_tensors, register_family, softmax_layer_set
+from .core import Converter, fresh_mixer_tensors
 
-#: CLI destinations passed straight to SSEConfig.
+#: Options passed straight to SSEConfig.
 CONFIG_OPTIONS = ("sse_num_partitions", "sse_top_k", "sse_sliding_window", "sse_base", "sse_key_topk", "sse_lora_rank")
 SEED = 0
 _ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(.+)$")
@@ -36,12 +36,13 @@ _FROM_SOURCE = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm|swa)\.")
 
 
 def build_config(fields: dict, options: dict) -> SSEConfig:
-    n = fields["num_hidden_layers"]
     every, layers = options.get("softmax_every"), options.get("softmax_layers")
     if every is None and layers is None:
         every = 6  # the paper's SSE-H: five SSE layers, then one softmax layer
-    keep = softmax_layer_set(n, every, layers, every_flag="--softmax-every", layers_flag="--softmax-layers")
-    mixers = ["full_attention" if i in keep else "sse" for i in range(n)]
+    mixers = hybrid_mixer_types(
+        fields["num_hidden_layers"], "sse", every, layers,
+        every_name="--sse-softmax-every", layers_name="--sse-softmax-layers",
+    )
     extra = {k: v for k, v in options.items() if k in CONFIG_OPTIONS and v is not None}
     return SSEConfig(**fields, mixer_types=mixers, **extra)
 
@@ -64,9 +65,7 @@ def map_tensor(name: str, t: torch.Tensor, config: SSEConfig) -> Iterable[tuple[
 
 def new_tensors(config: SSEConfig) -> dict[str, torch.Tensor]:
     """The SSE layers' new parameters (see `fresh_mixer_tensors`)."""
-    from ..modeling.sse import SSEAttention
-
-    return fresh_mixer_tensors(config, SSEAttention, _FROM_SOURCE, SEED)
+    return fresh_mixer_tensors(config, _FROM_SOURCE, SEED)
 
 
 def card_notes(config: SSEConfig) -> dict[str, str]:
@@ -82,25 +81,4 @@ def card_notes(config: SSEConfig) -> dict[str, str]:
     }
 
 
-CLI_OPTIONS = {
-    "--partitions": dict(type=int, dest="sse_num_partitions", help="state partitions N (default 4)"),
-    "--top-k": dict(type=int, dest="sse_top_k", help="partitions written and read per token K (default 1)"),
-    "--softmax-every": dict(
-        type=int, dest="softmax_every",
-        help="every K-th layer keeps softmax attention (default 6: five SSE layers then one softmax; 0: pure SSE)",
-    ),
-    "--softmax-layers": dict(dest="softmax_layers", help="comma list of the layers that keep softmax attention"),
-    "--sliding-window": dict(
-        type=int, dest="sse_sliding_window", help="add an in-layer sliding-window softmax branch of this many tokens",
-    ),
-    "--sse-base": dict(choices=["gla", "gdn"], dest="sse_base", help="linear-attention base (default gla)"),
-    "--key-topk": dict(type=int, dest="sse_key_topk", help="row-sparse keys: softmax over the top entries only"),
-    "--lora-rank": dict(type=int, dest="sse_lora_rank", help="rank of the q2/k2 offsets (default head_dim)"),
-}
-
-register_family(
-    FamilyConverter(
-        "sse-h", build_config, new_tensors=new_tensors, map_tensor=map_tensor, card="sse-h.md",
-        card_notes=card_notes, options=CLI_OPTIONS,
-    )
-)
+CONVERTER = Converter(build_config, map_tensor=map_tensor, new_tensors=new_tensors, card_notes=card_notes)

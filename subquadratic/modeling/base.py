@@ -1,14 +1,16 @@
 """The decoder shared by every family, written once: embeddings -> L x [RMSNorm -> token mixer ->
 residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head.
 
-Families only add token mixers. A mixer is an `nn.Module` registered under a name with
-`register_mixer`; `config.mixer_types[i]` picks layer i's mixer. Each mixer class names the cache
-layer it keeps (`cache_layer_cls`). Transformers supplies rotary embeddings, RMSNorm, the SwiGLU MLP,
-the attention functions, weight loading and generation.
+Families only add token mixers (declared with `registry.register_family`); `config.mixer_types[i]`
+picks layer i's mixer from `registry.MIXERS`. A mixer subclasses `AttentionBase` (q/k/v/o
+projections, qk-norm, RoPE), names the cache layer it keeps (`cache_layer_cls`) and initialises the
+parameters a dense checkpoint lacks in `reset_mixer_parameters`. Transformers supplies rotary
+embeddings, RMSNorm, the SwiGLU MLP, the attention functions, weight loading and generation.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,25 +29,12 @@ from transformers.models.llama.modeling_llama import (
 
 from ..configuration.base import SubquadraticConfig
 from ..kernels.positions import slot_offsets
+from ..registry import MIXERS, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, positions_from_mask
 
 #: Name of the cache field in model outputs and of the forward argument generate() passes:
 #: Transformers 5.24 renamed `past_key_values` to `cache`; both names are accepted on input.
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-MIXERS: dict[str, type[nn.Module]] = {}
-
-
-def register_mixer(*names: str):
-    """Class decorator: make a token mixer available under `names` in `config.mixer_types`."""
-
-    def wrap(cls):
-        for name in names:
-            MIXERS[name] = cls
-        return cls
-
-    return wrap
-
 
 @dataclass
 class SequenceInfo:
@@ -66,6 +55,12 @@ class SequenceInfo:
         return self._key_offsets[0]
 
 
+def decay_spread(n: int, alpha_min: float, alpha_max: float) -> torch.Tensor:
+    """1 - alpha of n initial decay rates alpha, spread geometrically from 1 - alpha_min to 1 - alpha_max
+    (float64; n == 1 gives 1 - alpha_min). HLA spreads them over heads, SSE over key channels."""
+    return torch.linspace(math.log(1.0 - alpha_min), math.log(1.0 - alpha_max), n, dtype=torch.float64).exp()
+
+
 class HeadNorm(nn.Module):
     """RMSNorm over the head dimension with a per-head weight [heads, dim] (x: [B, heads, T, dim])."""
 
@@ -83,18 +78,25 @@ class HeadNorm(nn.Module):
 
 class AttentionBase(nn.Module):
     """q/k/v/o projections with the source model's bias and qk-norm, and RoPE. Names match Llama,
-    Qwen2 and Qwen3 so weights convert by name and PEFT targets q_proj/k_proj/v_proj/o_proj."""
+    Qwen2 and Qwen3 so weights convert by name and PEFT targets q_proj/k_proj/v_proj/o_proj.
+
+    `num_kv_heads` sets the heads of k and v (default: the config's num_key_value_heads; SSE gives
+    every query head its own, HQ). A mixer with parameters of its own initialises them in
+    `reset_mixer_parameters` and nowhere else: it calls it at the end of `__init__` (a mixer built
+    alone is ready), the model calls it again for every mixer after Transformers' default init of
+    the submodules, and conversion calls it to build the parameters a dense checkpoint lacks.
+    """
 
     cache_layer_cls: type[StateLayer] = KVLayer
     needs_key_positions = True
 
-    def __init__(self, config: SubquadraticConfig, layer_idx: int) -> None:
+    def __init__(self, config: SubquadraticConfig, layer_idx: int, num_kv_heads: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
         self.num_key_value_groups = self.num_heads // self.num_kv_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
@@ -108,17 +110,31 @@ class AttentionBase(nn.Module):
             self.q_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
             self.k_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
 
-    def project(self, x: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, hidden] -> q [B, HQ, T, D], k, v [B, H, T, D]; q and k after RoPE."""
+    def reset_mixer_parameters(self) -> None:
+        """Initialise the parameters a dense checkpoint does not provide (none here)."""
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, hidden] -> q [B, T, HQ, D], k, v [B, T, H, D]: the projections alone."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def project(
+        self, x: torch.Tensor, position_embeddings=None, heads_first: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, hidden] -> q [B, T, HQ, D], k, v [B, T, H, D] with the source's qk-norm, and RoPE
+        when `position_embeddings` (cos, sin) are given; `heads_first` returns them as [B, heads, T, D]."""
+        q, k, v = self.qkv(x)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return q, k, v.transpose(1, 2)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        if heads_first:
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q, k, v
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """o: [B, HQ, T, D] -> [B, T, hidden]."""
@@ -126,7 +142,6 @@ class AttentionBase(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
-@register_mixer("full_attention", "sliding_attention")
 class SoftmaxAttention(AttentionBase):
     """Exact softmax attention (full, or a sliding window for `sliding_attention` layers), through
     Transformers' eager or SDPA attention function with an explicit position-based mask."""
@@ -159,6 +174,10 @@ class SoftmaxAttention(AttentionBase):
         return self.o_proj(o.reshape(*o.shape[:2], -1)), None
 
 
+register_mixer("full_attention", SoftmaxAttention)
+register_mixer("sliding_attention", SoftmaxAttention)
+
+
 class SubquadraticDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: SubquadraticConfig, layer_idx: int) -> None:
         super().__init__()
@@ -168,7 +187,7 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
                 f"mixer {self.mixer_type!r} is not available; import the family that provides it "
                 f"(available: {', '.join(sorted(MIXERS))})"
             )
-        self.self_attn = MIXERS[self.mixer_type](config, layer_idx)
+        self.self_attn = MIXERS[self.mixer_type](config, layer_idx)  # registry.MIXERS
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -212,8 +231,17 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, HeadNorm):
             init.constant_(module.weight, module.init_value)
-        if hasattr(module, "reset_mixer_parameters"):
-            module.reset_mixer_parameters()
+
+    @torch.no_grad()
+    def initialize_weights(self) -> None:
+        """Transformers' init, then every mixer's `reset_mixer_parameters`: called on each mixer
+        whether or not it owns parameters directly (Transformers skips the `_init_weights` of
+        custom-code modules without own parameters), after its submodules' default init. The
+        `transformers.initialization` functions leave weights loaded from a checkpoint alone."""
+        super().initialize_weights()
+        for module in self.modules():
+            if hasattr(module, "reset_mixer_parameters"):
+                module.reset_mixer_parameters()
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as usual, plus the flat model code and `auto_map` so that `trust_remote_code=True`
@@ -231,7 +259,7 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         kinds = [MIXERS[t] for t in self.config.mixer_types]
         return SubquadraticCache(
             [cls.cache_layer_cls() for cls in kinds],
-            track_key_positions=any(getattr(cls, "needs_key_positions", False) for cls in kinds),
+            track_key_positions=any(cls.needs_key_positions for cls in kinds),
         )
 
 
@@ -353,9 +381,8 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
                 logits=logits, labels=labels, vocab_size=self.config.vocab_size,
                 num_items_in_batch=kwargs.get("num_items_in_batch"),
             )
-            weight = getattr(self.config, "aux_loss_weight", 0.0)
-            if out.aux_loss is not None and weight:
-                loss = loss + weight * out.aux_loss
+            if out.aux_loss is not None and self.config.aux_loss_weight:
+                loss = loss + self.config.aux_loss_weight * out.aux_loss
         return SubquadraticCausalLMOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, aux_loss=out.aux_loss,
             **{CACHE_FIELD: getattr(out, CACHE_FIELD)},

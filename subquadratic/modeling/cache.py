@@ -1,12 +1,13 @@
 """Generation cache shared by every family: one state object per layer plus the positions of the
 tokens seen so far.
 
-`SubquadraticCache` is a Transformers `Cache` whose layers are ours: `KVLayer` (softmax attention),
-`SPLALayer` (keys, values, running block sums, residual linear state) and `RecurrentLayer`
-(fixed-size recurrent states of linear mixers). Every layer keeps its tensors batch-first, so beam
-search and batch selection work the same way for all of them.
+`SubquadraticCache` is a Transformers `Cache` whose layers are ours: each mixer names its layer type
+(`cache_layer_cls`), a `StateLayer` subclass that lives beside the mixer. Here: the base classes,
+`KVLayer` (softmax attention) and `RecurrentLayer` (fixed-size states of linear mixers, whose
+subclasses name their tensors). Every layer keeps its tensors batch-first, so beam search and batch
+selection work the same way for all of them.
 
-Growing states (keys, values, SPLA block sums, the key positions) live in `GrowingBuffer`s:
+Growing states (keys, values, running block sums, the key positions) live in `GrowingBuffer`s:
 preallocated with spare room and written in place, so a decode step costs O(new tokens) instead of
 a copy of the whole cache. Layers hand out views of the used part (`layer.state["k"]`).
 
@@ -181,13 +182,10 @@ class KVLayer(StateLayer):
 
 
 class RecurrentLayer(StateLayer):
-    """Fixed-size recurrent states of a linear mixer (SSE, HLA): memory independent of context."""
+    """Fixed-size states of a linear mixer, memory independent of the context: a subclass beside its
+    mixer names its tensors in `fields` and reads / writes them as the mixer's state type."""
 
-    def get(self) -> dict[str, torch.Tensor] | None:
-        return dict(self.tensors) if self.tensors else None
-
-    def set(self, states: dict[str, torch.Tensor]) -> None:
-        self.tensors = dict(states)
+    fields: tuple[str, ...] = ()
 
 
 class SubquadraticCache(Cache):

@@ -8,42 +8,47 @@ training / prefill, recurrent for decode), a per-head RMSNorm gated by SiLU(W_g 
 RoPE is off by default (`hla_rope`): HLA is order-aware through its decays and counts no
 positions, so a pure-HLA model needs none. Padding (seq.valid False) gets q = k = v = 0 and
 log alpha = 0, which leaves every state unchanged, so left-padded batches match unpadded rows.
-Cache per layer: S, F (and eta, z for the normalised form) as fp32 [B, ...] in a `RecurrentLayer`,
-a size independent of the context length.
+Cache per layer (`HLALayer`): S, F (and eta, z for the normalised form) as fp32 [B, ...], a size
+independent of the context length.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as Fn
 from torch import nn
 from transformers import initialization as init
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..configuration.hla import HLAConfig
 from ..kernels.hla import HLAState, hla_attention
-from .base import AttentionBase, HeadNorm, SequenceInfo, SubquadraticForCausalLM, SubquadraticModel, register_mixer
+from .base import AttentionBase, HeadNorm, SequenceInfo, SubquadraticForCausalLM, SubquadraticModel, decay_spread
 from .cache import RecurrentLayer
 
-_STATE_FIELDS = ("S", "F", "eta", "z")
+
+class HLALayer(RecurrentLayer):
+    """HLA cache: S [B, H', D, D] and F [B, HQ, D, D] (fp32), plus eta and z of the normalised form."""
+
+    fields = ("S", "F", "eta", "z")
+
+    def read(self) -> HLAState | None:
+        return HLAState(**{n: self.tensors.get(n) for n in self.fields}) if self.tensors else None
+
+    def write(self, state: HLAState) -> None:
+        self.tensors = {n: t for n in self.fields if (t := getattr(state, n)) is not None}
 
 
 def initial_decay_logits(num_heads: int, alpha_min: float, alpha_max: float) -> torch.Tensor:
     """Per-head logit(alpha) with 1 - alpha spread geometrically from 1 - alpha_min to 1 - alpha_max."""
-    lo, hi = math.log(1.0 - alpha_min), math.log(1.0 - alpha_max)
-    one_minus = torch.linspace(lo, hi, num_heads, dtype=torch.float64).exp()  # num_heads == 1: 1 - alpha_min
+    one_minus = decay_spread(num_heads, alpha_min, alpha_max)
     return (torch.log1p(-one_minus) - torch.log(one_minus)).float()
 
 
-@register_mixer("hla")
 class HLAAttention(AttentionBase):
     """Second-order HLA mixer. q_proj/k_proj/v_proj/o_proj (and q_norm/k_norm) come from
     `AttentionBase`, so a dense checkpoint converts by name; new parameters: the decay (`decay_bias` [HQ],
     plus `decay_proj` [HQ, hidden] when data-dependent), the gate `g_proj` and the output norm `o_norm`."""
 
-    cache_layer_cls = RecurrentLayer
+    cache_layer_cls = HLALayer
     needs_key_positions = False
 
     def __init__(self, config: HLAConfig, layer_idx: int) -> None:
@@ -58,6 +63,7 @@ class HLAAttention(AttentionBase):
             self.g_proj = nn.Linear(h, hq * d, bias=False)
         if config.output_norm:
             self.o_norm = HeadNorm(hq, d, eps=config.rms_norm_eps)
+        self.reset_mixer_parameters()
 
     def reset_mixer_parameters(self) -> None:
         """Initialise every parameter a dense checkpoint does not provide (model init and conversion):
@@ -81,17 +87,11 @@ class HLAAttention(AttentionBase):
             logit = logit + self.decay_proj(x).to(dtype)
         return Fn.logsigmoid(logit)
 
-    def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer: RecurrentLayer | None = None):
+    def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer: HLALayer | None = None):
         cfg = self.config
         B, T, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if cfg.hla_rope:
-            cos, sin = position_embeddings
-            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # [B, T, heads, D] layout
+        # q [B, T, HQ, D], k, v [B, T, H, D]: the source's qk-norm, RoPE only with hla_rope
+        q, k, v = self.project(hidden_states, position_embeddings if cfg.hla_rope else None, heads_first=False)
         if cfg.qk_norm_l2:
             q = Fn.normalize(q, dim=-1) * cfg.qk_scale
             k = Fn.normalize(k, dim=-1) * cfg.qk_scale
@@ -105,15 +105,13 @@ class HLAAttention(AttentionBase):
         q, k, v = (torch.where(valid[..., None], x, 0.0) for x in (q, k, v))
         log_alpha = torch.where(valid, log_alpha, 0.0)
 
-        state = None
-        if cache_layer is not None and (stored := cache_layer.get()) is not None:
-            state = HLAState(**stored)
+        state = cache_layer.read() if cache_layer is not None else None
         o, state = hla_attention(
             q, k, v, log_alpha, state, chunk_size=cfg.hla_chunk_size, normalize=cfg.hla_normalize,
             eps=cfg.hla_eps, variant=cfg.hla_variant, backend=cfg.hla_backend,
         )  # o: [B, T, HQ, D]
         if cache_layer is not None:
-            cache_layer.set({n: t for n in _STATE_FIELDS if (t := getattr(state, n)) is not None})
+            cache_layer.write(state)
 
         if cfg.output_norm:
             o = self.o_norm(o.transpose(1, 2)).transpose(1, 2)

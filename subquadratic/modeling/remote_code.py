@@ -2,80 +2,108 @@
 package is not installed.
 
 Transformers' remote-code loader only follows flat, same-folder relative imports (`from .x import`),
-so the package's configuration/, modeling/ and kernels/ modules are copied as flat files
-(`modeling/spla.py` -> `modeling_spla.py`) with their relative imports rewritten to match, and
-config.json gets an `auto_map` pointing at them.
+so the modules a family's classes live in, and every module of the package they import, are copied
+as flat files (`subquadratic/modeling/spla.py` -> `modeling_spla.py`, `subquadratic/registry.py` ->
+`registry.py`) with their imports rewritten to match. Package modules import each other relatively;
+a family declared outside the package may import the package absolutely (`from subquadratic.x
+import y`). A generated entry module, `family_<model_type>.py`, imports the family's classes and
+registers its mixers; config.json's `auto_map` points at it. Everything comes from the family's
+registration (`registry.Family`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
 
+from ..registry import Family, family_of_model_type
+
+PACKAGE = "subquadratic"
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-BUNDLED_SUBPACKAGES = ("configuration", "modeling", "kernels")
-_IMPORT = re.compile(r"^(\s*)from\s+(\.+)([\w.]*)\s+import\b(.*)$")
-
-#: model_type -> (config class, base model class, causal LM class) as "module.Class" in the bundle
-AUTO_CLASSES = {
-    "spla": ("configuration_spla.SPLAConfig", "modeling_spla.SPLAModel", "modeling_spla.SPLAForCausalLM"),
-    "sse": ("configuration_sse.SSEConfig", "modeling_sse.SSEModel", "modeling_sse.SSEForCausalLM"),
-    "hla": ("configuration_hla.HLAConfig", "modeling_hla.HLAModel", "modeling_hla.HLAForCausalLM"),
-}
+_IMPORT = re.compile(r"^(\s*)from\s+(\.*)([\w.]*)\s+import\b(.*)$")
 
 
-def _module_parts(path: Path) -> list[str]:
-    rel = path.relative_to(PACKAGE_ROOT).with_suffix("")
-    parts = list(rel.parts)
-    return parts[:-1] if parts[-1] == "__init__" else parts
+def flat_name(module: str) -> str:
+    """Flat file stem of a module: the package prefix dropped, dots as underscores."""
+    parts = module.split(".")
+    if parts[0] == PACKAGE:
+        parts = parts[1:]
+    return "_".join(p for p in parts if p != "__init__")
 
 
-def flat_name(parts: list[str]) -> str:
-    return "_".join(parts)
+def _source(module: str) -> tuple[Path, bool]:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        raise ValueError(f"cannot bundle module {module!r}: no Python source found")
+    return Path(spec.origin), spec.submodule_search_locations is not None
 
 
-def bundle_sources(model_type: str) -> dict[str, str]:
-    """Flat file name -> rewritten source, for the family's configuration and modeling modules and
-    every module they import relatively."""
-    files = sorted(p for sub in BUNDLED_SUBPACKAGES for p in (PACKAGE_ROOT / sub).rglob("*.py"))
-    modules = {tuple(_module_parts(p)): p for p in files}
+def bundle_sources(family: Family) -> dict[str, str]:
+    """Flat file name -> rewritten source, for the modules of the family's classes and every module
+    they import from the package (or, relatively, from their own package)."""
+    classes = [family.config_class, family.model_class, family.causal_lm_class, *family.mixers.values()]
+    todo = sorted({cls.__module__ for cls in classes})
     out: dict[str, str] = {}
-    todo = [("configuration", model_type), ("modeling", model_type)]
     while todo:
-        parts = todo.pop()
-        if flat_name(list(parts)) + ".py" in out:
+        module = todo.pop()
+        name = flat_name(module) + ".py"
+        if name in out:
             continue
-        path = modules[parts]
-        is_pkg = path.name == "__init__.py"
-        package = list(parts) if is_pkg else list(parts[:-1])
+        path, is_pkg = _source(module)
+        package = module.split(".") if is_pkg else module.split(".")[:-1]
+        external = module.split(".")[0] != PACKAGE
         lines = []
         for line in path.read_text().splitlines():
             m = _IMPORT.match(line)
-            if m:
+            if m and (m.group(2) or (external and m.group(3).split(".")[0] == PACKAGE)):
                 indent, dots, rest, tail = m.groups()
-                base = package[: len(package) - (len(dots) - 1)] if len(dots) > 1 else package
                 if not rest:
                     raise ValueError(f"{path}: use 'from .module import name', not 'from . import module'")
-                target = tuple(base + rest.split("."))
-                if target not in modules:
-                    raise ValueError(f"{path}: relative import of {'.'.join(target)} is outside the bundle")
+                if dots:
+                    base = package[: len(package) - (len(dots) - 1)] if len(dots) > 1 else package
+                    target = ".".join(base + rest.split("."))
+                else:
+                    target = rest
+                if target == PACKAGE:
+                    raise ValueError(f"{path}: import from the package's modules (subquadratic.modeling.base, ...), "
+                                     "not from the package itself, so that the code can travel as remote code")
                 todo.append(target)
-                line = f"{indent}from .{flat_name(list(target))} import{tail}"
+                line = f"{indent}from .{flat_name(target)} import{tail}"
             lines.append(line)
-        out[flat_name(list(parts)) + ".py"] = "\n".join(lines) + "\n"
+        out[name] = "\n".join(lines) + "\n"
+    out[f"family_{family.model_type}.py"] = _entry_module(family)
     return out
+
+
+def _entry_module(family: Family) -> str:
+    """The module `auto_map` points at: the family's classes, and its mixers registered."""
+    lines = [f'"""Remote-code entry of the {family.name} family: its classes, and its mixers registered."""', ""]
+    lines.append(f"from .{flat_name('subquadratic.registry')} import register_mixer")
+    classes = [family.config_class, family.model_class, family.causal_lm_class, *family.mixers.values()]
+    for cls in dict.fromkeys(classes):
+        lines.append(f"from .{flat_name(cls.__module__)} import {cls.__name__}")
+    lines.append("")
+    lines += [f"register_mixer({name!r}, {cls.__name__})" for name, cls in family.mixers.items()]
+    return "\n".join(lines) + "\n"
 
 
 def write_remote_code(folder: str | Path, model_type: str) -> None:
     """Copy the flat model code into `folder` and add `auto_map` to its config.json."""
     folder = Path(folder)
-    if model_type not in AUTO_CLASSES:
-        raise ValueError(f"no remote code for model_type {model_type!r}")
-    for name, text in bundle_sources(model_type).items():
+    try:
+        family = family_of_model_type(model_type)
+    except KeyError as e:
+        raise ValueError(f"no remote code for model_type {model_type!r}: {e.args[0]}") from None
+    for name, text in bundle_sources(family).items():
         (folder / name).write_text(text)
+    entry = f"family_{family.model_type}"
     cfg_path = folder / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    conf, base, lm = AUTO_CLASSES[model_type]
-    cfg["auto_map"] = {"AutoConfig": conf, "AutoModel": base, "AutoModelForCausalLM": lm}
+    cfg["auto_map"] = {
+        "AutoConfig": f"{entry}.{family.config_class.__name__}",
+        "AutoModel": f"{entry}.{family.model_class.__name__}",
+        "AutoModelForCausalLM": f"{entry}.{family.causal_lm_class.__name__}",
+    }
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -9,6 +9,7 @@ attention (and as the dense model while the budget covers the context).
 from __future__ import annotations
 
 import torch
+from transformers import initialization as init
 
 from ..configuration.spla import SPLAConfig
 from ..kernels.spla import BlockStats, spla_attention
@@ -18,7 +19,6 @@ from .base import (
     SequenceInfo,
     SubquadraticForCausalLM,
     SubquadraticModel,
-    register_mixer,
 )
 from .cache import GrowingBuffer, StateLayer
 
@@ -58,14 +58,20 @@ class SPLALayer(StateLayer):
         self.tensors["sbar"] = sbar
 
 
-@register_mixer("spla")
 class SPLAAttention(AttentionBase):
+    """SPLA mixer: the source's q/k/v/o (`AttentionBase`) plus gamma (`rla_norm`), 0 at initialisation."""
+
     cache_layer_cls = SPLALayer
 
     def __init__(self, config: SPLAConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         # gamma of the residual term's RMSNorm; 0 after conversion and at initialisation
         self.rla_norm = HeadNorm(self.num_heads, self.head_dim, eps=config.rms_norm_eps, init_value=0.0)
+        self.reset_mixer_parameters()
+
+    def reset_mixer_parameters(self) -> None:
+        """gamma = 0: a fresh or converted model is exactly sparse attention."""
+        init.zeros_(self.rla_norm.weight)
 
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
         cfg = self.config

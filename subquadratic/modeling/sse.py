@@ -10,16 +10,14 @@ keep softmax attention are the shared "full_attention" mixer of `base`.
 
 Padding (seq.valid False) gets q = k = v = 0, log decays = 0 and no selected partition, so it
 neither writes nor decays any state and does not count in the routing statistics.
-Cache per layer (`RecurrentLayer`): "shared" [B, HQ, D, D] and "parts" [B, N, HQ, D, D] in fp32,
-plus, with the sliding-window branch, the last `sse_sliding_window` keys/values and their positions:
-a size independent of the context length.
+Cache per layer (`SSELayer`): "shared" [B, HQ, D, D] and "parts" [B, N, HQ, D, D] in fp32, plus,
+with the sliding-window branch, a ring of the last `sse_sliding_window` keys/values and their
+positions: a size independent of the context length.
 The router's load-balance loss is returned in training (self.training) only, so evaluation losses
 stay pure LM losses; the model sums it over layers and adds aux_loss_weight times it to the loss.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -30,15 +28,94 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from ..configuration.sse import SSEConfig
 from ..kernels.sse import SSEState, router_topk, sse_attention, sse_aux_loss
 from ..kernels.sse.gla import compute_dtype
-from .base import SequenceInfo, SoftmaxAttention, SubquadraticForCausalLM, SubquadraticModel, register_mixer
+from .base import (
+    AttentionBase,
+    SequenceInfo,
+    SoftmaxAttention,
+    SubquadraticForCausalLM,
+    SubquadraticModel,
+    decay_spread,
+)
 from .cache import RecurrentLayer
 
 
+class SSELayer(RecurrentLayer):
+    """SSE cache: shared [B, HQ, D, D] and parts [B, N, HQ, D, D] (fp32). With the window branch, a
+    ring of each row's last W real tokens: swa_k, swa_v [B, H, W, D] (a token at logical position p
+    sits in slot p % W) and swa_pos [B, W] (-1: empty slot). Every tensor has a fixed size."""
+
+    fields = ("shared", "parts", "swa_k", "swa_v", "swa_pos")
+
+    def read(self) -> SSEState | None:
+        return SSEState(self.tensors["shared"], self.tensors["parts"]) if "shared" in self.tensors else None
+
+    def write(self, state: SSEState) -> None:
+        self.tensors["shared"], self.tensors["parts"] = state.shared, state.parts
+
+
+class _WindowRing:
+    """The window's keys/values as `SoftmaxAttention` sees a KV cache, kept in `SSELayer`'s ring.
+
+    One new token (decode) is written into its slot first and attends over the ring alone (the slot it
+    overwrites held a token W positions back, outside its window); several new tokens attend over the
+    ring followed by themselves, and then the last W of each row are written into the ring."""
+
+    def __init__(self, layer: SSELayer, positions: torch.Tensor, window: int) -> None:
+        self.layer, self.pos, self.window = layer, positions, window  # positions: [B, T] (-1 = padding)
+        self.copy = torch.is_grad_enabled()  # never write in place into tensors autograd may have saved
+
+    def _ring(self, k: torch.Tensor, v: torch.Tensor):
+        t = self.layer.tensors
+        if "swa_k" not in t:
+            B, H, _, D = k.shape
+            t["swa_k"] = k.new_zeros(B, H, self.window, D)
+            t["swa_v"] = v.new_zeros(B, H, self.window, D)
+            t["swa_pos"] = torch.full((B, self.window), -1, dtype=self.pos.dtype, device=self.pos.device)
+        ring = t["swa_k"], t["swa_v"], t["swa_pos"]
+        return tuple(x.clone() for x in ring) if self.copy else ring
+
+    def key_positions(self) -> torch.Tensor:
+        """[B, S] positions of the keys `update` returns, in their order."""
+        ring_pos = self.layer.tensors.get("swa_pos")
+        if ring_pos is None:
+            ring_pos = torch.full((self.pos.shape[0], self.window), -1, dtype=self.pos.dtype, device=self.pos.device)
+        if self.pos.shape[1] == 1:
+            slot = self.pos.clamp(min=0) % self.window  # [B, 1]
+            return ring_pos.scatter(1, slot, torch.where(self.pos >= 0, self.pos, ring_pos.gather(1, slot)))
+        return torch.cat([ring_pos, self.pos], dim=1)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [B, H, T, D] (post-RoPE) -> the keys/values to attend over, [B, H, S, D]."""
+        ring_k, ring_v, ring_pos = self._ring(k, v)
+        B, H, T, D = k.shape
+        W, pos = self.window, self.pos
+        if T == 1:
+            rows, slot, real = torch.arange(B, device=k.device), pos[:, 0].clamp(min=0) % W, pos[:, 0] >= 0
+            ring_k[rows, :, slot] = torch.where(real[:, None, None], k[:, :, 0], ring_k[rows, :, slot])
+            ring_v[rows, :, slot] = torch.where(real[:, None, None], v[:, :, 0], ring_v[rows, :, slot])
+            ring_pos[rows, slot] = torch.where(real, pos[:, 0], ring_pos[rows, slot])
+            keys, values = ring_k, ring_v
+        else:
+            keys, values = torch.cat([ring_k, k], dim=2), torch.cat([ring_v, v], dim=2)
+            # each slot takes the row's newest token that maps to it among the row's last W real tokens
+            last = pos.max(dim=1, keepdim=True).values  # [B, 1]
+            keep = (pos >= 0) & (pos > last - W)  # [B, T]; at most one kept token per slot
+            index = torch.arange(T, device=pos.device).expand(B, T)
+            src = torch.full((B, W), -1, dtype=torch.long, device=pos.device).scatter_reduce(
+                1, pos.clamp(min=0) % W, torch.where(keep, index, -1), reduce="amax"
+            )  # [B, W]: the new token each slot takes, -1 for none
+            has, src = src >= 0, src.clamp(min=0)
+            gather = src[:, None, :, None].expand(B, H, W, D)
+            ring_k = torch.where(has[:, None, :, None], k.gather(2, gather), ring_k)
+            ring_v = torch.where(has[:, None, :, None], v.gather(2, gather), ring_v)
+            ring_pos = torch.where(has, pos.gather(1, src), ring_pos)
+        self.layer.tensors.update(swa_k=ring_k, swa_v=ring_v, swa_pos=ring_pos)
+        return keys, values
+
+
 def initial_decays(n: int, alpha_min: float, alpha_max: float) -> torch.Tensor:
-    """n decay rates alpha (float64) with 1 - alpha spread geometrically from 1 - alpha_min to 1 - alpha_max."""
-    if n == 1:
-        return torch.tensor([alpha_min], dtype=torch.float64)
-    return 1.0 - torch.linspace(math.log(1.0 - alpha_min), math.log(1.0 - alpha_max), n, dtype=torch.float64).exp()
+    """n decay rates alpha (float64) with 1 - alpha spread geometrically (`decay_spread`)."""
+    return 1.0 - decay_spread(n, alpha_min, alpha_max)
 
 
 def gla_decay_bias(alpha: torch.Tensor, normalizer: float) -> torch.Tensor:
@@ -62,47 +139,22 @@ class SSERMSNorm(LlamaRMSNorm):
         return (self.weight.to(xf.dtype) * xf).to(x.dtype)
 
 
-class _WindowKV:
-    """Adapter giving `SoftmaxAttention` the in-layer window's past keys/values as if it were a KV cache."""
-
-    def __init__(self, past: dict | None) -> None:
-        self.k = None if past is None else past["swa_k"]
-        self.v = None if past is None else past["swa_v"]
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k is not None:
-            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
-        self.k, self.v = k, v
-        return k, v
-
-
-@register_mixer("sse")
-class SSEAttention(nn.Module):
+class SSEAttention(AttentionBase):
     """Sparse State Expansion mixer: shared state + N router-selected partition states.
 
-    Source names (converted from a dense layer): q_proj, k_proj, v_proj, o_proj (k/v with HQ heads),
-    q_norm, k_norm (Qwen3). New: q2_down/q2_up and k2_down/k2_up (low-rank offsets, up = 0 at
+    Source names (converted from a dense layer), from `AttentionBase`: q_proj, k_proj, v_proj, o_proj
+    (k/v with HQ heads), q_norm, k_norm (Qwen3). New: q2_down/q2_up and k2_down/k2_up (low-rank offsets, up = 0 at
     init), router, the decays (GLA: g1_down/g1_up/g1_bias and g2_*; GDN: a_proj, A_log, dt_bias,
     b_proj), g_proj (low-rank output gate), o_norm; with a window: swa.* (a softmax attention
     layer with the source's GQA shapes) and the merge norms.
     """
 
-    cache_layer_cls = RecurrentLayer
+    cache_layer_cls = SSELayer
     needs_key_positions = False
 
     def __init__(self, config: SSEConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        h, hq, d = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.num_heads, self.head_dim = hq, d
-        self.q_proj = nn.Linear(h, hq * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, hq * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, hq * d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(hq * d, h, bias=config.o_bias)
-        if config.qk_norm:
-            self.q_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
-            self.k_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        super().__init__(config, layer_idx, num_kv_heads=config.num_attention_heads)
+        h, hq, d = config.hidden_size, self.num_heads, self.head_dim
         r = config.lora_rank
         if r:
             self.q2_down, self.q2_up = nn.Linear(h, r, bias=False), nn.Linear(r, hq * d, bias=False)
@@ -167,11 +219,11 @@ class SSEAttention(nn.Module):
             init.ones_(self.swa_merge_norm.weight)
 
     # --- the SSE branch -------------------------------------------------------------------------
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project_sse(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: [B, T, hidden] -> q1, k1, q2, k2, v: [B, T, HQ, D] before the feature maps (qk-norm applied)."""
         B, T, _ = x.shape
         shape = (B, T, self.num_heads, self.head_dim)
-        q1, k1, v = (p(x).view(shape) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q1, k1, v = self.qkv(x)
         q2, k2 = q1, k1
         if self.config.lora_rank:
             q2 = q1 + self.q2_up(self.q2_down(x)).view(shape)
@@ -211,7 +263,7 @@ class SSEAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         seq: SequenceInfo,
-        cache_layer: RecurrentLayer | None = None,
+        cache_layer: SSELayer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states [B, T, hidden] -> (out [B, T, hidden], load-balance loss in training else None).
         position_embeddings (cos, sin) are used by the sliding-window branch only. With a cache, the
@@ -219,7 +271,7 @@ class SSEAttention(nn.Module):
         cfg = self.config
         x = hidden_states
         B, T, _ = x.shape
-        q1, k1, q2, k2, v = self.project(x)
+        q1, k1, q2, k2, v = self.project_sse(x)
         if cfg.sse_base == "gla":
             q1, q2, k1, k2 = F.silu(q1), F.silu(q2), self.key_map(k1), self.key_map(k2)
         else:
@@ -237,44 +289,32 @@ class SSEAttention(nn.Module):
         if beta is not None:
             beta = torch.where(valid[:, :, None], beta, 0.0)
 
-        past = cache_layer.get() if cache_layer is not None else None
-        state = SSEState(past["shared"], past["parts"]) if past is not None else None
+        state = cache_layer.read() if cache_layer is not None else None
         o, state = sse_attention(
             q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=cfg.sse_base, beta=beta,
             chunk_size=cfg.sse_chunk_size, backend=cfg.sse_backend,
             inplace=cache_layer is not None and not torch.is_grad_enabled(),
         )  # o: [B, T, HQ, D]
-        new_state = {"shared": state.shared, "parts": state.parts}
+        if cache_layer is not None:
+            cache_layer.write(state)
 
         o = self.o_norm(o) * F.silu(self.g_proj(x)).view(B, T, self.num_heads, self.head_dim)
         out = self.o_proj((o * tok).reshape(B, T, -1))
         if self.window:
-            o_swa, window_state = self.window_attention(x, position_embeddings, seq, past, cache_layer is not None)
+            o_swa = self.window_attention(x, position_embeddings, seq, cache_layer)
             out = (self.sse_merge_norm(out) + self.swa_merge_norm(o_swa)) / 2
-            new_state.update(window_state)
-        if cache_layer is not None:
-            cache_layer.set(new_state)
         aux = sse_aux_loss(probs, sel, valid) if self.training else None
         return out, aux
 
     # --- the optional sliding-window branch -----------------------------------------------------
-    def window_attention(
-        self, x: torch.Tensor, position_embeddings, seq: SequenceInfo, past: dict | None, keep: bool
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def window_attention(self, x: torch.Tensor, position_embeddings, seq: SequenceInfo, cache_layer) -> torch.Tensor:
         """Softmax attention over the last `sse_sliding_window` tokens, through the shared
-        `SoftmaxAttention`; returns (out [B, T, hidden], the window's keys/values to cache)."""
-        kv = _WindowKV(past)
-        key_pos = seq.positions if past is None else torch.cat([past["swa_pos"], seq.positions], dim=1)
-        out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, key_pos), kv)
-        if not keep:
-            return out, {}
-        k, v = kv.k, kv.v  # [B, H, S, D]
-        if key_pos.shape[1] > self.window:  # keep the `window` most recent real tokens of each row
-            idx = key_pos.topk(self.window, dim=1).indices.sort(dim=1).values  # [B, W]
-            key_pos = key_pos.gather(1, idx)
-            gather = idx[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
-            k, v = k.gather(2, gather), v.gather(2, gather)
-        return out, {"swa_k": k, "swa_v": v, "swa_pos": key_pos}
+        `SoftmaxAttention`, with the window's keys/values in the cache layer's ring (`_WindowRing`)."""
+        if cache_layer is None:
+            return self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, seq.positions), None)[0]
+        ring = _WindowRing(cache_layer, seq.positions, self.window)
+        out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, ring.key_positions()), ring)
+        return out
 
 
 class SSEModel(SubquadraticModel):

