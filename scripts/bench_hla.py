@@ -1,0 +1,185 @@
+"""HLA Triton kernels on one GPU against fla's linear attention measured in the same run (bf16,
+fresh random data, triton.testing.do_bench medians). Prints one table (peer, ours, ratio) and
+writes it as JSON.
+
+P4: hla2 chunked forward vs fla chunk_simple_gla forward (target <= 2x); hla2 forward+backward vs
+fla chunk_gla forward+backward with the per-head gate expanded per dimension (target <= 1x);
+B1 H16 d128 T 32k. P6: time(64k) / time(32k) of each (target <= 2.1). Also ahla, the normalised
+form, one chunked linear-attention stage alone, and the fused decode step vs the PyTorch
+recurrence. Needs fla-core for the peer rows (they are skipped without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as Fn
+import triton
+
+from subquadratic.kernels.hla import hla_recurrent
+from subquadratic.kernels.hla.triton_chunk import hla_chunked_triton, linear_attention
+from subquadratic.kernels.hla.triton_fused_recurrent import hla_recurrent_triton
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def inputs(T, B=1, H=16, D=128, dtype=torch.bfloat16, grad=False):
+    q = Fn.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).to(dtype)
+    k = Fn.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, D, device="cuda", dtype=dtype)
+    la = Fn.logsigmoid(torch.randn(B, T, H, device="cuda") + 3)
+    xs = [q, k, v, la]
+    if grad:
+        xs = [x.requires_grad_() for x in xs]
+    return xs
+
+
+def fwd_fn(fn, T, **kw):
+    xs = inputs(T)
+
+    def run():
+        with torch.no_grad():
+            fn(*xs, **kw)
+    return run
+
+
+def fwdbwd_fn(fn, T, **kw):
+    xs = inputs(T, grad=True)
+    do = torch.randn_like(xs[2])
+
+    def run():
+        o = fn(*xs, **kw)
+        o = o[0] if isinstance(o, tuple) else o
+        o.backward(do)
+    return run
+
+
+def breakdown(T, B=1, H=16, D=128):
+    """Per-kernel times of one linear-attention stage (B1 H16 d128) under a few launch settings."""
+    from subquadratic.kernels.hla import triton_chunk as tc
+
+    q, k, v, la = inputs(T, B, H, D)
+    do = torch.randn_like(v)
+    C = 64
+    g, N = tc._local_cumsum(la, C)
+    h, _ = tc._states(k, v, g, None, N, C, True, q.dtype)
+    o = torch.empty_like(v)
+    dh = torch.empty_like(h)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg = torch.empty(B, H, N * C, device="cuda")
+    K = V = D
+    res = {}
+
+    def t(name, fn):
+        try:
+            res[name] = bench(fn)
+        except Exception as e:
+            res[name] = float("nan")
+            print(f"{name}: {e!r}", file=sys.stderr)
+        print(f"  {name:40} {res[name]:.4f} ms", flush=True)
+
+    print(f"breakdown T={T}:")
+    t("local_cumsum", lambda: tc._local_cumsum(la, C))
+    settings = ((64, 64, 4, 2), (64, 64, 4, 1), (64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2))
+    for bk, bv, w, s in settings:
+        t(f"fwd_h BK{bk} BV{bv} w{w} s{s}", lambda bk=bk, bv=bv, w=w, s=s: tc._fwd_h[(K // bk, V // bv, B * H)](
+            k, v, g, h, None, None, T, H, K, V, N, C, bk, bv, False, False, "tf32", num_warps=w, num_stages=s))
+    for bv, w in ((64, 4), (64, 8), (128, 8), (32, 4)):
+        t(f"fwd_o BV{bv} w{w}", lambda bv=bv, w=w: tc._fwd_o[(V // bv, N, B * H)](
+            q, k, v, g, h, o, T, H, K, V, N, C, 128, bv, "tf32", num_warps=w))
+    for bk, bv, w, s in ((64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2)):
+        t(f"bwd_dh BK{bk} BV{bv} w{w} s{s}", lambda bk=bk, bv=bv, w=w, s=s: tc._bwd_dh[(K // bk, V // bv, B * H)](
+            q, do, g, dh, None, None, T, H, K, V, N, C, bk, bv, False, False, "tf32", num_warps=w, num_stages=s))
+    for bv, w in ((64, 8), (64, 4), (32, 4), (32, 8), (128, 8)):
+        t(f"bwd_dqkv BV{bv} w{w}", lambda bv=bv, w=w: tc._bwd_dqkv[(N, B * H)](
+            q, k, v, g, h, do, dh, dq, dk, dv, dg, T, H, K, V, N, C, 128, bv, "tf32", num_warps=w))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--T", type=int, nargs="+", default=[32768, 65536])
+    ap.add_argument("--breakdown", action="store_true", help="per-kernel times and launch settings of one stage")
+    args = ap.parse_args()
+    try:
+        from fla.ops.gla import chunk_gla
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError:
+        chunk_gla = chunk_simple_gla = None
+
+    def simple_gla(q, k, v, la):
+        return chunk_simple_gla(q, k, v, g=la)
+
+    def gla(q, k, v, la):
+        return chunk_gla(q, k, v, g=la[..., None].expand_as(k))
+
+    def la_stage(q, k, v, la):
+        return linear_attention(q, k, v, la)
+
+    main_cases = [  # id, what, peer, ours, kwargs of ours, backward
+        ("P4", "hla2 fwd", simple_gla, hla_chunked_triton, {}, False),
+        ("P4b", "hla2 fwd+bwd", gla, hla_chunked_triton, {}, True),
+    ]
+    extra_cases = [
+        ("-", "one LA stage fwd", simple_gla, la_stage, {}, False),
+        ("-", "one LA stage fwd+bwd", gla, la_stage, {}, True),
+        ("-", "ahla fwd", simple_gla, hla_chunked_triton, {"variant": "ahla"}, False),
+        ("-", "ahla fwd+bwd", gla, hla_chunked_triton, {"variant": "ahla"}, True),
+        ("-", "hla2 normalised fwd", simple_gla, hla_chunked_triton, {"normalize": True}, False),
+    ]
+    rows = []
+    times = {}
+    todo = [(T, c) for T in args.T for c in main_cases] + [(args.T[0], c) for c in extra_cases]
+    for T, (cid, what, peer, ours, kw, bwd) in todo:
+        if True:
+            mk = fwdbwd_fn if bwd else fwd_fn
+            try:
+                t_ours = bench(mk(ours, T, **kw))
+            except Exception as e:  # keep the table going
+                print(f"{what} T={T}: ours failed: {e!r}", file=sys.stderr)
+                t_ours = float("nan")
+            t_peer = float("nan")
+            if chunk_gla is not None:
+                try:
+                    t_peer = bench(mk(peer, T))
+                except Exception as e:
+                    print(f"{what} T={T}: peer failed: {e!r}", file=sys.stderr)
+            name = {simple_gla: "fla chunk_simple_gla", gla: "fla chunk_gla"}[peer] + (" fwd+bwd" if bwd else " fwd")
+            row = dict(id=cid, what=what, T=T, peer=name, peer_ms=t_peer, ours_ms=t_ours, ratio=t_ours / t_peer)
+            times[(what, T)] = t_ours
+            rows.append(row)
+            print(f"{cid:4} {what:22} T={T:6} {name:30} {t_peer:9.3f} ms  ours {t_ours:9.3f} ms  "
+                  f"ratio {t_ours / t_peer:6.2f}", flush=True)
+            torch.cuda.empty_cache()
+    if len(args.T) > 1:
+        t0, t1 = args.T[0], args.T[1]
+        for what in ("hla2 fwd", "hla2 fwd+bwd"):
+            r = times[(what, t1)] / times[(what, t0)]
+            rows.append(dict(id="P6", what=f"{what} time({t1})/time({t0})", ratio=r))
+            print(f"P6   {what} time({t1})/time({t0}) = {r:.2f}", flush=True)
+    if args.breakdown:
+        breakdown(args.T[0])
+    # decode: one token, state of a 32k prefix, B1 H16 d128
+    for variant in ("hla2", "ahla"):
+        x1 = inputs(1)
+        _, st = hla_chunked_triton(*inputs(256), variant=variant)
+        with torch.no_grad():
+            t_ours = bench(lambda x1=x1, st=st, variant=variant: hla_recurrent_triton(*x1, st, variant=variant))
+            t_ref = bench(lambda x1=x1, st=st, variant=variant: hla_recurrent(*x1, st, variant=variant))
+        rows.append(dict(id="-", what=f"{variant} decode step", T=1, peer="PyTorch hla_recurrent",
+                         peer_ms=t_ref, ours_ms=t_ours, ratio=t_ours / t_ref))
+        print(f"-    {variant} decode step B1 H16 d128: PyTorch {t_ref:.4f} ms  ours {t_ours:.4f} ms", flush=True)
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
