@@ -85,19 +85,24 @@ def breakdown(T, B=1, H=16, D=128):
 
     print(f"breakdown T={T}:")
     t("local_cumsum", lambda: tc._local_cumsum(la, C))
-    settings = ((64, 64, 4, 2), (64, 64, 4, 1), (64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2))
-    for bk, bv, w, s in settings:
-        t(f"fwd_h BK{bk} BV{bv} w{w} s{s}", lambda bk=bk, bv=bv, w=w, s=s: tc._fwd_h[(K // bk, V // bv, B * H)](
-            k, v, g, h, None, None, T, H, K, V, N, C, bk, bv, False, False, "tf32", num_warps=w, num_stages=s))
-    for bv, w in ((64, 4), (64, 8), (128, 8), (32, 4)):
-        t(f"fwd_o BV{bv} w{w}", lambda bv=bv, w=w: tc._fwd_o[(V // bv, N, B * H)](
-            q, k, v, g, h, o, T, H, K, V, N, C, 128, bv, "tf32", num_warps=w))
-    for bk, bv, w, s in ((64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2)):
-        t(f"bwd_dh BK{bk} BV{bv} w{w} s{s}", lambda bk=bk, bv=bv, w=w, s=s: tc._bwd_dh[(K // bk, V // bv, B * H)](
-            q, do, g, dh, None, None, T, H, K, V, N, C, bk, bv, False, False, "tf32", num_warps=w, num_stages=s))
-    for bv, w in ((64, 8), (64, 4), (32, 4), (32, 8), (128, 8)):
-        t(f"bwd_dqkv BV{bv} w{w}", lambda bv=bv, w=w: tc._bwd_dqkv[(N, B * H)](
-            q, k, v, g, h, do, dh, dq, dk, dv, dg, T, H, K, V, N, C, 128, bv, "tf32", num_warps=w))
+    for kern, args in (
+        ("fwd_h", (k, v, g, h, None, None, T, H, K, V, N, C, False, False, "tf32")),
+        ("fwd_o", (q, k, v, g, h, o, T, H, K, V, N, C, 128, "tf32")),
+        ("bwd_dh", (q, do, g, dh, None, None, T, H, K, V, N, C, False, False, "tf32")),
+        ("bwd_dqkv", (q, k, v, g, h, do, dh, dq, dk, dv, dg, T, H, K, V, N, C, 128, "tf32")),
+    ):
+        kernel = getattr(tc, "_" + kern)
+        kind = {"fwd_h": "h", "bwd_dh": "h", "fwd_o": "o", "bwd_dqkv": "dqkv"}[kern]
+        for bk, bv, w, s in tc._CONFIGS[kind]:
+            meta = {"BV": bv} if bk is None else {"BK": bk, "BV": bv}
+            if kind == "h":
+                grid = (K // bk, V // bv, B * H)
+            elif kind == "o":
+                grid = (V // bv, N, B * H)
+            else:
+                grid = (N, B * H)
+            t(f"{kern} BK{bk} BV{bv} w{w} s{s}", lambda kernel=kernel, grid=grid, args=args, meta=meta, w=w, s=s:
+              kernel.fn[grid](*args, **meta, num_warps=w, num_stages=s))
     return res
 
 

@@ -32,6 +32,8 @@ dtype (bf16 / fp16) with fp32 accumulation, or in exact fp32 ("ieee") for fp32 i
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -48,7 +50,10 @@ from .recurrent import HLAState, check_inputs, clamp_signed, init_state
 #: elements).
 POISON_OUTPUTS = False
 
-#: Launch settings (block sizes along K / V and warps) of the four kernels.
+#: Launch settings (block sizes along K / V, warps, stages) of the four kernels when not autotuned
+#: (the CPU interpreter); on the GPU each kernel is autotuned over the few settings of `_CONFIGS`
+#: once per (K, V, chunk, dtype).
+AUTOTUNE = os.environ.get("TRITON_INTERPRET", "0") != "1"
 BK_H = 64
 BV_H = 64
 WARPS_H = 4
@@ -57,6 +62,39 @@ BV_O = 64
 WARPS_O = 4
 BV_DQKV = 64
 WARPS_DQKV = 8
+
+_CONFIGS = {  # (BK, BV, warps, stages)
+    "h": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2), (64, 64, 8, 2)],
+    "o": [(None, 64, 4, 2), (None, 64, 8, 2), (None, 128, 8, 2), (None, 32, 4, 2)],
+    "dqkv": [(None, 64, 8, 2), (None, 64, 4, 2), (None, 32, 4, 2), (None, 32, 8, 2)],
+}
+
+
+def _autotune(kind):
+    """triton.autotune over _CONFIGS[kind], block sizes clamped to the (padded) head dims."""
+
+    def prune(configs, nargs, **kw):
+        K, V = _p2(nargs["K"]), _p2(nargs["V"])
+        out, seen = [], set()
+        for c in configs:
+            kwargs = {n: min(b, K if n == "BK" else V) for n, b in c.kwargs.items()}
+            sig = (tuple(sorted(kwargs.items())), c.num_warps, c.num_stages)
+            if sig not in seen:
+                seen.add(sig)
+                out.append(triton.Config(kwargs, num_warps=c.num_warps, num_stages=c.num_stages))
+        return out
+
+    configs = [triton.Config({"BV": bv} if bk is None else {"BK": bk, "BV": bv}, num_warps=w, num_stages=st)
+               for bk, bv, w, st in _CONFIGS[kind]]
+    return triton.autotune(configs, key=["K", "V", "BT", "PREC"], prune_configs_by={"early_config_prune": prune})
+
+
+def _launch(kernel, grid, args, fixed: dict, warps: int, stages: int = 2):
+    """kernel[grid](*args): autotuned, or with the module's fixed settings when AUTOTUNE is off."""
+    if AUTOTUNE:
+        kernel[grid](*args)
+    else:
+        kernel.fn[grid](*args, **fixed, num_warps=warps, num_stages=stages)
 
 
 def _new(shape, device, dtype=torch.float32) -> Tensor:
@@ -73,12 +111,12 @@ def _p2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
+@_autotune("h")
 @triton.jit
 def _fwd_h(
     k, v, g, h, h0, ht,
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NT,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NT, BT: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -107,11 +145,12 @@ def _fwd_h(
         tl.store(ht + i_bh * K * V + off_kv, b_h, mask=m_kv)
 
 
+@_autotune("o")
 @triton.jit
 def _fwd_o(
     q, k, v, g, h, o,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NT,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, BV: tl.constexpr,
 ):
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -136,12 +175,12 @@ def _fwd_o(
     tl.store(o + row[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
+@_autotune("h")
 @triton.jit
 def _bwd_dh(
     q, do, g, dh, dht, dh0,
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NT,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NT, BT: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -171,11 +210,12 @@ def _bwd_dh(
         tl.store(dh0 + i_bh * K * V + off_kv, b_dh, mask=m_kv)
 
 
+@_autotune("dqkv")
 @triton.jit
 def _bwd_dqkv(
     q, k, v, g, h, do, dh, dq, dk, dv, dg,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NT,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, BV: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -237,10 +277,9 @@ def _states(k, v, g, X0, N, C, want_final, state_dtype):
     V = v.shape[-1]
     h = _new((B, N, H, K, V), k.device, state_dtype)
     ht = _new((B, H, K, V), k.device) if want_final else None
-    BK, BV = min(BK_H, _p2(K)), min(BV_H, _p2(V))
-    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
-    _fwd_h[grid](k, v, g, h, X0, ht, T, H, K, V, N, C, BK, BV, X0 is not None, want_final,
-                 _prec(k.dtype), num_warps=WARPS_H, num_stages=STAGES_H)
+    grid = lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), B * H)
+    _launch(_fwd_h, grid, (k, v, g, h, X0, ht, T, H, K, V, N, C, X0 is not None, want_final, _prec(k.dtype)),
+            {"BK": min(BK_H, _p2(K)), "BV": min(BV_H, _p2(V))}, WARPS_H, STAGES_H)
     return h, ht
 
 
@@ -257,9 +296,8 @@ class LinearAttention(torch.autograd.Function):
         state_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
         h, XT = _states(k, v, g, X0, N, C, True, state_dtype)
         o = _new((B, T, H, V), q.device, out_dtype)
-        BV = min(BV_O, _p2(V))
-        _fwd_o[(triton.cdiv(V, BV), N, B * H)](q, k, v, g, h, o, T, H, K, V, N, C, _p2(K), BV,
-                                               _prec(q.dtype), num_warps=WARPS_O)
+        _launch(_fwd_o, lambda m: (triton.cdiv(V, m["BV"]), N, B * H),
+                (q, k, v, g, h, o, T, H, K, V, N, C, _p2(K), _prec(q.dtype)), {"BV": min(BV_O, _p2(V))}, WARPS_O)
         ctx.save_for_backward(q, k, v, g, X0, XT)
         ctx.C, ctx.N = C, N
         ctx.set_materialize_grads(False)
@@ -278,14 +316,13 @@ class LinearAttention(torch.autograd.Function):
         h, _ = _states(k, v, g, X0, N, C, False, state_dtype)
         dh = _new((B, N, H, K, V), q.device, state_dtype)
         dX0 = _new((B, H, K, V), q.device) if X0 is not None and ctx.needs_input_grad[4] else None
-        BK, BV = min(BK_H, _p2(K)), min(BV_H, _p2(V))
-        _bwd_dh[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
-            q, do, g, dh, dXT, dX0, T, H, K, V, N, C, BK, BV, dXT is not None, dX0 is not None,
-            _prec(q.dtype), num_warps=WARPS_H, num_stages=STAGES_H)
+        _launch(_bwd_dh, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), B * H),
+                (q, do, g, dh, dXT, dX0, T, H, K, V, N, C, dXT is not None, dX0 is not None, _prec(q.dtype)),
+                {"BK": min(BK_H, _p2(K)), "BV": min(BV_H, _p2(V))}, WARPS_H, STAGES_H)
         dq, dk, dv = (_new(x.shape, x.device, x.dtype) for x in (q, k, v))
         dg = _new((B, H, N * C), q.device)
-        _bwd_dqkv[(N, B * H)](q, k, v, g, h, do, dh, dq, dk, dv, dg, T, H, K, V, N, C, _p2(K),
-                              min(BV_DQKV, _p2(V)), _prec(q.dtype), num_warps=WARPS_DQKV)
+        _launch(_bwd_dqkv, (N, B * H), (q, k, v, g, h, do, dh, dq, dk, dv, dg, T, H, K, V, N, C, _p2(K),
+                                        _prec(q.dtype)), {"BV": min(BV_DQKV, _p2(V))}, WARPS_DQKV)
         dg = dg[:, :, :T]
         if dXT is not None:  # X_T = exp(G_T) X_0 + ...: d/dG_T = <dX_T, X_T>
             dg = torch.cat([dg[:, :, :-1], dg[:, :, -1:] + (dXT * XT).sum((-2, -1))[..., None]], -1)
@@ -334,20 +371,24 @@ def hla_chunked_triton(
     k, v = k.to(dt), v.to(dt)
     kw = {"chunk_size": chunk_size}
     out_dt = torch.float32 if normalize else dt
-    ones = v.new_ones(B, T, H, 1)
+    fresh = state is None  # zero initial states: the kernels start from 0 without reading them
+
+    def init(X, col):  # initial state of one linear attention, [X, col] in the normalised form
+        if fresh:
+            return None
+        return torch.cat([X, col[..., None]], -1) if normalize and col is not None else X
+
+    vv = torch.cat([v, v.new_ones(B, T, H, 1)], -1) if normalize else v
     if variant == "hla2":
         # ktilde_t = S_t q_t = q_t^T S_t^T: the linear attention carries S^T (S is symmetric unless
         # the initial state is not; the transposes keep the contract for any S_0)
-        kt, S = linear_attention(q, k, k, la, st.S.transpose(-1, -2), **kw)
+        kt, S = linear_attention(q, k, k, la, init(st.S.transpose(-1, -2), None), **kw)
         S = S.transpose(-1, -2)
-        vv, X0 = (torch.cat([v, ones], -1), torch.cat([st.F, st.eta[..., None]], -1)) if normalize else (v, st.F)
-        o, F = linear_attention(q, kt, vv, 2 * la, X0, out_dtype=out_dt, **kw)
+        o, F = linear_attention(q, kt, vv, 2 * la, init(st.F, st.eta), out_dtype=out_dt, **kw)
         z = None
     else:
-        vv, P0 = (torch.cat([v, ones], -1), torch.cat([st.S, st.z[..., None]], -1)) if normalize else (v, st.S)
-        X0 = torch.cat([st.F, st.eta[..., None]], -1) if normalize else st.F
-        u, S = linear_attention(q, k, vv, la, P0, **kw)
-        o, F = linear_attention(q, k, u, la, X0, out_dtype=out_dt, **kw)
+        u, S = linear_attention(q, k, vv, la, init(st.S, st.z), **kw)
+        o, F = linear_attention(q, k, u, la, init(st.F, st.eta), out_dtype=out_dt, **kw)
         z = S[..., Dv] if normalize else None
         S = S[..., :Dv] if normalize else S
     eta = None
