@@ -137,40 +137,40 @@ def main() -> None:
         ("-", "ahla fwd", simple_gla, hla_chunked_triton, {"variant": "ahla"}, False),
         ("-", "ahla fwd+bwd", gla, hla_chunked_triton, {"variant": "ahla"}, True),
         ("-", "hla2 normalised fwd", simple_gla, hla_chunked_triton, {"normalize": True}, False),
+        ("-", "hla2 normalised fwd+bwd", gla, hla_chunked_triton, {"normalize": True}, True),
     ]
-    rows = []
-    times = {}
-    todo = [(T, c) for T in args.T for c in main_cases] + [(args.T[0], c) for c in extra_cases]
-    for T, (cid, what, peer, ours, kw, bwd) in todo:
-        if True:
-            mk = fwdbwd_fn if bwd else fwd_fn
-            try:
-                t_ours = bench(mk(ours, T, **kw))
-            except Exception as e:  # keep the table going
-                print(f"{what} T={T}: ours failed: {e!r}", file=sys.stderr)
-                t_ours = float("nan")
-            t_peer = float("nan")
-            if chunk_gla is not None:
-                try:
-                    t_peer = bench(mk(peer, T))
-                except Exception as e:
-                    print(f"{what} T={T}: peer failed: {e!r}", file=sys.stderr)
-            name = {simple_gla: "fla chunk_simple_gla", gla: "fla chunk_gla"}[peer] + (" fwd+bwd" if bwd else " fwd")
-            row = dict(id=cid, what=what, T=T, peer=name, peer_ms=t_peer, ours_ms=t_ours, ratio=t_ours / t_peer)
-            times[(what, T)] = t_ours
-            rows.append(row)
-            print(f"{cid:4} {what:22} T={T:6} {name:30} {t_peer:9.3f} ms  ours {t_ours:9.3f} ms  "
-                  f"ratio {t_ours / t_peer:6.2f}", flush=True)
+    names = {simple_gla: "fla chunk_simple_gla fwd", gla: "fla chunk_gla fwd+bwd"}
+
+    def measure(fn, T, bwd, **kw):
+        try:
+            return bench((fwdbwd_fn if bwd else fwd_fn)(fn, T, **kw))
+        except Exception as e:  # keep the table going
+            print(f"{getattr(fn, '__name__', fn)} T={T}: failed: {e!r}", file=sys.stderr)
+            return float("nan")
+        finally:
             torch.cuda.empty_cache()
-    if len(args.T) > 1:
-        t0, t1 = args.T[0], args.T[1]
-        for what in ("hla2 fwd", "hla2 fwd+bwd"):
-            r = times[(what, t1)] / times[(what, t0)]
-            rows.append(dict(id="P6", what=f"{what} time({t1})/time({t0})", ratio=r))
-            print(f"P6   {what} time({t1})/time({t0}) = {r:.2f}", flush=True)
-    if args.breakdown:
-        breakdown(args.T[0])
-    # decode: one token, state of a 32k prefix, B1 H16 d128
+
+    # ours first (P4 rows at every T for P6), then the two peers at the first T, then the rest
+    ours_t = {}
+    for T in args.T:
+        for _, what, _, ours, kw, bwd in main_cases:
+            ours_t[(what, T)] = measure(ours, T, bwd, **kw)
+            print(f"ours {what:24} T={T:6} {ours_t[(what, T)]:9.3f} ms", flush=True)
+    T0 = args.T[0]
+    peer_t = {}
+    if chunk_gla is not None:
+        for peer in (simple_gla, gla):
+            peer_t[peer] = measure(peer, T0, peer is gla)
+            print(f"peer {names[peer]:30} T={T0:6} {peer_t[peer]:9.3f} ms", flush=True)
+    rows = []
+    for cid, what, peer, _, _, _ in main_cases:
+        p, o = peer_t.get(peer, float("nan")), ours_t[(what, T0)]
+        rows.append(dict(id=cid, what=what, T=T0, peer=names[peer], peer_ms=p, ours_ms=o, ratio=o / p))
+    for what in ("hla2 fwd", "hla2 fwd+bwd"):
+        for T in args.T[1:]:
+            r = ours_t[(what, T)] / ours_t[(what, T0)]
+            rows.append(dict(id="P6", what=f"{what} time({T})/time({T0})", ratio=r))
+    # decode: one token after a 256-token prefix, B1 H16 d128
     for variant in ("hla2", "ahla"):
         x1 = inputs(1)
         _, st = hla_chunked_triton(*inputs(256), variant=variant)
@@ -180,7 +180,19 @@ def main() -> None:
         rows.append(dict(id="-", what=f"{variant} decode step", T=1, peer="PyTorch hla_recurrent",
                          peer_ms=t_ref, ours_ms=t_ours, ratio=t_ours / t_ref))
         print(f"-    {variant} decode step B1 H16 d128: PyTorch {t_ref:.4f} ms  ours {t_ours:.4f} ms", flush=True)
-    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+    if args.breakdown:
+        breakdown(T0)
+    for _, what, peer, ours, kw, bwd in extra_cases:
+        o = measure(ours, T0, bwd, **kw)
+        p = peer_t.get(peer, float("nan"))
+        rows.append(dict(id="-", what=what, T=T0, peer=names[peer], peer_ms=p, ours_ms=o, ratio=o / p))
+        print(f"ours {what:24} T={T0:6} {o:9.3f} ms", flush=True)
+    print(f"\ntorch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}, "
+          "B1 H16 d128 bf16 (decode: one token)")
+    print(f"{'id':4} {'what':34} {'T':>6} {'peer':30} {'peer ms':>9} {'ours ms':>9} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['id']:4} {r['what']:34} {r.get('T', ''):>6} {r.get('peer', ''):30} "
+              f"{r.get('peer_ms', float('nan')):9.4f} {r.get('ours_ms', float('nan')):9.4f} {r['ratio']:6.2f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
