@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ..configuration.base import SubquadraticConfig
-from ..kernels.positions import slot_offsets
+from ..kernels.utils import slot_offsets
 from .cache import KVLayer, StateLayer, SubquadraticCache, positions_from_mask
 
 #: Name of the cache field in model outputs and of the forward argument generate() passes:

@@ -110,7 +110,7 @@ class HLAAttention(AttentionBase):
             state = HLAState(**stored)
         o, state = hla_attention(
             q, k, v, log_alpha, state, chunk_size=cfg.hla_chunk_size, normalize=cfg.hla_normalize,
-            eps=cfg.hla_eps, variant=cfg.hla_variant, backend=cfg.hla_backend,
+            eps=cfg.hla_eps, variant=cfg.hla_variant, backend=cfg.kernel_backend,
         )  # o: [B, T, HQ, D]
         if cache_layer is not None:
             cache_layer.set({n: t for n in _STATE_FIELDS if (t := getattr(state, n)) is not None})
