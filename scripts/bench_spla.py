@@ -26,24 +26,24 @@ def bench(fn) -> float:
 
 
 def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
-    from subquadratic.kernels.positions import slot_offsets
-    from subquadratic.kernels.spla import BlockStats
-    from subquadratic.kernels.spla.triton_ops import spla_attention_triton
+    from subquadratic.kernels.spla import BlockStats, spla_triton
+    from subquadratic.kernels.utils import slot_offsets
 
     dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(B, HQ, 1, D, device=dev, dtype=dt)
-    k = torch.randn(B, H, S, D, device=dev, dtype=dt)
+    q = torch.randn(B, 1, HQ, D, device=dev, dtype=dt)
+    k = torch.randn(B, H, S, D, device=dev, dtype=dt)  # stored as the model's cache stores them
     v = torch.randn(B, H, S, D, device=dev, dtype=dt)
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # the op's [B, S, H, D] layout: views, no copies
     pos = torch.arange(S, device=dev).expand(B, S).contiguous()
-    stats = BlockStats.empty(B, H, D, dev).add(k, pos, bs)
+    stats = BlockStats.empty(B, H, D, dev).add(kt, pos, bs)
     sbar = torch.randn(B, H, D, D, device=dev) * 0.01
     cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
     koff = slot_offsets(pos)  # the model computes this once per forward for all layers
-    ours = bench(lambda: spla_attention_triton(q, k, v, pos[:, -1:], pos, stats, sbar, k_offsets=koff, **cfg))
-    qd = q.transpose(1, 2).reshape(B, 1, HQ, D).transpose(1, 2)
+    ours = bench(lambda: spla_triton(q, kt, vt, pos[:, -1:], pos, stats, sbar, k_offsets=koff, **cfg))
+    qd = q.transpose(1, 2)
     peer = bench(lambda: F.scaled_dot_product_attention(qd, k, v, enable_gqa=True))
     # the same step replayed as one CUDA graph (how serving stacks run decode): launch gaps removed
-    step = lambda: spla_attention_triton(q, k, v, pos[:, -1:], pos, stats, sbar, k_offsets=koff, **cfg)  # noqa: E731
+    step = lambda: spla_triton(q, kt, vt, pos[:, -1:], pos, stats, sbar, k_offsets=koff, **cfg)  # noqa: E731
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -56,15 +56,16 @@ def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
         for _ in range(20):
             step()
         torch.cuda.synchronize()
-    from subquadratic.kernels.spla import triton_ops as tk
+    from subquadratic.kernels.spla import triton_decode, triton_select
 
     print("\ndecode launch settings (whole step as a CUDA graph, median ms)")
     names = ("SCORE_BN", "SCORE_DOT", "SCORE_PREC", "DECODE_BLOCKS_PER_SPLIT", "DECODE_WARPS")
-    default = tuple(getattr(tk, n) for n in names)
+    owner = {n: triton_decode if n.startswith("DECODE") else triton_select for n in names}
+    default = tuple(getattr(owner[n], n) for n in names)
     for setting in ((16, False, "ieee", 4, 4), (16, False, "ieee", 3, 4), (32, False, "ieee", 3, 4),
                     (64, True, "tf32x3", 3, 4), (16, False, "ieee", 3, 8)):
         for n, val in zip(names, setting, strict=True):
-            setattr(tk, n, val)
+            setattr(owner[n], n, val)
         step()
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -73,7 +74,7 @@ def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
         print("  " + " ".join(f"{n}={val}" for n, val in zip(names, setting, strict=True)) +
               f": {bench(g.replay):8.4f}")
     for n, val in zip(names, default, strict=True):
-        setattr(tk, n, val)
+        setattr(owner[n], n, val)
     print("\nGPU kernels of one decode step (mean of 20 steps)")
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
         print(f"  {e.key[:60]:60} {e.device_time_total / 20 / 1000:8.4f} ms")
@@ -88,58 +89,60 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
     """Median ms of each stage of one SPLA call (queries = the last Tq of S tokens)."""
     import triton
 
-    from subquadratic.kernels.positions import slot_offsets
-    from subquadratic.kernels.spla import BlockStats, feature_map
-    from subquadratic.kernels.spla import triton_ops as tk
+    from subquadratic.kernels.spla import (
+        BlockStats,
+        SparseAttention,
+        causal_linear_term,
+        feature_map,
+        key_features,
+        queries_by_block,
+        select_indices,
+        sparse_forward,
+        spla_triton,
+    )
+    from subquadratic.kernels.utils import slot_offsets
 
     dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(B, HQ, Tq, D, device=dev, dtype=dt)
-    k = torch.randn(B, H, S, D, device=dev, dtype=dt)
+    q = torch.randn(B, Tq, HQ, D, device=dev, dtype=dt)
+    k = torch.randn(B, H, S, D, device=dev, dtype=dt)  # the cache's layout; the op gets [B, S, H, D] views
     v = torch.randn(B, H, S, D, device=dev, dtype=dt)
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
     pos = torch.arange(S, device=dev).expand(B, S).contiguous()
     qpos = pos[:, S - Tq:]
-    stats = BlockStats.empty(B, H, D, dev).add(k, pos, bs)
+    stats = BlockStats.empty(B, H, D, dev).add(kt, pos, bs)
     sbar = torch.zeros(B, H, D, D, device=dev)
     kw = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
     koff = slot_offsets(pos)
-    idx = tk.select_indices(q, stats, qpos, **kw)
+    idx = select_indices(q, stats, qpos, **kw)
     nsel = idx.shape[-1]
     G = HQ // H
-    phiq = feature_map(q).view(B, H, G, Tq, D)
+    qh = q.transpose(1, 2)  # [B, HQ, Tq, D] view, the sparse kernels' operand
+    phiq = feature_map(qh).reshape(B, H, G, Tq, D)
     out = {
         "slot_offsets": bench(lambda: slot_offsets(pos)),
-        "selection (scores + group top-k kernel)": bench(lambda: tk.select_indices(q, stats, qpos, **kw)),
-        "causal linear term": bench(lambda: tk.causal_linear_term(
+        "selection (scores + group top-k kernel)": bench(lambda: select_indices(q, stats, qpos, **kw)),
+        "causal linear term": bench(lambda: causal_linear_term(
             phiq, feature_map(k[:, :, S - Tq:]), v[:, :, S - Tq:].float(), sbar, qpos >= 0, chunk=min(64, Tq))),
-        "whole call": bench(lambda: tk.spla_attention_triton(q, k, v, qpos, pos, stats, sbar, k_offsets=koff, **kw)),
+        "whole call": bench(lambda: spla_triton(q, kt, vt, qpos, pos, stats, sbar, k_offsets=koff, **kw)),
     }
     if Tq == S:
-        out["block stats (prefill)"] = bench(lambda: BlockStats.empty(B, H, D, dev).add(k, pos, bs))
-    GP = max(16, G)
+        out["block stats (prefill)"] = bench(lambda: BlockStats.empty(B, H, D, dev).add(kt, pos, bs))
     nsp = max(1, min(nsel, 264 // (B * H * Tq))) if Tq <= 8 else 1
-    per = -(-nsel // nsp)
-    parts = [torch.empty(nsp, B, Tq, HQ, D, device=dev) for _ in range(2)]
-    ml = [torch.empty(nsp, B, Tq, HQ, device=dev) for _ in range(2)]
     qi = qpos.to(torch.int32).contiguous()
+    phik = key_features(k)
 
-    phik = tk.key_features(k)
-
-    def kernel(use_rla=True, pre=False):
-        tk.spla_sparse_kernel[(Tq, B * H, nsp)](
-            q, k, v, phik, idx, qi, koff, parts[0], parts[1], ml[0], ml[1], q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), phik.stride(0),
-            phik.stride(1), phik.stride(2), Tq, H, nsel, per, 1 / math.sqrt(D), G=G, GP=GP, D=D, BS=bs,
-            USE_RLA=use_rla, IEEE=False, PRE_PHIK=pre, num_warps=4, num_stages=2)
+    def kernel(use_rla=True, pre=False):  # the sparse kernel (and, for nsp > 1, the merge of its splits)
+        sparse_forward(qh, k, v, idx, qi, koff, use_rla, bs, nsp, phik=phik if pre else None)
 
     out["sparse kernel (sparse branch + correction)"] = bench(kernel)
     out["  same, phi(k) precomputed (used for Tq > 64)"] = bench(lambda: kernel(True, True))
-    out["  phi(k) of all keys (key_features)"] = bench(lambda: tk.key_features(k))
+    out["  phi(k) of all keys (key_features)"] = bench(lambda: key_features(k))
     out["  same kernel without the correction (SPA)"] = bench(lambda: kernel(False))
     if Tq == S:  # the backward pass of the sparse branch + correction
-        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-        o, ot = tk.SparseAttention.apply(qg, kg, vg, idx, qi, koff, True, bs, True)
+        qg, kg, vg = (x.detach().requires_grad_() for x in (qh, k, v))
+        o, ot = SparseAttention.apply(qg, kg, vg, idx, qi, koff, True, bs, True)
         g = torch.randn_like(o)
-        out["CSR lists (queries per key block)"] = bench(lambda: tk.queries_by_block(idx, triton.cdiv(S, bs)))
+        out["CSR lists (queries per key block)"] = bench(lambda: queries_by_block(idx, triton.cdiv(S, bs)))
         out["sparse backward (dq kernel + CSR + dkv kernel)"] = bench(
             lambda: torch.autograd.grad([o, ot], [qg, kg, vg], [g, g], retain_graph=True))
     return out
@@ -148,9 +151,9 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
 def prefill_fn(T, B=1, HQ=32, H=8, D=128, bs=64, top=16, backward=False, layout="bhtd"):
     """(ours, peer) callables of one prefill call at T tokens: SPLA (block stats, selection, sparse
     kernel, residual term) vs SDPA flash; with backward=True both also run the backward pass for
-    random output gradients. layout "bthd" stores q, k, v token-major (fla's layout) and passes views."""
-    from subquadratic.kernels.spla import BlockStats
-    from subquadratic.kernels.spla.triton_ops import spla_attention_triton
+    random output gradients. layout "bthd" stores q, k, v token-major (the op's layout), "bhtd"
+    head-major (SDPA's, the model's cache); each side gets views in its own layout."""
+    from subquadratic.kernels.spla import BlockStats, spla_triton
 
     dev, dt = "cuda", torch.bfloat16
 
@@ -164,12 +167,14 @@ def prefill_fn(T, B=1, HQ=32, H=8, D=128, bs=64, top=16, backward=False, layout=
     sbar = torch.zeros(B, H, D, D, device=dev)
     cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
     g_sp, g_rla = torch.randn(2, B, HQ, T, D, device=dev, dtype=dt)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, T, heads, D] views
+    gt_sp, gt_rla = g_sp.transpose(1, 2), g_rla.transpose(1, 2)
 
     def ours():
-        stats = BlockStats.empty(B, H, D, dev).add(k.detach(), pos, bs)
-        o_sp, o_rla, _ = spla_attention_triton(q, k, v, pos, pos, stats, sbar, **cfg)
+        stats = BlockStats.empty(B, H, D, dev).add(kt.detach(), pos, bs)
+        o_sp, o_rla, _ = spla_triton(qt, kt, vt, pos, pos, stats, sbar, **cfg)
         if backward:
-            torch.autograd.backward([o_sp, o_rla], [g_sp, g_rla])
+            torch.autograd.backward([o_sp, o_rla], [gt_sp, gt_rla])
 
     def peer():
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -200,36 +205,28 @@ def nsa_case(T=32768, B=1, HQ=64, H=4, D=128, bs=64, top=16, backward=False):
 
 
 def score_variants(B=4, HQ=32, H=8, D=128, S=131072, bs=64, Tq=1):
-    """Kernel-only median ms of the scoring launch for the last Tq queries in each setting (BN
-    blocks per program, dot precision or elementwise fp32 sums), and of the group top-k launch."""
-    import triton
-
-    from subquadratic.kernels.spla import BlockStats
-    from subquadratic.kernels.spla import triton_ops as tk
+    """Median ms of the selection (scoring launch + group top-k launch) for the last Tq queries in
+    each scoring setting (BN blocks per program, dot precision or elementwise fp32 sums)."""
+    from subquadratic.kernels.spla import BlockStats, select_indices, triton_select
 
     dev = "cuda"
-    G = HQ // H
-    q = torch.randn(B, HQ, Tq, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(B, Tq, HQ, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, S, H, D, device=dev, dtype=torch.bfloat16)
     pos = torch.arange(S, device=dev).expand(B, S).contiguous()
     stats = BlockStats.empty(B, H, D, dev).add(k, pos, bs)
-    NB = stats.num_blocks
-    sc = torch.empty(B, Tq, H, G, NB, device=dev)
     qpos = pos[:, -Tq:].to(torch.int32).contiguous()
+    kw = dict(block_size=bs, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2)
+    names = ("SCORE_BN", "SCORE_PREC", "SCORE_DOT", "SCORE_WARPS")
+    default = tuple(getattr(triton_select, n) for n in names)
     out = {}
-    for bn, prec, use_dot, warps in ((64, "tf32x3", True, 4), (16, "ieee", False, 4)):
-        def launch(bn=bn, prec=prec, use_dot=use_dot, warps=warps):
-            tk.spla_score_kernel[(Tq, B * H, triton.cdiv(NB, bn))](
-                q, stats.sum_k, stats.sum_k2, stats.count, qpos, sc, q.stride(0), q.stride(1), q.stride(2),
-                stats.sum_k.stride(0), stats.sum_k.stride(1), stats.count.stride(0),
-                Tq, H, NB, bs, 1, 2, 1.0 / math.sqrt(D), G=G, GP=max(16, G), D=D, BN=bn, TAYLOR=True,
-                PREC=prec, USE_DOT=use_dot, num_warps=warps)
-        out[f"score BN={bn} {('dot ' + prec) if use_dot else 'elementwise'} warps={warps}"] = bench(launch)
-    idx = torch.empty(B, Tq, H, 19, device=dev, dtype=torch.int32)
-    gs = torch.empty(B, Tq, H, NB, device=dev)
-    out["group top-k kernel"] = bench(lambda: tk.spla_topk_kernel[(Tq, B * H)](
-        sc, qpos, gs, idx, *sc.stride()[:4], Tq, H, NB, bs, 1, 2, 16, 19, G=G, GP=max(16, G), BN=128,
-        NBP=max(16, triton.next_power_of_2(NB)), num_warps=4 if NB <= 4096 else 8))
+    for setting in ((64, "tf32x3", True, 4), (16, "ieee", False, 4)):
+        for n, val in zip(names, setting, strict=True):
+            setattr(triton_select, n, val)
+        bn, prec, use_dot, warps = setting
+        out[f"selection, score BN={bn} {('dot ' + prec) if use_dot else 'elementwise'} warps={warps}"] = bench(
+            lambda: select_indices(q, stats, qpos, **kw))
+    for n, val in zip(names, default, strict=True):
+        setattr(triton_select, n, val)
     return out
 
 

@@ -17,5 +17,5 @@ run_env() {  # name, transformers requirement, pytest marker expression, extra r
   "$venv/bin/python" -m pytest -q -m "$3" -p no:cacheprovider tests
 }
 run_env tf-oldest "transformers==5.17.*" "not slow and not gpu"
-# Triton kernels run in Triton's CPU interpreter here (its interpreter needs numpy < 2.4)
-run_env tf-newest "transformers>=5.17,<6" "not gpu" "triton==3.6.0 numpy<2.4"
+# Triton kernels run in Triton's CPU interpreter here, on the Triton the pinned torch brings
+run_env tf-newest "transformers>=5.17,<6" "not gpu" "triton"

@@ -145,7 +145,7 @@ def test_spla_block_stats_kept_in_place_equal_functional_add(monkeypatch):
         pos = cache_module.positions_from_mask(new_valid, valid.sum(-1))
         valid = torch.cat([valid, new_valid], 1)
         K, _, stats, _ = layer.update(k, k.detach(), pos, bs)
-        functional = functional.add(k, pos, bs)
+        functional = functional.add(k.transpose(1, 2), pos, bs)  # the op's [B, T, H, D] layout
         S = valid.shape[1]
         assert K.shape[2] == S and stats.num_blocks == -(-S // bs)  # sized from the slots, no host sync
         nb = functional.num_blocks
@@ -157,7 +157,7 @@ def test_spla_block_stats_kept_in_place_equal_functional_add(monkeypatch):
     assert layer.buffers["count"].capacity > stats.num_blocks
     # num_blocks= sizes the functional result without reading pos; add never changes its input
     before = functional.sum_k.clone()
-    wider = functional.add(k, pos, bs, num_blocks=functional.num_blocks + 3)
+    wider = functional.add(k.transpose(1, 2), pos, bs, num_blocks=functional.num_blocks + 3)
     assert wider.num_blocks == functional.num_blocks + 3 and torch.equal(functional.sum_k, before)
 
 

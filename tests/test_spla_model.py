@@ -36,7 +36,8 @@ def test_prefill_then_decode_equals_full_forward(use_rla):
     # block sums and Sbar were kept incrementally: they equal a recomputation from the cached keys
     layer = cache.layers[0]
     k = layer.state["k"]
-    fresh = BlockStats.empty(2, k.shape[1], k.shape[3], "cpu").add(k, torch.arange(160).expand(2, 160), 8)
+    fresh = BlockStats.empty(2, k.shape[1], k.shape[3], "cpu").add(k.transpose(1, 2), torch.arange(160).expand(2, 160),
+                                                                   8)
     assert torch.allclose(layer.state["sum_k"], fresh.sum_k, atol=1e-4)
     assert torch.allclose(layer.state["count"], fresh.count)
 

@@ -26,7 +26,9 @@ from subquadratic import SSEConfig, SSEForCausalLM
 from subquadratic.cli import main as cli_main
 from subquadratic.configuration.sse import PRESETS, sse_config, sse_h_mixer_types
 from subquadratic.conversion.sse import new_tensors
-from subquadratic.kernels.sse import SSEState, resolve_backend, router_topk, sse_attention
+from subquadratic.kernels.sse import SSEState, router_topk, sse_attention, sse_masked
+from subquadratic.kernels.utils import resolve_backend
+from subquadratic.modeling import sse as sse_modeling
 from subquadratic.modeling.base import CACHE_FIELD, SequenceInfo
 from subquadratic.modeling.sse import SSEAttention, SSELayer
 
@@ -34,6 +36,19 @@ PRESET_CASES = ["tiny", "tiny-h", "tiny-swa", "tiny-gdn"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+
+def use_form(monkeypatch, model, form: str) -> None:
+    """Run the model's SSE layers on kernel_backend `form`, or on the masked (N+1)-heads form."""
+    monkeypatch.undo()
+    if form == "masked":
+        def masked(*args, chunk_size, backend, inplace, **kw):
+            return sse_masked(*args, chunk_size, **kw)
+
+        monkeypatch.setattr(sse_modeling, "sse_attention", masked)
+        form = "torch"
+    model.config.kernel_backend = form
 
 
 def model(preset: str = "tiny", seed: int = 0, **overrides) -> SSEForCausalLM:
@@ -66,7 +81,7 @@ def test_presets_and_config_errors():
     cfg = SSEConfig(hidden_size=64, num_attention_heads=4)
     assert (cfg.sse_num_partitions, cfg.sse_top_k, cfg.sse_base, cfg.aux_loss_weight) == (4, 1, "gla", 0.01)
     bad = [dict(sse_top_k=5), dict(sse_num_partitions=0), dict(sse_base="mamba"), dict(sse_key_topk=99),
-           dict(sse_base="gdn", sse_key_topk=4), dict(sse_backend="cuda"), dict(sse_decay_init_min=1.0),
+           dict(sse_base="gdn", sse_key_topk=4), dict(kernel_backend="cuda"), dict(sse_decay_init_min=1.0),
            dict(sse_lora_rank=-1)]
     for kw in bad:
         with pytest.raises(ValueError):
@@ -83,9 +98,10 @@ def preset_model(preset: str) -> SSEForCausalLM:
 
 
 @pytest.mark.parametrize("preset", PRESET_CASES + ["keytopk"])
-def test_sse_layer_forms_match_recurrent_oracle_fp64(preset):
+def test_sse_layer_forms_match_recurrent_oracle_fp64(preset, monkeypatch):
     """One SSE layer in fp64, from a non-zero cached state, with a left-padded row: the sorted
-    variable-length and the masked forms equal the serial recurrence (outputs and new states)."""
+    variable-length ("torch") and the masked forms equal the serial recurrence ("naive"), outputs
+    and new states."""
     m = preset_model(preset).double()
     sa = m.model.layers[0].self_attn
     B, T = 2, 37
@@ -98,15 +114,15 @@ def test_sse_layer_forms_match_recurrent_oracle_fp64(preset):
     pos0 = torch.arange(3).expand(B, 3)
     results = {}
     with torch.no_grad():
-        for backend in ("recurrent", "varlen", "masked"):
-            m.config.sse_backend = backend
+        for backend in ("naive", "torch", "masked"):
+            use_form(monkeypatch, m, backend)
             cache = SSELayer()
             sa(x0, m.model.rotary_emb(x0, pos0), SequenceInfo(pos0, pos0 >= 0, pos0), cache)
             out, _ = sa(x, m.model.rotary_emb(x, pos.clamp(min=0)), SequenceInfo(pos, valid, pos), cache)
             results[backend] = (out, cache.state)
-    ref, ref_state = results["recurrent"]
+    ref, ref_state = results["naive"]
     assert ref.abs().max().item() > 0.1
-    for backend in ("varlen", "masked"):
+    for backend in ("torch", "masked"):
         out, state = results[backend]
         assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-10, backend
         for name in ("shared", "parts"):
@@ -115,16 +131,16 @@ def test_sse_layer_forms_match_recurrent_oracle_fp64(preset):
 
 
 @pytest.mark.parametrize("preset", PRESET_CASES + ["keytopk"])
-def test_model_forms_agree_fp32(preset):
+def test_model_forms_agree_fp32(preset, monkeypatch):
     m = preset_model(preset)
     ids = tokens(2, 37)
     logits = {}
     with torch.no_grad():
-        for backend in ("recurrent", "varlen", "masked", "auto"):
-            m.config.sse_backend = backend
+        for backend in ("naive", "torch", "masked", "auto"):
+            use_form(monkeypatch, m, backend)
             logits[backend] = m(ids, use_cache=False).logits
-    for backend in ("varlen", "masked", "auto"):
-        assert (logits[backend] - logits["recurrent"]).abs().max().item() <= 1e-4, backend
+    for backend in ("torch", "masked", "auto"):
+        assert (logits[backend] - logits["naive"]).abs().max().item() <= 1e-4, backend
 
 
 @pytest.mark.parametrize("preset", PRESET_CASES)
@@ -180,13 +196,17 @@ def test_sse_layer_padding_writes_decays_and_routes_nothing(preset):
 
 
 def test_dispatch_picks_forms_and_decodes_in_place():
-    assert resolve_backend("auto", torch.device("cpu"), 1) == "recurrent"
-    assert resolve_backend("auto", torch.device("cpu"), 7) == "varlen"
-    assert resolve_backend("masked", torch.device("cpu"), 1) == "masked"
-    with pytest.raises(RuntimeError):
-        resolve_backend("triton", torch.device("cpu"), 7)
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu, op="SSE", has_triton=False, has_naive=True) == "torch"
+    assert resolve_backend("naive", cpu, op="SSE", has_triton=False, has_naive=True) == "naive"
+    with pytest.raises(ValueError, match="no Triton kernels"):
+        resolve_backend("triton", cpu, op="SSE", has_triton=False, has_naive=True)
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_backend("triton", cpu, op="SPLA", has_triton=True, has_naive=False)
+    with pytest.raises(ValueError, match="naive"):
+        resolve_backend("naive", cpu, op="SPLA", has_triton=True, has_naive=False)
     with pytest.raises(ValueError):
-        resolve_backend("fast", torch.device("cpu"), 7)
+        resolve_backend("fast", cpu, op="SSE", has_triton=False, has_naive=True)
     B, H, D, N = 2, 2, 4, 4
     gen = torch.Generator().manual_seed(0)
     r = lambda *shape: torch.randn(*shape, generator=gen)

@@ -12,7 +12,11 @@ from typing import ClassVar
 
 from transformers import PreTrainedConfig
 
+from ..kernels.utils import BACKENDS as KERNEL_BACKENDS
 from ..registry import MIXERS
+
+#: Values of the per-family backend fields of older configs (`<family>_backend`), as kernel_backend.
+_LEGACY_BACKENDS = {"reference": "torch", "varlen": "torch", "masked": "torch", "recurrent": "naive"}
 
 #: Softmax-attention mixers of the shared decoder; families register theirs (`registry.register_family`).
 SOFTMAX_MIXERS = ("full_attention", "sliding_attention")
@@ -90,8 +94,17 @@ class SubquadraticConfig(PreTrainedConfig):
     aux_loss_weight: float = 0.0
     #: model_type of the dense checkpoint this model was converted from (informational).
     source_model_type: str | None = None
+    #: Kernels of every mixer: "auto" (Triton on CUDA where an op has kernels that take the inputs,
+    #: else PyTorch), "torch" (the PyTorch forms), "triton" (the Triton kernels, CUDA only) or
+    #: "naive" (the serial definition, where the op has one; for checks).
+    kernel_backend: str = "auto"
 
     def __post_init__(self, **kwargs):
+        for name in [n for n in kwargs if n.endswith("_backend") and n != "kernel_backend"]:
+            if name[: -len("_backend")] in (self.model_type, *known_mixers()):  # an older config's spla_backend, ...
+                old = kwargs.pop(name)
+                if self.kernel_backend == "auto":
+                    self.kernel_backend = _LEGACY_BACKENDS.get(old, old)
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
@@ -126,6 +139,8 @@ class SubquadraticConfig(PreTrainedConfig):
             )
         if self.aux_loss_weight < 0:
             raise ValueError(f"aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}; got {self.kernel_backend!r}")
         if "sliding_attention" in self.mixer_types and not self.sliding_window:
             raise ValueError("a 'sliding_attention' layer needs sliding_window > 0 in the config")
 

@@ -6,9 +6,6 @@ from typing import ClassVar
 
 from .base import SubquadraticConfig
 
-#: Names accepted by `hla_backend` (see `kernels.hla.hla_attention`).
-HLA_BACKENDS = ("auto", "reference", "recurrent", "triton")
-
 
 class HLAConfig(SubquadraticConfig):
     """HLA: masked second-order linear attention with a fixed-size state per layer (DESIGN.md "HLA").
@@ -24,9 +21,8 @@ class HLAConfig(SubquadraticConfig):
     The mixer output goes through a per-head RMSNorm (`output_norm`) times SiLU(W_g x)
     (`output_gate`). `hla_rope` applies the source's RoPE to q and k (off by default: HLA is
     order-aware through its decays and needs no positions). `hla_chunk_size` is the chunk of the
-    training / prefill form. `hla_backend`: "auto" (Triton on CUDA when available, else the
-    PyTorch reference: chunked for T > 1, recurrent for T == 1), "reference", "recurrent" (the
-    serial oracle for every length; tests and debugging) or "triton".
+    training / prefill form. The kernels follow `kernel_backend` ("naive": the serial recurrence
+    at every length).
     """
 
     model_type = "hla"
@@ -44,7 +40,6 @@ class HLAConfig(SubquadraticConfig):
     output_norm: bool = True
     output_gate: bool = True
     hla_rope: bool = False
-    hla_backend: str = "auto"
 
     def check(self) -> None:
         super().check()
@@ -60,8 +55,6 @@ class HLAConfig(SubquadraticConfig):
             raise ValueError(f"hla_chunk_size must be >= 1, got {self.hla_chunk_size}")
         if self.hla_eps <= 0 or self.qk_scale <= 0:
             raise ValueError(f"hla_eps and qk_scale must be > 0, got {self.hla_eps}, {self.qk_scale}")
-        if self.hla_backend not in HLA_BACKENDS:
-            raise ValueError(f"hla_backend must be one of {', '.join(HLA_BACKENDS)}; got {self.hla_backend!r}")
 
 
 #: Tiny shapes for tests and smoke runs (CPU, seconds).

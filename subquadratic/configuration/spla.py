@@ -24,8 +24,6 @@ class SPLAConfig(SubquadraticConfig):
     num_local_blocks: int = 2
     selection: str = "taylor"
     use_rla: bool = True
-    #: "auto": Triton kernels on CUDA when available, the PyTorch reference elsewhere.
-    spla_backend: str = "auto"
 
     def check(self) -> None:
         super().check()
@@ -41,8 +39,6 @@ class SPLAConfig(SubquadraticConfig):
             )
         if self.selection not in ("taylor", "mean"):
             raise ValueError(f"selection must be 'taylor' or 'mean', got {self.selection!r}")
-        if self.spla_backend not in ("auto", "reference", "triton"):
-            raise ValueError(f"spla_backend must be 'auto', 'reference' or 'triton', got {self.spla_backend!r}")
 
     @property
     def budget_tokens(self) -> int:

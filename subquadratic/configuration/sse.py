@@ -11,9 +11,6 @@ from typing import ClassVar
 
 from .base import SOFTMAX_MIXERS, SubquadraticConfig, hybrid_mixer_types
 
-#: Names accepted by `sse_backend` (see `kernels.sse.sse_attention`).
-SSE_BACKENDS = ("auto", "reference", "varlen", "masked", "recurrent", "triton")
-
 
 class SSEConfig(SubquadraticConfig):
     """SSE: a shared gated linear-attention state plus `sse_num_partitions` (N) partition states, of
@@ -31,10 +28,9 @@ class SSEConfig(SubquadraticConfig):
     `sse_sliding_window` > 0 adds an in-layer sliding-window softmax branch with its own
     projections (`swa.*`), merged as (RMSNorm(o_sse) + RMSNorm(o_swa)) / 2.
     `aux_loss_weight` scales the router load-balance loss (summed over SSE layers) that the model
-    adds to the LM loss in training. `sse_backend`: "auto" (Triton on CUDA when available; else the
-    recurrent step for one token and the sorted variable-length form otherwise), "reference"
-    (the same without Triton), "varlen", "masked", "recurrent" (the serial oracle at every length)
-    or "triton".
+    adds to the LM loss in training. The kernels follow `kernel_backend` ("torch": the recurrent
+    step for one token and the sorted variable-length form otherwise; "naive": the serial
+    recurrence at every length).
     """
 
     model_type = "sse"
@@ -52,7 +48,6 @@ class SSEConfig(SubquadraticConfig):
     sse_decay_init_min: float = 0.9
     sse_decay_init_max: float = 0.999
     sse_chunk_size: int = 64
-    sse_backend: str = "auto"
     aux_loss_weight: float = 0.01
 
     def check(self) -> None:
@@ -80,8 +75,6 @@ class SSEConfig(SubquadraticConfig):
                              f"{self.sse_decay_init_min}, {self.sse_decay_init_max}")
         if self.sse_chunk_size < 1:
             raise ValueError(f"sse_chunk_size must be >= 1, got {self.sse_chunk_size}")
-        if self.sse_backend not in SSE_BACKENDS:
-            raise ValueError(f"sse_backend must be one of {', '.join(SSE_BACKENDS)}; got {self.sse_backend!r}")
 
     @property
     def lora_rank(self) -> int:

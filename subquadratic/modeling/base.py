@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ..configuration.base import SubquadraticConfig
-from ..kernels.positions import slot_offsets
+from ..kernels.utils import slot_offsets
 from ..registry import MIXERS, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, positions_from_mask
 

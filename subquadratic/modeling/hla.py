@@ -108,7 +108,7 @@ class HLAAttention(AttentionBase):
         state = cache_layer.read() if cache_layer is not None else None
         o, state = hla_attention(
             q, k, v, log_alpha, state, chunk_size=cfg.hla_chunk_size, normalize=cfg.hla_normalize,
-            eps=cfg.hla_eps, variant=cfg.hla_variant, backend=cfg.hla_backend,
+            eps=cfg.hla_eps, variant=cfg.hla_variant, backend=cfg.kernel_backend,
         )  # o: [B, T, HQ, D]
         if cache_layer is not None:
             cache_layer.write(state)

@@ -51,7 +51,7 @@ class SPLALayer(StateLayer):
         like = k.new_empty(B, H, 0, D, dtype=self.tensors["sbar"].dtype)  # shape, dtype and device of the sums
         stats = BlockStats(
             bufs["sum_k"].extend(nb, like), bufs["sum_k2"].extend(nb, like), bufs["count"].extend(nb, like[:, 0, :, 0])
-        ).add_(k, pos, block_size)
+        ).add_(k.transpose(1, 2), pos, block_size)
         return K, V, stats, self.tensors["sbar"]
 
     def set_sbar(self, sbar: torch.Tensor) -> None:
@@ -83,17 +83,21 @@ class SPLAAttention(AttentionBase):
             acc = torch.float64 if k.dtype == torch.float64 else torch.float32
             B, H, _, D = k.shape
             nb = -(-k.shape[2] // cfg.block_size)  # an upper bound of the blocks, without a host sync
-            stats = BlockStats.empty(B, H, D, k.device, acc, num_blocks=nb).add_(k, seq.positions, cfg.block_size)
+            stats = BlockStats.empty(B, H, D, k.device, acc, num_blocks=nb).add_(
+                k.transpose(1, 2), seq.positions, cfg.block_size)
             sbar = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
+        # the op takes [B, T, H, D]: transposed views of q and of the [B, H, S, D] cache, no copies
         o_sp, o_rla, sbar = spla_attention(
-            q, K, V, seq.positions, seq.key_positions, stats, sbar,
-            backend=cfg.spla_backend, k_offsets=seq.key_offsets() if q.is_cuda else None,
+            q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), seq.positions, seq.key_positions, stats, sbar,
+            backend=cfg.kernel_backend, k_offsets=seq.key_offsets() if q.is_cuda else None,
             block_size=cfg.block_size, top_k_blocks=cfg.top_k_blocks, num_sink_blocks=cfg.num_sink_blocks,
             num_local_blocks=cfg.num_local_blocks, selection=cfg.selection, use_rla=cfg.use_rla,
         )
         if cache_layer is not None:
             cache_layer.set_sbar(sbar)
-        o = o_sp if o_rla is None else o_sp + self.rla_norm(o_rla)
+        o = o_sp.transpose(1, 2)  # [B, HQ, T, D]
+        if o_rla is not None:
+            o = o + self.rla_norm(o_rla.transpose(1, 2))
         return self.output(o), None
 
 

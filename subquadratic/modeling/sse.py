@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..configuration.sse import SSEConfig
 from ..kernels.sse import SSEState, router_topk, sse_attention, sse_aux_loss
-from ..kernels.sse.gla import compute_dtype
+from ..kernels.utils import acc_dtype
 from .base import (
     AttentionBase,
     SequenceInfo,
@@ -134,7 +134,7 @@ class SSERMSNorm(LlamaRMSNorm):
     """RMSNorm computing in float32, or float64 for float64 inputs (so the fp64 oracle checks stay fp64)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(compute_dtype(x))
+        xf = x.to(acc_dtype(x))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return (self.weight.to(xf.dtype) * xf).to(x.dtype)
 
@@ -235,7 +235,7 @@ class SSEAttention(AttentionBase):
 
     def key_map(self, k: torch.Tensor) -> torch.Tensor:
         """GLA keys: softmax over D (the row classification), over the top `sse_key_topk` entries only if set."""
-        kf = k.to(compute_dtype(k))
+        kf = k.to(acc_dtype(k))
         top = self.config.sse_key_topk
         if top and top < kf.shape[-1]:
             keep = torch.zeros_like(kf, dtype=torch.bool).scatter(-1, kf.topk(top, dim=-1).indices, True)
@@ -247,7 +247,7 @@ class SSEAttention(AttentionBase):
         beta (GDN). GLA: [B, T, HQ, D] each, beta None. GDN: [B, T, HQ] each."""
         cfg = self.config
         B, T, _ = x.shape
-        dt = compute_dtype(x)
+        dt = acc_dtype(x)
         if cfg.sse_base == "gla":
             shape = (B, T, self.num_heads, self.head_dim)
             z1 = self.g1_up(self.g1_down(x)).to(dt) + self.g1_bias.to(dt)
@@ -292,7 +292,7 @@ class SSEAttention(AttentionBase):
         state = cache_layer.read() if cache_layer is not None else None
         o, state = sse_attention(
             q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=cfg.sse_base, beta=beta,
-            chunk_size=cfg.sse_chunk_size, backend=cfg.sse_backend,
+            chunk_size=cfg.sse_chunk_size, backend=cfg.kernel_backend,
             inplace=cache_layer is not None and not torch.is_grad_enabled(),
         )  # o: [B, T, HQ, D]
         if cache_layer is not None:

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as Fn
 from torch import Tensor
 
-from .recurrent import HLAState, check_inputs, clamp_signed, compute_dtype, init_state
+from ..utils import acc_dtype
+from .recurrent import HLAState, check_inputs, clamp_signed, init_state
 
 
 def _decay_mask(b: Tensor) -> Tensor:
@@ -91,7 +92,7 @@ def hla_chunked(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     B, T, H, D = q.shape
     Dv = v.shape[-1]
-    out_dtype, cd = q.dtype, compute_dtype(q.dtype)
+    out_dtype, cd = q.dtype, acc_dtype(q)
     st = init_state(state, B, H, D, Dv, variant, normalize, cd, q.device)
     if T == 0:
         return v.new_zeros(B, 0, H, Dv, dtype=out_dtype), st

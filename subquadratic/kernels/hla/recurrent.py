@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..utils import acc_dtype
+
 VARIANTS = ("hla2", "ahla")
 
 
@@ -57,11 +59,6 @@ class HLAState:
 def clamp_signed(x: Tensor, eps: float) -> Tensor:
     """Keep the sign of x and enforce |x| >= eps; sign(0) counts as +."""
     return torch.where(x >= 0, x.clamp_min(eps), x.clamp_max(-eps))
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 inputs compute in float64; everything else in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, variant: str) -> None:
@@ -141,7 +138,7 @@ def hla_recurrent(
     check_inputs(q, k, v, log_alpha, variant)
     B, T, H, D = q.shape
     Dv = v.shape[-1]
-    out_dtype, cd = q.dtype, compute_dtype(q.dtype)
+    out_dtype, cd = q.dtype, acc_dtype(q)
     st = init_state(state, B, H, D, Dv, variant, normalize, cd, q.device)
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     alpha = log_alpha.to(cd).exp()  # [B, T, H]

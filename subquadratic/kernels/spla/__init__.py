@@ -1,45 +1,102 @@
-"""SPLA ops: one dispatch function per op. The Triton path is used on CUDA when its kernels are
-available, the pure-PyTorch reference (`reference.py`) everywhere else; `naive.py` is the
-brute-force test oracle."""
+"""SPLA attention (DESIGN.md "SPLA"): one op, `spla_attention`, the dispatch the model calls.
+
+Layout: q [B, Tq, HQ, D] (the new tokens), k, v [B, S, H, D] (every cached token plus the new ones,
+new ones last; any strides with unit stride in D, so a [B, H, S, D] cache passes transposed views),
+logical positions q_pos [B, Tq], k_pos [B, S] (-1 at padding), block statistics (`BlockStats`, an
+internal structure of the op) and the residual state sbar [B, H, D, D].
+
+Forms: `naive.spla_naive` (the definition, one unpadded sequence: the test oracle),
+`parallel.spla_parallel` (masked PyTorch, any device: backend "torch"), `select.select_blocks`
+(PyTorch selection); Triton (CUDA): `triton_select.select_indices`, `triton_parallel.spla_parallel_triton`
+(prefill / training, backward in `triton_parallel_bwd`) and `triton_decode.spla_decode_triton`
+(one token per row), both behind `spla_triton`. The Triton modules import Triton when first used.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .reference import BlockStats, feature_map, select_blocks, spla_attention_reference
+from ..utils import resolve_backend, slot_offsets
+from .naive import spla_naive
+from .parallel import spla_parallel
+from .select import select_blocks
+from .stats import BlockStats, feature_map
 
-__all__ = ["BlockStats", "feature_map", "select_blocks", "spla_attention", "resolve_backend"]
-
-#: Triton implementations by op name, filled in on first use on a CUDA device (never imported on CPU,
-#: so that tests can set TRITON_INTERPRET before importing `triton_ops` themselves).
-TRITON_OPS: dict = {}
-
-
-def _triton_available() -> bool:
-    if not TRITON_OPS:
-        try:
-            from .triton_ops import spla_attention_triton
-        except ImportError:
-            return False
-        TRITON_OPS["spla_attention"] = spla_attention_triton
-    return True
+#: Triton functions exported here, imported (with Triton) on first access: name -> module.
+_TRITON_EXPORTS = {
+    "select_indices": "triton_select", "spla_parallel_triton": "triton_parallel", "sparse_forward": "triton_parallel",
+    "key_features": "triton_parallel", "causal_linear_term": "triton_parallel", "SparseAttention": "triton_parallel",
+    "queries_by_block": "triton_parallel_bwd", "spla_decode_triton": "triton_decode",
+}
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
-    """'auto' -> 'triton' on CUDA when the Triton kernels are available, else 'reference'."""
-    if requested == "reference":
-        return "reference"
-    if device.type == "cuda" and _triton_available():
-        return "triton"
-    if requested == "triton":
-        raise RuntimeError(
-            "spla_backend='triton' needs a CUDA device and the Triton kernels; use 'auto' or 'reference'"
-        )
-    return "reference"
+__all__ = [
+    "BlockStats", "TRITON_HEAD_DIMS", "feature_map", "select_blocks", "spla_attention", "spla_naive",
+    "spla_parallel", "spla_triton", "triton_unsupported", *_TRITON_EXPORTS,
+]
+
+def __getattr__(name: str):
+    if name in _TRITON_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_TRITON_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto", **kw):
-    """SPLA attention of the new tokens over the cache; see `spla_attention_reference` for shapes."""
-    if resolve_backend(backend, q.device) == "triton":
-        return TRITON_OPS["spla_attention"](q, k, v, q_pos, k_pos, stats, sbar, **kw)
-    return spla_attention_reference(q, k, v, q_pos, k_pos, stats, sbar, **kw)
+#: Head dimensions the Triton kernels take; their block size must be at least 16 (tl.dot tiles).
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def triton_unsupported(head_dim: int, block_size: int, k_offsets: torch.Tensor | None) -> str | None:
+    """Why the Triton kernels cannot take these inputs, or None. `k_offsets` is `slot_offsets(k_pos)`:
+    None when a row has padding in the middle (its tokens not in consecutive slots)."""
+    if head_dim not in TRITON_HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {TRITON_HEAD_DIMS}"
+    if block_size < 16:
+        return f"block_size {block_size} < 16"
+    if k_offsets is None:
+        return "a row has padding in the middle (its tokens are not in consecutive cache slots)"
+    return None
+
+
+def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto", k_offsets=None, **kw):
+    """SPLA attention of the new tokens over the cache. Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D]
+    or None with use_rla=False, new sbar); keyword arguments as `parallel.spla_parallel`.
+
+    The path, decided here and nowhere else (`utils.resolve_backend`): "auto" takes the Triton
+    kernels on CUDA when Triton is installed and the inputs suit them (`triton_unsupported`: head
+    dim, block size, no padding in the middle of a row), else the PyTorch form; "torch" the PyTorch
+    form; "triton" the kernels or a ValueError; "naive" a ValueError (the definition serves tests
+    only). On the Triton path, one token per row without gradients (decode) takes the decode
+    kernels, everything else the prefill / training kernels. `k_offsets` [B] int32: the slot of each
+    row's position 0 (`slot_offsets(k_pos)`), computed here when not given (one host sync)."""
+    why = None
+    if q.is_cuda and backend in ("auto", "triton"):
+        if k_offsets is None:
+            k_offsets = slot_offsets(k_pos)
+        why = triton_unsupported(q.shape[-1], kw["block_size"], k_offsets)
+    path = resolve_backend(backend, q.device, op="SPLA", has_triton=True, has_naive=False, unsupported=why)
+    if path == "torch":
+        return spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, **kw)
+    return spla_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, **kw)
+
+
+def spla_triton(q, k, v, q_pos, k_pos, stats, sbar, *, k_offsets=None, num_splits: int | None = None, **kw):
+    """The Triton forms, on any device Triton runs on (CUDA; the CPU interpreter in tests), same
+    contract as `spla_attention`: one token per row without gradients (decode, fp32/bf16/fp16) takes
+    the decode kernels, everything else the prefill / training kernels (`num_splits`: split each
+    token's blocks over that many programs). Inputs the kernels cannot take raise a ValueError."""
+    if k_offsets is None:
+        k_offsets = slot_offsets(k_pos)
+    why = triton_unsupported(q.shape[-1], kw["block_size"], k_offsets)
+    if why is not None:
+        raise ValueError(f"the SPLA Triton kernels do not support these inputs: {why}; use spla_attention")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if q.shape[1] == 1 and q.dtype != torch.float64 and num_splits is None and not needs_grad:
+        from .triton_decode import spla_decode_triton
+
+        kw.pop("query_chunk", None)
+        return spla_decode_triton(q, k, v, q_pos, stats, sbar, k_offsets, **kw)
+    from .triton_parallel import spla_parallel_triton
+
+    return spla_parallel_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, num_splits=num_splits, **kw)

@@ -1,7 +1,7 @@
 """Brute-force definition of SPLA, one query at a time with explicit masks (tests only; use fp64).
 
 It recomputes block statistics from the raw keys for every query and sums the residual linear term
-directly over the unselected causal keys, so it shares no code path with `reference.py` beyond
+directly over the unselected causal keys, so it shares no code path with `parallel.py` beyond
 the feature map.
 """
 
@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .reference import feature_map
+from .stats import feature_map
 
 
 def spla_naive(
@@ -25,7 +25,8 @@ def spla_naive(
     num_local_blocks: int,
     selection: str = "taylor",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [HQ, T, D], k, v: [H, T, D] of one unpadded sequence. Returns (o_sp, o_rla), both [HQ, T, D]."""
+    """q: [T, HQ, D], k, v: [T, H, D] of one unpadded sequence. Returns (o_sp, o_rla), both [T, HQ, D]."""
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [heads, T, D] below
     HQ, T, D = q.shape
     H = k.shape[0]
     G = HQ // H
@@ -60,4 +61,4 @@ def spla_naive(
                 o_sp[hq, t] = torch.softmax(logits, -1) @ v[h, : t + 1]
                 w = feature_map(k[h, : t + 1]).to(q.dtype) @ feature_map(q[hq, t]).to(q.dtype)
                 o_rla[hq, t] = (w * (~sel)) @ v[h, : t + 1]
-    return o_sp, o_rla
+    return o_sp.transpose(0, 1), o_rla.transpose(0, 1)

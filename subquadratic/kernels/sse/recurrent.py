@@ -1,4 +1,5 @@
-"""Sparse State Expansion (SSE): the operator, its router and its auxiliary loss.
+"""Sparse State Expansion (SSE): the state, the shared input checks and the serial recurrence
+(`sse_recurrent`: the oracle and the decode step).
 
 Owns the math of one SSE token mixer after the projections and feature maps
 (those live in the model code). Per head, with N partitions and top-K routing:
@@ -47,15 +48,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .gla import (
-    compute_dtype,
-    gdn_chunked,
-    gdn_step,
-    gdn_varlen,
-    gla_chunked,
-    gla_step,
-    gla_varlen,
-)
+from ..gated_delta import gdn_chunked, gdn_step, gdn_varlen
+from ..gla import gla_chunked, gla_step, gla_varlen
+from ..utils import acc_dtype
 
 
 @dataclass
@@ -92,7 +87,7 @@ def _read(q: Tensor, S: Tensor) -> Tensor:
     return torch.einsum("...k,...kv->...v", q, S)
 
 
-def _setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base: str, beta: Tensor | None):
+def setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base: str, beta: Tensor | None):
     """Validate the inputs; return (base ops, extra per-token args, state in compute dtype)."""
     if base not in _BASES:
         raise ValueError(f"SSE base '{base}' is not supported; supported: {', '.join(_BASES)}")
@@ -121,7 +116,7 @@ def _setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base: str, beta: Tensor
     if sel.dtype != torch.bool:
         raise ValueError(f"sel must be a bool mask; got {sel.dtype}")
     N = probs.shape[-1]
-    dt = compute_dtype(q1)
+    dt = acc_dtype(q1)
     if state is None:
         state = SSEState.zeros(B, N, H, Dk, Dv, device=q1.device, dtype=dt)
     elif isinstance(state, Mapping):
@@ -146,9 +141,9 @@ def sse_recurrent(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
     the selected rows of `state.parts` are written; otherwise `state` is left
     as it is and new tensors are returned. Returns (o [B, T, H, Dv], state).
     """
-    ops, extra, state = _setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
+    ops, extra, state = setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
     B, T, H, _ = q1.shape
-    dt, out_dtype = compute_dtype(q1), q1.dtype
+    dt, out_dtype = acc_dtype(q1), q1.dtype
     if inplace and (state.shared.dtype != dt or state.parts.dtype != dt):
         raise ValueError(f"inplace=True needs the state in the compute dtype {dt}")
     q1, k1, q2, k2, v, g1, g2, probs = (x.to(dt) for x in (q1, k1, q2, k2, v, g1, g2, probs))
@@ -168,95 +163,3 @@ def sse_recurrent(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
         state.shared.copy_(S0)
         return o.to(out_dtype), state
     return o.to(out_dtype), SSEState(S0, parts)
-
-
-def _expand(x: Tensor, sel: Tensor, w: Tensor | None = None) -> Tensor:
-    """x: [B, T, H, *] -> [B, T, N * H, *]: x (times w) where sel, else 0.
-    sel, w: [B, T, N]."""
-    B, T, N = sel.shape
-    tail = (1,) * (x.dim() - 2)
-    xs = x[:, :, None] if w is None else w.view(B, T, N, *tail) * x[:, :, None]
-    zero = torch.zeros((), dtype=xs.dtype, device=xs.device)
-    xs = torch.where(sel.view(B, T, N, *tail), xs, zero)
-    return xs.reshape(B, T, N * x.shape[2], *x.shape[3:])
-
-
-def sse_masked(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor,
-               g2: Tensor, probs: Tensor, sel: Tensor, state: SSEState | None = None,
-               chunk_size: int = 64, *, base: str = "gla",
-               beta: Tensor | None = None) -> tuple[Tensor, SSEState]:
-    """SSE as the shared branch plus N masked extra heads of the chunked base.
-    Cost grows with N T. Returns (o [B, T, H, Dv], state)."""
-    ops, extra, state = _setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
-    B, T, H, Dk = q1.shape
-    N, Dv = probs.shape[-1], v.shape[-1]
-    dt = compute_dtype(q1)
-    o_shared, S0 = ops.chunked(q1, k1, v, g1, *extra, state=state.shared, chunk_size=chunk_size)
-    p = probs.to(dt)
-    heads = [_expand(q2.to(dt), sel, p), _expand(k2.to(dt), sel, p),
-             v.to(dt)[:, :, None].expand(B, T, N, H, Dv).reshape(B, T, N * H, Dv),
-             _expand(g2.to(dt), sel), *(_expand(x.to(dt), sel) for x in extra)]
-    o_parts, parts = ops.chunked(*heads, state=state.parts.reshape(B, N * H, Dk, Dv),
-                                 chunk_size=chunk_size)
-    o = o_shared.to(dt) + o_parts.view(B, T, N, H, Dv).sum(2)
-    return o.to(q1.dtype), SSEState(S0, parts.view(B, N, H, Dk, Dv))
-
-
-def sse_varlen(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor,
-               g2: Tensor, probs: Tensor, sel: Tensor, state: SSEState | None = None,
-               chunk_size: int = 64, *, base: str = "gla",
-               beta: Tensor | None = None) -> tuple[Tensor, SSEState]:
-    """SSE with the partitions run as variable-length segments: cost grows with
-    (1 + K) T. Partitions with no token keep their state exactly.
-    Returns (o [B, T, H, Dv], state)."""
-    ops, extra, state = _setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
-    B, T, H, Dk = q1.shape
-    N, Dv = probs.shape[-1], v.shape[-1]
-    dt = compute_dtype(q1)
-    o_shared, S0 = ops.chunked(q1, k1, v, g1, *extra, state=state.shared, chunk_size=chunk_size)
-
-    # one row per (token, selected partition), sorted by (sample, partition, time)
-    b, n, t = sel.permute(0, 2, 1).nonzero(as_tuple=True)           # [M]
-    seg = b * N + n                                                  # (sample, partition) id
-    seg_ids, seg_lens = torch.unique_consecutive(seg, return_counts=True)  # non-empty segments [S]
-    cu = torch.cat([seg_lens.new_zeros(1), seg_lens.cumsum(0)])      # [S + 1]
-    p = probs.to(dt)[b, t, n][:, None, None]                         # [M, 1, 1]
-    packed = [p * q2.to(dt)[b, t], p * k2.to(dt)[b, t], v.to(dt)[b, t], g2.to(dt)[b, t],
-              *(x.to(dt)[b, t] for x in extra)]
-    parts = state.parts.to(dt).reshape(B * N, H, Dk, Dv)
-    o_seg, S_seg = ops.varlen(*packed, cu_seqlens=cu, initial_state=parts[seg_ids],
-                              chunk_size=chunk_size)                 # [M, H, Dv], [S, H, Dk, Dv]
-    parts = parts.index_copy(0, seg_ids, S_seg).view(B, N, H, Dk, Dv)
-    o = o_shared.to(dt).reshape(B * T, H, Dv).index_add(0, b * T + t, o_seg)
-    return o.view(B, T, H, Dv).to(q1.dtype), SSEState(S0, parts)
-
-
-def router_topk(logits: Tensor, k: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Router: softmax over the N partitions in float32 (float64 stays float64),
-    then the top-k mask. logits: [B, T, N], valid: [B, T] bool (False at
-    padding). Returns (probs [B, T, N], sel [B, T, N] bool; all False where invalid)."""
-    N = logits.shape[-1]
-    if not 1 <= k <= N:
-        raise ValueError(f"top-k must be in [1, N={N}]; got {k}")
-    probs = torch.softmax(logits.to(compute_dtype(logits)), dim=-1)
-    top = probs.topk(k, dim=-1).indices
-    sel = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top, True)
-    if valid is not None:
-        sel = sel & valid[..., None].bool()
-    return probs, sel
-
-
-def sse_aux_loss(probs: Tensor, sel: Tensor, valid: Tensor | None = None) -> Tensor:
-    """Load-balancing loss (N / K) sum_i mean_t(p^i_t) mean_t(1[i in T_t]) over
-    the valid tokens of the whole batch; 1 when routing is uniform.
-    probs, sel: [B, T, N], valid: [B, T] bool (default: tokens with any selection).
-    K is the number of selected partitions of a valid token."""
-    N = probs.shape[-1]
-    if valid is None:
-        valid = sel.any(-1)
-    valid = valid.bool()
-    p, s = probs[valid], sel[valid].to(probs.dtype)                  # [V, N]
-    if p.shape[0] == 0:
-        return probs.sum() * 0.0
-    K = s[0].sum()
-    return N / K * (p.mean(0) * s.mean(0)).sum()

@@ -1,12 +1,18 @@
-"""SPLA reference kernel vs the brute-force definition (fp64), gradients, padding, edge cases."""
+"""SPLA's PyTorch form (`spla_parallel`, the "torch" backend) vs the brute-force definition
+(`spla_naive`, fp64), gradients, padding, edge cases. The tensors here are made head-major
+([B, H, T, D]) and handed to the ops in their [B, T, H, D] layout."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from subquadratic.kernels.spla import BlockStats, spla_attention_reference
-from subquadratic.kernels.spla.naive import spla_naive
+from subquadratic.kernels.spla import BlockStats, spla_naive, spla_parallel
+
+
+def naive(q, k, v, **cfg):
+    """spla_naive of head-major q [HQ, T, D], k, v [H, T, D]; outputs head-major."""
+    return tuple(o.transpose(0, 1) for o in spla_naive(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), **cfg))
 
 
 def run_reference(q, k, v, pos_q=None, pos_k=None, query_chunk=None, **cfg):
@@ -17,9 +23,11 @@ def run_reference(q, k, v, pos_q=None, pos_k=None, query_chunk=None, **cfg):
         pos_k = torch.arange(S).expand(B, S)
     if pos_q is None:
         pos_q = pos_k[:, S - T:]
-    stats = BlockStats.empty(B, H, D, q.device, q.dtype).add(k, pos_k, cfg["block_size"])
+    stats = BlockStats.empty(B, H, D, q.device, q.dtype).add(k.transpose(1, 2), pos_k, cfg["block_size"])
     sbar = torch.zeros(B, H, D, D, dtype=q.dtype)
-    return spla_attention_reference(q, k, v, pos_q, pos_k, stats, sbar, query_chunk=query_chunk, **cfg)
+    o_sp, o_rla, sbar = spla_parallel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos_q, pos_k, stats,
+                                      sbar, query_chunk=query_chunk, **cfg)
+    return o_sp.transpose(1, 2), None if o_rla is None else o_rla.transpose(1, 2), sbar
 
 
 CASES = [
@@ -41,7 +49,7 @@ def test_reference_matches_bruteforce_fp64(case):
     k = torch.randn(H, T, D, dtype=torch.float64) * 1.5
     v = torch.randn(H, T, D, dtype=torch.float64)
     cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=sel)
-    want_sp, want_rla = spla_naive(q, k, v, **cfg)
+    want_sp, want_rla = naive(q, k, v, **cfg)
     o_sp, o_rla, _ = run_reference(q[None], k[None], v[None], query_chunk=16, **cfg)
     assert (o_sp[0] - want_sp).abs().max() < 1e-10
     assert (o_rla[0] - want_rla).abs().max() < 1e-10
@@ -56,7 +64,7 @@ def test_gradients_match_bruteforce_fp64():
     k = torch.randn(H, T, D, dtype=torch.float64, requires_grad=True)
     v = torch.randn(H, T, D, dtype=torch.float64, requires_grad=True)
     w1, w2 = torch.randn(HQ, T, D, dtype=torch.float64), torch.randn(HQ, T, D, dtype=torch.float64)
-    a_sp, a_rla = spla_naive(q, k, v, **cfg)
+    a_sp, a_rla = naive(q, k, v, **cfg)
     ga = torch.autograd.grad((a_sp * w1).sum() + (a_rla * w2).sum(), (q, k, v))
     b_sp, b_rla, _ = run_reference(q[None], k[None], v[None], query_chunk=8, **cfg)
     gb = torch.autograd.grad((b_sp[0] * w1).sum() + (b_rla[0] * w2).sum(), (q, k, v))
@@ -94,12 +102,12 @@ def test_left_padding_is_invisible():
 
 def test_block_stats_running_sums_equal_recomputation():
     torch.manual_seed(4)
-    k = torch.randn(2, 3, 50, 8)
+    k = torch.randn(2, 50, 3, 8)  # [B, T, H, D]
     pos = torch.arange(50).expand(2, 50)
     whole = BlockStats.empty(2, 3, 8, "cpu").add(k, pos, 8)
     inc = BlockStats.empty(2, 3, 8, "cpu")
     for t in range(50):
-        inc = inc.add(k[:, :, t:t + 1], pos[:, t:t + 1], 8)
+        inc = inc.add(k[:, t:t + 1], pos[:, t:t + 1], 8)
     for a, b in ((whole.sum_k, inc.sum_k), (whole.sum_k2, inc.sum_k2), (whole.count, inc.count)):
         assert torch.allclose(a, b, atol=1e-5)
     assert whole.count[0].tolist() == [8.0] * 6 + [2.0]

@@ -1,0 +1,109 @@
+"""Pure-PyTorch SPLA attention (DESIGN.md "SPLA"), the masked parallel form: runs anywhere, is the
+"torch" backend of `spla_attention` and the reference the Triton kernels are tested against.
+
+Layout: queries q [B, Tq, HQ, D] are the new tokens, keys/values k, v [B, S, H, D] are every cached
+token plus the new ones (post-RoPE keys). Logical positions say where a token sits in its own
+sequence: q_pos [B, Tq], k_pos [B, S], -1 at padding. Blocks are cut on logical positions, so a
+left-padded row of a batch sees exactly the blocks it would see alone.
+
+Block statistics are running sums (`BlockStats`), updated with new keys only; the residual linear
+state Sbar [B, H, D, D] (fp32) is carried the same way. This form reads every cached key for the
+masked sparse branch and the correction term; the Triton decode kernel reads only selected blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..utils import acc_dtype
+from .select import NEG, select_blocks
+from .stats import BlockStats, feature_map
+
+
+def spla_parallel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    stats: BlockStats,
+    sbar: torch.Tensor,
+    *,
+    block_size: int,
+    top_k_blocks: int,
+    num_sink_blocks: int,
+    num_local_blocks: int,
+    selection: str = "taylor",
+    use_rla: bool = True,
+    query_chunk: int | None = None,
+    k_offsets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """SPLA for the new tokens as masked dense PyTorch (every cached key read, in query chunks).
+    Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D] or None, new Sbar).
+
+    q: [B, Tq, HQ, D] post-RoPE queries of the new tokens, which are the last Tq entries of
+    k, v: [B, S, H, D]. `stats` must already include the new keys; `sbar` [B, H, D, D] covers the
+    S - Tq cached tokens only. Padded queries (q_pos < 0) return zeros. `k_offsets` is used by the
+    Triton path only (accepted here so both share one signature).
+    """
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # views [B, H, T, D]
+    B, HQ, Tq, D = q.shape
+    H, S = k.shape[1], k.shape[2]
+    G = HQ // H
+    P = S - Tq
+    scale = 1.0 / math.sqrt(D)
+    sel_blocks = select_blocks(
+        q.transpose(1, 2), stats, q_pos, block_size=block_size, top_k_blocks=top_k_blocks,
+        num_sink_blocks=num_sink_blocks, num_local_blocks=num_local_blocks, selection=selection,
+    )  # [B, H, Tq, NB]
+    k_valid = k_pos >= 0
+    k_blk = torch.where(k_valid, k_pos // block_size, 0)  # [B, S]
+    if query_chunk is None:
+        query_chunk = min(1024, max(128, (1 << 23) // max(1, B * HQ * S)))  # ~32 MB score tiles
+    acc = acc_dtype(q)
+    kf = k.to(acc)
+    vf = v.to(acc)
+    sbar = sbar.to(acc)
+    phik = feature_map(k) * k_valid[:, None, :, None]  # [B, H, S, D]; pads contribute nothing
+    o_sp = q.new_zeros(B, HQ, Tq, D, dtype=acc)
+    o_rla = torch.zeros_like(o_sp) if use_rla else None
+    for c0 in range(0, Tq, query_chunk):
+        c1 = min(Tq, c0 + query_chunk)
+        C, Sc = c1 - c0, P + c1  # keys after the chunk's last slot are never causal for it
+        qp = q_pos[:, c0:c1]  # [B, C]
+        kp = k_pos[:, :Sc]
+        causal = (kp >= 0)[:, None, :] & (kp[:, None, :] <= qp[:, :, None])  # [B, C, Sc]
+        blk_sel = sel_blocks[:, :, c0:c1].gather(
+            -1, k_blk[:, None, None, :Sc].expand(B, H, C, Sc)
+        )  # [B, H, C, Sc]
+        mask = blk_sel & causal[:, None]  # selected causal keys
+        qc = q[:, :, c0:c1].to(acc).reshape(B, H, G, C, D)
+        logits = torch.einsum("bhgcd,bhsd->bhgcs", qc, kf[:, :, :Sc]) * scale
+        logits = logits.masked_fill(~mask[:, :, None], NEG)
+        attn = torch.softmax(logits, dim=-1)
+        o_sp[:, :, c0:c1] = torch.einsum("bhgcs,bhsd->bhgcd", attn, vf[:, :, :Sc]).reshape(B, HQ, C, D)
+        if use_rla:
+            phiq = feature_map(qc)  # [B, H, G, C, D]
+            # global causal linear term phi(q)^T Sbar_t: cached part through Sbar, new part exactly
+            new = slice(P + c0, P + c1)
+            intra_mask = causal[:, :, P + c0:]  # [B, C, C]
+            a_intra = torch.einsum("bhgcd,bhsd->bhgcs", phiq, phik[:, :, new]) * intra_mask[:, None, None]
+            full = torch.einsum("bhgcd,bhde->bhgce", phiq, sbar) + torch.einsum(
+                "bhgcs,bhsd->bhgcd", a_intra, vf[:, :, new]
+            )
+            # correction otilde over the selected tokens (the tiles the sparse branch loads)
+            a_sel = torch.einsum("bhgcd,bhsd->bhgcs", phiq, phik[:, :, :Sc]) * mask[:, :, None]
+            rla = full - torch.einsum("bhgcs,bhsd->bhgcd", a_sel, vf[:, :, :Sc])
+            all_selected = mask.sum(-1) == causal.sum(-1)[:, None]  # [B, H, C]
+            rla = rla.masked_fill(all_selected[:, :, None, :, None], 0.0)
+            o_rla[:, :, c0:c1] = rla.reshape(B, HQ, C, D)
+            sbar = sbar + torch.einsum("bhsd,bhse->bhde", phik[:, :, new], vf[:, :, new])
+    q_ok = (q_pos >= 0)[:, :, None, None]
+    o_sp = (o_sp.transpose(1, 2) * q_ok).to(q.dtype)
+    if use_rla:
+        o_rla = (o_rla.transpose(1, 2) * q_ok).to(q.dtype)
+    elif Tq:
+        sbar = sbar + torch.einsum("bhsd,bhse->bhde", phik[:, :, P:], vf[:, :, P:])
+    return o_sp, o_rla, sbar

@@ -1,0 +1,67 @@
+"""Block statistics of SPLA's selection (an internal structure of the op): running per-block sums of
+the post-RoPE keys, updated with the new keys only, and the feature map phi of the residual term."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..utils import acc_dtype
+
+
+def feature_map(x: torch.Tensor) -> torch.Tensor:
+    """phi(x) = softmax over the head dimension, in fp32 or fp64 (the parameter-free exponential map)."""
+    return torch.softmax(x.to(acc_dtype(x)), dim=-1)
+
+
+@dataclass
+class BlockStats:
+    """Running per-block sums of post-RoPE keys: sum_k, sum_k2 [B, H, NB, D] fp32, count [B, NB] fp32."""
+
+    sum_k: torch.Tensor
+    sum_k2: torch.Tensor
+    count: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, dim: int, device, dtype=torch.float32, num_blocks: int = 0) -> BlockStats:
+        z = torch.zeros(batch, heads, num_blocks, dim, device=device, dtype=dtype)
+        return cls(z, z.clone(), torch.zeros(batch, num_blocks, device=device, dtype=dtype))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.count.shape[1]
+
+    def add(self, k: torch.Tensor, pos: torch.Tensor, block_size: int, num_blocks: int | None = None) -> BlockStats:
+        """Return the stats with keys k [B, T, H, D] at logical positions pos [B, T] added (pads skipped);
+        self is left unchanged. The result has max(self.num_blocks, num_blocks) blocks; `num_blocks`
+        must be an upper bound of the blocks of pos (ceil(slots / block_size) is one). Without it the
+        blocks needed are read from pos (a host synchronisation)."""
+        B, T, H, D = k.shape
+        if num_blocks is None:
+            valid = pos >= 0
+            num_blocks = int(pos.max().item()) // block_size + 1 if bool(valid.any()) else 0
+        grow = max(0, num_blocks - self.num_blocks)
+        out = BlockStats(
+            torch.cat([self.sum_k, self.sum_k.new_zeros(B, H, grow, D)], dim=2),
+            torch.cat([self.sum_k2, self.sum_k2.new_zeros(B, H, grow, D)], dim=2),
+            torch.cat([self.count, self.count.new_zeros(B, grow)], dim=1),
+        )
+        return out.add_(k, pos, block_size)
+
+    def add_(self, k: torch.Tensor, pos: torch.Tensor, block_size: int) -> BlockStats:
+        """Add keys k [B, T, H, D] at logical positions pos [B, T] in place (pads skipped), with no host
+        synchronisation; every block of pos must be < self.num_blocks. The sums never join an autograd
+        graph (k is detached: selection does not propagate gradients). Returns self."""
+        B, T, H, D = k.shape
+        if T == 0 or self.num_blocks == 0:
+            return self
+        valid = pos >= 0
+        blk = torch.where(valid, pos // block_size, 0)  # [B, T]
+        w = valid.to(self.sum_k.dtype)
+        kf = k.detach().transpose(1, 2).to(self.sum_k.dtype) * w[:, None, :, None]  # [B, H, T, D]
+        idx = blk[:, None, :, None].expand(B, H, T, D)
+        self.sum_k.scatter_add_(2, idx, kf)
+        self.sum_k2.scatter_add_(2, idx, kf * kf)
+        self.count.scatter_add_(1, blk, w)
+        return self

@@ -1,0 +1,221 @@
+"""SPLA prefill and training with Triton: `spla_sparse_kernel` runs one program per (query token,
+batch x KV head, split): the G query heads of the group are the rows of one tile (padded to at least
+16 for tl.dot), and the program loops over the token's selected KV blocks (`_selected_blocks`) doing
+the online softmax of the sparse branch and, on the same K/V tiles, the correction
+otilde = sum_{selected j} (phi(q).phi(k_j)) v_j of the residual term. Unselected blocks are never
+read. Short query chunks split the selected blocks over several programs (split-K) and merge the
+partial softmax states afterwards. The global causal linear term phi(q)^T Sbar_t is chunked PyTorch
+matmuls (`causal_linear_term`), differentiated by autograd; the sparse branch's backward is
+`triton_parallel_bwd`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..utils import acc_dtype, import_triton, new_output, slot_offsets
+from .stats import BlockStats, feature_map
+from .triton_common import _selected_blocks, _softmax_rows
+from .triton_parallel_bwd import sparse_backward
+from .triton_select import select_indices
+
+triton, tl = import_triton()
+
+#: Queries per call from which the feature map phi(k) is computed once per key before the sparse
+#: kernels instead of on every loaded tile (prefill and training recompute it per token otherwise).
+PHIK_PRECOMPUTE_MIN_TQ = 65
+
+
+@triton.jit
+def spla_sparse_kernel(
+    Q, K, V, PHIK, IDX, QPOS, KOFF, O_ACC, O_TIL, M_OUT, L_OUT,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_pb, stride_ph, stride_ps,
+    T, H, NSEL, PER_SPLIT, scale,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    USE_RLA: tl.constexpr, IEEE: tl.constexpr, PRE_PHIK: tl.constexpr = False,
+):
+    """One (query token, batch x KV head, split) over its selected-block slots [sp * PER_SPLIT,
+    (sp + 1) * PER_SPLIT): the partial softmax state (M, L, unnormalised O) and the correction
+    otilde, written as rows [nsp, B, T, HQ]."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    sp = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    d = tl.arange(0, D)
+    q_ptr = Q + b * stride_qb + (h * G + rows)[:, None] * stride_qh + t * stride_qt + d[None, :]
+    q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)
+    tpos = tl.load(QPOS + b * T + t)
+    koff = tl.load(KOFF + b)
+    phiq = q
+    if USE_RLA:
+        phiq = _softmax_rows(q)
+    m_i, l_i, acc, ot, _ = _selected_blocks(
+        q, phiq, IDX + (b * T + t) * H * NSEL + h * NSEL, sp * PER_SPLIT, PER_SPLIT, NSEL, tpos, koff,
+        K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh, PHIK + b * stride_pb + h * stride_ph,
+        stride_ks, stride_vs, stride_ps, scale,
+        GP=GP, D=D, BS=BS, USE_RLA=USE_RLA, IEEE=IEEE, PRE_PHIK=PRE_PHIK, RLA_FP32=False,
+    )
+    HQ = H * G
+    out_row = ((sp * (tl.num_programs(1) // H) + b) * T + t) * HQ + h * G + rows  # [nsp, B, T, HQ]
+    tl.store(M_OUT + out_row, m_i, mask=row_ok)
+    tl.store(L_OUT + out_row, l_i, mask=row_ok)
+    tl.store(O_ACC + out_row[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+    if USE_RLA:
+        tl.store(O_TIL + out_row[:, None] * D + d[None, :], ot, mask=row_ok[:, None])
+
+
+def causal_linear_term(phiq, phik, v, sbar, valid, chunk: int = 64):
+    """phi(q_t)^T (Sbar + sum_{new j <= t} phi(k_j) v_j^T) for the new tokens, chunked; returns (o, new Sbar).
+    phiq: [B, H, G, T, D], phik, v: [B, H, T, D] (fp32), valid: [B, T]."""
+    B, H, G, T, D = phiq.shape
+    phik = phik * valid[:, None, :, None]
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    if pad:
+        phiq = torch.nn.functional.pad(phiq, (0, 0, 0, pad))
+        phik = torch.nn.functional.pad(phik, (0, 0, 0, pad))
+        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+    qc = phiq.view(B, H, G, n, chunk, D)
+    kc = phik.view(B, H, n, chunk, D)
+    vc = v.view(B, H, n, chunk, D)
+    kv = torch.einsum("bhncd,bhnce->bhnde", kc, vc)  # per-chunk sums
+    states = torch.cumsum(kv, dim=2) - kv + sbar[:, :, None]  # state before each chunk
+    inter = torch.einsum("bhgncd,bhnde->bhgnce", qc, states)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    a = torch.einsum("bhgncd,bhnsd->bhgncs", qc, kc) * causal
+    intra = torch.einsum("bhgncs,bhnse->bhgnce", a, vc)
+    o = (inter + intra).reshape(B, H, G, n * chunk, D)[..., :T, :]
+    return o, sbar + kv.sum(2)
+
+
+def key_features(k: torch.Tensor) -> torch.Tensor:
+    """phi(k) = softmax over the head dimension, once per key, in k's dtype [B, H, S, D]."""
+    return torch.softmax(k.float(), dim=-1).to(k.dtype)
+
+
+def sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1, phik=None):
+    """The sparse kernel over the selected blocks idx [B, Tq, H, K] (split-K over `num_splits`
+    programs, merged here); `phik` (`key_features(k)`, optional) spares the kernel the feature map
+    of every loaded tile. Returns o_sp (normalised), otilde (or None) [B, Tq, HQ, D] fp32 and the
+    log-sum-exp [B, Tq, HQ] of the sparse softmax."""
+    B, HQ, Tq, D = q.shape
+    H = k.shape[1]
+    G = HQ // H
+    K_sel = idx.shape[-1]
+    per = -(-K_sel // num_splits)
+    num_splits = -(-K_sel // per)
+    dev = q.device
+    o_part = new_output((num_splits, B, Tq, HQ, D), dev)
+    ot_part = new_output((num_splits, B, Tq, HQ, D), dev) if use_rla else o_part
+    m_part = new_output((num_splits, B, Tq, HQ), dev)
+    l_part = new_output((num_splits, B, Tq, HQ), dev)
+    pk = k if phik is None else phik
+    spla_sparse_kernel[(Tq, B * H, num_splits)](
+        q, k, v, pk, idx, qpos, koff, o_part, ot_part, m_part, l_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        pk.stride(0), pk.stride(1), pk.stride(2),
+        Tq, H, K_sel, per, 1.0 / math.sqrt(D),
+        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=block_size, USE_RLA=use_rla,
+        IEEE=q.dtype == torch.float32, PRE_PHIK=phik is not None, num_warps=4, num_stages=2,
+    )
+    if num_splits == 1:
+        m, l_sum, o = m_part[0], l_part[0], o_part[0]
+    else:
+        m = m_part.max(0).values
+        w = torch.exp(m_part - m[None])  # [nsp, B, Tq, HQ]
+        l_sum = (w * l_part).sum(0)
+        o = (w[..., None] * o_part).sum(0)
+    o_sp = o / l_sum.clamp(min=1e-30)[..., None]
+    lse = torch.where(l_sum > 0, m + torch.log(l_sum.clamp(min=1e-30)), 0.0)
+    otilde = (ot_part[0] if num_splits == 1 else ot_part.sum(0)) if use_rla else None
+    return o_sp, otilde, lse
+
+
+class SparseAttention(torch.autograd.Function):
+    """The sparse branch and the correction otilde with Triton kernels for the backward pass too:
+    dq per query token over its selected blocks, dk/dv per key block over the queries that selected
+    it. The selection itself (idx) carries no gradient, as in the reference."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik=False):
+        phik = key_features(k) if use_rla and precompute_phik else None
+        o, ot, lse = sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik)
+        ctx.save_for_backward(q, k, v, idx, qpos, koff, o, lse, phik)
+        ctx.use_rla, ctx.block_size = use_rla, block_size
+        return o, ot
+
+    @staticmethod
+    def backward(ctx, do, dot_):
+        q, k, v, idx, qpos, koff, o, lse, phik = ctx.saved_tensors
+        dq, dk, dv = sparse_backward(q, k, v, idx, qpos, koff, o, lse, phik, do, dot_, ctx.use_rla, ctx.block_size)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def spla_parallel_triton(
+    q, k, v, q_pos, k_pos, stats: BlockStats, sbar, *, block_size, top_k_blocks, num_sink_blocks,
+    num_local_blocks, selection="taylor", use_rla=True, query_chunk=None, num_splits=None, k_offsets=None,
+):
+    """SPLA of the new tokens with the Triton kernels, the contract of `parallel.spla_parallel`:
+    q [B, Tq, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D) with the new tokens last;
+    returns (o_sp [B, Tq, HQ, D], o_rla or None, new Sbar). Differentiable (Triton backward). For any
+    Tq; one decode token is faster through `triton_decode.spla_decode_triton`. `num_splits` splits
+    each token's blocks over that many programs (default: by the number of programs). `k_offsets` [B]:
+    slot of each row's position 0 (`slot_offsets(k_pos)`, computed here when not given); rows whose
+    real tokens do not sit in consecutive slots (padding in the middle) are refused with a ValueError:
+    `spla_attention` sends them to the PyTorch form. fp64 inputs (tests) run the kernels in fp32."""
+    B, Tq, HQ, D = q.shape
+    S, H = k.shape[1], k.shape[2]
+    G = HQ // H
+    koff = slot_offsets(k_pos) if k_offsets is None else k_offsets
+    if koff is None:
+        raise ValueError("the SPLA Triton kernels need each row's tokens in consecutive slots (padding only "
+                         "before or after them); use spla_attention, which takes the PyTorch form for such rows")
+    kw = dict(block_size=block_size, top_k_blocks=top_k_blocks, num_sink_blocks=num_sink_blocks,
+              num_local_blocks=num_local_blocks, selection=selection)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    qpos = q_pos.to(torch.int32).contiguous()  # no copy when the caller passes int32 positions
+    idx = select_indices(q, stats, qpos, **kw)  # [B, Tq, H, K]
+    qv, kv_, vv = (x.transpose(1, 2) for x in (q, k, v))  # views [B, H, T, D]
+    # kernel operands: unit stride in the head dimension; fp64 inputs (tests) run the kernels in fp32
+    kq, kk, kv = (x if x.stride(-1) == 1 else x.contiguous() for x in (qv, kv_, vv))
+    if q.dtype == torch.float64:
+        kq, kk, kv = kq.float(), kk.float(), kv.float()
+    pre = use_rla and Tq >= PHIK_PRECOMPUTE_MIN_TQ
+    if needs_grad:
+        o_sp, otilde = SparseAttention.apply(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre)
+    else:
+        if num_splits is None:
+            num_splits = max(1, min(idx.shape[-1], 264 // max(1, B * H * Tq))) if Tq <= 8 else 1
+        o_sp, otilde, _ = sparse_forward(kq, kk, kv, idx, qpos, koff, use_rla, block_size, num_splits,
+                                         phik=key_features(kk) if pre else None)
+    q_ok = (q_pos >= 0)[:, :, None, None]
+    o_sp = o_sp * q_ok  # [B, Tq, HQ, D]
+    out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
+    acc = acc_dtype(sbar)
+    k_new, v_new = kv_[:, :, S - Tq:], vv[:, :, S - Tq:]  # [B, H, Tq, D]
+    if not use_rla:
+        kv_new = torch.einsum("bhsd,bhse->bhde", feature_map(k_new).to(acc) * (q_pos >= 0)[:, None, :, None],
+                              v_new.to(acc))
+        return o_sp.to(out_dtype), None, sbar + kv_new
+    phiq = feature_map(qv).to(acc).reshape(B, H, G, Tq, D)
+    o_lin, sbar_new = causal_linear_term(
+        phiq, feature_map(k_new).to(acc), v_new.to(acc), sbar.to(acc), q_pos >= 0, chunk=min(64, Tq),
+    )
+    o_rla = o_lin.reshape(B, HQ, Tq, D).transpose(1, 2) - otilde.to(acc)  # [B, Tq, HQ, D]
+    # every causal key selected -> the residual term is exactly zero (not a cancellation)
+    start = idx.long() * block_size  # [B, Tq, H, K]
+    tp = q_pos[:, :, None, None].long()
+    n_sel = torch.where(idx >= 0, (tp - start + 1).clamp(0, block_size), 0).sum(-1)  # [B, Tq, H]
+    all_sel = n_sel == (q_pos[:, :, None] + 1)  # [B, Tq, H]
+    o_rla = o_rla.reshape(B, Tq, H, G, D).masked_fill(all_sel[..., None, None], 0.0).reshape(B, Tq, HQ, D)
+    return o_sp.to(out_dtype), (o_rla * q_ok).to(out_dtype), sbar_new

@@ -1,0 +1,116 @@
+"""What every op shares: the backend vocabulary and the one function that picks the path
+(`resolve_backend`), the accumulation dtype, the Triton availability check, the output allocator
+(poisoned outputs in tests) and the slot bookkeeping of cached keys.
+
+Backends, the same for every op:
+  "auto"   - "triton" on CUDA when the op has Triton kernels, Triton is importable and the op
+             supports the inputs; else "torch".
+  "torch"  - the PyTorch forms (chunked / variable-length / parallel for sequences, the recurrent
+             step for one token).
+  "triton" - the Triton kernels (CUDA only; a clear error elsewhere, or where the op's kernels do
+             not support the inputs).
+  "naive"  - the serial definition (oracle) at every length, where the op has one that can serve
+             the model; a clear error otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton", "naive")
+
+#: Tests set this to fill every kernel output with NaN (or -1 for indices) before the launch, so
+#: that anything a kernel leaves unwritten fails (poisoned outputs).
+POISON_OUTPUTS = False
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    return backend
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton can be imported (checked once)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(
+    backend: str,
+    device: torch.device,
+    *,
+    op: str,
+    has_triton: bool,
+    has_naive: bool,
+    unsupported: str | None = None,
+) -> str:
+    """The path an op takes: "triton", "torch" or "naive" (see the module docstring).
+
+    `has_triton` / `has_naive`: whether the op has Triton kernels / a serial form that serves the
+    model; `unsupported`: why the Triton kernels cannot take these inputs (None: they can). "auto"
+    takes the PyTorch forms in that case; an explicit "triton" raises."""
+    check_backend(backend)
+    if backend == "naive":
+        if not has_naive:
+            raise ValueError(f"{op} has no serial (naive) form that serves the model; use 'auto', 'torch' or 'triton'")
+        return "naive"
+    if backend == "torch":
+        return "torch"
+    usable = has_triton and device.type == "cuda" and triton_available()
+    if backend == "auto":
+        return "triton" if usable and unsupported is None else "torch"
+    if not has_triton:
+        raise ValueError(f"{op} has no Triton kernels yet; use 'auto' or 'torch'")
+    if not usable:
+        raise ValueError(f"kernel_backend='triton' needs a CUDA device and `pip install triton` ({op} got a "
+                         f"{device.type} tensor); use 'auto' or 'torch'")
+    if unsupported is not None:
+        raise ValueError(f"the {op} Triton kernels do not support these inputs: {unsupported}; use 'auto' or 'torch'")
+    return "triton"
+
+
+def acc_dtype(x: torch.Tensor | torch.dtype) -> torch.dtype:
+    """Accumulation dtype of a tensor or dtype: float64 for float64 (tests), float32 otherwise."""
+    dtype = x if isinstance(x, torch.dtype) else x.dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def new_output(shape, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised kernel output; NaN (or -1 for integer outputs) when POISON_OUTPUTS is set."""
+    if POISON_OUTPUTS:
+        fill = float("nan") if dtype.is_floating_point else -1
+        return torch.full(shape, fill, device=device, dtype=dtype)
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+def slot_offsets(k_pos: torch.Tensor) -> torch.Tensor | None:
+    """Slot of logical position 0 per row ([B] int32) when each row of k_pos [B, S] holds its real
+    tokens in consecutive slots (positions 0, 1, 2, ...), with padding (-1) only before them (left
+    padding, as in generation), after them (right padding, as in training batches), or both; else
+    None. One host sync."""
+    S = k_pos.shape[1]
+    valid = k_pos >= 0
+    off = valid.int().argmax(-1)  # first real slot (0 for a row without real tokens)
+    expect = torch.arange(S, device=k_pos.device)[None, :] - off[:, None]
+    if not bool(torch.where(valid, k_pos == expect, True).all()):
+        return None
+    return off.to(torch.int32)
+
+
+def import_triton():
+    """(triton, triton.language) for the Triton kernel modules, with an error that says what to
+    install; the PyTorch forms never import Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as e:
+        raise ImportError("the Triton kernels need `pip install triton` (and a CUDA device); "
+                          "kernel_backend='torch' runs the PyTorch forms") from e
+    return triton, tl
