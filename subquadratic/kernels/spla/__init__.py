@@ -6,6 +6,7 @@ logical positions q_pos [B, Tq], k_pos [B, S] (-1 at padding), block statistics 
 internal structure of the op) and the residual state sbar [B, H, D, D].
 
 Forms: `naive.spla_naive` (the definition, one unpadded sequence: the test oracle),
+`dense.spla_dense` (SDPA over every causal key: SPLA while every row fits its budget),
 `parallel.spla_parallel` (masked PyTorch, any device: backend "torch"), `select.select_blocks`
 (PyTorch selection); Triton (CUDA): `triton_select.select_indices`, `triton_parallel.spla_parallel_triton`
 (prefill / training, backward in `triton_parallel_bwd`) and `triton_decode.spla_decode_triton`
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..utils import resolve_backend, slot_offsets
+from .dense import spla_dense, within_budget
 from .naive import spla_naive
 from .parallel import spla_parallel
 from .select import select_blocks
@@ -31,8 +33,8 @@ _TRITON_EXPORTS = {
 
 
 __all__ = [
-    "BlockStats", "TRITON_HEAD_DIMS", "feature_map", "select_blocks", "spla_attention", "spla_naive",
-    "spla_parallel", "spla_triton", "triton_unsupported", *_TRITON_EXPORTS,
+    "BlockStats", "TRITON_HEAD_DIMS", "feature_map", "select_blocks", "spla_attention", "spla_dense", "spla_naive",
+    "spla_parallel", "within_budget", "spla_triton", "triton_unsupported", *_TRITON_EXPORTS,
 ]
 
 def __getattr__(name: str):
@@ -63,13 +65,24 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto",
     """SPLA attention of the new tokens over the cache. Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D]
     or None with use_rla=False, new sbar); keyword arguments as `parallel.spla_parallel`.
 
-    The path, decided here and nowhere else (`utils.resolve_backend`): "auto" takes the Triton
-    kernels on CUDA when Triton is installed and the inputs suit them (`triton_unsupported`: head
-    dim, block size, no padding in the middle of a row), else the PyTorch form; "torch" the PyTorch
-    form; "triton" the kernels or a ValueError; "naive" a ValueError (the definition serves tests
-    only). On the Triton path, one token per row without gradients (decode) takes the decode
-    kernels, everything else the prefill / training kernels. `k_offsets` [B] int32: the slot of each
-    row's position 0 (`slot_offsets(k_pos)`), computed here when not given (one host sync)."""
+    Inside the budget (S key slots, padding included, <= top_k_blocks x block_size, so every causal
+    block of every row is selected and the residual term is exactly zero), "auto" and "torch" take
+    `spla_dense`: softmax attention through SDPA, which also carries Sbar, so the switch to the
+    sparse path when a row outgrows the budget is seamless. S is a shape: no host sync decides it.
+
+    Beyond the budget the path is decided here and nowhere else (`utils.resolve_backend`): "auto"
+    takes the Triton kernels on CUDA when Triton is installed and the inputs suit them
+    (`triton_unsupported`: head dim, block size, no padding in the middle of a row), else the
+    PyTorch form; "torch" the PyTorch form; "triton" the kernels or a ValueError; "naive" a
+    ValueError (the definition serves tests only). On the Triton path, one token per row without
+    gradients (decode) takes the decode kernels, everything else the prefill / training kernels.
+    `k_offsets` [B] int32: the slot of each row's position 0 (`slot_offsets(k_pos)`), or a function
+    returning it (called only where needed; the model shares one result between its layers),
+    computed here when not given (one host sync)."""
+    if backend in ("auto", "torch") and within_budget(k.shape[1], kw["block_size"], kw["top_k_blocks"]):
+        return spla_dense(q, k, v, q_pos, k_pos, sbar)
+    if callable(k_offsets):
+        k_offsets = k_offsets()
     why = None
     if q.is_cuda and backend in ("auto", "triton"):
         if k_offsets is None:

@@ -1,0 +1,54 @@
+"""SPLA inside its budget: exact softmax attention through SDPA (flash / memory-efficient / CPU).
+
+While every row's context fits `top_k_blocks * block_size` keys, the selection takes every causal
+block, so the sparse branch is softmax attention over all causal keys and the residual term is
+exactly zero. This path computes just that, without scoring or selecting, and still carries the
+residual state Sbar (and the caller the block sums), so a row that later outgrows the budget
+continues on the sparse path with the same state it would have had there.
+
+Which path runs is decided by the dispatch from shapes alone (the number of key slots), so the
+decision needs no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def within_budget(num_key_slots: int, block_size: int, top_k_blocks: int) -> bool:
+    """True when every row of a cache with `num_key_slots` slots (padding included) has at most
+    `top_k_blocks` blocks, i.e. every causal block of every query is selected."""
+    return num_key_slots <= top_k_blocks * block_size
+
+
+def spla_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    sbar: torch.Tensor,
+) -> tuple[torch.Tensor, None, torch.Tensor]:
+    """Softmax attention of the new tokens over every causal cached key, plus the Sbar update.
+
+    q: [B, Tq, HQ, D] post-RoPE queries of the new tokens; k, v: [B, S, H, D] every cached token with
+    the new ones last; q_pos [B, Tq], k_pos [B, S] logical positions (-1 = padding); sbar [B, H, D, D]
+    covers the S - Tq cached tokens (carried with or without the residual term, as on the sparse
+    path). Returns (o_sp [B, Tq, HQ, D] in q's dtype (fp64 for an fp64
+    sbar), None: the residual term is exactly zero, new Sbar). Padded queries return zeros.
+    """
+    B, Tq, HQ, D = q.shape
+    H = k.shape[2]
+    qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+    allowed = (kp >= 0) & (kp <= qp)
+    allowed = allowed | (qp < 0)  # padded queries attend anywhere; their output is zeroed below
+    out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
+    qt, kt, vt = (x.transpose(1, 2).to(out_dtype) for x in (q, k, v))  # [B, heads, T, D] views
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed[:, None], enable_gqa=HQ != H)
+    o = o.transpose(1, 2) * (q_pos >= 0)[:, :, None, None]
+    acc = sbar.dtype
+    new = slice(k.shape[1] - Tq, None)
+    phik = torch.softmax(k[:, new].to(acc), dim=-1) * (q_pos >= 0)[:, :, None, None]  # [B, Tq, H, D]
+    sbar = sbar + torch.einsum("bthd,bthe->bhde", phik, v[:, new].to(acc))
+    return o, None, sbar
