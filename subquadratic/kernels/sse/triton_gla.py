@@ -302,8 +302,6 @@ def _bwd_intra(
     m_i = r_i < n
     m_ik = m_i[:, None] & m_k[None, :]
     off_i = ((bos + r_i) * H + i_h)[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + off_i, mask=m_ik, other=0.0).to(tl.float32)
-    b_k = tl.load(k + off_i, mask=m_ik, other=0.0).to(tl.float32)
     b_g = tl.load(gc + off_i, mask=m_ik, other=0.0)
     dA_base = dA + (i_c * H + i_h) * BT * BT
     # reference points: first row of sub-chunk i (for dq), its last valid row (for dk)
