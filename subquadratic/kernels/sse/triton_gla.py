@@ -50,6 +50,7 @@ BK_H = 64
 BV_H = 64
 BV_O = 64
 WARPS = 4
+WARPS_WIDE = 8  # kernels holding several [chunk, K] fp32 tiles (_fwd_o, _bwd_dv, _bwd_inter)
 BC = 16  # sub-chunk
 
 
@@ -451,7 +452,7 @@ class GLAVarlen(torch.autograd.Function):
         o = _new((M, H, V), q.device, out_dtype)
         BV = min(BV_O, _p2(V))
         _fwd_o[(triton.cdiv(V, BV), NS, H)](q, v, gc, h, A, o, s_bos, s_n, H, K, V, C, BK, _prec(q.dtype), BV,
-                                           num_warps=WARPS)
+                                           num_warps=WARPS_WIDE)
         ctx.save_for_backward(q, k, v, gc, h0, cu, A, ccu, s_bos, s_n)
         ctx.C, ctx.NS, ctx.S = C, NS, S
         ctx.set_materialize_grads(False)
@@ -480,7 +481,7 @@ class GLAVarlen(torch.autograd.Function):
         _bwd_dA[(NS, H)](v, do, dA, s_bos, s_n, H, V, C, BV, prec, num_warps=WARPS)
         dv = _new(v.shape, v.device, v.dtype)
         _bwd_dv[(triton.cdiv(V, BV), NS, H)](k, gc, A, do, dh, dv, s_bos, s_n, H, K, V, C, BK, prec, BV,
-                                            num_warps=WARPS)
+                                            num_warps=WARPS_WIDE)
         dq_in = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         dk_in = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         _bwd_intra[(NS, C // BC, H)](q, k, gc, dA, dq_in, dk_in, s_bos, s_n, H, K, C, BC, BK, C // BC, prec,
@@ -488,7 +489,7 @@ class GLAVarlen(torch.autograd.Function):
         dq, dk = _new(q.shape, q.device, q.dtype), _new(k.shape, k.device, k.dtype)
         dg = _new(q.shape, q.device)
         _bwd_inter[(NS, H)](q, k, v, gc, h, do, dh, dq_in, dk_in, dq, dk, dg, s_bos, s_n, H, K, V, C, BK, prec, BV,
-                            num_warps=WARPS)
+                            num_warps=WARPS_WIDE)
         return dq, dk, dv, dg, (dh0 if h0 is not None else None), None, None, None
 
 

@@ -84,15 +84,17 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
     BT = B * T
     src_tok, src_n, valid, cu_parts = _group(sel, K)
     R = src_tok.numel()
-    p = probs.reshape(BT, N)[src_tok, src_n].float() * valid                     # [R], 0 at trash rows
+    # gathers by index_select (backward: index_add, no host synchronisation)
+    p = probs.reshape(-1).index_select(0, src_tok * N + src_n).float() * valid    # [R], 0 at trash rows
     pc = p[:, None, None]
     flat = lambda x: x.reshape(BT, H, x.shape[-1])  # noqa: E731
-    qp = (pc * flat(q2)[src_tok].float()).to(dt)
-    kp = (pc * flat(k2)[src_tok].float()).to(dt)
-    gp = flat(g2)[src_tok].float() * valid[:, None, None]
+    gather = lambda x: flat(x).index_select(0, src_tok)  # noqa: E731
+    qp = (pc * gather(q2).float()).to(dt)
+    kp = (pc * gather(k2).float()).to(dt)
+    gp = gather(g2).float() * valid[:, None, None]
     Q = torch.cat([flat(q1), qp])
     Kk = torch.cat([flat(k1).to(dt), kp])
-    Vv = torch.cat([flat(v).to(dt), flat(v).to(dt)[src_tok]])
+    Vv = torch.cat([flat(v).to(dt), gather(v).to(dt)])
     G = torch.cat([flat(g1).float(), gp])
     dev = q1.device
     cu = torch.cat([torch.arange(B + 1, device=dev) * T, BT + cu_parts[1:],
