@@ -1,0 +1,183 @@
+"""SSE on the Triton kernels: the sorted variable-length form (training / prefill) and the decode step.
+
+`sse_triton` has `sse_varlen`'s contract and values (see `sse.py`) and no host synchronisation:
+
+1. Grouping by (sample, partition) in time order with fixed shapes. Each token takes `topk` rows
+   (default N: always enough; pass the router's K to cut the work to (1 + K) T). Segment b * N + i
+   holds row b's tokens routed to partition i; its length is sum_t sel[b, t, i], so
+   cu_seqlens = [0, cumsum] is computed on the device, and the row of (b, t, i) is
+   cu[b * N + i] + (number of earlier selected tokens of that segment), an exclusive cumulative sum
+   of `sel` along time. Rows left over (tokens with fewer than `topk` selections, i.e. padding) form
+   one trailing "trash" segment with zero key, query and decay: it reads and writes nothing.
+2. One call of the varlen GLA op (`triton_gla.gla_varlen_triton`) over B shared segments (a plain
+   GLA over each row on (q1, k1, v, g1)) followed by the B * N partition segments on
+   (p q2, p k2, v, g2) and the trash segment; initial states are the SSE states, final states come
+   back as the new ones (a partition with no token keeps its state exactly).
+3. The partition outputs are scattered back onto the shared output with index_add (fp32).
+
+Autograd runs through all of it (router probs, q2 / k2 (hence LoRA offsets), gates g1 / g2, the
+initial states). fp64 inputs and base="gdn" run `sse_varlen` (PyTorch).
+
+`sse_decode_triton` is one token: one program per (V block, sample x head) updates the shared
+state and, for each partition, reads and writes its state only where `sel` is set; with
+inplace=True into `state`'s tensors (other rows of `state.parts` are not touched).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # the package's reference path needs no Triton
+    raise ImportError("the SSE Triton kernels need `pip install triton`") from e
+
+from . import triton_gla
+from .sse import SSEState, _setup, sse_varlen
+from .triton_gla import gla_varlen_triton
+
+
+def _group(sel: Tensor, topk: int):
+    """sel [B, T, N] bool -> (src_tok [R] token of each row (b * T + t), src_n [R] partition,
+    valid [R] bool, cu_parts [B * N + 1]) with R = B * T * topk, rows sorted by (b, partition, t)."""
+    B, T, N = sel.shape
+    R = B * T * topk
+    dev = sel.device
+    s = sel.to(torch.int64)
+    cu_parts = torch.cat([s.new_zeros(1), s.sum(1).reshape(-1).cumsum(0)])       # [B * N + 1]
+    rank = s.cumsum(1) - s                                                        # earlier selected
+    dest = cu_parts[:-1].view(B, 1, N) + rank
+    dest = torch.where(sel, dest.clamp(max=R), torch.full_like(dest, R))          # R: dropped
+    tok = (torch.arange(B, device=dev)[:, None] * T + torch.arange(T, device=dev)[None, :])
+    tok = tok[:, :, None].expand(B, T, N).reshape(-1)
+    part = torch.arange(N, device=dev).expand(B, T, N).reshape(-1)
+    src_tok = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest.reshape(-1), tok)[:R]
+    src_n = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest.reshape(-1), part)[:R]
+    valid = torch.arange(R, device=dev) < cu_parts[-1]
+    return src_tok, src_n, valid, cu_parts
+
+
+def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor, g2: Tensor,
+               probs: Tensor, sel: Tensor, state: SSEState | None = None, *, base: str = "gla",
+               beta: Tensor | None = None, chunk_size: int = 64, topk: int | None = None,
+               inplace: bool = False) -> tuple[Tensor, SSEState]:
+    """SSE with the Triton kernels, same contract and values as `sse_varlen` (module docstring).
+
+    topk: at most this many partitions are selected per token (the router's K; default N). A token
+    with more selections than `topk` is wrong input. A single token without gradients runs the
+    decode kernel (`sse_decode_triton`, honouring `inplace`); `inplace` is ignored otherwise.
+    Returns (o [B, T, H, Dv] in q1's dtype, new SSEState (fp32))."""
+    ops, extra, state = _setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
+    if base != "gla" or q1.dtype == torch.float64:
+        return sse_varlen(q1, k1, q2, k2, v, g1, g2, probs, sel, state, chunk_size, base=base, beta=beta)
+    B, T, H, Dk = q1.shape
+    N, Dv = probs.shape[-1], v.shape[-1]
+    tensors = (q1, k1, q2, k2, v, g1, g2, probs, state.shared, state.parts)
+    if T == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)):
+        return sse_decode_triton(q1, k1, q2, k2, v, g1, g2, probs, sel, state, inplace=inplace)
+    K = N if topk is None else topk
+    if not 1 <= K <= N:
+        raise ValueError(f"topk must be in [1, N={N}]; got {topk}")
+    dt = q1.dtype
+    BT = B * T
+    src_tok, src_n, valid, cu_parts = _group(sel, K)
+    R = src_tok.numel()
+    # gathers by index_select (backward: index_add, no host synchronisation)
+    p = probs.reshape(-1).index_select(0, src_tok * N + src_n).float() * valid    # [R], 0 at trash rows
+    pc = p[:, None, None]
+    flat = lambda x: x.reshape(BT, H, x.shape[-1])  # noqa: E731
+    gather = lambda x: flat(x).index_select(0, src_tok)  # noqa: E731
+    qp = (pc * gather(q2).float()).to(dt)
+    kp = (pc * gather(k2).float()).to(dt)
+    gp = gather(g2).float() * valid[:, None, None]
+    Q = torch.cat([flat(q1), qp])
+    Kk = torch.cat([flat(k1).to(dt), kp])
+    Vv = torch.cat([flat(v).to(dt), gather(v).to(dt)])
+    G = torch.cat([flat(g1).float(), gp])
+    dev = q1.device
+    cu = torch.cat([torch.arange(B + 1, device=dev) * T, BT + cu_parts[1:],
+                    torch.full((1,), BT + R, device=dev, dtype=cu_parts.dtype)])
+    h0 = torch.cat([state.shared.float(), state.parts.float().reshape(B * N, H, Dk, Dv),
+                    state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
+    o_all, hT = gla_varlen_triton(Q, Kk, Vv, G, cu_seqlens=cu, initial_state=h0, chunk_size=chunk_size,
+                                  out_dtype=torch.float32)
+    o = o_all[:BT].index_add(0, src_tok, o_all[BT:])
+    new = SSEState(hT[:B], hT[B:B + B * N].reshape(B, N, H, Dk, Dv))
+    return o.view(B, T, H, Dv).to(dt), new
+
+
+# ---------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode(
+    q1, k1, q2, k2, v, g1, g2, probs, sel, s_in, s_out, parts, o,
+    H: tl.constexpr, N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    off_kv = o_k[:, None] * V + o_v[None, :]
+    b_v = tl.load(v + i_bh * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_q1 = tl.load(q1 + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k1 = tl.load(k1 + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_g1 = tl.load(g1 + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_s = tl.load(s_in + i_bh * K * V + off_kv, mask=m_kv, other=0.0)
+    b_s = tl.exp(b_g1)[:, None] * b_s + b_k1[:, None] * b_v[None, :]
+    tl.store(s_out + i_bh * K * V + off_kv, b_s, mask=m_kv)
+    b_o = tl.sum(b_q1[:, None] * b_s, 0)
+    b_q2 = tl.load(q2 + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k2 = tl.load(k2 + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_e2 = tl.exp(tl.load(g2 + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32))
+    for n in range(0, N):
+        if tl.load(sel + i_b * N + n) != 0:
+            p = tl.load(probs + i_b * N + n)
+            base = parts + ((i_b * N + n) * H + i_h) * K * V
+            b_p = tl.load(base + off_kv, mask=m_kv, other=0.0)
+            b_p = b_e2[:, None] * b_p + (p * b_k2)[:, None] * b_v[None, :]
+            tl.store(base + off_kv, b_p, mask=m_kv)
+            b_o += p * tl.sum(b_q2[:, None] * b_p, 0)
+    tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+
+def sse_decode_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor, g2: Tensor,
+                      probs: Tensor, sel: Tensor, state: SSEState | None = None, *,
+                      inplace: bool = False) -> tuple[Tensor, SSEState]:
+    """One SSE step (T = 1, GLA base, no autograd) on one Triton kernel: same values as
+    `sse_recurrent`. Only the selected partitions' states are read and written; with
+    inplace=True (state fp32 and contiguous) into `state`'s tensors, else into new tensors (the
+    unselected partitions are copied as they are)."""
+    B, T, H, Dk = q1.shape
+    if T != 1:
+        raise ValueError(f"sse_decode_triton takes one token; got T = {T}")
+    N, Dv = probs.shape[-1], v.shape[-1]
+    if state is None:
+        state = SSEState.zeros(B, N, H, Dk, Dv, device=q1.device)
+    if inplace and not (state.shared.dtype == state.parts.dtype == torch.float32
+                        and state.shared.is_contiguous() and state.parts.is_contiguous()):
+        raise ValueError("inplace=True needs fp32 contiguous state tensors")
+    c = lambda x: x.reshape(B, H, x.shape[-1]).contiguous()  # noqa: E731
+    s_in = state.shared.float().contiguous()
+    if inplace:
+        s_out, parts = state.shared, state.parts
+    else:
+        s_out = triton_gla._new(s_in.shape, q1.device)
+        parts = state.parts.float().clone(memory_format=torch.contiguous_format)
+    o = triton_gla._new((B, H, Dv), q1.device, q1.dtype)
+    BK = max(16, triton.next_power_of_2(Dk))
+    BV = min(64, max(16, triton.next_power_of_2(Dv)))
+    with torch.no_grad():
+        _decode[(triton.cdiv(Dv, BV), B * H)](
+            c(q1), c(k1), c(q2), c(k2), c(v), c(g1).float(), c(g2).float(),
+            probs.reshape(B, N).float().contiguous(), sel.reshape(B, N).to(torch.int8).contiguous(),
+            s_in, s_out, parts, o, H, N, Dk, Dv, BK, BV, num_warps=4)
+    if inplace:
+        return o.view(B, 1, H, Dv), state
+    return o.view(B, 1, H, Dv), SSEState(s_out, parts)

@@ -1,0 +1,244 @@
+"""SSE Triton kernels vs the fp64 PyTorch oracles: the varlen chunked GLA op (values and gradients
+of q, k, v, g and the initial states, empty segments, T not a multiple of the chunk, strong decays),
+the SSE op (`sse_triton` vs `sse_recurrent`, K = 1 and 2, padded tokens, gradients through the
+router probs, gates and states) and the decode kernel (vs `sse_recurrent`, untouched partitions
+bit-identical). Kernel outputs start as NaN, so anything left unwritten fails. On CPU it runs
+under TRITON_INTERPRET=1 at small shapes; on CUDA the `gpu` tests run bf16 at real shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as Fn
+
+# tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported
+pytest.importorskip("triton")
+from subquadratic.kernels.sse import (  # noqa: E402
+    SSEState,
+    gla_recurrent,
+    gla_varlen,
+    router_topk,
+    sse_recurrent,
+    sse_varlen,
+    triton_gla,
+)
+from subquadratic.kernels.sse.triton_gla import gla_varlen_triton  # noqa: E402
+from subquadratic.kernels.sse.triton_sse import sse_decode_triton, sse_triton  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every kernel output starts as NaN: anything left unwritten fails the test."""
+    monkeypatch.setattr(triton_gla, "POISON_OUTPUTS", True)
+
+
+def rel(x, ref):
+    return ((x.double().cpu() - ref.double().cpu()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def randn(gen, *shape):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+def loss_of(outs):
+    g = torch.Generator().manual_seed(123)
+    return sum((y.double() * torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device)).sum() for y in outs)
+
+
+# ---------------------------------------------------------------------------
+# varlen GLA
+# ---------------------------------------------------------------------------
+
+
+def gla_inputs(lens, H, K, V, shift, seed):
+    gen = torch.Generator().manual_seed(seed)
+    M, S = sum(lens), len(lens)
+    q, k, v = randn(gen, M, H, K), randn(gen, M, H, K) / K**0.5, randn(gen, M, H, V)
+    g = Fn.logsigmoid(randn(gen, M, H, K) + shift)   # shift -5: log alpha ~ -5 per token
+    h0 = randn(gen, S, H, K, V)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    return (q, k, v, g, h0), cu
+
+
+def gla_oracle(q, k, v, g, h0, cu):
+    os, hs = [], []
+    for s in range(cu.numel() - 1):
+        a, b = int(cu[s]), int(cu[s + 1])
+        hs0 = None if h0 is None else h0[s:s + 1]
+        o, h = gla_recurrent(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b], hs0)
+        os.append(o[0])
+        hs.append(h)
+    return torch.cat(os), torch.cat(hs)
+
+
+def run_gla(fn, inputs, dtype, with_state):
+    xs = [x.detach().to(DEV, dtype).clone().requires_grad_() for x in inputs]
+    if not with_state:
+        xs[4] = None
+    o, h = fn(*xs)
+    loss_of([o, h]).backward()
+    return [o, h], [x.grad for x in xs if x is not None]
+
+
+@pytest.mark.parametrize("lens,chunk,shift,with_state", [
+    ([0, 37, 5, 16, 0], 16, 1.0, True),     # empty segments, one sub-chunk per chunk
+    ([45, 0, 33, 7], 32, -5.0, True),       # two sub-chunks, strong decay
+    ([21, 3], 32, 0.0, False),              # zero initial states
+])
+def test_gla_varlen_values_and_grads(lens, chunk, shift, with_state):
+    inputs, cu = gla_inputs(lens, 2, 16, 32, shift, seed=len(lens) + chunk)
+    ref_o, ref_g = run_gla(lambda *x: gla_oracle(*x, cu), inputs, torch.float64, with_state)
+    cud = cu.to(DEV)
+    got_o, got_g = run_gla(lambda q, k, v, g, h0: gla_varlen_triton(q, k, v, g, cu_seqlens=cud, initial_state=h0,
+                                                                    chunk_size=chunk),
+                           inputs, torch.float32, with_state)
+    for i, (a, b) in enumerate(zip(got_o, ref_o, strict=True)):
+        assert torch.isfinite(a).all() and rel(a, b) <= 1e-4, f"output {i}: {rel(a, b):.2e}"
+    for i, (a, b) in enumerate(zip(got_g, ref_g, strict=True)):
+        assert torch.isfinite(a).all() and rel(a, b) <= 1e-4, f"grad {i}: {rel(a, b):.2e}"
+
+
+# ---------------------------------------------------------------------------
+# SSE
+# ---------------------------------------------------------------------------
+
+
+def sse_inputs(B, T, H, D, Dv, N, seed, pad=0):
+    gen = torch.Generator().manual_seed(seed)
+    q1, q2 = randn(gen, B, T, H, D), randn(gen, B, T, H, D)
+    k1, k2 = randn(gen, B, T, H, D) / D**0.5, randn(gen, B, T, H, D) / D**0.5
+    v = randn(gen, B, T, H, Dv)
+    g1, g2 = Fn.logsigmoid(randn(gen, B, T, H, D) + 2), Fn.logsigmoid(randn(gen, B, T, H, D) + 1)
+    logits = randn(gen, B, T, N)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    if pad:  # padded tail of the last row: sel False, q / k / v and gates zero
+        valid[-1, T - pad:] = False
+        for x in (q1, q2, k1, k2, v, g1, g2):
+            x[-1, T - pad:] = 0
+    st = (randn(gen, B, H, D, Dv), randn(gen, B, N, H, D, Dv))
+    return [q1, k1, q2, k2, v, g1, g2, logits], st, valid
+
+
+def run_sse(fn, inputs, st, valid, topk, dtype):
+    xs = [x.detach().to(DEV, dtype).clone().requires_grad_() for x in inputs]
+    sts = [x.detach().to(DEV, dtype if dtype == torch.float64 else torch.float32).clone().requires_grad_()
+           for x in st]
+    probs, sel = router_topk(xs[7], topk, valid.to(DEV))
+    o, new = fn(*xs[:7], probs, sel, SSEState(*sts))
+    loss_of([o, new.shared, new.parts]).backward()
+    return [o, new.shared, new.parts], [x.grad for x in xs + sts]
+
+
+@pytest.mark.parametrize("topk,chunk,pad", [(1, 16, 5), (2, 32, 0)])
+def test_sse_values_and_grads(topk, chunk, pad):
+    inputs, st, valid = sse_inputs(2, 37, 2, 16, 16, 3, seed=topk, pad=pad)
+    ref_o, ref_g = run_sse(sse_recurrent, inputs, st, valid, topk, torch.float64)
+    got_o, got_g = run_sse(lambda *a: sse_triton(*a, chunk_size=chunk, topk=topk), inputs, st, valid, topk,
+                           torch.float32)
+    for i, (a, b) in enumerate(zip(got_o, ref_o, strict=True)):
+        assert torch.isfinite(a).all() and rel(a, b) <= 1e-4, f"output {i}: {rel(a, b):.2e}"
+    for i, (a, b) in enumerate(zip(got_g, ref_g, strict=True)):
+        assert torch.isfinite(a).all() and rel(a, b) <= 1e-4, f"grad {i}: {rel(a, b):.2e}"
+
+
+def test_padding_and_empty_partitions_keep_states():
+    """Padded tokens leave every state as it was after the last real token; partitions that no
+    token selects keep their initial state bit for bit."""
+    B, T, pad, N = 2, 20, 6, 4
+    inputs, st, valid = sse_inputs(B, T, 2, 16, 16, N, seed=5, pad=pad)
+    xs = [x.float().to(DEV) for x in inputs]
+    probs, sel = router_topk(xs[7], 1, valid.to(DEV))
+    sel[:, :, 3] = False  # partition 3 is never selected
+    sel[:, :, 0] |= valid.to(DEV) & ~sel.any(-1)
+    state = SSEState(*[x.float().to(DEV) for x in st])
+    with torch.no_grad():
+        _, full = sse_triton(*xs[:7], probs, sel, state, chunk_size=16)
+        _, ref = sse_triton(*[x[-1:, :T - pad] for x in xs[:7]], probs[-1:, :T - pad], sel[-1:, :T - pad],
+                            SSEState(state.shared[-1:], state.parts[-1:]), chunk_size=16)
+    assert rel(full.shared[-1:], ref.shared) <= 1e-6 and rel(full.parts[-1:], ref.parts) <= 1e-6
+    assert torch.equal(full.parts[:, 3], state.parts[:, 3])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_decode_matches_recurrence(inplace):
+    B, H, D, Dv, N = 3, 2, 16, 48, 4  # Dv: several value blocks
+    inputs, st, valid = sse_inputs(B, 3, H, D, Dv, N, seed=11)
+    xs = [x.float().to(DEV) for x in inputs]
+    probs, sel = router_topk(xs[7], 2, valid.to(DEV))
+    ref_state = SSEState(*[x.float().to(DEV) for x in st])
+    state = SSEState(ref_state.shared.clone(), ref_state.parts.clone())
+    for t in range(3):
+        before = state.parts.clone()
+        step = [x[:, t:t + 1] for x in xs[:7]]
+        ref_o, ref_state = sse_recurrent(*step, probs[:, t:t + 1], sel[:, t:t + 1], ref_state)
+        got_o, new = sse_decode_triton(*step, probs[:, t:t + 1], sel[:, t:t + 1], state, inplace=inplace)
+        if inplace:
+            assert new.shared is state.shared and new.parts is state.parts
+        else:
+            assert torch.equal(state.parts, before)  # the input state is left as it was
+        untouched = ~sel[:, t]                                        # [B, N]
+        assert torch.equal(new.parts[untouched], before[untouched])
+        assert rel(got_o, ref_o) <= 1e-5
+        assert rel(new.shared, ref_state.shared) <= 1e-5 and rel(new.parts, ref_state.parts) <= 1e-5
+        state = new
+
+
+# ---------------------------------------------------------------------------
+# GPU: real shapes in bf16
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_gla_varlen_bf16(D):
+    """bf16 varlen GLA at T ~ 4096 (five segments, one empty) against the fp32 PyTorch chunked form
+    on the same bf16-rounded inputs; values and gradients within 1e-2."""
+    lens = [1500, 0, 2048, 77, 471]
+    inputs, cu = gla_inputs(lens, 4, D, D, 3.0, seed=D)
+    q, k, v, g, h0 = inputs
+    q, k = Fn.normalize(q, dim=-1), Fn.normalize(k, dim=-1)
+    inputs = [q.bfloat16(), k.bfloat16(), v.bfloat16(), g.float(), h0.float()]
+    cud = cu.to(DEV)
+    ref_o, ref_g = run_gla(lambda q, k, v, g, h0: gla_varlen(q, k, v, g, cu_seqlens=cud, initial_state=h0),
+                           [x.float() for x in inputs], torch.float32, True)
+    xs = [x.detach().to(DEV).clone().requires_grad_() for x in inputs]
+    o, h = gla_varlen_triton(*xs[:4], cu_seqlens=cud, initial_state=xs[4], chunk_size=64)
+    loss_of([o, h]).backward()
+    for i, (a, b) in enumerate(zip([o, h], ref_o, strict=True)):
+        assert rel(a, b) <= 1e-2, f"output {i}: {rel(a, b):.2e}"
+    for i, (a, b) in enumerate(zip([x.grad for x in xs], ref_g, strict=True)):
+        assert rel(a, b) <= 1e-2, f"grad {i}: {rel(a, b):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("topk", [1, 2])
+def test_gpu_sse_bf16(topk):
+    """bf16 SSE (N = 4) at T = 2048, B = 2, d = 128 against `sse_varlen` in fp32 on the same
+    bf16-rounded inputs; values and gradients within 1e-2; no host synchronisation."""
+    B, T, H, D, N = 2, 2048, 4, 128, 4
+    inputs, st, valid = sse_inputs(B, T, H, D, D, N, seed=topk, pad=100)
+    inputs[0], inputs[2] = Fn.normalize(inputs[0], dim=-1), Fn.normalize(inputs[2], dim=-1)
+    inputs = [x.bfloat16() if i < 7 else x for i, x in enumerate(inputs)]
+    ref_o, ref_g = run_sse(sse_varlen, [x.float() for x in inputs], st, valid, topk, torch.float32)
+    xs = [x.detach().to(DEV).clone().requires_grad_() for x in inputs]
+    sts = [x.detach().to(DEV).float().clone().requires_grad_() for x in st]
+    probs, sel = router_topk(xs[7].float(), topk, valid.to(DEV))
+    gen = torch.Generator().manual_seed(123)
+    shapes = [(B, T, H, D), (B, H, D, D), (B, N, H, D, D)]
+    w = [torch.randn(s, generator=gen, dtype=torch.float64).to(DEV) for s in shapes]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o, new = sse_triton(*xs[:7], probs, sel, SSEState(*sts), topk=topk)
+        sum((y.double() * wy).sum() for y, wy in zip([o, new.shared, new.parts], w, strict=True)).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    got_g = [x.grad for x in xs + sts]
+    for i, (a, b) in enumerate(zip([o, new.shared, new.parts], ref_o, strict=True)):
+        assert rel(a, b) <= 1e-2, f"output {i}: {rel(a, b):.2e}"
+    for i, (a, b) in enumerate(zip(got_g, ref_g, strict=True)):
+        assert rel(a, b) <= 1e-2, f"grad {i}: {rel(a, b):.2e}"
