@@ -292,7 +292,7 @@ class SSEAttention(AttentionBase):
         state = cache_layer.read() if cache_layer is not None else None
         o, state = sse_attention(
             q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=cfg.sse_base, beta=beta,
-            chunk_size=cfg.sse_chunk_size, backend=cfg.kernel_backend,
+            chunk_size=cfg.sse_chunk_size, backend=cfg.kernel_backend, topk=cfg.sse_top_k,
             inplace=cache_layer is not None and not torch.is_grad_enabled(),
         )  # o: [B, T, HQ, D]
         if cache_layer is not None:

@@ -4,12 +4,15 @@
 Forms: `recurrent.sse_recurrent` (the serial oracle and the decode step: only the selected
 partitions are read and written), `masked.sse_masked` ((N+1)-heads form, a second reference),
 `varlen.sse_varlen` (sorted variable-length form); `router.py` holds the router (`router_topk`) and
-the load-balancing loss (`sse_aux_loss`). Model code calls one dispatch function, `sse_attention`;
-Triton kernels (`triton_chunk.py`, `triton_fused_recurrent.py`) are not written yet.
+the load-balancing loss (`sse_aux_loss`). Triton (CUDA, GLA base): `triton_sse.sse_triton` (the
+sorted variable-length form on the varlen chunked GLA kernels of `triton_gla.py`, fixed shapes, no
+host synchronisation) and `triton_sse.sse_decode_triton` (one token, only the selected partitions
+read and written). Model code calls one dispatch function, `sse_attention`.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..utils import resolve_backend
@@ -20,21 +23,43 @@ from .varlen import sse_varlen
 
 __all__ = [
     "SSEState", "router_topk", "sse_attention", "sse_aux_loss", "sse_masked", "sse_recurrent", "sse_varlen",
+    "triton_unsupported",
 ]
 
 
 def sse_attention(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor,
                   g2: Tensor, probs: Tensor, sel: Tensor, state: SSEState | None = None, *,
                   base: str = "gla", beta: Tensor | None = None, chunk_size: int = 64,
-                  backend: str = "auto", inplace: bool = False) -> tuple[Tensor, SSEState]:
+                  backend: str = "auto", inplace: bool = False, topk: int | None = None) -> tuple[Tensor, SSEState]:
     """SSE of the new tokens from `state` (None: zeros); shapes as in `recurrent.py`. Returns
-    (o [B, T, H, Dv] in q1's dtype, new state). Backends as in `kernels.utils`: "torch" takes the
-    recurrent step for one token (decode) and the sorted variable-length form otherwise, "naive" the
-    serial recurrence at every length; no Triton kernels yet ("auto" = "torch"). `inplace=True`
-    (inference with a cache) lets the recurrent step write the new states into `state`'s tensors,
-    touching only the selected rows of `state.parts`; the chunked form ignores it."""
-    path = resolve_backend(backend, q1.device, op="SSE", has_triton=False, has_naive=True)
+    (o [B, T, H, Dv] in q1's dtype, new state). Backends as in `kernels.utils`: "auto" takes the
+    Triton kernels on CUDA for the GLA base in fp32/bf16/fp16 with chunk_size 16, 32 or 64 and head
+    dims up to 128 (keys) / 256 (values), else "torch": the recurrent step for one token (decode)
+    and the sorted variable-length form otherwise; "naive" the serial recurrence at every length.
+    `topk`: the router's K (selections per token), which sizes the Triton grouping (default N).
+    `inplace=True` (inference with a cache) lets the one-token forms write the new states into
+    `state`'s tensors, touching only the selected rows of `state.parts`; the chunked forms ignore it."""
+    why = triton_unsupported(q1, v, base, chunk_size)
+    path = resolve_backend(backend, q1.device, op="SSE", has_triton=True, has_naive=True, unsupported=why)
+    if path == "triton":
+        from .triton_sse import sse_triton
+
+        return sse_triton(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=base, beta=beta,
+                          chunk_size=chunk_size, topk=topk, inplace=inplace and state is not None)
     if path == "naive" or q1.shape[1] == 1:
         return sse_recurrent(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=base, beta=beta,
                              inplace=inplace and state is not None)
     return sse_varlen(q1, k1, q2, k2, v, g1, g2, probs, sel, state, chunk_size, base=base, beta=beta)
+
+
+def triton_unsupported(q1: Tensor, v: Tensor, base: str, chunk_size: int) -> str | None:
+    """Why the SSE Triton kernels cannot take these inputs, or None."""
+    if base != "gla":
+        return f"base {base!r} (the kernels implement the GLA base)"
+    if q1.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {q1.dtype}"
+    if chunk_size not in (16, 32, 64):
+        return f"chunk_size {chunk_size} (16, 32 or 64)"
+    if q1.shape[-1] > 128 or v.shape[-1] > 256:
+        return f"head dims {q1.shape[-1]} / {v.shape[-1]} (at most 128 / 256)"
+    return None

@@ -35,14 +35,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # the package's reference path needs no Triton
-    raise ImportError("the SSE Triton kernels need `pip install triton`") from e
+from ..utils import import_triton, new_output
 
-#: Fill every output with NaN before the kernels write it (tests set this).
-POISON_OUTPUTS = False
+triton, tl = import_triton()
 
 #: Block sizes along V for the per-segment state kernels and the output kernels; K is kept whole
 #: (head dims up to 128). Warps per kernel.
@@ -52,12 +47,6 @@ BV_O = 64
 WARPS = 4
 WARPS_WIDE = 8  # kernels holding several [chunk, K] fp32 tiles (_fwd_o, _bwd_dv, _bwd_inter)
 BC = 16  # sub-chunk
-
-
-def _new(shape, device, dtype=torch.float32) -> Tensor:
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-    return torch.empty(shape, device=device, dtype=dtype)
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -427,7 +416,7 @@ def _states(k, v, gc, h0, cu, ccu, NS, C, state_dtype):
     V = v.shape[-1]
     S = cu.numel() - 1
     h = torch.empty((NS, H, K, V), device=k.device, dtype=state_dtype)
-    ht = _new((S, H, K, V), k.device)
+    ht = new_output((S, H, K, V), k.device)
     BK, BV = min(BK_H, _p2(K)), min(BV_H, _p2(V))
     _fwd_h[(triton.cdiv(K, BK), triton.cdiv(V, BV), S * H)](
         k, v, gc, h, h0, ht, cu, ccu, H, K, V, C, h0 is not None, _prec(k.dtype), BK, BV, num_warps=WARPS)
@@ -449,7 +438,7 @@ class GLAVarlen(torch.autograd.Function):
         h, ht = _states(k, v, gc, h0, cu, ccu, NS, C, sdt)
         A = torch.empty((NS, H, C, C), device=q.device, dtype=torch.float32)
         _fwd_A[(NS, C // BC, H)](q, k, gc, A, s_bos, s_n, H, K, C, BC, BK, _prec(q.dtype), num_warps=WARPS)
-        o = _new((M, H, V), q.device, out_dtype)
+        o = new_output((M, H, V), q.device, out_dtype)
         BV = min(BV_O, _p2(V))
         _fwd_o[(triton.cdiv(V, BV), NS, H)](q, v, gc, h, A, o, s_bos, s_n, H, K, V, C, BK, _prec(q.dtype), BV,
                                            num_warps=WARPS_WIDE)
@@ -472,22 +461,22 @@ class GLAVarlen(torch.autograd.Function):
             dht = dht.float().contiguous()
         h, _ = _states(k, v, gc, h0, cu, ccu, NS, C, sdt)
         dh = torch.empty((NS, H, K, V), device=q.device, dtype=sdt)
-        dh0 = _new((S, H, K, V), q.device)
+        dh0 = new_output((S, H, K, V), q.device)
         BKh, BVh = min(BK_H, _p2(K)), min(BV_H, _p2(V))
         _bwd_dh[(triton.cdiv(K, BKh), triton.cdiv(V, BVh), S * H)](
             q, do, gc, dh, dht, dh0, cu, ccu, H, K, V, C, dht is not None, prec, BKh, BVh, num_warps=WARPS)
         BV = min(BV_O, _p2(V))
         dA = torch.empty((NS, H, C, C), device=q.device, dtype=torch.float32)
         _bwd_dA[(NS, H)](v, do, dA, s_bos, s_n, H, V, C, BV, prec, num_warps=WARPS)
-        dv = _new(v.shape, v.device, v.dtype)
+        dv = new_output(v.shape, v.device, v.dtype)
         _bwd_dv[(triton.cdiv(V, BV), NS, H)](k, gc, A, do, dh, dv, s_bos, s_n, H, K, V, C, BK, prec, BV,
                                             num_warps=WARPS_WIDE)
         dq_in = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         dk_in = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         _bwd_intra[(NS, C // BC, H)](q, k, gc, dA, dq_in, dk_in, s_bos, s_n, H, K, C, BC, BK, C // BC, prec,
                                      num_warps=WARPS)
-        dq, dk = _new(q.shape, q.device, q.dtype), _new(k.shape, k.device, k.dtype)
-        dg = _new(q.shape, q.device)
+        dq, dk = new_output(q.shape, q.device, q.dtype), new_output(k.shape, k.device, k.dtype)
+        dg = new_output(q.shape, q.device)
         _bwd_inter[(NS, H)](q, k, v, gc, h, do, dh, dq_in, dk_in, dq, dk, dg, s_bos, s_n, H, K, V, C, BK, prec, BV,
                             num_warps=WARPS_WIDE)
         return dq, dk, dv, dg, (dh0 if h0 is not None else None), None, None, None

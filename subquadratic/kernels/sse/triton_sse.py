@@ -1,6 +1,6 @@
 """SSE on the Triton kernels: the sorted variable-length form (training / prefill) and the decode step.
 
-`sse_triton` has `sse_varlen`'s contract and values (see `sse.py`) and no host synchronisation:
+`sse_triton` has `sse_varlen`'s contract and values (see `varlen.py`) and no host synchronisation:
 
 1. Grouping by (sample, partition) in time order with fixed shapes. Each token takes `topk` rows
    (default N: always enough; pass the router's K to cut the work to (1 + K) T). Segment b * N + i
@@ -16,7 +16,8 @@
 3. The partition outputs are scattered back onto the shared output with index_add (fp32).
 
 Autograd runs through all of it (router probs, q2 / k2 (hence LoRA offsets), gates g1 / g2, the
-initial states). fp64 inputs and base="gdn" run `sse_varlen` (PyTorch).
+initial states). The GLA base only, fp32/bf16/fp16: `sse_attention` sends other inputs (fp64,
+base="gdn") to the PyTorch forms.
 
 `sse_decode_triton` is one token: one program per (V block, sample x head) updates the shared
 state and, for each partition, reads and writes its state only where `sel` is set; with
@@ -28,15 +29,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # the package's reference path needs no Triton
-    raise ImportError("the SSE Triton kernels need `pip install triton`") from e
-
-from . import triton_gla
-from .sse import SSEState, _setup, sse_varlen
+from ..utils import import_triton, new_output
+from .recurrent import SSEState, setup
 from .triton_gla import gla_varlen_triton
+
+triton, tl = import_triton()
 
 
 def _group(sel: Tensor, topk: int):
@@ -69,13 +66,15 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
     with more selections than `topk` is wrong input. A single token without gradients runs the
     decode kernel (`sse_decode_triton`, honouring `inplace`); `inplace` is ignored otherwise.
     Returns (o [B, T, H, Dv] in q1's dtype, new SSEState (fp32))."""
-    ops, extra, state = _setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
     if base != "gla" or q1.dtype == torch.float64:
-        return sse_varlen(q1, k1, q2, k2, v, g1, g2, probs, sel, state, chunk_size, base=base, beta=beta)
+        raise ValueError("the SSE Triton kernels take the GLA base in fp32/bf16/fp16; sse_attention sends "
+                         "other inputs to the PyTorch forms")
+    _, _, state = setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
     B, T, H, Dk = q1.shape
     N, Dv = probs.shape[-1], v.shape[-1]
     tensors = (q1, k1, q2, k2, v, g1, g2, probs, state.shared, state.parts)
     if T == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)):
+        inplace = inplace and all(x.dtype == torch.float32 and x.is_contiguous() for x in (state.shared, state.parts))
         return sse_decode_triton(q1, k1, q2, k2, v, g1, g2, probs, sel, state, inplace=inplace)
     K = N if topk is None else topk
     if not 1 <= K <= N:
@@ -168,9 +167,9 @@ def sse_decode_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor,
     if inplace:
         s_out, parts = state.shared, state.parts
     else:
-        s_out = triton_gla._new(s_in.shape, q1.device)
+        s_out = new_output(s_in.shape, q1.device)
         parts = state.parts.float().clone(memory_format=torch.contiguous_format)
-    o = triton_gla._new((B, H, Dv), q1.device, q1.dtype)
+    o = new_output((B, H, Dv), q1.device, q1.dtype)
     BK = max(16, triton.next_power_of_2(Dk))
     BV = min(64, max(16, triton.next_power_of_2(Dv)))
     with torch.no_grad():

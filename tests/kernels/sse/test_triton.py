@@ -13,15 +13,9 @@ import torch.nn.functional as Fn
 
 # tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported
 pytest.importorskip("triton")
-from subquadratic.kernels.sse import (  # noqa: E402
-    SSEState,
-    gla_recurrent,
-    gla_varlen,
-    router_topk,
-    sse_recurrent,
-    sse_varlen,
-    triton_gla,
-)
+from subquadratic.kernels import utils  # noqa: E402
+from subquadratic.kernels.gla import gla_recurrent, gla_varlen  # noqa: E402
+from subquadratic.kernels.sse import SSEState, router_topk, sse_attention, sse_recurrent, sse_varlen  # noqa: E402
 from subquadratic.kernels.sse.triton_gla import gla_varlen_triton  # noqa: E402
 from subquadratic.kernels.sse.triton_sse import sse_decode_triton, sse_triton  # noqa: E402
 
@@ -31,7 +25,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every kernel output starts as NaN: anything left unwritten fails the test."""
-    monkeypatch.setattr(triton_gla, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
 
 
 def rel(x, ref):
@@ -242,3 +236,23 @@ def test_gpu_sse_bf16(topk):
         assert rel(a, b) <= 1e-2, f"output {i}: {rel(a, b):.2e}"
     for i, (a, b) in enumerate(zip(got_g, ref_g, strict=True)):
         assert rel(a, b) <= 1e-2, f"grad {i}: {rel(a, b):.2e}"
+
+
+def test_dispatch_decides_the_path():
+    """`sse_attention` alone decides: inputs the kernels cannot take are named (and go to the
+    PyTorch forms under "auto"); an explicit "triton" off CUDA or on such inputs is a clear error."""
+    from subquadratic.kernels.sse import triton_unsupported
+
+    x = torch.zeros(1, 4, 2, 16)
+    assert triton_unsupported(x, x, "gla", 64) is None
+    assert "gdn" in triton_unsupported(x, x, "gdn", 64)
+    assert "float64" in triton_unsupported(x.double(), x, "gla", 64)
+    assert "chunk_size" in triton_unsupported(x, x, "gla", 48)
+    if DEV == "cpu":
+        gen = torch.Generator().manual_seed(0)
+        B, T, H, D, N = 1, 4, 2, 16, 4
+        q = torch.randn(B, T, H, D, generator=gen)
+        probs, sel = router_topk(torch.randn(B, T, N, generator=gen), 1)
+        g = torch.zeros(B, T, H, D)
+        with pytest.raises(ValueError, match="CUDA"):
+            sse_attention(q, q, q, q, q, g, g, probs, sel, backend="triton")
