@@ -37,8 +37,8 @@ import os
 import torch
 from torch import Tensor
 
+from ..hla import TRITON_DTYPES as DTYPES  # the input dtypes the kernels take (fp64: the PyTorch forms)
 from ..utils import import_triton, new_output
-from . import TRITON_DTYPES as DTYPES  # the input dtypes the kernels take (fp64: the PyTorch forms)
 from .recurrent import HLAState, check_inputs, clamp_signed, init_state
 
 triton, tl = import_triton()
