@@ -5,12 +5,15 @@ data, triton.testing.do_bench medians). Prints one table (peer, ours, ratio) and
 
 Rows: P1 decode step at 128k context (B4 HQ32 H8 d128, 16 blocks of 64) with the bytes each reads;
 P2 prefill forward and forward+backward at 32k (B1 HQ32 H8 d128); P3 against fla's parallel_nsa
-(needs fla installed; B1 HQ64 H4 d128, G = 16); P6 time(64k)/time(32k) of the SPLA prefill.
+(needs fla installed; B1 HQ64 H4 d128, G = 16); P6 time(64k)/time(32k) of the SPLA prefill. P2-P6
+run the default prefill kernels (`triton_parallel.PREFILL_KERNEL`, "tile"); the rows marked
+"token" repeat P2 / P2b with the per-token kernels in the same run, and the prefill stages list both.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -23,6 +26,19 @@ def bench(fn) -> float:
     import triton
 
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+@contextlib.contextmanager
+def prefill_kernel(name: str):
+    """Run the SPLA prefill with `triton_parallel.PREFILL_KERNEL = name` ("tile" or "token")."""
+    from subquadratic.kernels.spla import triton_parallel
+
+    old = triton_parallel.PREFILL_KERNEL
+    triton_parallel.PREFILL_KERNEL = name
+    try:
+        yield
+    finally:
+        triton_parallel.PREFILL_KERNEL = old
 
 
 def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
@@ -99,6 +115,8 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
         select_indices,
         sparse_forward,
         spla_triton,
+        triton_parallel,
+        triton_tile,
     )
     from subquadratic.kernels.utils import slot_offsets
 
@@ -125,6 +143,12 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
             phiq, feature_map(k[:, :, S - Tq:]), v[:, :, S - Tq:].float(), sbar, qpos >= 0, chunk=min(64, Tq))),
         "whole call": bench(lambda: spla_triton(q, kt, vt, qpos, pos, stats, sbar, k_offsets=koff, **kw)),
     }
+    if Tq >= triton_parallel.TILE_MIN_TQ:
+        with prefill_kernel("token"):
+            out["whole call, per-token kernels (PREFILL_KERNEL='token')"] = bench(
+                lambda: spla_triton(q, kt, vt, qpos, pos, stats, sbar, k_offsets=koff, **kw))
+        out["selection, one launch per query tile (select_indices_fast)"] = bench(
+            lambda: triton_tile.select_indices_fast(q, stats, qpos, **kw))
     if Tq == S:
         out["block stats (prefill)"] = bench(lambda: BlockStats.empty(B, H, D, dev).add(kt, pos, bs))
     nsp = max(1, min(nsel, 264 // (B * H * Tq))) if Tq <= 8 else 1
@@ -138,12 +162,23 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
     out["  same, phi(k) precomputed (used for Tq > 64)"] = bench(lambda: kernel(True, True))
     out["  phi(k) of all keys (key_features)"] = bench(lambda: key_features(k))
     out["  same kernel without the correction (SPA)"] = bench(lambda: kernel(False))
+    if Tq >= triton_parallel.TILE_MIN_TQ:  # the query-tile kernels (phi(k) precomputed)
+        GP, BM = triton_tile.tile_shape(G, triton_tile.TILE_ROWS_INFERENCE)
+        NB = triton.cdiv(S, bs)
+        union = triton_tile.tile_union(idx, NB, BM)
+        out[f"tile: union lists ({union[2].float().mean().item():.1f} blocks per tile)"] = bench(
+            lambda: triton_tile.tile_union(idx, NB, BM))
+        out["tile: sparse forward incl. union (inference rows)"] = bench(lambda: triton_tile.tile_sparse_forward(
+            qh, k, v, idx, qi, koff, True, bs, phik=phik, rows=triton_tile.TILE_ROWS_INFERENCE))
     if Tq == S:  # the backward pass of the sparse branch + correction
         qg, kg, vg = (x.detach().requires_grad_() for x in (qh, k, v))
         o, ot = SparseAttention.apply(qg, kg, vg, idx, qi, koff, True, bs, True)
         g = torch.randn_like(o)
         out["CSR lists (queries per key block)"] = bench(lambda: queries_by_block(idx, triton.cdiv(S, bs)))
         out["sparse backward (dq kernel + CSR + dkv kernel)"] = bench(
+            lambda: torch.autograd.grad([o, ot], [qg, kg, vg], [g, g], retain_graph=True))
+        o, ot = triton_tile.tile_sparse_attention(qg, kg, vg, idx, qi, koff, True, bs, True)
+        out["tile: sparse backward (dq kernel + lists + dkv kernel)"] = bench(
             lambda: torch.autograd.grad([o, ot], [qg, kg, vg], [g, g], retain_graph=True))
     return out
 
@@ -257,6 +292,13 @@ def main() -> None:
     tb_ours, tb_peer = bench(o_fn), bench(p_fn)
     rows.append(dict(id="P2b", what=f"prefill fwd+bwd, B1 HQ32 H8 d128, T {T // 1024}k", peer_ms=tb_peer,
                      ours_ms=tb_ours, speedup=tb_peer / tb_ours, target=">= 2x"))
+    with prefill_kernel("token"):  # the per-token prefill kernels on the same calls
+        t_tok = bench(prefill_fn(T)[0])
+        tb_tok = bench(prefill_fn(T, backward=True)[0])
+    rows.append(dict(id="P2", what="  same fwd, per-token kernels (PREFILL_KERNEL='token')", peer_ms=t_peer,
+                     ours_ms=t_tok, speedup=t_peer / t_tok, target=">= 3x"))
+    rows.append(dict(id="P2b", what="  same fwd+bwd, per-token kernels (PREFILL_KERNEL='token')", peer_ms=tb_peer,
+                     ours_ms=tb_tok, speedup=tb_peer / tb_tok, target=">= 2x"))
     try:
         if args.no_nsa:
             raise ImportError("--no-nsa")

@@ -4,6 +4,10 @@ speed against SDPA flash and the per-token sparse kernel, measured in the same r
 
   python scripts/bench_spla_tile.py [--check] [--time] [--T 32768 65536] [--rows 64 128]
 
+"old" is the per-token form (`triton_parallel.PREFILL_KERNEL = "token"`: `select_indices`,
+`sparse_forward`, `SparseAttention`), "new" the query-tile form, the prefill default. The whole-call
+comparison of the two is also in scripts/bench_spla.py (P2 / P2b rows marked "token").
+
 Two kinds of data: "random" (iid q, k: every token selects nearly independent blocks, the worst
 case of a tile's union) and "corr" (queries drift slowly along the sequence and keys carry a
 per-block offset, as in trained models, where consecutive queries share most of their blocks).
@@ -28,7 +32,6 @@ two-launch `select_indices`, not yet `select_indices_fast`):
 from __future__ import annotations
 
 import argparse
-import types
 
 import torch
 import torch.nn.functional as F
@@ -72,32 +75,25 @@ def data(kind, B, HQ, H, T, D, dev="cuda", dt=torch.bfloat16, seed=0, bs=64):
 
 
 def patched(tile):
-    """Context: spla_attention_triton with the tile kernels in place of the per-token kernel."""
+    """Context: the prefill with the per-token kernels (tile=False) or the query-tile kernels."""
     import contextlib
 
-    from subquadratic.kernels.spla import triton_ops
+    from subquadratic.kernels.spla import triton_parallel
 
     @contextlib.contextmanager
     def ctx():
-        old = triton_ops.sparse_forward, triton_ops.SparseAttention, triton_ops.select_indices
-
-        def fwd(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1, phik=None):
-            return tile.tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik)[:3]
-
-        triton_ops.sparse_forward = fwd
-        triton_ops.SparseAttention = types.SimpleNamespace(apply=tile.tile_sparse_attention)
-        triton_ops.select_indices = tile.select_indices_fast
+        old = triton_parallel.PREFILL_KERNEL
+        triton_parallel.PREFILL_KERNEL = "tile" if tile else "token"
         try:
             yield
         finally:
-            triton_ops.sparse_forward, triton_ops.SparseAttention, triton_ops.select_indices = old
+            triton_parallel.PREFILL_KERNEL = old
 
     return ctx()
 
 
 def check():
-    from subquadratic.kernels.spla import BlockStats, spla_attention_reference, triton_ops
-    from subquadratic.kernels.spla import triton_tile as tile
+    from subquadratic.kernels.spla import BlockStats, spla_parallel, spla_triton
 
     dev = "cuda"
     worst = 0.0
@@ -106,16 +102,16 @@ def check():
                                 ("random", 8192, 16, 64, False), ("corr", 4096, 8, 64, True)]:
         H = 2
         HQ = G * H
-        q, k, v = data(kind, 1, HQ, H, T, D, seed=T + G)
+        q, k, v = (x.transpose(1, 2) for x in data(kind, 1, HQ, H, T, D, seed=T + G))  # [B, T, heads, D]
         pos = torch.arange(T, device=dev)[None].contiguous()
         stats = BlockStats.empty(1, H, D, dev).add(k, pos, 64)
         sbar = torch.zeros(1, H, D, D, device=dev)
         cfg = dict(block_size=64, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2, use_rla=True)
         ins = [x.float().requires_grad_(grad) for x in (q, k, v)]
-        want = spla_attention_reference(*ins, pos, pos, stats, sbar, **cfg)
+        want = spla_parallel(*ins, pos, pos, stats, sbar, **cfg)
         outs = [x.detach().requires_grad_(grad) for x in (q, k, v)]
-        with patched(tile):
-            got = triton_ops.spla_attention_triton(*outs, pos, pos, stats, sbar, **cfg)
+        with patched(True):
+            got = spla_triton(*outs, pos, pos, stats, sbar, **cfg)
         errs = [rel(got[0], want[0]), rel(got[1], want[1])]
         if grad:
             gs = [torch.randn_like(want[0]) for _ in range(2)]
@@ -170,7 +166,7 @@ def tile_case(rows, q, k, v, idx, qpos, koff, phik, bs, ref, grads_old, g1, g2):
 
 
 def data_case(T, kind, rows_list, B=1, HQ=32, H=8, D=128, bs=64):
-    from subquadratic.kernels.spla import BlockStats, triton_ops
+    from subquadratic.kernels.spla import BlockStats, spla_triton, triton_parallel, triton_select
     from subquadratic.kernels.spla import triton_tile as tile
 
     dev = "cuda"
@@ -179,22 +175,23 @@ def data_case(T, kind, rows_list, B=1, HQ=32, H=8, D=128, bs=64):
     pos = torch.arange(T, device=dev)[None].contiguous()
     qpos = pos.to(torch.int32)
     koff = torch.zeros(B, dtype=torch.int32, device=dev)
-    stats = BlockStats.empty(B, H, D, dev).add(k, pos, bs)
-    t_sel = bench(lambda: triton_ops.select_indices(q, stats, qpos, **cfg))
-    idx = triton_ops.select_indices(q, stats, qpos, **cfg)
-    t_sel_new = bench(lambda: tile.select_indices_fast(q, stats, qpos, **cfg))
-    idx_new = tile.select_indices_fast(q, stats, qpos, **cfg)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # the op's layout [B, T, heads, D], as views
+    stats = BlockStats.empty(B, H, D, dev).add(kt, pos, bs)
+    t_sel = bench(lambda: triton_select.select_indices(qt, stats, qpos, **cfg))
+    idx = triton_select.select_indices(qt, stats, qpos, **cfg)
+    t_sel_new = bench(lambda: tile.select_indices_fast(qt, stats, qpos, **cfg))
+    idx_new = tile.select_indices_fast(qt, stats, qpos, **cfg)
     same = (torch.sort(idx_new, -1).values == torch.sort(idx, -1).values).all(-1).float().mean().item()
     print(f"T{T} {kind} selection: old {t_sel:.2f} ms new {t_sel_new:.2f} ms (old/new {t_sel / t_sel_new:.2f}x), "
           f"same block set for {100 * same:.3f}% of (token, KV head)", flush=True)
-    phik = triton_ops.key_features(k)
-    t_old = bench(lambda: triton_ops.sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik))
-    ref = triton_ops.sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik)
+    phik = triton_parallel.key_features(k)
+    t_old = bench(lambda: triton_parallel.sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik))
+    ref = triton_parallel.sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik)
     qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
     g1, g2 = torch.randn(2, B, T, HQ, D, device=dev)
 
     def old_fb():
-        o, ot = triton_ops.SparseAttention.apply(qg, kg, vg, idx, qpos, koff, True, bs, True)
+        o, ot = triton_parallel.SparseAttention.apply(qg, kg, vg, idx, qpos, koff, True, bs, True)
         torch.autograd.backward([o, ot], [g1, g2])
 
     t_old_fb = bench(old_fb)
@@ -209,9 +206,10 @@ def data_case(T, kind, rows_list, B=1, HQ=32, H=8, D=128, bs=64):
         out.append(r)
     # the whole prefill call (selection, sparse kernel, residual term), old and new
     sbar = torch.zeros(B, H, D, D, device=dev)
-    whole_old = bench(lambda: triton_ops.spla_attention_triton(q, k, v, pos, pos, stats, sbar, **cfg))
-    with patched(tile):
-        whole_new = bench(lambda: triton_ops.spla_attention_triton(q, k, v, pos, pos, stats, sbar, **cfg))
+    with patched(False):
+        whole_old = bench(lambda: spla_triton(qt, kt, vt, pos, pos, stats, sbar, **cfg))
+    with patched(True):
+        whole_new = bench(lambda: spla_triton(qt, kt, vt, pos, pos, stats, sbar, **cfg))
     print(f"T{T} {kind} whole call fwd: old {whole_old:.2f} new {whole_new:.2f} ms (rows {rows_list[-1]}, "
           f"old/new {whole_old / whole_new:.2f}x)", flush=True)
     return out

@@ -90,7 +90,7 @@ def test_dispatch_paths():
     assert torch.equal(o_rec, hla_recurrent(q, k, v, la)[0])
     assert (o_rec - o).abs().max() <= 1e-5
     assert torch.equal(hla_attention(q, k, v, la, backend="torch", **kw)[0], o)
-    with pytest.raises(ValueError, match="Triton"):
+    with pytest.raises(ValueError, match="CUDA|chunk_size"):  # off CUDA; on CUDA chunks of 4 are not taken
         hla_attention(q, k, v, la, backend="triton", **kw)
     with pytest.raises(ValueError, match="backend"):
         hla_attention(q, k, v, la, backend="fast", **kw)

@@ -1,15 +1,17 @@
-"""Pure-PyTorch second-order Higher-order Linear Attention (HLA) and asymmetric HLA.
+"""Second-order Higher-order Linear Attention (HLA) and asymmetric HLA.
 
-`hla_naive` is the O(T^3) definition, `hla_recurrent` the streaming serial
-recurrence (the oracle at every length and the decode step), `hla_chunked` the
-chunked form (training / prefill). All take q, k: [B, T, H, D], v: [B, T, H, Dv],
-log_alpha: [B, T, H] and share `HLAState`. Model code calls `hla_attention`, the
-one dispatch function; Triton kernels (`triton_chunk.py`, `triton_fused_recurrent.py`)
-are not written yet.
+`hla_naive` is the O(T^3) definition, `hla_recurrent` the streaming serial recurrence (the oracle at
+every length and the decode step), `hla_chunked` the chunked form (training / prefill); on CUDA the
+Triton kernels `triton_chunk.hla_chunked_triton` (chunked forward and backward) and
+`triton_fused_recurrent.hla_recurrent_triton` (one fused launch per decode step), both behind
+`hla_triton`. All take q, k: [B, T, H, D], v: [B, T, H, Dv], log_alpha: [B, T, H] and share
+`HLAState`. Model code calls `hla_attention`, the one dispatch function. The Triton modules import
+Triton when first used.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..utils import resolve_backend
@@ -17,7 +19,33 @@ from .chunk import hla_chunked
 from .naive import hla_naive
 from .recurrent import HLAState, clamp_signed, hla_recurrent
 
-__all__ = ["HLAState", "clamp_signed", "hla_attention", "hla_chunked", "hla_naive", "hla_recurrent"]
+__all__ = ["HLAState", "clamp_signed", "hla_attention", "hla_chunked", "hla_naive", "hla_recurrent", "hla_triton",
+           "triton_unsupported"]
+
+#: Input dtypes the Triton kernels take (the same as `triton_chunk.DTYPES`, kept here so that the
+#: dispatch does not import Triton).
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _needs_grad(q, k, v, log_alpha, state) -> bool:
+    tensors = [q, k, v, log_alpha] + ([] if state is None else [x for x in vars(state).values() if x is not None])
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+
+
+def _decode(q, k, v, log_alpha, state) -> bool:
+    """One token without gradients: the fused recurrent kernel (else the chunked kernels)."""
+    return q.shape[1] == 1 and not _needs_grad(q, k, v, log_alpha, state)
+
+
+def triton_unsupported(q: Tensor, chunk_size: int, decode: bool) -> str | None:
+    """Why the HLA Triton kernels cannot take these inputs, or None: the dtype (fp64 stays on the
+    PyTorch forms), and for the chunked kernels (`decode` False) a chunk size that is not a power of
+    two >= 16."""
+    if q.dtype not in TRITON_DTYPES:
+        return f"dtype {q.dtype} is not one of {TRITON_DTYPES}"
+    if not decode and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
+        return f"chunk_size {chunk_size} is not a power of two >= 16"
+    return None
 
 
 def hla_attention(
@@ -36,12 +64,51 @@ def hla_attention(
     """HLA of T new tokens continuing `state` (None: start of sequence).
 
     q, k: [B, T, H, D]; v: [B, T, H, Dv]; log_alpha: [B, T, H] (<= 0). Returns o [B, T, H, Dv] in
-    q.dtype and the state after the last token (fp32, fp64 for fp64 inputs). Backends as in
-    `kernels.utils`: "torch" takes the recurrence for decode (T == 1) and the chunked form for
-    longer inputs, "naive" the recurrence at every length; no Triton kernels yet ("auto" = "torch").
+    q.dtype and the state after the last token (new tensors, fp32; fp64 for fp64 inputs). The path,
+    decided here and nowhere else (`kernels.utils.resolve_backend`): "auto" takes the Triton kernels
+    on CUDA when Triton is installed and the inputs suit them (`triton_unsupported`), else the
+    PyTorch forms; "triton" the kernels or a ValueError; "torch" the recurrence for decode (T == 1)
+    and the chunked form for longer inputs; "naive" the recurrence at every length. On the Triton
+    path one token without gradients takes the fused recurrent kernel, everything else the chunked
+    kernels.
     """
     kw = {"normalize": normalize, "eps": eps, "variant": variant}
-    path = resolve_backend(backend, q.device, op="HLA", has_triton=False, has_naive=True)
+    why = None
+    if q.is_cuda and backend in ("auto", "triton"):
+        why = triton_unsupported(q, chunk_size, _decode(q, k, v, log_alpha, state))
+    path = resolve_backend(backend, q.device, op="HLA", has_triton=True, has_naive=True, unsupported=why)
+    if path == "triton":
+        return hla_triton(q, k, v, log_alpha, state, chunk_size=chunk_size, **kw)
     if path == "naive" or q.shape[1] == 1:
         return hla_recurrent(q, k, v, log_alpha, state, **kw)
     return hla_chunked(q, k, v, log_alpha, state, chunk_size=chunk_size, **kw)
+
+
+def hla_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_alpha: Tensor,
+    state: HLAState | None = None,
+    *,
+    chunk_size: int = 64,
+    normalize: bool = False,
+    eps: float = 1e-6,
+    variant: str = "hla2",
+) -> tuple[Tensor, HLAState]:
+    """The Triton forms on any device Triton runs on (CUDA; the CPU interpreter in tests), the
+    contract of `hla_attention`: one token without gradients (decode) takes the fused recurrent
+    kernel, everything else the chunked kernels (differentiable). Inputs the kernels cannot take
+    (`triton_unsupported`) raise a ValueError."""
+    kw = {"normalize": normalize, "eps": eps, "variant": variant}
+    decode = _decode(q, k, v, log_alpha, state)
+    why = triton_unsupported(q, chunk_size, decode)
+    if why is not None:
+        raise ValueError(f"the HLA Triton kernels do not support these inputs: {why}; use hla_attention")
+    if decode:
+        from .triton_fused_recurrent import hla_recurrent_triton
+
+        return hla_recurrent_triton(q, k, v, log_alpha, state, **kw)
+    from .triton_chunk import hla_chunked_triton
+
+    return hla_chunked_triton(q, k, v, log_alpha, state, chunk_size=chunk_size, **kw)

@@ -37,18 +37,11 @@ import os
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # the package's reference path needs no Triton
-    raise ImportError("the HLA Triton kernels need `pip install triton`") from e
-
-from .chunk import hla_chunked
+from ..hla import TRITON_DTYPES as DTYPES  # the input dtypes the kernels take (fp64: the PyTorch forms)
+from ..utils import import_triton, new_output
 from .recurrent import HLAState, check_inputs, clamp_signed, init_state
 
-#: Fill every kernel output with NaN before the kernels write it (tests set this to catch unwritten
-#: elements).
-POISON_OUTPUTS = False
+triton, tl = import_triton()
 
 #: Launch settings (block sizes along K / V, warps, stages) of the four kernels when not autotuned
 #: (the CPU interpreter); on the GPU each kernel is autotuned over the few settings of `_CONFIGS`
@@ -95,12 +88,6 @@ def _launch(kernel, grid, args, fixed: dict, warps: int, stages: int = 2):
         kernel[grid](*args)
     else:
         kernel.fn[grid](*args, **fixed, num_warps=warps, num_stages=stages)
-
-
-def _new(shape, device, dtype=torch.float32) -> Tensor:
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-    return torch.empty(shape, device=device, dtype=dtype)
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -275,8 +262,8 @@ def _local_cumsum(a: Tensor, C: int) -> tuple[Tensor, int]:
 def _states(k, v, g, X0, N, C, want_final, state_dtype):
     B, T, H, K = k.shape
     V = v.shape[-1]
-    h = _new((B, N, H, K, V), k.device, state_dtype)
-    ht = _new((B, H, K, V), k.device) if want_final else None
+    h = new_output((B, N, H, K, V), k.device, state_dtype)
+    ht = new_output((B, H, K, V), k.device) if want_final else None
     grid = lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), B * H)
     _launch(_fwd_h, grid, (k, v, g, h, X0, ht, T, H, K, V, N, C, X0 is not None, want_final, _prec(k.dtype)),
             {"BK": min(BK_H, _p2(K)), "BV": min(BV_H, _p2(V))}, WARPS_H, STAGES_H)
@@ -295,7 +282,7 @@ class LinearAttention(torch.autograd.Function):
         g, N = _local_cumsum(a, C)
         state_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
         h, XT = _states(k, v, g, X0, N, C, True, state_dtype)
-        o = _new((B, T, H, V), q.device, out_dtype)
+        o = new_output((B, T, H, V), q.device, out_dtype)
         _launch(_fwd_o, lambda m: (triton.cdiv(V, m["BV"]), N, B * H),
                 (q, k, v, g, h, o, T, H, K, V, N, C, _p2(K), _prec(q.dtype)), {"BV": min(BV_O, _p2(V))}, WARPS_O)
         ctx.save_for_backward(q, k, v, g, X0, XT)
@@ -314,13 +301,13 @@ class LinearAttention(torch.autograd.Function):
         if dXT is not None:
             dXT = dXT.float().contiguous()
         h, _ = _states(k, v, g, X0, N, C, False, state_dtype)
-        dh = _new((B, N, H, K, V), q.device, state_dtype)
-        dX0 = _new((B, H, K, V), q.device) if X0 is not None and ctx.needs_input_grad[4] else None
+        dh = new_output((B, N, H, K, V), q.device, state_dtype)
+        dX0 = new_output((B, H, K, V), q.device) if X0 is not None and ctx.needs_input_grad[4] else None
         _launch(_bwd_dh, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), B * H),
                 (q, do, g, dh, dXT, dX0, T, H, K, V, N, C, dXT is not None, dX0 is not None, _prec(q.dtype)),
                 {"BK": min(BK_H, _p2(K)), "BV": min(BV_H, _p2(V))}, WARPS_H, STAGES_H)
-        dq, dk, dv = (_new(x.shape, x.device, x.dtype) for x in (q, k, v))
-        dg = _new((B, H, N * C), q.device)
+        dq, dk, dv = (new_output(x.shape, x.device, x.dtype) for x in (q, k, v))
+        dg = new_output((B, H, N * C), q.device)
         _launch(_bwd_dqkv, (N, B * H), (q, k, v, g, h, do, dh, dq, dk, dv, dg, T, H, K, V, N, C, _p2(K),
                                         _prec(q.dtype)), {"BV": min(BV_DQKV, _p2(V))}, WARPS_DQKV)
         dg = dg[:, :, :T]
@@ -353,12 +340,11 @@ def hla_chunked_triton(
     variant: str = "hla2",
 ) -> tuple[Tensor, HLAState]:
     """Chunked HLA on the Triton kernels, same contract as `hla_chunked` (and differentiable in
-    q, k, v, log_alpha and the initial state). fp64 inputs take `hla_chunked`.
-    chunk_size: a power of two >= 16."""
+    q, k, v, log_alpha and the initial state). Inputs in DTYPES; chunk_size: a power of two >= 16
+    (`hla.triton_unsupported`; `hla_attention` sends other inputs to the PyTorch forms)."""
     check_inputs(q, k, v, log_alpha, variant)
-    if q.dtype == torch.float64:
-        return hla_chunked(q, k, v, log_alpha, state, chunk_size=chunk_size, normalize=normalize, eps=eps,
-                           variant=variant)
+    if q.dtype not in DTYPES:
+        raise ValueError(f"the HLA Triton kernels take {DTYPES} inputs, got {q.dtype}; use hla_attention")
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
     B, T, H, D = q.shape

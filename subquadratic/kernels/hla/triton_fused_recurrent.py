@@ -17,14 +17,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # the package's reference path needs no Triton
-    raise ImportError("the HLA Triton kernels need `pip install triton`") from e
+from ..utils import import_triton, new_output
+from .recurrent import HLAState, check_inputs, init_state
+from .triton_chunk import DTYPES, _p2
 
-from . import triton_chunk
-from .recurrent import HLAState, check_inputs, hla_recurrent, init_state
+triton, tl = import_triton()
 
 #: value columns per program and warps of the decode kernels
 BV_DECODE = 32
@@ -128,27 +125,27 @@ def hla_recurrent_triton(
     """HLA recurrence on one fused Triton kernel, same contract as `hla_recurrent`.
 
     q, k: [B, T, H, D]; v: [B, T, H, Dv]; log_alpha: [B, T, H] (<= 0). Returns o: [B, T, H, Dv]
-    in q.dtype and the state after the last token (new fp32 tensors). fp64 inputs take
-    `hla_recurrent`; with gradients needed the call takes `hla_chunked_triton`.
+    in q.dtype and the state after the last token (new fp32 tensors). Inputs in DTYPES, forward
+    only: `hla_attention` / `hla_triton` send fp64 inputs to the PyTorch forms and calls that need
+    gradients to `hla_chunked_triton`.
     """
     check_inputs(q, k, v, log_alpha, variant)
-    if q.dtype == torch.float64:
-        return hla_recurrent(q, k, v, log_alpha, state, normalize=normalize, eps=eps, variant=variant)
+    if q.dtype not in DTYPES:
+        raise ValueError(f"the HLA Triton kernels take {DTYPES} inputs, got {q.dtype}; use hla_attention")
     tensors = [q, k, v, log_alpha] + ([] if state is None else [x for x in vars(state).values() if x is not None])
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
-        return triton_chunk.hla_chunked_triton(q, k, v, log_alpha, state, normalize=normalize, eps=eps,
-                                               variant=variant)
+        raise ValueError("the fused recurrent HLA kernel is forward only; hla_chunked_triton has the backward")
     B, T, H, D = q.shape
     Dv = v.shape[-1]
     st = init_state(state, B, H, D, Dv, variant, normalize, torch.float32, q.device)
     if T == 0:
         return v.new_zeros(B, 0, H, Dv, dtype=q.dtype), st
-    new = triton_chunk._new
+    new = new_output
     q, k, v, la = q.contiguous(), k.contiguous(), v.contiguous(), log_alpha.contiguous()
     S0, F0 = st.S.contiguous(), st.F.contiguous()
     o = new((B, T, H, Dv), q.device, q.dtype)
     S1, F1 = new(S0.shape, q.device), new(F0.shape, q.device)
-    BK, BV = triton_chunk._p2(D, 1), min(BV_DECODE, triton_chunk._p2(Dv, 1))
+    BK, BV = _p2(D, 1), min(BV_DECODE, _p2(Dv, 1))
     grid = (triton.cdiv(Dv, BV), B * H)
     E0 = st.eta.contiguous() if normalize else None
     E1 = new(E0.shape, q.device) if normalize else None

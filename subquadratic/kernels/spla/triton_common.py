@@ -1,14 +1,23 @@
-"""Triton pieces shared by the SPLA kernels: the fp32-accumulating dot, the feature map, and the loop
-over a query's selected KV blocks (online softmax of the sparse branch plus the residual correction
-on the same tiles) that the prefill (`triton_parallel`) and decode (`triton_decode`) kernels run."""
+"""Triton pieces shared by the SPLA kernels: the fp32-accumulating dot, the feature map (in the
+kernels, and `key_features` once per key on the host side), and the loop over a query's selected KV
+blocks (online softmax of the sparse branch plus the residual correction on the same tiles) that the
+per-token prefill (`triton_parallel`) and decode (`triton_decode`) kernels run; the query-tile
+kernels (`triton_tile`) use the dot and the feature map."""
 
 from __future__ import annotations
+
+import torch
 
 from ..utils import import_triton
 
 triton, tl = import_triton()
 
 NEG = tl.constexpr(-1e30)  # finite "minus infinity" for masked scores
+
+
+def key_features(k: torch.Tensor) -> torch.Tensor:
+    """phi(k) = softmax over the head dimension, once per key, in k's dtype [B, H, S, D]."""
+    return torch.softmax(k.float(), dim=-1).to(k.dtype)
 
 
 @triton.jit

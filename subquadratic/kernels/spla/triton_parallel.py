@@ -1,4 +1,10 @@
-"""SPLA prefill and training with Triton: `spla_sparse_kernel` runs one program per (query token,
+"""SPLA prefill and training with Triton (`spla_parallel_triton`). From TILE_MIN_TQ new tokens on, the
+query-tile kernels of `triton_tile` (one-launch selection `select_indices_fast`, then the union of a
+query tile's blocks loaded once per tile, forward and backward); below, and for the split-K call of
+a decode token, the per-token kernels of this module and `triton_select.select_indices`.
+`PREFILL_KERNEL` picks the form of the longer calls ("tile", the default, or "token").
+
+The per-token form: `spla_sparse_kernel` runs one program per (query token,
 batch x KV head, split): the G query heads of the group are the rows of one tile (padded to at least
 16 for tl.dot), and the program loops over the token's selected KV blocks (`_selected_blocks`) doing
 the online softmax of the sparse branch and, on the same K/V tiles, the correction
@@ -17,11 +23,21 @@ import torch
 
 from ..utils import acc_dtype, import_triton, new_output, slot_offsets
 from .stats import BlockStats, feature_map
-from .triton_common import _selected_blocks, _softmax_rows
+from .triton_common import _selected_blocks, _softmax_rows, key_features
 from .triton_parallel_bwd import sparse_backward
 from .triton_select import select_indices
+from .triton_tile import select_indices_fast, tile_sparse_attention
 
 triton, tl = import_triton()
+
+__all__ = ["PREFILL_KERNEL", "SparseAttention", "TILE_MIN_TQ", "causal_linear_term", "key_features",
+           "sparse_forward", "spla_parallel_triton"]
+
+#: The kernels of calls with at least TILE_MIN_TQ new tokens: "tile" (query tiles over the union of
+#: their blocks, `triton_tile`) or "token" (one program per token, `spla_sparse_kernel`). Shorter
+#: calls always take the per-token kernels (with split-K for a few tokens).
+PREFILL_KERNEL = "tile"
+TILE_MIN_TQ = 16
 
 #: Queries per call from which the feature map phi(k) is computed once per key before the sparse
 #: kernels instead of on every loaded tile (prefill and training recompute it per token otherwise).
@@ -96,11 +112,6 @@ def causal_linear_term(phiq, phik, v, sbar, valid, chunk: int = 64):
     return o, sbar + kv.sum(2)
 
 
-def key_features(k: torch.Tensor) -> torch.Tensor:
-    """phi(k) = softmax over the head dimension, once per key, in k's dtype [B, H, S, D]."""
-    return torch.softmax(k.float(), dim=-1).to(k.dtype)
-
-
 def sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1, phik=None):
     """The sparse kernel over the selected blocks idx [B, Tq, H, K] (split-K over `num_splits`
     programs, merged here); `phik` (`key_features(k)`, optional) spares the kernel the feature map
@@ -168,8 +179,10 @@ def spla_parallel_triton(
     """SPLA of the new tokens with the Triton kernels, the contract of `parallel.spla_parallel`:
     q [B, Tq, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D) with the new tokens last;
     returns (o_sp [B, Tq, HQ, D], o_rla or None, new Sbar). Differentiable (Triton backward). For any
-    Tq; one decode token is faster through `triton_decode.spla_decode_triton`. `num_splits` splits
-    each token's blocks over that many programs (default: by the number of programs). `k_offsets` [B]:
+    Tq; one decode token is faster through `triton_decode.spla_decode_triton`. Tq >= TILE_MIN_TQ takes
+    the query-tile kernels (with PREFILL_KERNEL = "tile"), shorter calls the per-token kernels.
+    `num_splits` splits each token's blocks over that many programs (per-token kernels; default: by
+    the number of programs). `k_offsets` [B]:
     slot of each row's position 0 (`slot_offsets(k_pos)`, computed here when not given); rows whose
     real tokens do not sit in consecutive slots (padding in the middle) are refused with a ValueError:
     `spla_attention` sends them to the PyTorch form. fp64 inputs (tests) run the kernels in fp32."""
@@ -182,16 +195,21 @@ def spla_parallel_triton(
                          "before or after them); use spla_attention, which takes the PyTorch form for such rows")
     kw = dict(block_size=block_size, top_k_blocks=top_k_blocks, num_sink_blocks=num_sink_blocks,
               num_local_blocks=num_local_blocks, selection=selection)
+    if PREFILL_KERNEL not in ("tile", "token"):
+        raise ValueError(f"PREFILL_KERNEL must be 'tile' or 'token', got {PREFILL_KERNEL!r}")
+    tile = PREFILL_KERNEL == "tile" and Tq >= TILE_MIN_TQ and num_splits is None
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     qpos = q_pos.to(torch.int32).contiguous()  # no copy when the caller passes int32 positions
-    idx = select_indices(q, stats, qpos, **kw)  # [B, Tq, H, K]
+    idx = (select_indices_fast if tile else select_indices)(q, stats, qpos, **kw)  # [B, Tq, H, K]
     qv, kv_, vv = (x.transpose(1, 2) for x in (q, k, v))  # views [B, H, T, D]
     # kernel operands: unit stride in the head dimension; fp64 inputs (tests) run the kernels in fp32
     kq, kk, kv = (x if x.stride(-1) == 1 else x.contiguous() for x in (qv, kv_, vv))
     if q.dtype == torch.float64:
         kq, kk, kv = kq.float(), kk.float(), kv.float()
     pre = use_rla and Tq >= PHIK_PRECOMPUTE_MIN_TQ
-    if needs_grad:
+    if tile:  # differentiable when needed; without gradients the forward alone
+        o_sp, otilde = tile_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre)
+    elif needs_grad:
         o_sp, otilde = SparseAttention.apply(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre)
     else:
         if num_splits is None:

@@ -17,7 +17,10 @@ Backward (`TileSparseAttention`): dq per query tile over the same union (`tile_b
 dk/dv per (key block, batch x KV head) over the query tiles whose union holds the block
 (`tile_bwd_dkv_kernel`), from the union lists inverted by one device sort, so no atomics.
 
-Same contract and values as `triton_ops.sparse_forward` / `triton_ops.SparseAttention`.
+Same contract and values as `triton_parallel.sparse_forward` / `triton_parallel.SparseAttention`, the
+per-token kernels, which `triton_parallel.spla_parallel_triton` keeps for decode and short query
+chunks (`TILE_MIN_TQ`, `PREFILL_KERNEL`). `select_indices_fast` is the one-launch selection of a
+query tile, same contract as `triton_select.select_indices`.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
-NEG = tl.constexpr(-1e30)
+from ..utils import import_triton, new_output
+from .triton_common import NEG, _mm, _softmax_rows, key_features
+
+triton, tl = import_triton()
 
 #: Rows (tokens x padded group heads) of one query tile, and its tokens at most (the per-entry
 #: token masks are int32 words). On the H200 at 32k (HQ32 H8 d128), 128 rows ran the forward
@@ -37,30 +41,6 @@ NEG = tl.constexpr(-1e30)
 TILE_ROWS = 64
 TILE_ROWS_INFERENCE = 128
 TILE_MAX_TOKENS = 32
-
-#: Tests set this to fill every kernel output with NaN (-1 for indices) before the launch.
-POISON_OUTPUTS = False
-
-
-def _new(shape, device, dtype=torch.float32):
-    if POISON_OUTPUTS:
-        return torch.full(shape, -1 if dtype == torch.int32 else float("nan"), device=device, dtype=dtype)
-    return torch.empty(shape, device=device, dtype=dtype)
-
-
-@triton.jit
-def _mm(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a.to(b.dtype), b)
-
-
-@triton.jit
-def _softmax_rows(x):
-    xf = x.to(tl.float32)
-    e = tl.exp(xf - tl.max(xf, 1)[:, None])
-    return e / tl.sum(e, 1)[:, None]
 
 
 @triton.jit
@@ -429,10 +409,11 @@ def tile_select_kernel(
 
 def select_indices_fast(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks, num_local_blocks,
                         selection="taylor", max_scores: int = 1 << 27, prec: str | None = None) -> torch.Tensor:
-    """Same contract as `triton_ops.select_indices` (q [B, HQ, Tq, D], stats with NB blocks, q_pos
+    """Same contract as `triton_select.select_indices` (q [B, Tq, HQ, D], stats with NB blocks, q_pos
     [B, Tq]): int32 indices [B, Tq, H, local + sink + top_k] (-1 = none), one launch per chunk of
     queries (chunks keep the scratch of group scores [B*H, chunk, NB] under `max_scores` floats),
     no host synchronisation. Scores at `prec` ("tf32x3" on CUDA, "ieee" elsewhere)."""
+    q = q.transpose(1, 2)  # view [B, HQ, Tq, D]
     B, HQ, Tq, D = q.shape
     H, NB = stats.sum_k.shape[1], stats.num_blocks
     G = HQ // H
@@ -448,7 +429,7 @@ def select_indices_fast(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_b
     mu = (stats.sum_k.float() / cnt).contiguous()
     s2 = (stats.sum_k2.float() / cnt - mu * mu).clamp(min=0.0).contiguous() if selection == "taylor" else mu
     qpos = q_pos.to(torch.int32).contiguous()
-    out = _new((B, Tq, H, nsel), dev, torch.int32)
+    out = new_output((B, Tq, H, nsel), dev, torch.int32)
     chunk = max(BM, min(Tq, max_scores // max(1, B * H * max(1, NB))) // BM * BM)
     gs = torch.empty(B * H * min(chunk, Tq) * max(1, NB), device=dev, dtype=torch.float32)
     NBP = max(16, triton.next_power_of_2(NB))
@@ -482,9 +463,9 @@ def tile_union(idx: torch.Tensor, num_blocks: int, BM: int):
     ntiles = triton.cdiv(T, BM)
     NU = max(1, min(num_blocks, BM * K))
     dev = idx.device
-    union = _new((B * H, ntiles, NU), dev, torch.int32)
-    bits = _new((B * H, ntiles, NU), dev, torch.int32)
-    cnt = _new((B * H, ntiles), dev, torch.int32)
+    union = new_output((B * H, ntiles, NU), dev, torch.int32)
+    bits = new_output((B * H, ntiles, NU), dev, torch.int32)
+    cnt = new_output((B * H, ntiles), dev, torch.int32)
     scratch = torch.empty(B * H, ntiles, max(1, num_blocks), device=dev, dtype=torch.int32)
     tile_union_kernel[(ntiles, B * H)](
         idx, scratch, union, bits, cnt, T, H, K, NU, max(1, num_blocks), BM=BM,
@@ -495,7 +476,7 @@ def tile_union(idx: torch.Tensor, num_blocks: int, BM: int):
 
 
 def tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=None, union=None, rows=None):
-    """Same contract as `triton_ops.sparse_forward` (q [B, HQ, Tq, D], k, v [B, H, S, D], idx
+    """Same contract as `triton_parallel.sparse_forward` (q [B, HQ, Tq, D], k, v [B, H, S, D], idx
     [B, Tq, H, K] int32, qpos [B, Tq] int32, koff [B] int32): returns o_sp (normalised), otilde (or
     None) [B, Tq, HQ, D] fp32 and the log-sum-exp [B, Tq, HQ]; also the union lists (for the backward)."""
     B, HQ, Tq, D = q.shape
@@ -508,9 +489,9 @@ def tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=None
     ul, ub, uc, NU = union
     ntiles = ul.shape[1]
     dev = q.device
-    o = _new((B, Tq, HQ, D), dev)
-    ot = _new((B, Tq, HQ, D), dev) if use_rla else o
-    lse = _new((B, Tq, HQ), dev)
+    o = new_output((B, Tq, HQ, D), dev)
+    ot = new_output((B, Tq, HQ, D), dev) if use_rla else o
+    lse = new_output((B, Tq, HQ), dev)
     pk = k if phik is None else phik
     tile_fwd_kernel[(ntiles, B * H)](
         q, k, v, pk, ul, ub, uc, qpos, koff, o, ot, lse,
@@ -548,7 +529,7 @@ class TileSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik=False):
-        phik = torch.softmax(k.float(), dim=-1).to(k.dtype) if use_rla and precompute_phik else None
+        phik = key_features(k) if use_rla and precompute_phik else None
         o, ot, lse, union = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik)
         ul, ub, uc, NU = union
         ctx.save_for_backward(q, k, v, qpos, koff, o, lse, phik, ul, ub, uc)
@@ -575,7 +556,7 @@ class TileSparseAttention(torch.autograd.Function):
         strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2))
         ntiles = ul.shape[1]
-        dq = _new((B, Tq, HQ, D), dev)
+        dq = new_output((B, Tq, HQ, D), dev)
         pk = k if phik is None else phik
         warps = 4 if BM * GP * D <= 64 * 64 else 8
         tile_bwd_dq_kernel[(ntiles, B * H)](
@@ -599,10 +580,12 @@ class TileSparseAttention(torch.autograd.Function):
 
 
 def tile_sparse_attention(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik=False):
-    """Drop-in for `triton_ops.SparseAttention.apply`: (o_sp, otilde) [B, Tq, HQ, D] fp32 with autograd."""
+    """The tile form of `triton_parallel.SparseAttention.apply` (same operands, q [B, HQ, Tq, D] and
+    k, v [B, H, S, D] views): (o_sp, otilde) [B, Tq, HQ, D] fp32, differentiable through
+    `TileSparseAttention`; without gradients the forward alone with TILE_ROWS_INFERENCE rows per tile."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return TileSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik)
-    phik = torch.softmax(k.float(), dim=-1).to(k.dtype) if use_rla and precompute_phik else None
+    phik = key_features(k) if use_rla and precompute_phik else None
     o, ot, _, _ = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik,
                                       rows=TILE_ROWS_INFERENCE)
     return o, ot

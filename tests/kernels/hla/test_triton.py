@@ -1,9 +1,10 @@
-"""HLA Triton kernels vs the fp64 PyTorch oracle: values and gradients of the chunked kernels (q, k,
-v, log_alpha, the initial state, and gradients flowing into the final state), hla2 and ahla, plain
-and normalised, T not a multiple of the chunk, several K / V blocks; the fused recurrent (decode)
-kernel against `hla_recurrent`. Kernel outputs start as NaN, so anything left unwritten fails.
-On CPU it runs under TRITON_INTERPRET=1 at small shapes; on CUDA the `gpu` tests run bf16 at
-real shapes."""
+"""HLA Triton kernels vs the fp64 PyTorch oracle, through the dispatch (`hla_triton`; `hla_attention`
+with backend "triton" on CUDA): values and gradients of the chunked kernels (q, k, v, log_alpha, the
+initial state, and gradients flowing into the final state), hla2 and ahla, plain and normalised, T
+not a multiple of the chunk, several K / V blocks; the fused recurrent (decode) kernel against
+`hla_recurrent`; which inputs the dispatch sends where. Kernel outputs start as NaN, so anything
+left unwritten fails. On CPU it runs under TRITON_INTERPRET=1 at small shapes; on CUDA the `gpu`
+tests run bf16 at real shapes."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ import torch.nn.functional as Fn
 
 # tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported
 pytest.importorskip("triton")
+from subquadratic.kernels import utils  # noqa: E402
 from subquadratic.kernels.hla import (  # noqa: E402
     HLAState,
+    hla_attention,
     hla_chunked,
     hla_recurrent,
-    triton_chunk,  # noqa: E402
+    hla_triton,
+    triton_chunk,
+    triton_fused_recurrent,
+    triton_unsupported,
 )
-from subquadratic.kernels.hla.triton_chunk import hla_chunked_triton  # noqa: E402
-from subquadratic.kernels.hla.triton_fused_recurrent import hla_recurrent_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -28,7 +32,30 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every kernel output starts as NaN: anything left unwritten fails the test."""
-    monkeypatch.setattr(triton_chunk, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Count the calls of the chunked and the fused recurrent kernels' entry points."""
+    calls = {"chunked": 0, "recurrent": 0}
+    for name, mod, fn_name in (("chunked", triton_chunk, "hla_chunked_triton"),
+                               ("recurrent", triton_fused_recurrent, "hla_recurrent_triton")):
+        fn = getattr(mod, fn_name)
+
+        def spy(*a, _fn=fn, _name=name, **kw):
+            calls[_name] += 1
+            return _fn(*a, **kw)
+
+        monkeypatch.setattr(mod, fn_name, spy)
+    return calls
+
+
+def triton_path(*args, **kw):
+    """The Triton forms as the model reaches them: the dispatch on CUDA, `hla_triton` elsewhere."""
+    if DEV == "cuda":
+        return hla_attention(*args, backend="triton", **kw)
+    return hla_triton(*args, **kw)
 
 
 def make(B, T, H, D, Dv, *, variant, normalize, with_state, seed=0, positive=False):
@@ -84,7 +111,7 @@ CASES = [  # variant, normalize, with_state, D, Dv, small blocks
 
 
 @pytest.mark.parametrize("variant,normalize,with_state,D,Dv,small", CASES)
-def test_chunked_values_and_grads(monkeypatch, variant, normalize, with_state, D, Dv, small):
+def test_chunked_values_and_grads(monkeypatch, kernel_calls, variant, normalize, with_state, D, Dv, small):
     if small:  # several K and V blocks per head in every kernel
         for name in ("BK_H", "BV_H", "BV_O", "BV_DQKV"):
             monkeypatch.setattr(triton_chunk, name, 16)
@@ -92,7 +119,8 @@ def test_chunked_values_and_grads(monkeypatch, variant, normalize, with_state, D
                       positive=normalize, seed=D + 3 * normalize + 7 * (variant == "ahla"))
     kw = {"chunk_size": 16, "variant": variant, "normalize": normalize}
     ref_o, ref_g = run(hla_chunked, inputs, st, torch.float64, **kw)
-    got_o, got_g = run(hla_chunked_triton, inputs, st, torch.float32, **kw)
+    got_o, got_g = run(triton_path, inputs, st, torch.float32, **kw)
+    assert kernel_calls == {"chunked": 1, "recurrent": 0}
     for i, (a, b) in enumerate(zip(got_o, ref_o, strict=True)):
         assert rel(a, b) <= 1e-4, f"output {i}: {rel(a, b):.2e}"
     for i, (a, b) in enumerate(zip(got_g, ref_g, strict=True)):
@@ -101,7 +129,7 @@ def test_chunked_values_and_grads(monkeypatch, variant, normalize, with_state, D
 
 @pytest.mark.parametrize("variant", ["hla2", "ahla"])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_decode_matches_recurrence(variant, normalize):
+def test_decode_matches_recurrence(variant, normalize, kernel_calls):
     D, Dv = 16, 48  # two value-column blocks
     (q, k, v, la), st = make(2, 3, 2, D, Dv, variant=variant, normalize=normalize, with_state=True,
                              positive=True, seed=7)
@@ -109,10 +137,12 @@ def test_decode_matches_recurrence(variant, normalize):
     st32 = HLAState(*[None if x is None else x.float().to(DEV) for x in (st.S, st.F, st.eta, st.z)])
     xs = [x.float().to(DEV) for x in (q, k, v, la)]
     outs = []
-    for t in range(3):  # token by token, as generate() calls it
-        o, st32 = hla_recurrent_triton(*[x[:, t:t + 1] for x in xs], st32, normalize=normalize, variant=variant)
+    for t in range(3):  # token by token, as generate() calls it: the fused recurrent kernel
+        with torch.no_grad():
+            o, st32 = triton_path(*[x[:, t:t + 1] for x in xs], st32, normalize=normalize, variant=variant)
         outs.append(o)
-    o3, st3 = hla_recurrent_triton(*xs, HLAState(*[None if x is None else x.float().to(DEV)
+    assert kernel_calls == {"chunked": 0, "recurrent": 3}
+    o3, st3 = triton_fused_recurrent.hla_recurrent_triton(*xs, HLAState(*[None if x is None else x.float().to(DEV)
                                                   for x in (st.S, st.F, st.eta, st.z)]),
                                    normalize=normalize, variant=variant)
     assert rel(torch.cat(outs, 1), ref_o) <= 1e-5
@@ -137,8 +167,39 @@ def test_gpu_bf16_real_shapes(D, variant, normalize):
     inputs = [x.to(torch.bfloat16) for x in (q, k, v, la)]
     kw = {"chunk_size": 64, "variant": variant, "normalize": normalize}
     ref_o, ref_g = run(hla_chunked, [x.float() for x in inputs], st, torch.float32, **kw)
-    got_o, got_g = run(hla_chunked_triton, inputs, st, torch.bfloat16, **kw)
+    got_o, got_g = run(triton_path, inputs, st, torch.bfloat16, **kw)
     for i, (a, b) in enumerate(zip(got_o, ref_o, strict=True)):
         assert rel(a, b) <= 1e-2, f"output {i}: {rel(a, b):.2e}"
     for i, (a, b) in enumerate(zip(got_g, ref_g, strict=True)):
         assert rel(a, b) <= 1e-2, f"grad {i}: {rel(a, b):.2e}"
+
+
+def test_dispatch_sends_unsupported_inputs_to_the_pytorch_forms(kernel_calls):
+    """fp64 inputs and chunk sizes the chunked kernels do not take: "auto" takes the PyTorch forms,
+    "triton" and the Triton forms raise; one token with gradients takes the chunked kernels."""
+    (q, k, v, la), _ = make(1, 20, 2, 16, 16, variant="hla2", normalize=False, with_state=False)
+    assert "dtype" in triton_unsupported(q, 64, False)
+    assert "chunk_size" in triton_unsupported(q.float(), 24, False)
+    assert triton_unsupported(q.float(), 24, True) is None  # the fused recurrent kernel has no chunks
+    assert triton_unsupported(q.float(), 16, False) is None
+    want, _ = hla_chunked(q, k, v, la, chunk_size=64)
+    got, _ = hla_attention(q, k, v, la, chunk_size=64, backend="auto")  # fp64: the PyTorch form
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="dtype"):
+        hla_triton(q, k, v, la)
+    x32 = [x.float().to(DEV) for x in (q, k, v, la)]
+    with pytest.raises(ValueError, match="chunk_size"):
+        hla_triton(*x32, chunk_size=24)
+    with pytest.raises(ValueError):  # off CUDA, or the chunk size on CUDA
+        hla_attention(*x32, chunk_size=24, backend="triton")
+    if DEV == "cuda":
+        got, _ = hla_attention(*x32, chunk_size=24, backend="auto")
+        want, _ = hla_chunked(*x32, chunk_size=24)
+        assert torch.equal(got, want)
+    xs = [x[:, :1].clone().requires_grad_() for x in x32]
+    o, _ = triton_path(*xs, chunk_size=16)
+    o.sum().backward()
+    assert kernel_calls == {"chunked": 1, "recurrent": 0}
+    assert all(torch.isfinite(x.grad).all() for x in xs)
+    with pytest.raises(ValueError, match="forward only"):
+        triton_fused_recurrent.hla_recurrent_triton(*xs)

@@ -1,0 +1,214 @@
+"""SPLA prefill kernels through the real dispatch (`spla_triton`; `spla_attention(backend="triton")` on
+CUDA) vs the fp64 PyTorch form (`spla_parallel`): values of o_sp, o_rla and Sbar and the gradients
+dq, dk, dv, for both forms of the longer calls (`triton_parallel.PREFILL_KERNEL`: "tile", the
+query-tile kernels of `triton_tile`, and "token", the per-token kernels), poisoned outputs; the
+one-launch tile selection (`select_indices_fast`) against `select_blocks`; the union lists of a
+tile. GQA groups 1..8 (16 on CUDA), left and right padding, cached prefixes, budgets smaller than
+the context. On CPU under TRITON_INTERPRET=1 at small shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported
+pytest.importorskip("triton")
+from subquadratic.kernels import utils  # noqa: E402
+from subquadratic.kernels.spla import (  # noqa: E402
+    BlockStats,
+    select_blocks,
+    spla_attention,
+    spla_parallel,
+    spla_triton,
+    triton_parallel,
+    triton_tile,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every kernel output starts as NaN (or -1 for indices): anything left unwritten fails the test."""
+    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
+
+
+@pytest.fixture
+def prefill_kernel(monkeypatch):
+    """Set triton_parallel.PREFILL_KERNEL and count the calls of each form."""
+    calls = {"tile": 0, "token": 0}
+
+    def set_kernel(name):
+        monkeypatch.setattr(triton_parallel, "PREFILL_KERNEL", name)
+        for form, fn_name in (("tile", "tile_sparse_attention"), ("token", "select_indices")):
+            fn = getattr(triton_parallel, fn_name)
+
+            def spy(*a, _fn=fn, _form=form, **kw):
+                calls[_form] += 1
+                return _fn(*a, **kw)
+
+            monkeypatch.setattr(triton_parallel, fn_name, spy)
+        return calls
+
+    return set_kernel
+
+
+def triton_path(*args, **kw):
+    """The Triton forms as the model reaches them: the dispatch on CUDA, `spla_triton` elsewhere."""
+    if DEV == "cuda":
+        return spla_attention(*args, backend="triton", **kw)
+    return spla_triton(*args, **kw)
+
+
+def make(B, HQ, H, S, D, bs, pad=0, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, S, n, D, generator=g).to(DEV, dtype) for n in (HQ, H, H))  # [B, S, heads, D]
+    pos = torch.arange(S).expand(B, S).clone()
+    if pad > 0:  # left padding of the last row
+        pos[-1, :pad] = -1
+        pos[-1, pad:] = torch.arange(S - pad)
+    elif pad < 0:  # right padding of the last row
+        pos[-1, pad:] = -1
+    pos = pos.to(DEV)
+    stats = BlockStats.empty(B, H, D, DEV).add(k, pos, bs)
+    sbar = torch.randn(B, H, D, D, generator=g).to(DEV) * 0.1
+    return q, k, v, pos, stats, sbar
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+CASES = [  # B, HQ, H, S, D, block, top_k, sink, local, use_rla, pad, cached prefix
+    (2, 4, 2, 70, 16, 16, 3, 1, 1, True, 9, 0),  # G = 2, left padding
+    (1, 3, 1, 50, 32, 16, 2, 1, 1, True, 0, 0),  # G = 3 (padded rows)
+    (1, 4, 1, 80, 16, 16, 2, 1, 2, True, 0, 0),  # G = 4
+    (1, 2, 2, 96, 32, 16, 3, 1, 1, True, 0, 0),  # G = 1
+    (1, 8, 1, 48, 16, 16, 2, 0, 1, False, 0, 0),  # G = 8, SPA ablation
+    (2, 2, 2, 40, 16, 16, 8, 1, 2, True, 5, 0),  # budget covers everything: o_rla exactly 0
+    (2, 4, 2, 60, 16, 16, 2, 1, 1, True, -13, 0),  # right padding (training batches)
+    (1, 4, 2, 90, 16, 16, 3, 1, 1, True, 0, 37),  # chunked prefill over a cached prefix
+]
+
+
+def run_case(case, grad, kernel, set_kernel, monkeypatch, precompute_phik=False):
+    calls = set_kernel(kernel)
+    monkeypatch.setattr(triton_parallel, "PHIK_PRECOMPUTE_MIN_TQ", 1 if precompute_phik else 1 << 30)
+    B, HQ, H, S, D, bs, top, sink, local, use_rla, pad, prefix = case
+    q, k, v, pos, stats, sbar = make(B, HQ, H, S, D, bs, pad, seed=sum(case[:5]))
+    q, qpos = q[:, prefix:], pos[:, prefix:]
+    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, use_rla=use_rla)
+    stats64 = BlockStats(*(x.double() for x in (stats.sum_k, stats.sum_k2, stats.count)))
+    ins = [x.detach().double().requires_grad_(grad) for x in (q, k, v)]
+    want = spla_parallel(*ins, qpos, pos, stats64, sbar.double(), **cfg)
+    outs = [x.detach().requires_grad_(grad) for x in (q, k, v)]
+    got = triton_path(*outs, qpos, pos, stats, sbar, **cfg)
+    assert calls[kernel] == 1 and calls["tile" if kernel == "token" else "token"] == 0, calls
+    for name, a, b in zip(["o_sp", "o_rla", "sbar"], got, want, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) <= 1e-4 or (a.double() - b).abs().max() <= 1e-5, (name, rel(a, b))
+    if top * bs >= S:
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
+    if grad:
+        g = torch.Generator().manual_seed(1)
+        w = [torch.randn(x.shape, generator=g, dtype=torch.float64).to(DEV) for x in want[:2] if x is not None]
+        sum((x * wi).sum() for x, wi in zip(want[:2], w, strict=False)).backward()
+        sum((x.double() * wi).sum() for x, wi in zip(got[:2], w, strict=False)).backward()
+        for name, a, b in zip(["dq", "dk", "dv"], outs, ins, strict=True):
+            assert torch.isfinite(a.grad).all(), name
+            assert rel(a.grad, b.grad) <= 1e-4, (name, rel(a.grad, b.grad))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tile_forward_matches_reference(case, prefill_kernel, monkeypatch):
+    run_case(case, False, "tile", prefill_kernel, monkeypatch)
+
+
+@pytest.mark.parametrize("case", CASES[::2] + CASES[1::4])
+def test_tile_backward_matches_reference(case, prefill_kernel, monkeypatch):
+    run_case(case, True, "tile", prefill_kernel, monkeypatch, precompute_phik=case[3] == 1)
+
+
+@pytest.mark.parametrize("case", CASES[6:])
+@pytest.mark.parametrize("grad", [False, True])
+def test_token_kernels_match_reference(case, grad, prefill_kernel, monkeypatch):
+    """PREFILL_KERNEL = "token": the per-token kernels on the same calls."""
+    run_case(case, grad, "token", prefill_kernel, monkeypatch)
+
+
+def test_short_calls_take_the_per_token_kernels(prefill_kernel, monkeypatch):
+    monkeypatch.setattr(triton_parallel, "TILE_MIN_TQ", 16)
+    calls = prefill_kernel("tile")
+    q, k, v, pos, stats, sbar = make(1, 4, 2, 50, 16, 16, seed=5)
+    cfg = dict(block_size=16, top_k_blocks=2, num_sink_blocks=1, num_local_blocks=1)
+    for tq in (15, 16):
+        want = spla_parallel(q[:, -tq:].double(), k.double(), v.double(), pos[:, -tq:], pos,
+                             BlockStats(*(x.double() for x in (stats.sum_k, stats.sum_k2, stats.count))),
+                             sbar.double(), **cfg)
+        got = triton_path(q[:, -tq:], k, v, pos[:, -tq:], pos, stats, sbar, **cfg)
+        assert rel(got[0], want[0]) <= 1e-4 and rel(got[1], want[1]) <= 1e-4
+    assert calls == {"tile": 1, "token": 1}
+
+
+def test_union_lists_are_the_union_of_the_selection():
+    g = torch.Generator().manual_seed(3)
+    B, T, H, K, NB, BM = 2, 45, 3, 5, 12, 8
+    idx = torch.randint(-1, NB, (B, T, H, K), generator=g, dtype=torch.int32).to(DEV)
+    ul, ub, uc, NU = triton_tile.tile_union(idx, NB, BM)
+    for bh in range(B * H):
+        b, h = divmod(bh, H)
+        for tile in range(ul.shape[1]):
+            toks = idx[b, tile * BM:(tile + 1) * BM, h]  # [<=BM, K]
+            blocks = sorted({int(x) for x in toks.flatten() if x >= 0})
+            n = int(uc[bh, tile])
+            assert ul[bh, tile, :n].tolist() == blocks
+            for u, blk in enumerate(blocks):
+                want = sum(1 << m for m in range(toks.shape[0]) if (toks[m] == blk).any())
+                assert int(ub[bh, tile, u]) & 0xFFFFFFFF == want
+
+
+@pytest.mark.parametrize("selection", ["taylor", "mean"])
+@pytest.mark.parametrize("case", [(2, 4, 2, 90, 16, 16, 4, 1, 2, 7), (1, 3, 1, 64, 32, 16, 3, 0, 1, 0),
+                                  (1, 8, 2, 100, 16, 16, 3, 1, 1, -9), (1, 1, 1, 70, 32, 16, 2, 2, 1, 0)])
+@pytest.mark.parametrize("max_scores", [None, 40])
+def test_select_indices_fast_selects_the_reference_blocks(case, selection, max_scores):
+    """The one-launch tile selection vs select_blocks, whole or in query chunks."""
+    B, HQ, H, T, D, bs, top, sink, local, pad = case
+    q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=T + D)
+    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=selection)
+    want = select_blocks(q, stats, pos, **cfg)  # [B, H, T, NB]
+    kw = {} if max_scores is None else dict(max_scores=max_scores * B * H * stats.num_blocks)
+    idx = triton_tile.select_indices_fast(q, stats, pos, **cfg, **kw).long()  # [B, T, H, K]
+    got = torch.zeros(B, T, H, want.shape[-1] + 1, dtype=torch.bool, device=DEV)
+    got.scatter_(-1, torch.where(idx >= 0, idx, want.shape[-1]), True)
+    assert torch.equal(got[..., :-1].permute(0, 2, 1, 3), want)
+    kept = torch.sort(idx, -1).values
+    assert (kept[..., 1:] != kept[..., :-1])[kept[..., 1:] >= 0].all()  # no block twice
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="real shapes on the GPU")
+@pytest.mark.parametrize("kernel", ["tile", "token"])
+@pytest.mark.parametrize("G,D", [(1, 64), (4, 128), (8, 64), (16, 128)])
+def test_bf16_real_shapes_on_gpu(G, D, kernel, prefill_kernel):
+    """bf16 values and gradients at 2k tokens through the dispatch vs the fp64 PyTorch form."""
+    calls = prefill_kernel(kernel)
+    B, H, S, bs = 1, 2, 2048, 64
+    q, k, v, pos, stats, sbar = make(B, H * G, H, S, D, bs, seed=G, dtype=torch.bfloat16)
+    stats = BlockStats.empty(B, H, D, DEV).add(k.float(), pos, bs)
+    stats64 = BlockStats(*(x.double() for x in (stats.sum_k, stats.sum_k2, stats.count)))
+    cfg = dict(block_size=bs, top_k_blocks=8, num_sink_blocks=1, num_local_blocks=2)
+    ins = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = spla_parallel(*ins, pos, pos, stats64, sbar.double(), **cfg)
+    outs = [x.detach().requires_grad_() for x in (q, k, v)]
+    got = spla_attention(*outs, pos, pos, stats, sbar, backend="triton", **cfg)
+    assert calls[kernel] == 1
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) <= 1e-2
+    g = [torch.randn_like(x) for x in want[:2]]
+    torch.autograd.backward(want[:2], g)
+    torch.autograd.backward(got[:2], [x.to(got[0].dtype) for x in g])
+    for a, b in zip(outs, ins, strict=True):
+        assert rel(a.grad, b.grad) <= 1e-2
