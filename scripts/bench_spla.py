@@ -6,8 +6,9 @@ data, triton.testing.do_bench medians). Prints one table (peer, ours, ratio) and
 Rows: P1 decode step at 128k context (B4 HQ32 H8 d128, 16 blocks of 64) with the bytes each reads;
 P2 prefill forward and forward+backward at 32k (B1 HQ32 H8 d128); P3 against fla's parallel_nsa
 (needs fla installed; B1 HQ64 H4 d128, G = 16); P6 time(64k)/time(32k) of the SPLA prefill. P2-P6
-run the default prefill kernels (`triton_parallel.PREFILL_KERNEL`, "tile"); the rows marked
-"token" repeat P2 / P2b with the per-token kernels in the same run, and the prefill stages list both.
+run the default kernels (`triton_parallel.PREFILL_KERNEL` "tile" without gradients,
+`TRAIN_KERNEL` "token" with them); the rows marked "per-token kernels" repeat P2 / P2b with the
+per-token kernels for both, and the prefill stages list the tile and per-token kernels apart.
 """
 
 from __future__ import annotations
@@ -30,15 +31,16 @@ def bench(fn) -> float:
 
 @contextlib.contextmanager
 def prefill_kernel(name: str):
-    """Run the SPLA prefill with `triton_parallel.PREFILL_KERNEL = name` ("tile" or "token")."""
+    """Run the SPLA prefill and training with `triton_parallel.PREFILL_KERNEL = TRAIN_KERNEL = name`
+    ("tile" or "token")."""
     from subquadratic.kernels.spla import triton_parallel
 
-    old = triton_parallel.PREFILL_KERNEL
-    triton_parallel.PREFILL_KERNEL = name
+    old = triton_parallel.PREFILL_KERNEL, triton_parallel.TRAIN_KERNEL
+    triton_parallel.PREFILL_KERNEL = triton_parallel.TRAIN_KERNEL = name
     try:
         yield
     finally:
-        triton_parallel.PREFILL_KERNEL = old
+        triton_parallel.PREFILL_KERNEL, triton_parallel.TRAIN_KERNEL = old
 
 
 def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
@@ -145,7 +147,7 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
     }
     if Tq >= triton_parallel.TILE_MIN_TQ:
         with prefill_kernel("token"):
-            out["whole call, per-token kernels (PREFILL_KERNEL='token')"] = bench(
+            out["whole call, per-token kernels"] = bench(
                 lambda: spla_triton(q, kt, vt, qpos, pos, stats, sbar, k_offsets=koff, **kw))
         out["selection, one launch per query tile (select_indices_fast)"] = bench(
             lambda: triton_tile.select_indices_fast(q, stats, qpos, **kw))
@@ -295,9 +297,9 @@ def main() -> None:
     with prefill_kernel("token"):  # the per-token prefill kernels on the same calls
         t_tok = bench(prefill_fn(T)[0])
         tb_tok = bench(prefill_fn(T, backward=True)[0])
-    rows.append(dict(id="P2", what="  same fwd, per-token kernels (PREFILL_KERNEL='token')", peer_ms=t_peer,
+    rows.append(dict(id="P2", what="  same fwd, per-token kernels", peer_ms=t_peer,
                      ours_ms=t_tok, speedup=t_peer / t_tok, target=">= 3x"))
-    rows.append(dict(id="P2b", what="  same fwd+bwd, per-token kernels (PREFILL_KERNEL='token')", peer_ms=tb_peer,
+    rows.append(dict(id="P2b", what="  same fwd+bwd, per-token kernels", peer_ms=tb_peer,
                      ours_ms=tb_tok, speedup=tb_peer / tb_tok, target=">= 2x"))
     try:
         if args.no_nsa:

@@ -82,12 +82,12 @@ def patched(tile):
 
     @contextlib.contextmanager
     def ctx():
-        old = triton_parallel.PREFILL_KERNEL
-        triton_parallel.PREFILL_KERNEL = "tile" if tile else "token"
+        old = triton_parallel.PREFILL_KERNEL, triton_parallel.TRAIN_KERNEL
+        triton_parallel.PREFILL_KERNEL = triton_parallel.TRAIN_KERNEL = "tile" if tile else "token"
         try:
             yield
         finally:
-            triton_parallel.PREFILL_KERNEL = old
+            triton_parallel.PREFILL_KERNEL, triton_parallel.TRAIN_KERNEL = old
 
     return ctx()
 

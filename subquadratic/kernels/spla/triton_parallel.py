@@ -2,7 +2,10 @@
 query-tile kernels of `triton_tile` (one-launch selection `select_indices_fast`, then the union of a
 query tile's blocks loaded once per tile, forward and backward); below, and for the split-K call of
 a decode token, the per-token kernels of this module and `triton_select.select_indices`.
-`PREFILL_KERNEL` picks the form of the longer calls ("tile", the default, or "token").
+`PREFILL_KERNEL` picks the form of the longer calls without gradients ("tile", the default, or
+"token"), `TRAIN_KERNEL` that of the calls with gradients ("token", the default, or "tile"): on the
+H200 at 32k the tile backward took 162 ms against 75 ms for the per-token one on iid random inputs,
+while the tile forward was never slower and faster where consecutive queries share blocks.
 
 The per-token form: `spla_sparse_kernel` runs one program per (query token,
 batch x KV head, split): the G query heads of the group are the rows of one tile (padded to at least
@@ -30,13 +33,16 @@ from .triton_tile import select_indices_fast, tile_sparse_attention
 
 triton, tl = import_triton()
 
-__all__ = ["PREFILL_KERNEL", "SparseAttention", "TILE_MIN_TQ", "causal_linear_term", "key_features",
+__all__ = ["PREFILL_KERNEL", "SparseAttention", "TILE_MIN_TQ", "TRAIN_KERNEL", "causal_linear_term", "key_features",
            "sparse_forward", "spla_parallel_triton"]
 
 #: The kernels of calls with at least TILE_MIN_TQ new tokens: "tile" (query tiles over the union of
-#: their blocks, `triton_tile`) or "token" (one program per token, `spla_sparse_kernel`). Shorter
-#: calls always take the per-token kernels (with split-K for a few tokens).
+#: their blocks, `triton_tile`) or "token" (one program per token, `spla_sparse_kernel`), for calls
+#: without gradients (PREFILL_KERNEL) and with them (TRAIN_KERNEL). Such calls select with
+#: `select_indices_fast` either way. Shorter calls always take the per-token kernels (with split-K
+#: for a few tokens).
 PREFILL_KERNEL = "tile"
+TRAIN_KERNEL = "token"
 TILE_MIN_TQ = 16
 
 #: Queries per call from which the feature map phi(k) is computed once per key before the sparse
@@ -180,7 +186,8 @@ def spla_parallel_triton(
     q [B, Tq, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D) with the new tokens last;
     returns (o_sp [B, Tq, HQ, D], o_rla or None, new Sbar). Differentiable (Triton backward). For any
     Tq; one decode token is faster through `triton_decode.spla_decode_triton`. Tq >= TILE_MIN_TQ takes
-    the query-tile kernels (with PREFILL_KERNEL = "tile"), shorter calls the per-token kernels.
+    the query-tile kernels where PREFILL_KERNEL / TRAIN_KERNEL say "tile", shorter calls the per-token
+    kernels.
     `num_splits` splits each token's blocks over that many programs (per-token kernels; default: by
     the number of programs). `k_offsets` [B]:
     slot of each row's position 0 (`slot_offsets(k_pos)`, computed here when not given); rows whose
@@ -195,12 +202,14 @@ def spla_parallel_triton(
                          "before or after them); use spla_attention, which takes the PyTorch form for such rows")
     kw = dict(block_size=block_size, top_k_blocks=top_k_blocks, num_sink_blocks=num_sink_blocks,
               num_local_blocks=num_local_blocks, selection=selection)
-    if PREFILL_KERNEL not in ("tile", "token"):
-        raise ValueError(f"PREFILL_KERNEL must be 'tile' or 'token', got {PREFILL_KERNEL!r}")
-    tile = PREFILL_KERNEL == "tile" and Tq >= TILE_MIN_TQ and num_splits is None
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    form = TRAIN_KERNEL if needs_grad else PREFILL_KERNEL
+    if form not in ("tile", "token"):
+        raise ValueError(f"PREFILL_KERNEL and TRAIN_KERNEL must be 'tile' or 'token', got {form!r}")
+    long_call = Tq >= TILE_MIN_TQ and num_splits is None
+    tile = form == "tile" and long_call
     qpos = q_pos.to(torch.int32).contiguous()  # no copy when the caller passes int32 positions
-    idx = (select_indices_fast if tile else select_indices)(q, stats, qpos, **kw)  # [B, Tq, H, K]
+    idx = (select_indices_fast if long_call else select_indices)(q, stats, qpos, **kw)  # [B, Tq, H, K]
     qv, kv_, vv = (x.transpose(1, 2) for x in (q, k, v))  # views [B, H, T, D]
     # kernel operands: unit stride in the head dimension; fp64 inputs (tests) run the kernels in fp32
     kq, kk, kv = (x if x.stride(-1) == 1 else x.contiguous() for x in (qv, kv_, vv))

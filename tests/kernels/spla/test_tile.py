@@ -35,12 +35,14 @@ def poisoned_outputs(monkeypatch):
 
 @pytest.fixture
 def prefill_kernel(monkeypatch):
-    """Set triton_parallel.PREFILL_KERNEL and count the calls of each form."""
+    """Set triton_parallel.PREFILL_KERNEL and TRAIN_KERNEL and count the calls of each form (the
+    per-token form runs `sparse_forward`, with or without gradients)."""
     calls = {"tile": 0, "token": 0}
 
     def set_kernel(name):
         monkeypatch.setattr(triton_parallel, "PREFILL_KERNEL", name)
-        for form, fn_name in (("tile", "tile_sparse_attention"), ("token", "select_indices")):
+        monkeypatch.setattr(triton_parallel, "TRAIN_KERNEL", name)
+        for form, fn_name in (("tile", "tile_sparse_attention"), ("token", "sparse_forward")):
             fn = getattr(triton_parallel, fn_name)
 
             def spy(*a, _fn=fn, _form=form, **kw):
