@@ -196,12 +196,14 @@ class ModelTesterMixin:
         assert not torch.equal(a, greedy)  # it did sample
 
     def test_beam_search_of_a_batch_equals_each_row_alone(self):
-        """Beams are reordered inside the cache: each row of a batch gets its own beam search."""
+        """Beams are reordered inside the cache: the cached beam search equals one that recomputes every
+        step without a cache, and each row of a batch gets its own beam search."""
         m = self.tester.model()
         ids = self.tester.ids(2)
-        kw = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, **GEN)
+        kw = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False, **GEN)
         out = m.generate(ids, **kw)
-        assert out.shape == (4, ids.shape[1] + 5)
+        assert out.shape == (4, ids.shape[1] + 8)
+        assert torch.equal(out, m.generate(ids, use_cache=False, **kw))
         for i in range(2):
             assert torch.equal(out[2 * i : 2 * i + 2], m.generate(ids[i : i + 1], **kw)), i
         assert not torch.equal(out[0], out[1])  # two different beams
