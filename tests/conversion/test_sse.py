@@ -107,16 +107,20 @@ def test_convert_dense_to_sse_h(kind, tmp_path):
 
 
 def test_convert_options_sliding_window_and_layer_list(tmp_path):
-    dense_source("llama", tmp_path / "src")
+    src = dense_source("llama", tmp_path / "src")
     rc = cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "sse-h", "--softmax-layers",
                    "0,3", "--sliding-window", "4", "--sse-base", "gdn", "--no-progress"])
     assert rc == 0
     m, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert m.config.mixer_types == ["full_attention", "sse", "sse", "full_attention"]
-    sa = m.model.layers[1].self_attn
-    assert sa.window == 4 and torch.equal(sa.swa.k_proj.weight, m.model.layers[1].self_attn.swa.k_proj.weight)
-    assert sa.swa.k_proj.weight.shape[0] == 2 * 16  # the window branch keeps the source's GQA shapes
+    sd, src_sd = m.state_dict(), src.state_dict()
+    for i in (1, 2):  # each SSE layer's window branch is a copy of the source layer's attention
+        assert m.model.layers[i].self_attn.window == 4
+        swa = {n: t for n, t in sd.items() if n.startswith(f"model.layers.{i}.self_attn.swa.")}
+        assert {n.split(".swa.")[1] for n in swa} == {f"{p}_proj.weight" for p in "qkvo"}
+        for n, t in swa.items():  # the source's GQA shapes, byte-identical
+            assert torch.equal(t, src_sd[n.replace(".swa.", ".")]), n
     ids = tokens(2, 12)
     with torch.no_grad():
         full = m.eval()(ids).logits
