@@ -234,18 +234,22 @@ def recall_batch(g, B=32, n_pairs=4, n_keys=16, n_values=16):
 
 
 def test_training_learns_associative_recall():
-    initial, final = _train_recall(steps=600)
-    # measured: initial 4.89 (~ln 128), final 2.03. Guessing among the 16 values gives ln 16 = 2.77,
-    # so a final loss well below it means the model recalls values from context.
+    initial, final = _train_recall(steps=1000)
+    # Guessing among the 16 values gives ln 16 = 2.77, so a final loss well below it means the model
+    # recalls values from context. Final loss (mean of the last 20 steps) over init / data seeds
+    # (0,1) (1,2) (2,3) (3,4) (4,5) (5,6), Intel Xeon: after 600 steps 2.03 1.87 2.31 2.33 2.33 2.39
+    # (an AMD EPYC gave 2.41 for (0,1): 600 steps sit at the bound below); after 1000 steps, seeds
+    # (0,1) (2,3) (4,5) (5,6): 1.63 2.05 1.96 2.10, 0.26 under the bound of 2.36 at worst. Initial
+    # loss 4.86-4.90 (~ln 128) for all.
     assert final < 0.5 * initial, (initial, final)
     assert final < 0.85 * torch.log(torch.tensor(16.0)).item(), final
 
 
-def _train_recall(steps: int) -> tuple[float, float]:
-    torch.manual_seed(0)
+def _train_recall(steps: int, init_seed: int = 0, data_seed: int = 1) -> tuple[float, float]:
+    torch.manual_seed(init_seed)
     m = HLAForCausalLM(tiny_hla_config()).train()
     opt = torch.optim.AdamW(m.parameters(), lr=5e-3, weight_decay=0.0)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(data_seed)
     losses = []
     for _ in range(steps):
         ids, labels = recall_batch(g)
