@@ -191,8 +191,9 @@ class ModelTesterMixin:
         assert torch.equal(m.generate(ids, **kw), a)
         with torch.no_grad():
             logits = m(a, use_cache=False).logits[:, T - 1 : -1]  # [B, 8, V]: the step that drew each token
-        top = logits.topk(3, dim=-1).indices
-        assert (top == a[:, T:, None]).any(-1).all(), (a[:, T:], top)
+        drawn = logits.gather(-1, a[:, T:, None])[..., 0]  # ties count as top-k (a pad token's logits are flat)
+        third = logits.topk(3, dim=-1).values[..., -1]
+        assert (drawn >= third - 1e-4).all(), (a[:, T:], drawn, third)
         greedy = m.generate(ids, max_new_tokens=8, do_sample=False, **GEN)
         assert not torch.equal(a, greedy)  # it did sample
 
@@ -240,8 +241,9 @@ class ModelTesterMixin:
             grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
         assert m.model.gradient_checkpointing
         plain, ckpt = grads
-        assert plain.keys() == ckpt.keys() == {n for n, _ in m.named_parameters()}  # every parameter learns
+        assert plain.keys() == ckpt.keys() == {n for n, _ in m.named_parameters()}
         for n, g in plain.items():
+            assert g.any(), f"{n} gets no gradient"  # every parameter matters
             assert torch.allclose(ckpt[n], g, rtol=1e-5, atol=1e-7), n
 
     def test_peft_lora_on_projections_trains_only_the_adapters(self):
@@ -267,6 +269,8 @@ class ModelTesterMixin:
             losses.append(loss.item())
         # measured last/first over three seeds: SPLA 0.93, HLA 0.86-0.87, SSE 0.33-0.52
         assert losses[-1] < 0.95 * losses[0], losses
+        lm.eval()
+        assert lm.generate(input_ids=ids[:1, :5], max_new_tokens=3, do_sample=False, **GEN).shape == (1, 8)
         merged = lm.merge_and_unload()
         changed = {n for n, p in merged.named_parameters() if not torch.equal(p, base[n])}
         assert changed and all(n.split(".")[-2] in PROJECTIONS for n in changed), changed

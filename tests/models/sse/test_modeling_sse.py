@@ -310,12 +310,13 @@ def test_router_and_lora_offsets_get_gradients():
 
 
 def lively(preset: str, seed: int) -> SSEForCausalLM:
-    """`model(preset)` with non-zero LoRA up-projections of q2, so that every path carries signal."""
+    """`model(preset)` with non-zero LoRA up-projections of q2 and k2, so that every path carries signal."""
     m = model(preset, seed)
     with torch.no_grad():
         for layer in m.model.layers:
             if layer.mixer_type == "sse":
                 layer.self_attn.q2_up.weight.normal_(std=0.1)
+                layer.self_attn.k2_up.weight.normal_(std=0.1)
     return m
 
 
