@@ -295,7 +295,9 @@ def test_training_reduces_loss():
         opt.zero_grad()
         losses.append(loss.item())
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    assert first > 4.0 and last < 1.2, (first, last)  # measured: 4.57 -> 0.87 (first / last 10 steps)
+    # first / last 10 steps over seeds 0-4 (init and data): 4.57 / 0.87, 4.53 / 1.01, 4.59 / 0.97,
+    # 4.60 / 0.85, 4.63 / 0.88. Without mixing across tokens the loss stays above ln 7 = 1.95.
+    assert first > 4.0 and last < 1.2, (first, last)
 
 
 def test_router_and_lora_offsets_get_gradients():
