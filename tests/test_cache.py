@@ -14,7 +14,7 @@ from subquadratic.modeling.base import CACHE_FIELD
 from subquadratic.modeling.cache import GrowingBuffer
 from subquadratic.modeling.spla import SPLALayer
 
-from .conftest import tiny_spla
+from .models.spla.tiny import tiny_spla
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MIXED = ["full_attention", "spla"]  # one plain KV layer and one SPLA layer

@@ -1,19 +1,13 @@
-"""HLA models: dispatch, the three forms (chunked, recurrent, O(T^3)) in the mixer and the model, cache
-and generation, hybrids, save/load (also as remote code), `convert --to hla`, gradient checkpointing,
-PEFT LoRA, training on associative recall, long-sequence stability.
+"""HLA models: the shared model checks (HLA and an HLA / softmax hybrid), dispatch, the three forms
+(chunked, recurrent, O(T^3)) in the mixer and the model, the other variants' cache and padding, cache
+bytes, training on associative recall, long-sequence stability.
 
 Tiny presets only (hidden 64, vocab 128); CPU; the whole file runs in well under a minute and a half.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import subquadratic  # noqa: F401  (registers the Auto classes)
@@ -25,15 +19,16 @@ from subquadratic.modeling.base import SequenceInfo
 from subquadratic.modeling.cache import RecurrentLayer, positions_from_mask
 from subquadratic.modeling.hla import HLAAttention
 
+from ..common import ModelTester, ModelTesterMixin
+
 #: configurations exercising every option: default hla2; normalised hla2 with a constant decay;
-#: ahla with RoPE, Qwen3-style qk-norm, Qwen2-style qkv bias and no gate; the hla + softmax hybrid.
+#: ahla with RoPE, Qwen3-style qk-norm, Qwen2-style qkv bias and no gate. (The hybrid: TestHLAHybrid.)
 CONFIGS = {
     "hla2": dict(),
     "hla2-normalized-constant": dict(hla_normalize=True, decay_mode="constant"),
     "ahla-rope-qknorm": dict(
         hla_variant="ahla", hla_rope=True, qk_norm=True, qkv_bias=True, output_gate=False, qk_scale=2.0
     ),
-    "hybrid": dict(mixer_types=["hla", "full_attention", "hla"], num_hidden_layers=3),
 }
 
 
@@ -167,7 +162,7 @@ def test_chunked_equals_recurrent_model_level(name):
         assert (gc - g_s[n]).abs().max().item() <= 1e-10 * max(1.0, g_s[n].abs().max().item()), n
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", ["ahla-rope-qknorm", "hla2-normalized-constant"])  # the others: shared checks
 def test_prefill_then_decode_equals_full_forward(name):
     m = make_model(name, hla_chunk_size=4)
     ids = rand_ids(2, 30, seed=2)
@@ -202,7 +197,7 @@ def test_cache_bytes_do_not_grow_with_context():
     assert sizes[0] == sizes[1] == cfg.num_hidden_layers * hq * (d * d + d * d) * 4  # S and F, fp32
 
 
-@pytest.mark.parametrize("name", ["hla2", "hla2-normalized-constant", "hybrid"])
+@pytest.mark.parametrize("name", ["hla2-normalized-constant"])  # hla2 and the hybrid: shared checks
 def test_left_padded_batch_equals_per_sequence(name):
     m = make_model(name)
     prompts = [rand_ids(1, n, seed=n)[0] for n in (5, 13, 9)]
@@ -223,155 +218,7 @@ def test_left_padded_batch_equals_per_sequence(name):
         assert (logits_b[i, width - len(p) :] - logits_s).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["hla2", "hybrid"])
-def test_sampling_and_beam_search_run(name):
-    m = make_model(name)
-    ids = rand_ids(2, 7)
-    torch.manual_seed(0)
-    out = m.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=True, top_k=20, pad_token_id=0)
-    assert out.shape == (2, 12)
-    beam = dict(max_new_tokens=5, min_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0)
-    out = m.generate(ids, num_return_sequences=2, **beam)
-    assert out.shape == (4, 12)
-    # beams are reordered inside the cache: a batch of two gives each row's own beam search
-    for i in range(2):
-        single = m.generate(ids[i : i + 1], num_return_sequences=2, **beam)
-        assert torch.equal(out[2 * i : 2 * i + 2], single)
-
-
-# --- save / load ------------------------------------------------------------------------------------
-
-
-def test_save_pretrained_round_trip_auto(tmp_path):
-    m = make_model("ahla-rope-qknorm")
-    m.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["model_type"] == "hla" and cfg["auto_map"]["AutoModelForCausalLM"] == "family_hla.HLAForCausalLM"
-    assert isinstance(AutoConfig.from_pretrained(tmp_path), HLAConfig)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(loaded) is HLAForCausalLM and loaded.config.hla_variant == "ahla"
-    sd, sd2 = m.state_dict(), loaded.state_dict()
-    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
-    ids = rand_ids(2, 11)
-    with torch.no_grad():
-        assert torch.equal(m(ids).logits, loaded(ids).logits)
-
-
-_REMOTE = """
-import sys
-sys.modules["subquadratic"] = None  # the package is not installed
-import torch
-from transformers import AutoModelForCausalLM
-path = sys.argv[1]
-m = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
-assert not type(m).__module__.startswith("subquadratic"), type(m).__module__
-ids = torch.load(path + "/ids.pt")
-with torch.no_grad():
-    logits = m(ids).logits
-out = m.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-torch.save({"logits": logits, "generated": out, "cls": type(m).__name__}, path + "/remote.pt")
-"""
-
-
-def test_trust_remote_code_without_package(tmp_path):
-    m = make_model("hybrid")
-    m.save_pretrained(tmp_path)
-    ids = rand_ids(2, 9)
-    torch.save(ids, tmp_path / "ids.pt")
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _REMOTE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    remote = torch.load(tmp_path / "remote.pt")
-    with torch.no_grad():
-        logits = m(ids).logits
-    gen = m.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert remote["cls"] == "HLAForCausalLM"
-    assert torch.equal(remote["logits"], logits) and torch.equal(remote["generated"], gen)
-
-
-# --- conversion ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_convert_dense_to_hla(kind, dense_checkpoint, tmp_path):
-    from subquadratic.cli import main
-    from subquadratic.modeling.hla import initial_decay_logits
-
-    dense, src = dense_checkpoint(kind)
-    convert = ["convert", str(src), "--to", "hla", "--no-progress"]
-    # every layer kept as softmax attention: exactly the dense model (the common weights convert by name)
-    assert main([*convert[:2], str(tmp_path / "soft"), *convert[2:], "--hla-softmax-every", "1"]) == 0
-    soft = AutoModelForCausalLM.from_pretrained(tmp_path / "soft").eval()
-    x = rand_ids(2, 24)
-    with torch.no_grad():
-        assert (soft(x).logits - dense(x).logits).abs().max().item() <= 1e-4
-
-    out = tmp_path / "hla"
-    assert main([*convert[:2], str(out), *convert[2:], "--hla-softmax-layers", "1"]) == 0
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == "hla" and cfg["mixer_types"] == ["hla", "full_attention"]
-    assert cfg["auto_map"]["AutoModelForCausalLM"] == "family_hla.HLAForCausalLM"
-    assert "must be distilled before use" in (out / "README.md").read_text()
-    model = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(model) is HLAForCausalLM and model.config.source_model_type == kind
-    dense_sd, sd = dense.state_dict(), model.state_dict()
-    for name, t in dense_sd.items():  # every source weight copied unchanged (HLA and softmax layers)
-        if not name.endswith("rotary_emb.inv_freq"):
-            assert torch.equal(sd[name], t), name
-    attn = model.model.layers[0].self_attn
-    assert torch.equal(attn.decay_bias.detach(), initial_decay_logits(4, 0.9, 0.99))
-    assert torch.equal(attn.o_norm.weight.detach(), torch.ones(4, model.config.head_dim))
-    assert 0 < attn.g_proj.weight.std().item() < 0.05
-    with torch.no_grad():  # the converted hybrid runs: cached decode equals the full forward
-        full = model(x, use_cache=False).logits
-        cache = model.new_cache()
-        steps = [model(x[:, :20], cache=cache).logits] + [model(x[:, t : t + 1], cache=cache).logits for t in range(20, 24)]  # noqa: E501
-    assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-4
-    assert main([*convert[:2], str(tmp_path / "bad"), *convert[2:], "--hla-softmax-layers", "7"]) == 2
-
-
 # --- training -----------------------------------------------------------------------------------------
-
-
-def test_gradient_checkpointing_matches():
-    m = make_model("hybrid").train()
-    ids = rand_ids(2, 20)
-    grads = []
-    for checkpointing in (False, True):
-        if checkpointing:
-            m.gradient_checkpointing_enable()
-        m.zero_grad()
-        m(ids, labels=ids, use_cache=False).loss.backward()
-        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
-    assert m.model.gradient_checkpointing
-    for n, g in grads[0].items():
-        assert torch.allclose(grads[1][n], g, atol=1e-6, rtol=1e-5), n
-
-
-def test_peft_lora_trains():
-    peft = pytest.importorskip("peft")
-    m = make_model().train()
-    base = {n: p.detach().clone() for n, p in m.named_parameters()}
-    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    pm = peft.get_peft_model(m, cfg)
-    trainable = [n for n, p in pm.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)
-    assert sum("self_attn.q_proj" in n for n in trainable) == 2 * m.config.num_hidden_layers
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
-    ids = rand_ids(4, 24)
-    losses = []
-    for _ in range(40):
-        loss = pm(input_ids=ids, labels=ids, use_cache=False).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.9 * losses[0], losses  # measured 4.86 -> 3.94 (only the mixers adapt)
-    merged = pm.merge_and_unload()
-    changed = [n for n, p in merged.named_parameters() if not torch.equal(p, base[n])]
-    assert changed and all(n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for n in changed)
 
 
 def recall_batch(g, B=32, n_pairs=4, n_keys=16, n_values=16):
@@ -388,18 +235,22 @@ def recall_batch(g, B=32, n_pairs=4, n_keys=16, n_values=16):
 
 
 def test_training_learns_associative_recall():
-    initial, final = _train_recall(steps=600)
-    # measured: initial 4.89 (~ln 128), final 2.03. Guessing among the 16 values gives ln 16 = 2.77,
-    # so a final loss well below it means the model recalls values from context.
+    initial, final = _train_recall(steps=1000)
+    # Guessing among the 16 values gives ln 16 = 2.77, so a final loss well below it means the model
+    # recalls values from context. Final loss (mean of the last 20 steps) over init / data seeds
+    # (0,1) (1,2) (2,3) (3,4) (4,5) (5,6), Intel Xeon: after 600 steps 2.03 1.87 2.31 2.33 2.33 2.39
+    # (an AMD EPYC gave 2.41 for (0,1): 600 steps sit at the bound below); after 1000 steps, seeds
+    # (0,1) (2,3) (4,5) (5,6): 1.63 2.05 1.96 2.10, 0.26 under the bound of 2.36 at worst. Initial
+    # loss 4.86-4.90 (~ln 128) for all.
     assert final < 0.5 * initial, (initial, final)
     assert final < 0.85 * torch.log(torch.tensor(16.0)).item(), final
 
 
-def _train_recall(steps: int) -> tuple[float, float]:
-    torch.manual_seed(0)
+def _train_recall(steps: int, init_seed: int = 0, data_seed: int = 1) -> tuple[float, float]:
+    torch.manual_seed(init_seed)
     m = HLAForCausalLM(tiny_hla_config()).train()
     opt = torch.optim.AdamW(m.parameters(), lr=5e-3, weight_decay=0.0)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(data_seed)
     losses = []
     for _ in range(steps):
         ids, labels = recall_batch(g)
@@ -432,3 +283,13 @@ def test_long_sequence_bf16_is_finite_and_bounded():
     assert all(torch.isfinite(h.float()).all() for h in out.hidden_states)
     for head, tail in rms:  # the end of a long sequence behaves like the beginning
         assert 0.5 < tail / head < 2.0, rms
+
+
+class TestHLA(ModelTesterMixin):
+    tester = ModelTester("hla", lambda seed: HLAForCausalLM(tiny_hla_config(hla_chunk_size=8)))
+
+
+class TestHLAHybrid(ModelTesterMixin):
+    """HLA, softmax, HLA."""
+
+    tester = ModelTester("hla-hybrid", lambda seed: HLAForCausalLM(tiny_hla_config("tiny-hybrid", hla_chunk_size=8)))

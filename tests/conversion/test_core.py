@@ -1,4 +1,5 @@
-"""`subquadratic convert --to spla`: fidelity on every supported source, and safe failure."""
+"""`subquadratic convert`: one-line errors that leave nothing behind, overwrite rules, clean-up after a
+failure, push to the Hub (SPLA as the target)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from subquadratic.cli import main
 from subquadratic.conversion import core
@@ -25,40 +25,6 @@ def tree_digest(folder: Path) -> str:
 
 def convert(src, out, *extra):
     return main(["convert", str(src), str(out), "--to", "spla", "--no-progress", *extra])
-
-
-@pytest.mark.parametrize("kind", ["llama", "llama-bias-tied", "mistral", "qwen2", "qwen3"])
-def test_logits_equal_dense_while_budget_covers_context(kind, dense_checkpoint, tmp_path):
-    dense, src = dense_checkpoint(kind)
-    before = tree_digest(src)
-    out = tmp_path / "spla"
-    assert convert(src, out, "--spla-block-size", "16", "--spla-top-k-blocks", "4") == 0
-    assert tree_digest(src) == before  # the source is never touched
-    assert len(list(out.glob("model-*.safetensors"))) > 1  # streamed shard by shard
-    files = {p.name for p in out.iterdir()}
-    assert {"config.json", "README.md", "generation_config.json", "modeling_spla.py"} <= files
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == "spla" and cfg["auto_map"]["AutoModelForCausalLM"] == "family_spla.SPLAForCausalLM"
-    model = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert model.config.source_model_type == dense.config.model_type
-    x = torch.randint(0, 128, (2, 64))  # budget 4 x 16 = 64 tokens
-    with torch.no_grad():
-        diff = (model(x).logits - dense(x).logits).abs().max().item()
-        assert diff <= 1e-4
-        y = torch.randint(0, 128, (1, 200))  # beyond the budget: sparse, still close
-        far = (model(y).logits - dense(y).logits).abs().max().item()
-    assert 0 < far < 10
-    card = (out / "README.md").read_text()
-    assert "base_model: dense-" in card and "`block_size`: 16" in card
-
-
-def test_dtype_option_and_untouched_gamma(dense_checkpoint, tmp_path):
-    _, src = dense_checkpoint("qwen3")
-    assert convert(src, tmp_path / "o", "--dtype", "bfloat16") == 0
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "o")
-    assert model.dtype == torch.bfloat16
-    gammas = [p for n, p in model.named_parameters() if "rla_norm" in n]
-    assert len(gammas) == 2 and all(torch.equal(g, torch.zeros_like(g)) for g in gammas)
 
 
 def _siblings(path: Path) -> set[str]:
