@@ -10,6 +10,9 @@ model card and the CLI options):
   - `new_tensors(config)`: parameters the source lacks; by default every mixer's own
     `reset_mixer_parameters` output for the parameters whose names `from_source` does not match;
   - `card_notes(config)`: values for the family's model card template.
+The softmax layers a family keeps compute what the source's layers computed: a layer the source ran
+over a sliding window (Mistral, Qwen2 / Qwen3 `use_sliding_window`, per-layer `layer_types`) stays
+a "sliding_attention" layer with that window (`source_layer_types`, `keep_source_attention`).
 `convert()` checks the source, writes everything into a temporary folder next to OUT and renames
 it at the end, so a failure leaves nothing behind and SRC is never touched.
 """
@@ -197,7 +200,43 @@ def source_fields(cfg: dict) -> dict:
     fields["qkv_bias"] = True if mt == "qwen2" else (attention_bias if mt in ("llama", "qwen3") else False)
     fields["o_bias"] = attention_bias if mt in ("llama", "qwen3") else False
     fields["qk_norm"] = mt == "qwen3"
+    if "sliding_attention" in source_layer_types(cfg):
+        fields["sliding_window"] = cfg["sliding_window"]
     return fields
+
+
+def source_layer_types(cfg: dict) -> list[str]:
+    """Each source layer's attention, "full_attention" or "sliding_attention", as the source computes
+    it: an explicit per-layer `layer_types` (Qwen2 / Qwen3 in Transformers 5, Gemma-style
+    alternation); else Qwen2 / Qwen3's `use_sliding_window` from layer `max_window_layers` on;
+    else Mistral's `sliding_window` on every layer; else full attention everywhere."""
+    n = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window")
+    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None  # Qwen's sliding_window is inert unless use_sliding_window is set
+    if not window:
+        return ["full_attention"] * n
+    kinds = cfg.get("layer_types")
+    if kinds is not None:
+        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if len(kinds) != n or unknown:
+            raise ConversionError(f"source layer_types {kinds} must give full_attention or sliding_attention for "
+                                  f"each of the {n} layers; the source config is inconsistent")
+        return list(kinds)
+    if cfg.get("model_type") in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", 28)  # Transformers' default for Qwen2 / Qwen3
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return ["sliding_attention"] * n
+
+
+def keep_source_attention(config, layer_types: list[str]):
+    """The softmax layers a family keeps compute what the source's layers computed: a kept layer whose
+    source attended over a sliding window becomes a "sliding_attention" layer with that window."""
+    config.mixer_types = [
+        src if kind == "full_attention" else kind for kind, src in zip(config.mixer_types, layer_types, strict=True)
+    ]
+    config.check()
+    return config
 
 
 def check_shapes(shards: list[Path], fields: dict) -> None:
@@ -267,7 +306,7 @@ def convert(
     fields = source_fields(src_cfg)
     check_shapes(shards, fields)
     try:
-        config = conv.build_config(fields, options)
+        config = keep_source_attention(conv.build_config(fields, options), source_layer_types(src_cfg))
     except ValueError as e:
         raise ConversionError(f"invalid settings: {e}") from None
     cast = DTYPES.get(dtype)
