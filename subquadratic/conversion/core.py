@@ -115,10 +115,12 @@ def resolve_source(src: str) -> Path:
     """A local folder, or a Hub id resolved through huggingface_hub (its cache; offline if so set)."""
     p = Path(src).expanduser()
     if p.exists():
+        if p.is_file() and p.suffix == ".gguf":
+            raise ConversionError(gguf_hint(p))
         if not p.is_dir():
             raise ConversionError(f"source {src} is a file; give the checkpoint folder")
         return p.resolve()
-    if src.count("/") != 1 or src.startswith((".", "/")):
+    if src.count("/") != 1 or src.startswith((".", "/", "~")) or src.endswith((".gguf", ".safetensors")):
         raise ConversionError(f"source {src} does not exist; give a checkpoint folder or a Hub id like org/name")
     try:
         from huggingface_hub import snapshot_download
@@ -127,14 +129,38 @@ def resolve_source(src: str) -> Path:
             src, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.md"]
         )
     except Exception as e:  # network, auth, missing repo: one line for the user
-        raise ConversionError(f"could not fetch {src} from the Hub ({type(e).__name__}: {e}); "
-                              "download it first or give a local folder") from None
+        raise ConversionError(_hub_problem(src, e)) from None
     return Path(path)
+
+
+def _hub_problem(src: str, e: Exception) -> str:
+    """One line for a failed Hub download: what went wrong and what to do."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    kind = type(e).__name__
+    if isinstance(e, GatedRepoError):  # a subclass of RepositoryNotFoundError
+        return f"Hub repo {src} is gated: accept its terms on huggingface.co and log in (hf auth login)"
+    if isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError)):
+        return (f"Hub repo {src} not found: check the id (org/name), log in (hf auth login) if it is private, "
+                "or give a local folder")
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "no details")[:160]
+    return (f"could not fetch {src} from the Hub ({kind}: {first}); check the id and the network, "
+            "or download the checkpoint and give its local folder")
+
+
+def gguf_hint(path: Path) -> str:
+    """How to turn a GGUF file into the safetensors checkpoint `convert` reads."""
+    return (f"{path} is a GGUF file; convert reads a safetensors checkpoint folder: make one with python -c "
+            f"\"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{path.parent}', "
+            f"gguf_file='{path.name}').save_pretrained('{path.stem}-hf')\" (needs pip install gguf), "
+            f"then convert {path.stem}-hf")
 
 
 def read_source_config(src: Path) -> dict:
     path = src / "config.json"
     if not path.is_file():
+        if any(src.glob("*.gguf")):
+            raise ConversionError(gguf_hint(next(src.glob("*.gguf"))))
         raise ConversionError(f"{src} has no config.json; is it a Transformers checkpoint folder?")
     try:
         cfg = json.loads(path.read_text())
@@ -157,6 +183,8 @@ def source_shards(src: Path) -> list[Path]:
         shards = [src / n for n in names]
     elif (src / "model.safetensors").is_file():
         shards = [src / "model.safetensors"]
+    elif any(src.glob("*.gguf")):
+        raise ConversionError(gguf_hint(next(src.glob("*.gguf"))))
     elif any(src.glob("*.bin")) or any(src.glob("*.pt")):
         raise ConversionError(f"{src} has only PyTorch .bin weights; re-save it with safetensors "
                               "(model.save_pretrained(dir)) and convert that")
