@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -322,6 +321,6 @@ class SSEModel(SubquadraticModel):
     config_class = SSEConfig
 
 
-class SSEForCausalLM(SubquadraticForCausalLM, GenerationMixin):
+class SSEForCausalLM(SubquadraticForCausalLM):
     config_class = SSEConfig
     base_model_class = SSEModel
