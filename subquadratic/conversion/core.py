@@ -267,6 +267,15 @@ def keep_source_attention(config, layer_types: list[str]):
     return config
 
 
+def softmax_layer_notes(config) -> str:
+    """The kept softmax layers for a model card: "5, 11 (sliding window 4096)", or "none"."""
+    from ..configuration.base import SOFTMAX_MIXERS
+
+    kept = [(i, kind) for i, kind in enumerate(config.mixer_types) if kind in SOFTMAX_MIXERS]
+    return ", ".join(f"{i} (sliding window {config.sliding_window})" if kind == "sliding_attention" else str(i)
+                     for i, kind in kept)
+
+
 def check_shapes(shards: list[Path], fields: dict) -> None:
     """Layer 0's q/k/v shapes must match heads x head_dim, or the config and weights disagree."""
     want = {
