@@ -190,6 +190,10 @@ def test_training_gives_every_parameter_a_gradient(case):
     out = model(x, labels=x)
     out.loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
+    if model.config.model_type == "spla" and model.config.budget_tokens >= T:
+        # inside the budget SPLA is exact softmax attention: the residual term, and gamma with it,
+        # takes no part (the sparse case below trains gamma)
+        missing = [n for n in missing if "rla_norm" not in n]
     assert not missing, f"no gradient for {missing}"
     assert torch.isfinite(out.loss)
 
@@ -198,13 +202,16 @@ def test_gradient_checkpointing_gives_the_same_gradients(case):
     model = make(case).train()
     x = ids()
     model(x, labels=x).loss.backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable()
     model(x, labels=x).loss.backward()
     for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-5, msg=n)
+        if ref[n] is None:
+            assert p.grad is None, n
+        else:
+            torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-5, msg=n)
 
 
 def test_save_load_and_config_round_trip(case, tmp_path):
