@@ -3,11 +3,14 @@
 # Transformers bound (5.17, the oldest, and the newest 5.x), each with the CPU build of PyTorch.
 # The real-model tests (marker `slow`, SmolLM2-135M) and the Triton kernel tests (under
 # TRITON_INTERPRET=1) run once, in the newest environment.
-set -euo pipefail
+# Both environments always run; the script prints each one's summary at the end and fails if either failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 run_env() {  # name, transformers requirement, pytest marker expression, extra requirements
   local venv=".venv-$1"
+  (
+  set -e
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check torch==2.13.0
   "$venv/bin/pip" install -q --disable-pip-version-check -e ".[test]" "$2" ${4:-}
@@ -15,7 +18,17 @@ run_env() {  # name, transformers requirement, pytest marker expression, extra r
   echo "== $("$venv/bin/python" -c 'import transformers as t; print("transformers", t.__version__)')"
   "$venv/bin/ruff" check subquadratic tests scripts
   "$venv/bin/python" -m pytest -q -m "$3" -p no:cacheprovider tests
+  ) 2>&1 | tee ".test-$1.log"
 }
-run_env tf-oldest "transformers==5.17.*" "not slow and not gpu"
+summary() {  # name, exit status: pytest's last summary line (or the step that failed before it)
+  local last
+  last=$(grep -E "(passed|failed|error|no tests ran)" ".test-$1.log" | tail -n 1)
+  echo "$1: $([ "$2" -eq 0 ] && echo ok || echo "FAILED (exit $2)") ${last:-(no test summary: see .test-$1.log)}"
+}
+run_env tf-oldest "transformers==5.17.*" "not slow and not gpu"; oldest=$?
 # Triton kernels run in Triton's CPU interpreter here, on the Triton the pinned torch brings
-run_env tf-newest "transformers>=5.17,<6" "not gpu" "triton"
+run_env tf-newest "transformers>=5.17,<6" "not gpu" "triton"; newest=$?
+echo "== summary"
+summary tf-oldest "$oldest"
+summary tf-newest "$newest"
+[ "$oldest" -eq 0 ] && [ "$newest" -eq 0 ]

@@ -68,16 +68,18 @@ class Family:
 
     def cli_options(self) -> dict[str, dict]:
         """`--prefix-key` -> argparse keyword arguments (with `dest` filled in)."""
-        prefix = self.option_prefix or self.model_type
-        return {
-            f"--{prefix}-{key}": {"dest": key.replace("-", "_"), **kw} for key, kw in self.options.items()
-        }
+        return cli_flags(self.option_prefix or self.model_type, self.options)
 
     def preset(self, name: str, **overrides):
         """A config of the preset `name` with fields overridden by keyword."""
         if name not in self.presets:
             raise ValueError(f"unknown {self.name} preset {name!r}; available: {', '.join(self.presets)}")
         return self.config_class(**{**self.presets[name], **overrides})
+
+
+def cli_flags(prefix: str, options: dict[str, dict]) -> dict[str, dict]:
+    """`--prefix-key` -> argparse keyword arguments, `dest` defaulting to the key with underscores."""
+    return {f"--{prefix}-{key}": {"dest": key.replace("-", "_"), **kw} for key, kw in options.items()}
 
 
 def register_family(family: Family, *, auto_classes: bool = True) -> Family:

@@ -10,6 +10,9 @@ model card and the CLI options):
   - `new_tensors(config)`: parameters the source lacks; by default every mixer's own
     `reset_mixer_parameters` output for the parameters whose names `from_source` does not match;
   - `card_notes(config)`: values for the family's model card template.
+The softmax layers a family keeps compute what the source's layers computed: a layer the source ran
+over a sliding window (Mistral, Qwen2 / Qwen3 `use_sliding_window`, per-layer `layer_types`) stays
+a "sliding_attention" layer with that window (`source_layer_types`, `keep_source_attention`).
 `convert()` checks the source, writes everything into a temporary folder next to OUT and renames
 it at the end, so a failure leaves nothing behind and SRC is never touched.
 """
@@ -112,10 +115,12 @@ def resolve_source(src: str) -> Path:
     """A local folder, or a Hub id resolved through huggingface_hub (its cache; offline if so set)."""
     p = Path(src).expanduser()
     if p.exists():
+        if p.is_file() and p.suffix == ".gguf":
+            raise ConversionError(gguf_hint(p))
         if not p.is_dir():
             raise ConversionError(f"source {src} is a file; give the checkpoint folder")
         return p.resolve()
-    if src.count("/") != 1 or src.startswith((".", "/")):
+    if src.count("/") != 1 or src.startswith((".", "/", "~")) or src.endswith((".gguf", ".safetensors")):
         raise ConversionError(f"source {src} does not exist; give a checkpoint folder or a Hub id like org/name")
     try:
         from huggingface_hub import snapshot_download
@@ -124,14 +129,38 @@ def resolve_source(src: str) -> Path:
             src, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.md"]
         )
     except Exception as e:  # network, auth, missing repo: one line for the user
-        raise ConversionError(f"could not fetch {src} from the Hub ({type(e).__name__}: {e}); "
-                              "download it first or give a local folder") from None
+        raise ConversionError(_hub_problem(src, e)) from None
     return Path(path)
+
+
+def _hub_problem(src: str, e: Exception) -> str:
+    """One line for a failed Hub download: what went wrong and what to do."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    kind = type(e).__name__
+    if isinstance(e, GatedRepoError):  # a subclass of RepositoryNotFoundError
+        return f"Hub repo {src} is gated: accept its terms on huggingface.co and log in (hf auth login)"
+    if isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError)):
+        return (f"Hub repo {src} not found: check the id (org/name), log in (hf auth login) if it is private, "
+                "or give a local folder")
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "no details")[:160]
+    return (f"could not fetch {src} from the Hub ({kind}: {first}); check the id and the network, "
+            "or download the checkpoint and give its local folder")
+
+
+def gguf_hint(path: Path) -> str:
+    """How to turn a GGUF file into the safetensors checkpoint `convert` reads."""
+    return (f"{path} is a GGUF file; convert reads a safetensors checkpoint folder: make one with python -c "
+            f"\"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{path.parent}', "
+            f"gguf_file='{path.name}').save_pretrained('{path.stem}-hf')\" (needs pip install gguf), "
+            f"then convert {path.stem}-hf")
 
 
 def read_source_config(src: Path) -> dict:
     path = src / "config.json"
     if not path.is_file():
+        if any(src.glob("*.gguf")):
+            raise ConversionError(gguf_hint(next(src.glob("*.gguf"))))
         raise ConversionError(f"{src} has no config.json; is it a Transformers checkpoint folder?")
     try:
         cfg = json.loads(path.read_text())
@@ -154,6 +183,8 @@ def source_shards(src: Path) -> list[Path]:
         shards = [src / n for n in names]
     elif (src / "model.safetensors").is_file():
         shards = [src / "model.safetensors"]
+    elif any(src.glob("*.gguf")):
+        raise ConversionError(gguf_hint(next(src.glob("*.gguf"))))
     elif any(src.glob("*.bin")) or any(src.glob("*.pt")):
         raise ConversionError(f"{src} has only PyTorch .bin weights; re-save it with safetensors "
                               "(model.save_pretrained(dir)) and convert that")
@@ -197,7 +228,52 @@ def source_fields(cfg: dict) -> dict:
     fields["qkv_bias"] = True if mt == "qwen2" else (attention_bias if mt in ("llama", "qwen3") else False)
     fields["o_bias"] = attention_bias if mt in ("llama", "qwen3") else False
     fields["qk_norm"] = mt == "qwen3"
+    if "sliding_attention" in source_layer_types(cfg):
+        fields["sliding_window"] = cfg["sliding_window"]
     return fields
+
+
+def source_layer_types(cfg: dict) -> list[str]:
+    """Each source layer's attention, "full_attention" or "sliding_attention", as the source computes
+    it: an explicit per-layer `layer_types` (Qwen2 / Qwen3 in Transformers 5, Gemma-style
+    alternation); else Qwen2 / Qwen3's `use_sliding_window` from layer `max_window_layers` on;
+    else Mistral's `sliding_window` on every layer; else full attention everywhere."""
+    n = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window")
+    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None  # Qwen's sliding_window is inert unless use_sliding_window is set
+    if not window:
+        return ["full_attention"] * n
+    kinds = cfg.get("layer_types")
+    if kinds is not None:
+        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if len(kinds) != n or unknown:
+            raise ConversionError(f"source layer_types {kinds} must give full_attention or sliding_attention for "
+                                  f"each of the {n} layers; the source config is inconsistent")
+        return list(kinds)
+    if cfg.get("model_type") in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", 28)  # Transformers' default for Qwen2 / Qwen3
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return ["sliding_attention"] * n
+
+
+def keep_source_attention(config, layer_types: list[str]):
+    """The softmax layers a family keeps compute what the source's layers computed: a kept layer whose
+    source attended over a sliding window becomes a "sliding_attention" layer with that window."""
+    config.mixer_types = [
+        src if kind == "full_attention" else kind for kind, src in zip(config.mixer_types, layer_types, strict=True)
+    ]
+    config.check()
+    return config
+
+
+def softmax_layer_notes(config) -> str:
+    """The kept softmax layers for a model card: "5, 11 (sliding window 4096)", or "none"."""
+    from ..configuration.base import SOFTMAX_MIXERS
+
+    kept = [(i, kind) for i, kind in enumerate(config.mixer_types) if kind in SOFTMAX_MIXERS]
+    return ", ".join(f"{i} (sliding window {config.sliding_window})" if kind == "sliding_attention" else str(i)
+                     for i, kind in kept)
 
 
 def check_shapes(shards: list[Path], fields: dict) -> None:
@@ -267,7 +343,7 @@ def convert(
     fields = source_fields(src_cfg)
     check_shapes(shards, fields)
     try:
-        config = conv.build_config(fields, options)
+        config = keep_source_attention(conv.build_config(fields, options), source_layer_types(src_cfg))
     except ValueError as e:
         raise ConversionError(f"invalid settings: {e}") from None
     cast = DTYPES.get(dtype)

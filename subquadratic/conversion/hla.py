@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..configuration.base import SOFTMAX_MIXERS, hybrid_mixer_types
 from ..configuration.hla import HLAConfig
-from .core import Converter
+from .core import Converter, softmax_layer_notes
 
 #: Options passed straight to HLAConfig.
 CONFIG_OPTIONS = ("hla_variant", "decay_mode", "hla_chunk_size", "hla_normalize", "hla_rope")
@@ -40,7 +40,7 @@ def card_notes(config: HLAConfig) -> dict[str, str]:
         "decay_mode": config.decay_mode,
         "num_layers": str(config.num_hidden_layers),
         "num_hla_layers": str(config.num_hidden_layers - len(soft)),
-        "softmax_layers": ", ".join(map(str, soft)) or "none (pure HLA)",
+        "softmax_layers": softmax_layer_notes(config) or "none (pure HLA)",
     }
 
 

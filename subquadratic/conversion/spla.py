@@ -14,11 +14,29 @@ def build_config(fields: dict, options: dict) -> SPLAConfig:
     return SPLAConfig(**fields, **{k: v for k, v in options.items() if k in OPTIONS and v is not None})
 
 
+def _blocks(n: int, what: str) -> str:
+    return f"the {what} block" if n == 1 else f"the {n} {what} blocks"
+
+
 def card_notes(config: SPLAConfig) -> dict[str, str]:
+    """The model card's description of the selection, filled from the converted config."""
+    forced = [_blocks(config.num_local_blocks, "most recent")]
+    if config.num_sink_blocks:
+        forced.insert(0, _blocks(config.num_sink_blocks, "first"))
+    window = config.sliding_window
     return {
         "budget": f"{config.top_k_blocks} blocks x {config.block_size} tokens = {config.budget_tokens} tokens",
         "block_size": str(config.block_size),
         "top_k_blocks": str(config.top_k_blocks),
+        "forced_blocks": " and ".join(forced) + " always included, the current partial block among the recent ones",
+        "selection": {"taylor": "a second-order Taylor score (block mean and variance)",
+                      "mean": "a first-order score (the block mean)"}[config.selection],
+        "residual": ("the tokens it skips are summarised by a residual linear-attention term whose per-head "
+                     "RMSNorm gain gamma is initialised to zero" if config.use_rla else
+                     "the tokens it skips are not attended (the residual linear-attention term is off)"),
+        "window_note": (f"The source attended over a sliding window of {window} tokens; SPLA layers attend over "
+                        "the whole context, so beyond the window the conversion differs from the source."
+                        if window and "sliding_attention" not in config.mixer_types else ""),
     }
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ..configuration.base import SOFTMAX_MIXERS, hybrid_mixer_types
 from ..configuration.sse import SSEConfig
-from .core import Converter, fresh_mixer_tensors
+from .core import Converter, fresh_mixer_tensors, softmax_layer_notes
 
 #: Options passed straight to SSEConfig.
 CONFIG_OPTIONS = ("sse_num_partitions", "sse_top_k", "sse_sliding_window", "sse_base", "sse_key_topk", "sse_lora_rank")
@@ -76,7 +76,7 @@ def card_notes(config: SSEConfig) -> dict[str, str]:
         "sse_base": config.sse_base,
         "num_layers": str(config.num_hidden_layers),
         "num_sse_layers": str(config.num_hidden_layers - len(soft)),
-        "softmax_layers": ", ".join(map(str, soft)) or "none (pure SSE)",
+        "softmax_layers": softmax_layer_notes(config) or "none (pure SSE)",
         "sliding_window": f"{config.sse_sliding_window} tokens" if config.sse_sliding_window else "off",
     }
 

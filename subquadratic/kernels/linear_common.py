@@ -138,14 +138,58 @@ def varlen(terms, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...],
     return o.to(q.dtype), S_last[plan.rank]
 
 
-def dense(varlen_fn, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...],
+def segments(terms, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...], seg: Tensor, pos: Tensor,
+             initial_state: Tensor, max_len: int, chunk_size: int,
+             num_chunks: int | None = None) -> tuple[Tensor, Tensor]:
+    """The packed form with fixed shapes and no host synchronisation: tokens [M, H, *] of
+    `initial_state.shape[0]` segments, token i at position pos[i] of segment seg[i] (each segment's
+    positions 0, 1, ... without gaps, in any row order), no segment longer than `max_len` (a bound
+    known from shapes). Each segment is cut into chunks of C tokens (compact, at most
+    M // C + num_segments chunks in all, or `num_chunks` when the caller knows the exact count);
+    the carry runs ceil(max_len / C) steps over every segment at once, masked where a segment has
+    no chunk left. Returns (o [M, H, Dv] in q.dtype, final states [S, H, Dk, Dv])."""
+    M, H, Dk = q.shape
+    Dv = v.shape[-1]
+    S_n = initial_state.shape[0]
+    C = chunk_size
+    dt = acc_dtype(q)
+    dev = q.device
+    lens = torch.zeros(S_n, dtype=torch.long, device=dev).index_add(0, seg, torch.ones_like(seg))
+    n_chunks = (lens + C - 1) // C                                   # [S]
+    first = n_chunks.cumsum(0) - n_chunks                            # first chunk of each segment
+    Nc = M // C + S_n if num_chunks is None else num_chunks
+    dest = (first[seg] + pos // C) * C + pos % C                     # [M] row in the chunk buffer
+
+    def to_chunks(x: Tensor) -> Tensor:
+        buf = x.new_zeros(Nc * C, *x.shape[1:]).index_put((dest,), x)
+        return buf.view(Nc, C, *x.shape[1:]).transpose(1, 2)
+
+    trans, inject, out = terms(*(to_chunks(x.to(dt)) for x in (q, k, v, *decays)))
+    S = initial_state.to(dt)
+    before = q.new_zeros(Nc, H, Dk, Dv, dtype=dt)
+    for j in range(-(-max_len // C)):
+        live = n_chunks > j                                          # [S] segments with a chunk j
+        idx = torch.where(live, first + j, 0).clamp(max=Nc - 1)      # dead ones read chunk 0, masked
+        gate = live[:, None, None, None]
+        before = before.index_add(0, idx, S * gate)                  # every live index is distinct
+        S = torch.where(gate, trans(idx, S) + inject[idx], S)
+    o = out(before).transpose(1, 2).reshape(Nc * C, H, Dv)[dest]
+    return o.to(q.dtype), S
+
+
+def dense(terms, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...],
            state: Tensor | None, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """[B, T, H, *] as B segments of length T of the packed form."""
-    B, T, H, _ = q.shape
-    cu = torch.arange(B + 1, device=q.device) * T
+    """[B, T, H, *] as B segments of length T of the packed form (`segments`; fixed shapes)."""
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    dev = q.device
     flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, *decays)]
-    o, S = varlen_fn(*flat, cu_seqlens=cu, initial_state=state, chunk_size=chunk_size)
-    return o.view(B, T, H, v.shape[-1]), S
+    seg = torch.arange(B, device=dev).repeat_interleave(T)
+    pos = torch.arange(T, device=dev).repeat(B)
+    S0 = q.new_zeros(B, H, Dk, Dv, dtype=acc_dtype(q)) if state is None else state
+    o, S = segments(terms, *flat[:3], tuple(flat[3:]), seg, pos, S0, T, chunk_size,
+                    num_chunks=B * -(-T // chunk_size))
+    return o.view(B, T, H, Dv), S
 
 
 def check_dense(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor | None,

@@ -45,6 +45,9 @@ class SequenceInfo:
     valid: torch.Tensor
     key_positions: torch.Tensor
     _key_offsets: tuple = ()
+    #: Set when the caller asked for attention weights: mixers that compute them
+    #: (`computes_attention_weights`) record theirs here by layer index, [B, HQ, T, S] each.
+    attentions: dict | None = None
 
     def key_offsets(self) -> torch.Tensor | None:
         """Slot of each row's position 0 when each row's real tokens sit in consecutive slots (left or
@@ -89,6 +92,8 @@ class AttentionBase(nn.Module):
 
     cache_layer_cls: type[StateLayer] = KVLayer
     needs_key_positions = True
+    #: Whether the mixer forms softmax attention weights it can return for `output_attentions`.
+    computes_attention_weights = False
 
     def __init__(self, config: SubquadraticConfig, layer_idx: int, num_kv_heads: int | None = None) -> None:
         super().__init__()
@@ -144,7 +149,11 @@ class AttentionBase(nn.Module):
 
 class SoftmaxAttention(AttentionBase):
     """Exact softmax attention (full, or a sliding window for `sliding_attention` layers), through
-    Transformers' eager or SDPA attention function with an explicit position-based mask."""
+    Transformers' eager or SDPA attention function with an explicit position-based mask. When the
+    caller asks for attention weights (`seq.attentions` is a dict), the eager path runs and records
+    them."""
+
+    computes_attention_weights = True
 
     def __init__(self, config: SubquadraticConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -162,14 +171,16 @@ class SoftmaxAttention(AttentionBase):
         allowed |= (qp < 0)  # padded queries attend anywhere (their output is discarded)
         mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
         mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None]
-        if self.config._attn_implementation == "eager":
+        if self.config._attn_implementation == "eager" or seq.attentions is not None:
             fn = eager_attention_forward
         else:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
-        o, _ = fn(
+        o, weights = fn(
             self, q, k, v, mask, dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling, is_causal=False,
         )
+        if seq.attentions is not None:
+            seq.attentions[self.layer_idx] = weights
         o = o * seq.valid[:, :, None, None]  # [B, T, HQ, D]
         return self.o_proj(o.reshape(*o.shape[:2], -1)), None
 
@@ -218,8 +229,16 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["SubquadraticDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values", "cache"]
+    # Softmax layers run Transformers' eager or SDPA functions with an explicit position mask; the
+    # other mixers run their own kernels. No flash / flex attention, no external attention backends.
     _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
     _supports_attention_backend = False
+    # Running states (linear mixers, SPLA's residual state) cannot be split along the sequence.
+    _supports_context_parallel = False
+    # generate() must not compile a static cache: the cache grows in Python-managed buffers.
+    _can_compile_fullgraph = False
     # Running states cannot be rolled back token by token (no assisted decoding).
     _is_stateful = True
 
@@ -254,6 +273,25 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         if kwargs.get("is_main_process", True):
             write_remote_code(save_directory, self.config.model_type)
 
+    def output_options(
+        self, output_hidden_states: bool | None, output_attentions: bool | None, return_dict: bool | None
+    ) -> tuple[bool, bool, bool]:
+        """The forward's output switches, each defaulting to the config's (`output_hidden_states`,
+        `output_attentions`, `return_dict`). Attention weights exist only where every layer forms
+        them (softmax attention): asking a model with other mixers raises a ValueError naming them."""
+        cfg = self.config
+        hidden = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
+        attentions = cfg.output_attentions if output_attentions is None else output_attentions
+        ret = cfg.return_dict if return_dict is None else return_dict
+        if attentions:
+            lacking = sorted({t for t in cfg.mixer_types if not MIXERS[t].computes_attention_weights})
+            if lacking:
+                raise ValueError(
+                    f"output_attentions is not available: the {', '.join(map(repr, lacking))} layers do not form "
+                    "softmax attention weights; call the model with output_attentions=False"
+                )
+        return bool(hidden), bool(attentions), ret is not False
+
     def new_cache(self) -> SubquadraticCache:
         """An empty cache with one state layer per decoder layer."""
         kinds = [MIXERS[t] for t in self.config.mixer_types]
@@ -285,9 +323,14 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         cache: SubquadraticCache | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs,
-    ) -> SubquadraticModelOutput:
+    ) -> SubquadraticModelOutput | tuple:
         cache = cache if cache is not None else past_key_values
+        output_hidden_states, output_attentions, return_dict = self.output_options(
+            output_hidden_states, output_attentions, return_dict
+        )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -316,7 +359,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         if position_ids is None:
             position_ids = q_pos.clamp(min=0)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos)
+        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos,
+                           attentions={} if output_attentions else None)
 
         hidden = inputs_embeds
         all_hidden = (hidden,) if output_hidden_states else None
@@ -333,13 +377,18 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         hidden = self.norm(hidden)
         if output_hidden_states:
             all_hidden = all_hidden[:-1] + (hidden,)
-        return SubquadraticModelOutput(
+        out = SubquadraticModelOutput(
             last_hidden_state=hidden, hidden_states=all_hidden, aux_loss=aux_total,
+            attentions=tuple(seq.attentions[i] for i in range(len(self.layers))) if output_attentions else None,
             **{CACHE_FIELD: cache if use_cache else None},
         )
+        return out if return_dict else out.to_tuple()
 
 
 class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
+    """The decoder plus the LM head. PreTrainedModel does not bring GenerationMixin, so each causal-LM
+    class names it among its direct bases (Transformers' `can_generate()` looks there first)."""
+
     base_model_class = SubquadraticModel
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -365,12 +414,18 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         cache: SubquadraticCache | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs,
-    ) -> SubquadraticCausalLMOutput:
+    ) -> SubquadraticCausalLMOutput | tuple:
+        output_hidden_states, output_attentions, return_dict = self.output_options(
+            output_hidden_states, output_attentions, return_dict
+        )
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
-            cache=cache if cache is not None else past_key_values,
+            output_attentions=output_attentions, cache=cache if cache is not None else past_key_values,
+            return_dict=True,
         )
         hidden = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -383,9 +438,10 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
             )
             if out.aux_loss is not None and self.config.aux_loss_weight:
                 loss = loss + self.config.aux_loss_weight * out.aux_loss
-        return SubquadraticCausalLMOutput(
-            loss=loss, logits=logits, hidden_states=out.hidden_states, aux_loss=out.aux_loss,
-            **{CACHE_FIELD: getattr(out, CACHE_FIELD)},
+        result = SubquadraticCausalLMOutput(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions,
+            aux_loss=out.aux_loss, **{CACHE_FIELD: getattr(out, CACHE_FIELD)},
         )
+        return result if return_dict else result.to_tuple()
 
 

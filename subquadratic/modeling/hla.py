@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as Fn
 from torch import nn
+from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ..configuration.hla import HLAConfig
@@ -125,6 +126,6 @@ class HLAModel(SubquadraticModel):
     config_class = HLAConfig
 
 
-class HLAForCausalLM(SubquadraticForCausalLM):
+class HLAForCausalLM(SubquadraticForCausalLM, GenerationMixin):
     config_class = HLAConfig
     base_model_class = HLAModel

@@ -9,6 +9,7 @@ attention (and as the dense model while the budget covers the context).
 from __future__ import annotations
 
 import torch
+from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ..configuration.spla import SPLAConfig
@@ -105,6 +106,6 @@ class SPLAModel(SubquadraticModel):
     config_class = SPLAConfig
 
 
-class SPLAForCausalLM(SubquadraticForCausalLM):
+class SPLAForCausalLM(SubquadraticForCausalLM, GenerationMixin):
     config_class = SPLAConfig
     base_model_class = SPLAModel

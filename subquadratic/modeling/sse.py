@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -321,6 +322,6 @@ class SSEModel(SubquadraticModel):
     config_class = SSEConfig
 
 
-class SSEForCausalLM(SubquadraticForCausalLM):
+class SSEForCausalLM(SubquadraticForCausalLM, GenerationMixin):
     config_class = SSEConfig
     base_model_class = SSEModel

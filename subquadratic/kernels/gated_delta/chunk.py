@@ -64,4 +64,4 @@ def gdn_chunked(q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, beta: Tensor
     """Chunked (WY / UT-transform) gated delta rule, equal to `gdn_recurrent` up to
     rounding. q, k: [B, T, H, Dk], v: [B, T, H, Dv], log_alpha, beta: [B, T, H]."""
     check_dense(q, k, v, log_alpha, beta, state, "log_alpha", per_key=False)
-    return dense(gdn_varlen, q, k, v, (log_alpha, beta), state, chunk_size)
+    return dense(_gdn_chunk_terms, q, k, v, (log_alpha, beta), state, chunk_size)

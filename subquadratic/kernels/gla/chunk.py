@@ -98,4 +98,4 @@ def gla_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, state: Tensor | None
     """Chunked GLA, equal to `gla_recurrent` up to rounding (any T, any chunk_size).
     q, k, g: [B, T, H, Dk], v: [B, T, H, Dv], state: [B, H, Dk, Dv]."""
     check_dense(q, k, v, g, None, state, "g", per_key=True)
-    return dense(gla_varlen, q, k, v, (g,), state, chunk_size)
+    return dense(_gla_chunk_terms, q, k, v, (g,), state, chunk_size)

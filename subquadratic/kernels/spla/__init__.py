@@ -81,16 +81,17 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto",
     computed here when not given (one host sync)."""
     if backend in ("auto", "torch") and within_budget(k.shape[1], kw["block_size"], kw["top_k_blocks"]):
         return spla_dense(q, k, v, q_pos, k_pos, sbar)
-    if callable(k_offsets):
-        k_offsets = k_offsets()
     why = None
-    if q.is_cuda and backend in ("auto", "triton"):
+    if q.is_cuda and backend in ("auto", "triton"):  # the offsets (a host sync) only where kernels may run
+        k_offsets = k_offsets() if callable(k_offsets) else k_offsets
         if k_offsets is None:
             k_offsets = slot_offsets(k_pos)
         why = triton_unsupported(q.shape[-1], kw["block_size"], k_offsets)
     path = resolve_backend(backend, q.device, op="SPLA", has_triton=True, has_naive=False, unsupported=why)
     if path == "torch":
         return spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, **kw)
+    if callable(k_offsets):
+        k_offsets = k_offsets()
     return spla_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, **kw)
 
 

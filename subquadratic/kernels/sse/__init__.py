@@ -36,7 +36,8 @@ def sse_attention(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
     Triton kernels on CUDA for the GLA base in fp32/bf16/fp16 with chunk_size 16, 32 or 64 and head
     dims up to 128 (keys) / 256 (values), else "torch": the recurrent step for one token (decode)
     and the sorted variable-length form otherwise; "naive" the serial recurrence at every length.
-    `topk`: the router's K (selections per token), which sizes the Triton grouping (default N).
+    `topk`: the router's K (selections per token), which sizes the fixed-shape grouping of every
+    form (default N).
     `inplace=True` (inference with a cache) lets the one-token forms write the new states into
     `state`'s tensors, touching only the selected rows of `state.parts`; the chunked forms ignore it."""
     why = triton_unsupported(q1, v, base, chunk_size)
@@ -48,8 +49,9 @@ def sse_attention(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
                           chunk_size=chunk_size, topk=topk, inplace=inplace and state is not None)
     if path == "naive" or q1.shape[1] == 1:
         return sse_recurrent(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=base, beta=beta,
-                             inplace=inplace and state is not None)
-    return sse_varlen(q1, k1, q2, k2, v, g1, g2, probs, sel, state, chunk_size, base=base, beta=beta)
+                             inplace=inplace and state is not None, topk=topk)
+    return sse_varlen(q1, k1, q2, k2, v, g1, g2, probs, sel, state, chunk_size, base=base, beta=beta,
+                      topk=topk)
 
 
 def triton_unsupported(q1: Tensor, v: Tensor, base: str, chunk_size: int) -> str | None:

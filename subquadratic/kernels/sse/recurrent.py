@@ -49,7 +49,9 @@ import torch
 from torch import Tensor
 
 from ..gated_delta import gdn_chunked, gdn_step, gdn_varlen
+from ..gated_delta.chunk import _gdn_chunk_terms
 from ..gla import gla_chunked, gla_step, gla_varlen
+from ..gla.chunk import _gla_chunk_terms
 from ..utils import acc_dtype
 
 
@@ -73,13 +75,14 @@ class _Base:
     step: Callable[..., Tensor]                  # (S, k, v, decay, *extra) -> S
     chunked: Callable[..., tuple[Tensor, Tensor]]  # (q, k, v, decay, *extra, state=, chunk_size=)
     varlen: Callable[..., tuple[Tensor, Tensor]]   # (q, k, v, decay, *extra, cu_seqlens=, ...)
+    terms: Callable                              # chunk terms for `linear_common.segments`
     per_key_decay: bool                          # decay [B, T, H, Dk] (else [B, T, H])
     needs_beta: bool
 
 
 _BASES = {
-    "gla": _Base(gla_step, gla_chunked, gla_varlen, per_key_decay=True, needs_beta=False),
-    "gdn": _Base(gdn_step, gdn_chunked, gdn_varlen, per_key_decay=False, needs_beta=True),
+    "gla": _Base(gla_step, gla_chunked, gla_varlen, _gla_chunk_terms, per_key_decay=True, needs_beta=False),
+    "gdn": _Base(gdn_step, gdn_chunked, gdn_varlen, _gdn_chunk_terms, per_key_decay=False, needs_beta=True),
 }
 
 
@@ -132,14 +135,16 @@ def setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base: str, beta: Tensor 
 def sse_recurrent(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor,
                   g2: Tensor, probs: Tensor, sel: Tensor, state: SSEState | None = None, *,
                   base: str = "gla", beta: Tensor | None = None,
-                  inplace: bool = False) -> tuple[Tensor, SSEState]:
+                  inplace: bool = False, topk: int | None = None) -> tuple[Tensor, SSEState]:
     """Serial SSE (the oracle, and the decode step when T = 1).
 
     Each step touches only the selected partitions: their states are gathered
     with an index, updated and scattered back. With `inplace=True` (inference
     with a cache) the new states are written into `state`'s tensors, so only
     the selected rows of `state.parts` are written; otherwise `state` is left
-    as it is and new tensors are returned. Returns (o [B, T, H, Dv], state).
+    as it is and new tensors are returned. Fixed shapes: each step gathers K partitions per row
+    (`topk`, at most that many selected; None: N), a row's unselected ones (padding) left as they
+    are, so no step synchronises with the host. Returns (o [B, T, H, Dv], state).
     """
     ops, extra, state = setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
     B, T, H, _ = q1.shape
@@ -149,14 +154,20 @@ def sse_recurrent(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
     q1, k1, q2, k2, v, g1, g2, probs = (x.to(dt) for x in (q1, k1, q2, k2, v, g1, g2, probs))
     extra = tuple(x.to(dt) for x in extra)
     S0, parts = state.shared.to(dt), state.parts.to(dt)   # [B, H, Dk, Dv], [B, N, H, Dk, Dv]
+    K = probs.shape[-1] if topk is None else min(topk, probs.shape[-1])
+    b = torch.arange(B, device=q1.device).repeat_interleave(K)      # [B K]
     outs = []
     for t in range(T):
         S0 = ops.step(S0, k1[:, t], v[:, t], g1[:, t], *(x[:, t] for x in extra))
         o_t = _read(q1[:, t], S0)                                    # [B, H, Dv]
-        b, n = sel[:, t].nonzero(as_tuple=True)                      # [P] selected (b, partition)
+        n = sel[:, t].to(torch.int8).topk(K, dim=-1).indices.reshape(-1)  # [P = B K] (b, partition)
+        live = sel[b, t, n][:, None, None, None]                     # [P, 1, 1, 1] selected, not padding
         p = probs[b, t, n][:, None, None]                            # [P, 1, 1]
-        S_sel = ops.step(parts[b, n], p * k2[b, t], v[b, t], g2[b, t], *(x[b, t] for x in extra))
+        old = parts[b, n]
+        S_sel = ops.step(old, p * k2[b, t], v[b, t], g2[b, t], *(x[b, t] for x in extra))
+        S_sel = torch.where(live, S_sel, old)
         parts = parts.index_put_((b, n), S_sel) if inplace else parts.index_put((b, n), S_sel)
+        p = p * live[..., 0]
         outs.append(o_t.index_add(0, b, _read(p * q2[b, t], S_sel)))
     o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, v.shape[-1])
     if inplace:

@@ -31,9 +31,11 @@ def sse_aux_loss(probs: Tensor, sel: Tensor, valid: Tensor | None = None) -> Ten
     N = probs.shape[-1]
     if valid is None:
         valid = sel.any(-1)
-    valid = valid.bool()
-    p, s = probs[valid], sel[valid].to(probs.dtype)                  # [V, N]
-    if p.shape[0] == 0:
-        return probs.sum() * 0.0
-    K = s[0].sum()
-    return N / K * (p.mean(0) * s.mean(0)).sum()
+    w = valid.to(probs.dtype)[..., None]                             # [B, T, 1]; masks, no indexing
+    count = w.sum()
+    s = sel.to(probs.dtype) * w
+    p_mean = (probs * w).sum((0, 1)) / count.clamp(min=1)            # [N]
+    s_mean = s.sum((0, 1)) / count.clamp(min=1)
+    K = s.sum() / count.clamp(min=1)                                 # partitions per valid token
+    loss = N / K.clamp(min=1) * (p_mean * s_mean).sum()
+    return torch.where(count > 0, loss, probs.sum() * 0.0)
