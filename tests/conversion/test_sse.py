@@ -36,7 +36,9 @@ SOURCES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=1, head_dim=32)),
 }
 #: extra CLI options per source (Qwen3: the window branch copies q_norm/k_norm too)
-SOURCE_OPTIONS = {"llama": [], "qwen2": ["--sse-top-k", "2"], "qwen3": ["--sse-top-k", "2", "--sse-sliding-window", "4"]}
+SOURCE_OPTIONS = {
+    "llama": [], "qwen2": ["--sse-top-k", "2"], "qwen3": ["--sse-top-k", "2", "--sse-sliding-window", "4"],
+}
 
 
 def dense_source(kind: str, path) -> torch.nn.Module:

@@ -90,8 +90,6 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto",
     path = resolve_backend(backend, q.device, op="SPLA", has_triton=True, has_naive=False, unsupported=why)
     if path == "torch":
         return spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, **kw)
-    if callable(k_offsets):
-        k_offsets = k_offsets()
     return spla_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, **kw)
 
 
