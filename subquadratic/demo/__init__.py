@@ -61,7 +61,7 @@ def run_demo(to: str = "spla", prompt: str | None = None, max_new_tokens: int = 
     model = AutoModelForCausalLM.from_pretrained(conv_dir, dtype=torch.float32).eval()
     notes = family.converter.card_notes(model.config)
     print(f"[3/3] greedy generation, {max_new_tokens} new tokens; {label}: "
-          + ("; ".join(f"{k} {v}" for k, v in notes.items()) or "default settings"))
+          + ("; ".join(f"{k} {v}" for k, v in notes.items() if v) or "default settings"))
     doc = english_text(8_000)
     cases = [
         ("short prompt", prompt or SHORT_PROMPT),
