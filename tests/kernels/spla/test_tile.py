@@ -24,6 +24,8 @@ from subquadratic.kernels.spla import (  # noqa: E402
     triton_tile,
 )
 
+from .test_triton import make  # noqa: E402  (the same random inputs as the per-token kernel tests)
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -60,21 +62,6 @@ def triton_path(*args, **kw):
     if DEV == "cuda":
         return spla_attention(*args, backend="triton", **kw)
     return spla_triton(*args, **kw)
-
-
-def make(B, HQ, H, S, D, bs, pad=0, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, S, n, D, generator=g).to(DEV, dtype) for n in (HQ, H, H))  # [B, S, heads, D]
-    pos = torch.arange(S).expand(B, S).clone()
-    if pad > 0:  # left padding of the last row
-        pos[-1, :pad] = -1
-        pos[-1, pad:] = torch.arange(S - pad)
-    elif pad < 0:  # right padding of the last row
-        pos[-1, pad:] = -1
-    pos = pos.to(DEV)
-    stats = BlockStats.empty(B, H, D, DEV).add(k, pos, bs)
-    sbar = torch.randn(B, H, D, D, generator=g).to(DEV) * 0.1
-    return q, k, v, pos, stats, sbar
 
 
 def rel(a, b):
