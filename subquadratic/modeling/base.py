@@ -31,6 +31,7 @@ from ..configuration.base import SubquadraticConfig
 from ..kernels.utils import slot_offsets
 from ..registry import MIXERS, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, positions_from_mask
+from .packing import find_documents, positions_from_cu_seqlens
 
 #: Name of the cache field in model outputs and of the forward argument generate() passes:
 #: Transformers 5.24 renamed `past_key_values` to `cache`; both names are accepted on input.
@@ -336,6 +337,24 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         B, T = inputs_embeds.shape[:2]
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("attention_mask must be a 2D [batch, length] padding mask (1 = token, 0 = padding)")
+        full_valid = torch.ones(B, T, dtype=torch.bool, device=inputs_embeds.device)
+        if attention_mask is not None:
+            full_valid = attention_mask.to(inputs_embeds.device).bool()
+        if position_ids is None and kwargs.get("cu_seq_lens_q") is not None and B == 1:
+            position_ids = positions_from_cu_seqlens(kwargs["cu_seq_lens_q"].to(full_valid.device), T)
+        docs = None
+        if position_ids is not None and (cache is None or cache.get_seq_length() == 0):
+            docs = find_documents(position_ids, full_valid)
+        if docs is not None:  # a packed batch: each document runs as its own row
+            if use_cache or cache is not None:  # by default (use_cache=None) a packed batch keeps no cache
+                raise ValueError("a packed batch (position_ids restarting inside a row) cannot use a cache; "
+                                 "call the model with use_cache=False")
+            if output_attentions:
+                raise ValueError("output_attentions is not available for a packed batch (position_ids restarting "
+                                 "inside a row); pass one document per row")
+            return self._forward_documents(docs, inputs_embeds, position_ids, output_hidden_states, return_dict)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
@@ -345,11 +364,6 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
             raise TypeError(
                 f"{type(self).__name__} needs a SubquadraticCache (model.new_cache()), got {type(cache).__name__}"
             )
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError("attention_mask must be a 2D [batch, length] padding mask (1 = token, 0 = padding)")
-        full_valid = torch.ones(B, T, dtype=torch.bool, device=inputs_embeds.device)
-        if attention_mask is not None:
-            full_valid = attention_mask.to(inputs_embeds.device).bool()
         if cache is not None:
             valid = full_valid[:, -T:]
             q_pos, k_pos = cache.advance(valid)
@@ -362,8 +376,20 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos,
                            attentions={} if output_attentions else None)
 
-        hidden = inputs_embeds
-        all_hidden = (hidden,) if output_hidden_states else None
+        hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, cache,
+                                                         output_hidden_states)
+        out = SubquadraticModelOutput(
+            last_hidden_state=hidden, hidden_states=all_hidden, aux_loss=aux_total,
+            attentions=tuple(seq.attentions[i] for i in range(len(self.layers))) if output_attentions else None,
+            **{CACHE_FIELD: cache if use_cache else None},
+        )
+        return out if return_dict else out.to_tuple()
+
+    def _run_layers(self, hidden, position_embeddings, seq, cache, output_hidden_states, restore=None):
+        """The decoder layers and the final norm: (hidden, all hidden states or None, summed aux loss or
+        None). `restore` maps each recorded hidden state back to the caller's layout."""
+        restore = restore or (lambda x: x)
+        all_hidden = (restore(hidden),) if output_hidden_states else None
         aux_total = None
         for i, layer in enumerate(self.layers):
             hidden, aux = layer(
@@ -373,15 +399,24 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
             if aux is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
             if output_hidden_states:
-                all_hidden += (hidden,)
+                all_hidden += (restore(hidden),)
         hidden = self.norm(hidden)
         if output_hidden_states:
-            all_hidden = all_hidden[:-1] + (hidden,)
-        out = SubquadraticModelOutput(
-            last_hidden_state=hidden, hidden_states=all_hidden, aux_loss=aux_total,
-            attentions=tuple(seq.attentions[i] for i in range(len(self.layers))) if output_attentions else None,
-            **{CACHE_FIELD: cache if use_cache else None},
-        )
+            all_hidden = all_hidden[:-1] + (restore(hidden),)
+        return hidden, all_hidden, aux_total
+
+    def _forward_documents(self, docs, inputs_embeds, position_ids, output_hidden_states, return_dict):
+        """A packed batch, run with one document per right-padded row and packed back (`packing.py`)."""
+        valid = docs.valid
+        pos = docs.unpack(position_ids.to(valid.device).expand(docs.shape))
+        q_pos = positions_from_mask(valid)
+        hidden = docs.unpack(inputs_embeds)
+        position_embeddings = self.rotary_emb(hidden, pos)
+        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos)
+        hidden, all_hidden, aux_total = self._run_layers(hidden, position_embeddings, seq, None,
+                                                         output_hidden_states, restore=docs.pack)
+        out = SubquadraticModelOutput(last_hidden_state=docs.pack(hidden), hidden_states=all_hidden,
+                                      aux_loss=aux_total, **{CACHE_FIELD: None})
         return out if return_dict else out.to_tuple()
 
 
@@ -425,7 +460,7 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
             output_attentions=output_attentions, cache=cache if cache is not None else past_key_values,
-            return_dict=True,
+            return_dict=True, cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
         )
         hidden = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

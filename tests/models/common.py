@@ -150,6 +150,41 @@ class ModelTesterMixin:
             assert diff <= self.tester.atol, (i, diff)
             assert torch.equal(generated[i], m.generate(r[None], **kw)[0, len(r) :]), i
 
+    def test_packed_batch_keeps_documents_apart(self):
+        """Documents packed into rows with position_ids restarting at each (DataCollatorWithFlattening's
+        layout), a right-padded tail included, give each document's logits alone, and their gradients
+        reach the same parameters as the unpacked batch; with cu_seq_lens_q instead of position_ids too."""
+        from transformers import DataCollatorWithFlattening
+
+        m, T = self.tester.model(), self.tester.seq_len
+        docs = [self.tester.ids(1, n, seed=n)[0] for n in (T // 2, T - 3, 5, T // 3, 7)]
+        flat = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d.tolist()} for d in docs])
+        assert flat["position_ids"].shape == (1, sum(map(len, docs)))
+        with torch.no_grad():
+            alone = [m(d[None], use_cache=False).logits[0] for d in docs]
+            packed = m(flat["input_ids"], position_ids=flat["position_ids"]).logits[0]
+            # two rows, the second right-padded
+            rows = [torch.cat(docs[:2]), torch.cat(docs[2:])]
+            ids = torch.zeros(2, max(map(len, rows)), dtype=torch.long)
+            pos, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+            for i, (r, group) in enumerate(zip(rows, (docs[:2], docs[2:]))):
+                ids[i, : len(r)], mask[i, : len(r)] = r, 1
+                pos[i, : len(r)] = torch.cat([torch.arange(len(d)) for d in group])
+            two = m(ids, attention_mask=mask, position_ids=pos).logits
+        cu = torch.tensor([0, *torch.tensor(list(map(len, docs))).cumsum(0).tolist()], dtype=torch.int32)
+        with torch.no_grad():
+            by_cu = m(flat["input_ids"], cu_seq_lens_q=cu, cu_seq_lens_k=cu).logits[0]
+        want = torch.cat(alone)
+        for got in (packed, by_cu, torch.cat([two[0, : len(rows[0])], two[1, : len(rows[1])]])):
+            assert (got - want).abs().max().item() <= self.tester.atol
+        m.train()
+        loss = m(flat["input_ids"], position_ids=flat["position_ids"], labels=flat["labels"]).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(p.grad is not None for p in m.parameters() if p.requires_grad)
+        with pytest.raises(ValueError, match="use_cache=False"):
+            m(flat["input_ids"], position_ids=flat["position_ids"], use_cache=True)
+
     def test_bf16_cached_decode_follows_the_fp32_model(self):
         """In bf16, a prefill and one-token steps stay within bf16 rounding of the fp32 logits (measured
         at most 7.6% of the largest logit, SSE with its larger init; the others about 1%), and bf16
