@@ -1,5 +1,5 @@
-"""The `subquadratic` command line: `convert` a dense checkpoint, `push` a converted folder to the
-Hub, `demo` the embedded default.
+"""The `subquadratic` command line: `convert` a dense checkpoint, `adapt` a converted one (attention
+transfer and fine-tuning or distillation), `push` a folder to the Hub, `demo` the embedded default.
 
 Each family's `convert` options come from its registration (`registry.Family.options`) and are
 spelled `--<family prefix>-<option>` (`--spla-top-k-blocks`, `--sse-top-k`, `--hla-softmax-every`).
@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="subquadratic", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, metavar="{convert,push,demo}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{convert,adapt,push,demo}")
     flags = convert_targets()
     targets = sorted(flags)
     c = sub.add_parser("convert", help="convert a dense Llama/Mistral/Qwen2/Qwen3 checkpoint")
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
             if "choices" not in kw and kw.get("action") is None:
                 kw.setdefault("metavar", option.upper())
             p.family_dests[name].append((flag, group.add_argument(flag, dest=f"{name}.{option}", **kw).dest, option))
+    _adapt_parser(sub)
     u = sub.add_parser("push", help="upload a converted folder to the Hub")
     u.add_argument("folder", help="the converted folder (OUT of convert)")
     u.add_argument("repo", help="Hub repo id (org/name); created if missing")
@@ -62,6 +63,65 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", default=None,
                    help="where to keep the checkpoints (default ~/.cache/subquadratic, or $SUBQUADRATIC_CACHE)")
     return p
+
+
+def _adapt_parser(sub) -> None:
+    a = sub.add_parser("adapt", help="train a converted model: attention transfer from the dense teacher, then "
+                                     "LM fine-tuning or distillation (accelerate launch for several GPUs)")
+    a.add_argument("student", help="the converted folder (OUT of convert, or of an earlier adapt)")
+    a.add_argument("--output-dir", "-o", required=True, help="where the adapted model, checkpoints and log go")
+    a.add_argument("--data", nargs="+", required=True, metavar="PATH",
+                   help="text / code / jsonl / json / parquet files, folders of them, or a cached Hub dataset")
+    a.add_argument("--teacher", help="the dense source checkpoint (for attention transfer and --loss kl)")
+    a.add_argument("--max-steps", type=int, default=1000, help="optimizer steps in all (default 1000)")
+    a.add_argument("--stage1-steps", type=int, default=None,
+                   help="attention-transfer steps at the start (default: a quarter of --max-steps, rounded up, with "
+                        "--teacher, else 0)")
+    a.add_argument("--loss", default="lm", choices=("lm", "kl"),
+                   help="stage 2: next-token loss, or KL to the teacher's next-token distribution (default lm)")
+    a.add_argument("--train", default="full", choices=("full", "mixer", "new", "lora"),
+                   help="what trains: every parameter, the converted layers' mixers, only the parameters the "
+                        "dense model lacks, or LoRA adapters + those (default full; stage 1 reaches only mixers)")
+    a.add_argument("--seq-len", type=int, default=2048, help="tokens per packed row (default 2048)")
+    a.add_argument("--batch-size", type=int, default=8, help="rows per micro-batch and process (default 8)")
+    a.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    a.add_argument("--lr", type=float, default=1e-4, help="stage 2 peak learning rate (default 1e-4)")
+    a.add_argument("--stage1-lr", type=float, default=1e-3, help="stage 1 peak learning rate (default 1e-3)")
+    a.add_argument("--warmup-ratio", type=float, default=0.05, help="warmup share of each stage (default 0.05)")
+    a.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay of matrices (default 0)")
+    a.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping, 0 = off (default 1)")
+    a.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"),
+                   help="autocast precision (weights stay float32; default no)")
+    a.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    a.add_argument("--lora-rank", type=int, default=16, help="LoRA rank with --train lora (default 16)")
+    a.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha with --train lora (default 32)")
+    a.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (default 500)")
+    a.add_argument("--save-total-limit", type=int, default=2, help="checkpoints kept (default 2)")
+    a.add_argument("--keep-checkpoints", action="store_true", help="keep OUT/checkpoints after the run ends")
+    a.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
+    a.add_argument("--overwrite", action="store_true", help="start anew in a non-empty OUT")
+    a.add_argument("--text-field", default="text", help="column holding the text in jsonl / parquet data")
+    a.add_argument("--text-unit", default="document", choices=("document", "paragraph", "line"),
+                   help="one document per text file, paragraph or line (default document)")
+    a.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    a.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _adapt(args) -> None:
+    from .adaptation import AdaptConfig, adapt
+
+    cfg = AdaptConfig(
+        student=args.student, output_dir=args.output_dir, data=args.data, teacher=args.teacher,
+        max_steps=args.max_steps, stage1_steps=args.stage1_steps, loss=args.loss, train=args.train,
+        seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+        stage1_lr=args.stage1_lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm, mixed_precision=args.mixed_precision,
+        gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        save_every=args.save_every, save_total_limit=args.save_total_limit, keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume, overwrite=args.overwrite, text_field=args.text_field, text_unit=args.text_unit,
+        seed=args.seed, progress=not args.no_progress,
+    )
+    print(f"wrote {adapt(cfg)}")
 
 
 def _one_line(text: str) -> str:
@@ -118,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             _convert(parser, args)
+        elif args.command == "adapt":
+            _adapt(args)
         elif args.command == "push":
             from pathlib import Path
 
@@ -130,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
 
             run_demo(to=args.to, prompt=args.prompt, max_new_tokens=args.max_new_tokens, workdir=args.workdir)
     except ConversionError as e:
+        print(f"subquadratic: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # AdaptError, DataError: bad settings or data
+        from .adaptation import AdaptError, DataError
+
+        if not isinstance(e, AdaptError | DataError):
+            raise
         print(f"subquadratic: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # disk full, permissions: nothing was left half-written (convert writes atomically)

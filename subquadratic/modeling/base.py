@@ -49,6 +49,8 @@ class SequenceInfo:
     #: Set when the caller asked for attention weights: mixers that compute them
     #: (`computes_attention_weights`) record theirs here by layer index, [B, HQ, T, S] each.
     attentions: dict | None = None
+    #: A packed batch's documents (`packing.Documents`) when the layers run one document per row.
+    documents: object | None = None
 
     def key_offsets(self) -> torch.Tensor | None:
         """Slot of each row's position 0 when each row's real tokens sit in consecutive slots (left or
@@ -412,7 +414,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         q_pos = positions_from_mask(valid)
         hidden = docs.unpack(inputs_embeds)
         position_embeddings = self.rotary_emb(hidden, pos)
-        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos)
+        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos, documents=docs)
         hidden, all_hidden, aux_total = self._run_layers(hidden, position_embeddings, seq, None,
                                                          output_hidden_states, restore=docs.pack)
         out = SubquadraticModelOutput(last_hidden_state=docs.pack(hidden), hidden_states=all_hidden,

@@ -1,0 +1,535 @@
+"""`subquadratic adapt`: train a converted model so that it matches (and then serves as) its dense
+source. Two stages, one optimizer step counter:
+
+1. attention transfer (the first `stage1_steps` steps; needs the teacher): every converted layer
+   gets the frozen dense layer's own input and learns to reproduce the dense layer's attention
+   output (MSE over real tokens, averaged over layers). The student's residual stream is the
+   teacher's (each converted layer passes the dense output on), so the layers learn side by side and
+   only mixer parameters receive gradients.
+2. fine-tuning (the remaining steps): next-token loss (`lm`), or KL divergence to the teacher's
+   next-token distribution (`kl`), plus the mixers' auxiliary loss (SSE's router balance).
+
+What trains (`train`): `full` (every parameter in stage 2; stage 1 reaches only the mixers), `mixer`
+(the parameters of the converted layers' mixers), `new` (only the parameters a dense checkpoint lacks,
+such as SPLA's residual gain), or `lora` (PEFT LoRA adapters on the converted layers' projections plus
+the new parameters; the saved folders hold the merged weights).
+
+Runs under accelerate: `accelerate launch -m subquadratic adapt ...` with a multi-GPU (DDP / FSDP)
+configuration is the same command; on one process it runs as is, on CPU too. OUT is a loadable
+Hugging Face folder at the end; on the way, `OUT/checkpoints/step-N/` are loadable folders too, with
+the optimizer, scheduler and random states under `state/` for `resume`. The loss of every step goes
+to `OUT/adapt_log.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .data import IGNORE_INDEX, DataError, load_texts, tokenize_and_pack
+
+LOG_FILE = "adapt_log.jsonl"
+STATE_FILE = "trainer_state.json"
+TRAIN_CHOICES = ("full", "mixer", "new", "lora")
+LOSS_CHOICES = ("lm", "kl")
+PRECISION_CHOICES = ("no", "bf16", "fp16")
+
+
+class AdaptError(ValueError):
+    """A problem with the user's input to `adapt`: one line naming the problem and the fix."""
+
+
+@dataclass
+class AdaptConfig:
+    """The settings of one adaptation run (the CLI flags of `subquadratic adapt`)."""
+
+    student: str
+    output_dir: str
+    data: list[str]
+    teacher: str | None = None
+    max_steps: int = 1000
+    #: attention-transfer steps at the start (default: a quarter of max_steps, rounded up, with a teacher; else 0)
+    stage1_steps: int | None = None
+    loss: str = "lm"
+    train: str = "full"
+    seq_len: int = 2048
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-4
+    stage1_lr: float = 1e-3
+    warmup_ratio: float = 0.05
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"
+    gradient_checkpointing: bool = False
+    save_every: int = 500
+    save_total_limit: int = 2
+    keep_checkpoints: bool = False
+    resume: bool = False
+    overwrite: bool = False
+    seed: int = 0
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    text_field: str = "text"
+    text_unit: str = "document"
+    progress: bool = True
+    #: stop (as an interruption would) after this many steps, leaving the last checkpoint: for tests
+    stop_after: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def check(self) -> None:
+        if self.train not in TRAIN_CHOICES:
+            raise AdaptError(f"unknown --train {self.train!r}; use {', '.join(TRAIN_CHOICES)}")
+        if self.loss not in LOSS_CHOICES:
+            raise AdaptError(f"unknown --loss {self.loss!r}; use {', '.join(LOSS_CHOICES)}")
+        if self.mixed_precision not in PRECISION_CHOICES:
+            raise AdaptError(f"unknown --mixed-precision {self.mixed_precision!r}; use {', '.join(PRECISION_CHOICES)}")
+        for name in ("max_steps", "seq_len", "batch_size", "grad_accum", "save_every", "save_total_limit"):
+            if getattr(self, name) < 1:
+                raise AdaptError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.stage1_steps is not None and not 0 <= self.stage1_steps <= self.max_steps:
+            raise AdaptError(f"--stage1-steps must lie in 0..--max-steps ({self.max_steps}), got {self.stage1_steps}")
+        if self.teacher is None and self.loss == "kl":
+            raise AdaptError("--loss kl distils from the dense model: give it with --teacher")
+        if self.teacher is None and self.stage1_steps:
+            raise AdaptError("attention transfer (--stage1-steps) matches the dense layers: give them with --teacher")
+        if Path(self.output_dir).expanduser().resolve() == Path(self.student).expanduser().resolve():
+            raise AdaptError("--output-dir is the student folder; write the adapted model elsewhere")
+
+
+# --- the pieces ---------------------------------------------------------------------------------
+
+
+def _check_student_folder(path: str) -> None:
+    """The student folder holds a model of a registered family (read from config.json alone)."""
+    from ..registry import FAMILIES
+
+    config = Path(path).expanduser() / "config.json"
+    if not config.is_file():
+        raise AdaptError(f"{path} has no config.json; give a folder written by subquadratic convert (or adapt)")
+    model_type = json.loads(config.read_text()).get("model_type")
+    if model_type not in {f.model_type for f in FAMILIES.values()}:
+        raise AdaptError(f"{path} is a {model_type} model, not a converted one; convert it first "
+                         "(subquadratic convert SRC OUT --to spla|hla|sse-h)")
+
+
+def _load_student(path: str):
+    from transformers import AutoModelForCausalLM
+
+    from ..modeling.base import SubquadraticPreTrainedModel
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if not isinstance(model, SubquadraticPreTrainedModel):
+        raise AdaptError(f"{path} is a {model.config.model_type} model, not a converted one; convert it first "
+                         "(subquadratic convert SRC OUT --to spla|hla|sse-h)")
+    return model
+
+
+def _load_teacher(path: str, student, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(path).expanduser() / "config.json").is_file():
+        raise AdaptError(f"teacher {path} has no config.json; give the dense checkpoint the student came from")
+    teacher = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
+    s, t = student.config, teacher.config
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        if getattr(s, key) != getattr(t, key):
+            raise AdaptError(f"teacher {path} does not match the student: {key} {getattr(t, key)} vs "
+                             f"{getattr(s, key)}; give the dense checkpoint the student was converted from")
+    return teacher
+
+
+def converted_layers(config) -> list[int]:
+    """Indices of the layers whose mixer is not the dense model's softmax attention."""
+    from ..configuration.base import SOFTMAX_MIXERS
+
+    return [i for i, kind in enumerate(config.mixer_types) if kind not in SOFTMAX_MIXERS]
+
+
+def new_parameter_names(config) -> set[str]:
+    """Names of the parameters a dense checkpoint lacks (the family converter's fresh tensors)."""
+    from ..registry import family_of_model_type
+
+    fam = family_of_model_type(config.model_type)
+    if fam.converter is None:
+        return set()
+    return set(fam.converter.fresh_tensors(config))
+
+
+def _lora(model, layers: list[int], rank: int, alpha: float):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise AdaptError("--train lora needs PEFT: pip install 'subquadratic[peft]'") from None
+    targets = r"model\.layers\.(" + "|".join(map(str, layers)) + r")\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))
+
+
+def _select_trainable(model, mode: str, layers: list[int], new: set[str]) -> int:
+    """Set requires_grad for `mode`; returns the number of trainable parameters."""
+    mixer_prefixes = tuple(f"model.layers.{i}.self_attn." for i in layers)
+    for name, p in model.named_parameters():
+        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if mode == "full":
+            p.requires_grad_(True)
+        elif mode == "mixer":
+            p.requires_grad_(plain.startswith(mixer_prefixes))
+        elif mode == "new":
+            p.requires_grad_(plain in new)
+        else:  # lora: the adapters (already trainable) and the new parameters
+            p.requires_grad_("lora_" in name or plain in new)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+class Transfer:
+    """Stage 1 hooks: the teacher's layers record their attention input and output; the student's
+    converted mixers take that input, add their MSE to `losses` and pass the teacher's output on."""
+
+    def __init__(self, teacher, student_base, layers: list[int]) -> None:
+        self.captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.losses: list[torch.Tensor] = []
+        self.handles = []
+        for i in layers:
+            self.handles.append(teacher.model.layers[i].self_attn.register_forward_hook(
+                self._capture(i), with_kwargs=True))
+            mixer = student_base.model.layers[i].self_attn
+            self.handles.append(mixer.register_forward_pre_hook(self._feed(i), with_kwargs=True))
+            self.handles.append(mixer.register_forward_hook(self._compare(i), with_kwargs=True))
+
+    def _capture(self, i):
+        def hook(module, args, kwargs, output):
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            self.captured[i] = (x.detach(), output[0].detach())
+        return hook
+
+    def _feed(self, i):
+        def hook(module, args, kwargs):
+            x = self.captured[i][0]
+            if x.shape != args[0].shape:
+                raise RuntimeError(f"layer {i}: teacher input {tuple(x.shape)} vs student {tuple(args[0].shape)}")
+            return (x.to(args[0].dtype), *args[1:]), kwargs
+        return hook
+
+    def _compare(self, i):
+        def hook(module, args, kwargs, output):
+            want = self.captured[i][1]
+            got = output[0]
+            valid = args[2].valid[..., None].to(got.dtype)  # SequenceInfo: real tokens only
+            err = ((got.float() - want.float()) ** 2 * valid).sum() / (valid.sum() * got.shape[-1]).clamp(min=1)
+            self.losses.append(err)
+            return (want.to(got.dtype), *output[1:])
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _teacher_forward(teacher, batch):
+    """The dense model on the batch, one packed document per row (as the student runs it): returns
+    the logits in the packed layout. Right padding needs no mask for the real tokens' outputs."""
+    from ..modeling.packing import find_documents
+
+    ids, pos = batch["input_ids"], batch["position_ids"]
+    docs = find_documents(pos, torch.ones_like(ids, dtype=torch.bool))
+    if docs is None:
+        return teacher(input_ids=ids, position_ids=pos, use_cache=False).logits
+    logits = teacher(input_ids=docs.unpack(ids), attention_mask=docs.valid.long(),
+                     position_ids=docs.unpack(pos), use_cache=False).logits
+    return docs.pack(logits)
+
+
+def kl_to_teacher(student_logits, teacher_logits, labels) -> torch.Tensor:
+    """Mean over predicted tokens of KL(teacher || student) between next-token distributions."""
+    keep = labels[:, 1:] != IGNORE_INDEX
+    s = student_logits[:, :-1][keep].float().log_softmax(-1)
+    t = teacher_logits[:, :-1][keep].float().log_softmax(-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean")
+
+
+def _lr_lambda(stage1: int, total: int, warmup_ratio: float, stage1_lr: float, lr: float):
+    """Absolute learning rate per step: warmup then cosine to 10%, separately in each stage."""
+
+    def rate(step: int) -> float:
+        start, length, peak = (0, stage1, stage1_lr) if step < stage1 else (stage1, total - stage1, lr)
+        t = step - start
+        warm = max(1, math.ceil(warmup_ratio * length))
+        if t < warm:
+            return peak * (t + 1) / warm
+        frac = (t - warm) / max(1, length - warm)
+        return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    return rate
+
+
+def batches(rows, batch_size: int, seed: int, skip: int, rank: int = 0, world: int = 1):
+    """Endless micro-batches: each epoch a fresh permutation (seeded by seed + epoch), one share per
+    process, the first `skip` micro-batches passed over (resuming)."""
+    per_epoch = len(rows) // (batch_size * world)
+    if per_epoch == 0:
+        raise DataError(f"{len(rows)} packed rows do not fill one batch of {batch_size} x {world} process(es); "
+                        "give more data, or lower --batch-size / --seq-len")
+    n, epoch = 0, skip // per_epoch
+    n = epoch * per_epoch
+    while True:
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + epoch))
+        for i in range(per_epoch):
+            if n >= skip:
+                start = (i * world + rank) * batch_size
+                yield rows[order[start: start + batch_size]]
+            n += 1
+        epoch += 1
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    done = [p for p in (out / "checkpoints").glob("step-*") if (p / STATE_FILE).is_file()]
+    return max(done, key=lambda p: int(p.name.split("-")[1])) if done else None
+
+
+def _prepare_output(cfg: AdaptConfig) -> tuple[Path, Path | None]:
+    out = Path(cfg.output_dir).expanduser()
+    resume_from = latest_checkpoint(out) if cfg.resume and out.is_dir() else None
+    if out.exists() and any(out.iterdir()) and resume_from is None:
+        if cfg.resume:
+            raise AdaptError(f"{out} holds no checkpoint to resume from; drop --resume (with --overwrite) to start anew")
+        if not cfg.overwrite:
+            raise AdaptError(f"{out} is not empty; pass --resume to continue its run or --overwrite to start anew")
+    return out, resume_from
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def adapt(cfg: AdaptConfig) -> Path:
+    """Run the adaptation `cfg` describes; returns the output folder (a loadable model folder)."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    cfg.check()
+    out, resume_from = _prepare_output(cfg)
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision,
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    main = accelerator.is_main_process
+    if main and out.exists() and resume_from is None and cfg.overwrite:
+        shutil.rmtree(out)
+    accelerator.wait_for_everyone()
+    set_seed(cfg.seed)
+
+    _check_student_folder(cfg.student)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.student)
+    with accelerator.main_process_first():  # the data first: its problems show before any model loads
+        rows = tokenize_and_pack(load_texts(cfg.data, cfg.text_field, cfg.text_unit), tokenizer, cfg.seq_len)
+    if len(rows) < cfg.batch_size * accelerator.num_processes:
+        raise DataError(f"the data makes {len(rows)} packed rows of {cfg.seq_len} tokens, fewer than one batch of "
+                        f"{cfg.batch_size} x {accelerator.num_processes} process(es); give more data, or lower "
+                        "--batch-size / --seq-len")
+    student = _load_student(cfg.student)
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision, torch.float32)
+    teacher = _load_teacher(cfg.teacher, student, compute).to(accelerator.device) if cfg.teacher else None
+    layers = converted_layers(student.config)
+    stage1 = cfg.stage1_steps if cfg.stage1_steps is not None else (-(-cfg.max_steps // 4) if teacher and layers else 0)
+    if stage1 and not layers:
+        raise AdaptError("the student has no converted layers to transfer attention to; set --stage1-steps 0")
+
+
+    new = new_parameter_names(student.config)
+    if cfg.train == "lora":
+        student = _lora(student, layers, cfg.lora_rank, cfg.lora_alpha)
+    if cfg.gradient_checkpointing:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    n_train = _select_trainable(student, cfg.train, layers, new)
+    if n_train == 0:
+        raise AdaptError(f"--train {cfg.train} leaves nothing to train in this model; choose another --train")
+    params = [p for p in student.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=1.0, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _lr_lambda(stage1, cfg.max_steps, cfg.warmup_ratio, cfg.stage1_lr, cfg.lr))
+    model, optimizer = accelerator.prepare(Trainee(student, teacher, cfg.loss), optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    trainee = accelerator.unwrap_model(model)
+    student_lm = trainee.student.get_base_model() if cfg.train == "lora" else trainee.student
+
+    step = 0
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from / "state"))
+        step = json.loads((resume_from / STATE_FILE).read_text())["step"]
+    log_path = out / LOG_FILE
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        kept = [line for line in (log_path.read_text().splitlines() if log_path.exists() else [])
+                if json.loads(line)["step"] <= step]
+        log_path.write_text("".join(line + "\n" for line in kept))
+
+    stream = batches(rows, cfg.batch_size, cfg.seed, step * cfg.grad_accum,
+                     accelerator.process_index, accelerator.num_processes)
+    if stage1 and step < stage1:
+        trainee.transfer = Transfer(teacher, student_lm, layers)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * accelerator.num_processes
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not (main and cfg.progress), desc="adapt", unit="step")
+    started = time.perf_counter()
+    last = {}
+    while step < cfg.max_steps:
+        stage = 1 if step < stage1 else 2
+        if stage == 2 and trainee.transfer is not None:
+            trainee.transfer.remove()
+            trainee.transfer = None
+        model.train()
+        total = torch.zeros((), device=accelerator.device)
+        for micro in range(cfg.grad_accum):
+            batch = {k: v.to(accelerator.device) for k, v in next(stream).items()}
+            sync = nullcontext() if micro == cfg.grad_accum - 1 else accelerator.no_sync(model)
+            with sync, accelerator.autocast():
+                loss = model(batch, stage)
+                accelerator.backward(loss / cfg.grad_accum)
+            total += loss.detach() / cfg.grad_accum
+        grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else None
+        optimizer.step()
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        loss_value = accelerator.reduce(total, "mean").item()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"the loss is {loss_value} at step {step}; lower --lr / --stage1-lr "
+                                     "or use --mixed-precision bf16 instead of fp16")
+        last = {"step": step, "stage": stage, "loss": loss_value, "lr": lr,
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "tokens": step * tokens_per_step, "seconds": round(time.perf_counter() - started, 3)}
+        if main:
+            with log_path.open("a") as f:
+                f.write(json.dumps(last) + "\n")
+        bar.set_postfix(stage=stage, loss=f"{loss_value:.4f}")
+        bar.update(1)
+        stopping = cfg.stop_after is not None and step >= cfg.stop_after
+        if step % cfg.save_every == 0 or stopping or step == stage1:
+            _checkpoint(accelerator, model, tokenizer, cfg, out, step)
+        if stopping:
+            bar.close()
+            return out
+    bar.close()
+    if trainee.transfer is not None:
+        trainee.transfer.remove()
+    save_model(accelerator, model, tokenizer, out, lora=cfg.train == "lora")
+    if main:
+        _write_card(out, cfg, stage1, step * tokens_per_step, last)
+        if not cfg.keep_checkpoints:
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return out
+
+
+class Trainee(torch.nn.Module):
+    """The student with its training objective: `forward(batch, stage)` returns the step's loss, so
+    that data-parallel wrappers (DDP's unused-parameter search, FSDP) see exactly what the loss uses.
+    The teacher and the stage-1 hooks are held outside the module's parameters."""
+
+    def __init__(self, student, teacher, loss: str) -> None:
+        super().__init__()
+        self.student = student
+        self.loss_kind = loss
+        self._outside = {"teacher": teacher, "transfer": None}
+
+    @property
+    def transfer(self) -> Transfer | None:
+        return self._outside["transfer"]
+
+    @transfer.setter
+    def transfer(self, value: Transfer | None) -> None:
+        self._outside["transfer"] = value
+
+    def forward(self, batch: dict, stage: int) -> torch.Tensor:
+        teacher = self._outside["teacher"]
+        ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
+        if stage == 1:
+            self.transfer.losses.clear()
+            with torch.no_grad():
+                _teacher_forward(teacher, batch)
+            self.student(input_ids=ids, position_ids=pos, logits_to_keep=1)
+            return torch.stack(self.transfer.losses).mean()
+        if self.loss_kind == "lm":
+            return self.student(input_ids=ids, position_ids=pos, labels=labels).loss  # with the weighted aux loss
+        with torch.no_grad():
+            target = _teacher_forward(teacher, batch)
+        out = self.student(input_ids=ids, position_ids=pos)
+        loss = kl_to_teacher(out.logits, target, labels)
+        weight = getattr(self.student.config, "aux_loss_weight", 0.0)
+        if out.aux_loss is not None and weight:
+            loss = loss + weight * out.aux_loss
+        return loss
+
+
+def save_model(accelerator, model, tokenizer, folder: Path, lora: bool = False) -> None:
+    """A loadable model folder at `folder` from the prepared `Trainee` (LoRA adapters merged into the
+    weights)."""
+    student = accelerator.unwrap_model(model).student
+    if lora:
+        student.merge_adapter()
+    state = {k.removeprefix("student."): v for k, v in accelerator.get_state_dict(model).items()}
+    target = student
+    if lora:
+        student.unmerge_adapter()
+        target = student.get_base_model()
+        state = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
+                 for k, v in state.items() if "lora_" not in k}
+    if accelerator.is_main_process:
+        folder.mkdir(parents=True, exist_ok=True)
+        target.save_pretrained(folder, state_dict=state, is_main_process=True)
+        tokenizer.save_pretrained(folder)
+    accelerator.wait_for_everyone()
+
+
+def _checkpoint(accelerator, model, tokenizer, cfg: AdaptConfig, out: Path, step: int) -> None:
+    folder = out / "checkpoints" / f"step-{step}"
+    save_model(accelerator, model, tokenizer, folder, lora=cfg.train == "lora")
+    accelerator.save_state(str(folder / "state"))
+    if accelerator.is_main_process:
+        (folder / STATE_FILE).write_text(json.dumps({"step": step, "config": asdict(cfg)}, indent=1, default=str))
+        done = sorted((p for p in (out / "checkpoints").glob("step-*") if (p / STATE_FILE).is_file()),
+                      key=lambda p: int(p.name.split("-")[1]))
+        for old in done[: -cfg.save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def _write_card(out: Path, cfg: AdaptConfig, stage1: int, tokens: int, last: dict) -> None:
+    """The student's card plus a section on this adaptation."""
+    card = out / "README.md"
+    source = Path(cfg.student).expanduser() / "README.md"
+    text = source.read_text() if source.is_file() else f"# {out.name}\n"
+    stage2 = cfg.max_steps - stage1
+    rows = [
+        ("student", cfg.student), ("teacher", cfg.teacher or "none"),
+        ("data", ", ".join(cfg.data)), ("sequence length", cfg.seq_len),
+        ("steps", f"{cfg.max_steps} ({stage1} attention transfer, {stage2} {cfg.loss} fine-tuning)"),
+        ("tokens", f"{tokens:,}"), ("trained parameters", cfg.train),
+        ("learning rate", f"{cfg.stage1_lr:g} (stage 1), {cfg.lr:g} (stage 2)"),
+        ("final loss", f"{last.get('loss', float('nan')):.4f} (stage {last.get('stage', '-')})"),
+    ]
+    section = "## Adaptation\n\nAdapted with `subquadratic adapt`:\n\n| setting | value |\n| --- | --- |\n"
+    section += "".join(f"| {k} | {v} |\n" for k, v in rows)
+    section += f"\nThe loss of every step is in `{LOG_FILE}`.\n"
+    card.write_text(_replace_section(text, "## Adaptation", section))
+
+
+def _replace_section(text: str, heading: str, section: str) -> str:
+    """`text` with the section under `heading` replaced by `section` (appended when absent)."""
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
+    if start is None:
+        return text.rstrip("\n") + "\n\n" + section
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "".join(lines[:start]) + section + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
