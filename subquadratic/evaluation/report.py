@@ -22,6 +22,14 @@ METRICS = (
     ("mqar", "accuracy", "MQAR acc"),
 )
 CARD_HEADING = "## Evaluation"
+#: (task, one-line definition) for the card's note, in table order.
+DEFINITIONS = (
+    ("ppl", "perplexity: exp of the mean next-token NLL over non-overlapping windows of each length"),
+    ("kl", "KL: mean next-token KL(reference || model) in nats over the same windows"),
+    ("passkey", "passkey: greedy exact-match accuracy and mean log-probability of the key's tokens"),
+    ("niah", "NIAH: the same for the queried needle among several"),
+    ("mqar", "MQAR: in-context associative recall accuracy at the query positions"),
+)
 
 
 def _columns(results: list[dict]) -> list[tuple[str, str, str]]:
@@ -119,12 +127,12 @@ def card_section(results: list[dict], note: str | None = None) -> str:
     settings = results[0].get("settings", {})
     data = settings.get("data")
     lines = [CARD_HEADING, ""]
+    present = {t for r in results for t in r["tasks"]}
+    measures = [text for task, text in DEFINITIONS if task in present]
     lines.append(note or (
         "Measured with `subquadratic eval`" + (f" on `{Path(data).name}`" if data else "")
         + (f" (at most {settings['max_windows']} windows per length)" if settings.get("max_windows") else "")
-        + ". Perplexity: non-overlapping windows of each length; KL: mean next-token KL(reference || model) "
-          "in nats; passkey / NIAH: greedy exact-match accuracy and mean log-probability of the answer "
-          "tokens; MQAR: in-context associative recall accuracy."
+        + ". " + "; ".join(measures) + "."
     ))
     lines += ["", markdown_table(results), ""]
     return "\n".join(lines)
