@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # All set-up plus the test suite, on a fresh machine: one virtual environment per supported
 # Transformers bound (5.17, the oldest, and the newest 5.x), each with the CPU build of PyTorch.
-# The real-model tests (marker `slow`, SmolLM2-135M) and the Triton kernel tests (under
-# TRITON_INTERPRET=1) run once, in the newest environment.
+# The real-model tests (marker `slow`: SmolLM2-135M, lm-eval's Hugging Face backend) and the Triton
+# kernel tests (under TRITON_INTERPRET=1) run once, in the newest environment.
 # Both environments always run; the script prints each one's summary at the end and fails if either failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +26,9 @@ summary() {  # name, exit status: pytest's last summary line (or the step that f
   echo "$1: $([ "$2" -eq 0 ] && echo ok || echo "FAILED (exit $2)") ${last:-(no test summary: see .test-$1.log)}"
 }
 run_env tf-oldest "transformers==5.17.*" "not slow and not gpu"; oldest=$?
-# Triton kernels run in Triton's CPU interpreter here, on the Triton the pinned torch brings
-run_env tf-newest "transformers>=5.17,<6" "not gpu" "triton"; newest=$?
+# Triton kernels run in Triton's CPU interpreter here, on the Triton the pinned torch brings; lm-eval
+# runs a local task on a converted checkpoint (tests/evaluation/test_lm_eval.py)
+run_env tf-newest "transformers>=5.17,<6" "not gpu" "triton lm-eval==0.4.13"; newest=$?
 echo "== summary"
 summary tf-oldest "$oldest"
 summary tf-newest "$newest"

@@ -1,5 +1,6 @@
 """The `subquadratic` command line: `convert` a dense checkpoint, `adapt` a converted one (attention
-transfer and fine-tuning or distillation), `push` a folder to the Hub, `demo` the embedded default.
+transfer, then fine-tuning or distillation), `eval` models, `push` a folder to the Hub, `demo` the
+embedded default.
 
 Each family's `convert` options come from its registration (`registry.Family.options`) and are
 spelled `--<family prefix>-<option>` (`--spla-top-k-blocks`, `--sse-top-k`, `--hla-softmax-every`).
@@ -15,6 +16,7 @@ import sys
 from .families import convert_targets
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+EVAL_TASKS = ("ppl", "passkey", "niah", "mqar", "kl")  # evaluation.suite.TASKS, readable without torch
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="subquadratic", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, metavar="{convert,adapt,push,demo}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{convert,adapt,eval,push,demo}")
     flags = convert_targets()
     targets = sorted(flags)
     c = sub.add_parser("convert", help="convert a dense Llama/Mistral/Qwen2/Qwen3 checkpoint")
@@ -40,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--push-to-hub", metavar="REPO", help="then upload OUT to this Hub repo (org/name)")
     c.add_argument("--private", action="store_true", help="create the Hub repo private (with --push-to-hub)")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c.add_argument("--eval-data", metavar="FILE",
+                   help="then measure perplexity (output and source) and next-token KL to the source on this "
+                        "held-out .txt/.jsonl/.json/.parquet file and write the table into the output's card")
+    c.add_argument("--eval-seq-len", type=int, nargs="+", metavar="L",
+                   help="context lengths of --eval-data (default: the budget and twice it for SPLA, else 1024 "
+                        "and 2048, capped at the model's max_position_embeddings)")
+    c.add_argument("--eval-max-windows", type=int, default=8, metavar="N",
+                   help="windows per length of --eval-data (default 8)")
+    c.add_argument("--eval-device", default="cpu", help="device of --eval-data: cpu, cuda, cuda:N or auto "
+                                                        "(default cpu)")
     p.family_dests = {}
     for name, options in flags.items():
         group = c.add_argument_group(f"{name} options (--to {name})")
@@ -51,6 +63,34 @@ def build_parser() -> argparse.ArgumentParser:
                 kw.setdefault("metavar", option.upper())
             p.family_dests[name].append((flag, group.add_argument(flag, dest=f"{name}.{option}", **kw).dest, option))
     _adapt_parser(sub)
+    e = sub.add_parser("eval", help="perplexity, passkey, needle, MQAR and KL of one or more models",
+                       description="Evaluate checkpoint folders (dense or converted): print a table, and write "
+                                   "JSON, one PNG plot per model and the model cards' Evaluation section on request.")
+    e.add_argument("models", nargs="+", metavar="MODEL", help="checkpoint folder(s) with tokenizer files")
+    e.add_argument("--data", metavar="FILE", help="held-out .txt/.jsonl/.json/.parquet file (tasks ppl and kl)")
+    e.add_argument("--text-field", default="text", help="column of --data holding the text (default text)")
+    e.add_argument("--seq-len", type=int, nargs="+", default=[512, 1024, 2048], metavar="L",
+                   help="context lengths (default 512 1024 2048)")
+    e.add_argument("--tasks", default=None,
+                   help=f"comma list from {','.join(EVAL_TASKS)} (default: ppl,passkey,niah,mqar, plus kl with "
+                        "--reference; ppl needs --data)")
+    e.add_argument("--reference", metavar="DIR", help="dense reference folder for kl (same tokenizer)")
+    e.add_argument("--json", metavar="FILE", help="write every result to this JSON file")
+    e.add_argument("--plot-dir", metavar="DIR", help="write one PNG plot per model into this folder")
+    e.add_argument("--card", action="store_true",
+                   help="write the table into each MODEL's README.md card (its ## Evaluation section)")
+    e.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
+    e.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights dtype (default: the folder's)")
+    e.add_argument("--max-windows", type=int, default=8, metavar="N",
+                   help="ppl / kl: at most N windows per length (default 8; 0: every window)")
+    e.add_argument("--batch-size", type=int, default=1, metavar="B", help="ppl / kl windows per forward (default 1)")
+    e.add_argument("--trials", type=int, default=2, metavar="N",
+                   help="passkey / niah: prompts per length and depth (default 2)")
+    e.add_argument("--template", default="prose", choices=["prose", "code"],
+                   help="passkey / niah prompts: prose or code (for models trained on source code; default prose)")
+    e.add_argument("--needles", type=int, default=4, metavar="N", help="niah: needles per prompt (default 4)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the retrieval and MQAR prompts (default 0)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
     u = sub.add_parser("push", help="upload a converted folder to the Hub")
     u.add_argument("folder", help="the converted folder (OUT of convert)")
     u.add_argument("repo", help="Hub repo id (org/name); created if missing")
@@ -160,17 +200,109 @@ def _convert(parser, args) -> None:
             options[option] = value
     if args.private and not args.push_to_hub:
         raise ConversionError("--private applies to --push-to-hub REPO; add it or drop --private")
+    before_finish = None
+    if args.eval_data:
+        before_finish = _card_evaluation(args)
     out = convert(args.src, args.out, args.to, options=options, dtype=args.dtype,
-                  overwrite=args.overwrite, progress=not args.no_progress)
+                  overwrite=args.overwrite, progress=not args.no_progress, before_finish=before_finish)
     print(f"wrote {out}")
     if args.push_to_hub:
         print(f"pushed to {_push(out, args.push_to_hub, args.private)}")
+
+
+def _card_evaluation(args):
+    """`convert --eval-data`: the hook that evaluates the finished temporary folder and writes its card."""
+    from pathlib import Path
+
+    from .evaluation import EvaluationError
+
+    if not Path(args.eval_data).expanduser().is_file():
+        raise EvaluationError(f"--eval-data {args.eval_data} does not exist; give a .txt, .jsonl, .json or "
+                              ".parquet file")
+    if args.eval_max_windows < 1 or any(L < 2 for L in args.eval_seq_len or []):
+        raise EvaluationError("--eval-max-windows must be >= 1 and --eval-seq-len values >= 2")
+
+    def hook(folder, src_folder) -> None:
+        from .evaluation import evaluate_conversion, markdown_table, write_card_evaluation
+
+        if args.no_progress:
+            from transformers.utils import logging
+
+            logging.disable_progress_bar()
+
+        results = evaluate_conversion(folder, src_folder, args.eval_data, seq_lens=args.eval_seq_len,
+                                      max_windows=args.eval_max_windows, device=args.eval_device,
+                                      progress=not args.no_progress)
+        write_card_evaluation(folder, results)
+        print(markdown_table(results))
+
+    return hook
+
+
+def _eval(args) -> None:
+    from pathlib import Path
+
+    from .evaluation import (
+        EvaluationError,
+        evaluate,
+        load_model,
+        markdown_table,
+        plot_results,
+        write_card_evaluation,
+        write_json,
+    )
+    from .evaluation.suite import check_tasks, resolve_device
+
+    tasks = check_tasks((args.tasks or "ppl,passkey,niah,mqar" + (",kl" if args.reference else "")).split(","))
+    if args.max_windows < 0 or args.batch_size < 1 or args.trials < 1 or args.needles < 1:
+        raise EvaluationError("--max-windows must be >= 0 and --batch-size, --trials, --needles >= 1")
+    if args.reference and "kl" not in tasks:
+        raise EvaluationError("--reference is used by task kl only; add kl to --tasks or drop --reference")
+    for m in args.models:
+        if not (Path(m).expanduser() / "config.json").is_file():
+            raise EvaluationError(f"{m} is not a checkpoint folder (no config.json); give local folders")
+    if args.data and not Path(args.data).expanduser().is_file():
+        raise EvaluationError(f"--data {args.data} does not exist; give a .txt, .jsonl, .json or .parquet file")
+    if args.plot_dir:
+        from .evaluation.report import require_matplotlib
+
+        require_matplotlib()  # fail before the work, not after it
+    resolve_device(args.device)
+    if args.no_progress:
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+    reference = None
+    if "kl" in tasks:
+        if not args.reference:
+            raise EvaluationError("task kl needs a reference model: pass --reference DIR (the dense source)")
+        reference, _ = load_model(args.reference, device=args.device, dtype=args.dtype)
+    results = []
+    for m in args.models:
+        model, tokenizer = load_model(m, device=args.device, dtype=args.dtype)
+        results.append(evaluate(
+            model, tokenizer, name=m, tasks=tasks, seq_lens=args.seq_len, data=args.data, reference=reference,
+            max_windows=args.max_windows or None, batch_size=args.batch_size, trials=args.trials,
+            template=args.template, num_needles=args.needles, text_field=args.text_field, seed=args.seed,
+            progress=not args.no_progress,
+        ))
+        del model
+    print(markdown_table(results))
+    if args.json:
+        print(f"wrote {write_json(results, args.json)}")
+    if args.plot_dir:
+        for path in plot_results(results, args.plot_dir):
+            print(f"wrote {path}")
+    if args.card:
+        for r in results:  # the card names the model by its folder
+            print(f"wrote {write_card_evaluation(r['model'], {**r, 'model': Path(r['model']).name})}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from .conversion import ConversionError  # imports torch: only once a command runs
+    from .evaluation import EvaluationError
     from .families import register_builtin
 
     register_builtin()
@@ -180,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             _convert(parser, args)
         elif args.command == "adapt":
             _adapt(args)
+        elif args.command == "eval":
+            _eval(args)
         elif args.command == "push":
             from pathlib import Path
 
@@ -191,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             run_demo(to=args.to, prompt=args.prompt, max_new_tokens=args.max_new_tokens, workdir=args.workdir)
-    except ConversionError as e:
+    except (ConversionError, EvaluationError) as e:
         print(f"subquadratic: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except ValueError as e:  # AdaptError, DataError: bad settings or data

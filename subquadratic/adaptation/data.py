@@ -50,7 +50,8 @@ def load_texts(sources: list[str], text_field: str = "text", text_unit: str = "d
     if text_unit not in ("document", "paragraph", "line"):
         raise DataError(f"unknown text unit {text_unit!r}; use document, paragraph or line")
     if not sources:
-        raise DataError("no data given; pass --data with text, jsonl or parquet files, folders, or a cached Hub dataset")
+        raise DataError("no data given; pass --data with text, jsonl or parquet files, folders, "
+                        "or a cached Hub dataset")
     from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
 
     shown = is_progress_bar_enabled()

@@ -300,7 +300,8 @@ def _prepare_output(cfg: AdaptConfig) -> tuple[Path, Path | None]:
     resume_from = latest_checkpoint(out) if cfg.resume and out.is_dir() else None
     if out.exists() and any(out.iterdir()) and resume_from is None:
         if cfg.resume:
-            raise AdaptError(f"{out} holds no checkpoint to resume from; drop --resume (with --overwrite) to start anew")
+            raise AdaptError(f"{out} holds no checkpoint to resume from; "
+                             "drop --resume (with --overwrite) to start anew")
         if not cfg.overwrite:
             raise AdaptError(f"{out} is not empty; pass --resume to continue its run or --overwrite to start anew")
     return out, resume_from

@@ -328,8 +328,12 @@ def convert(
     dtype: str = "auto",
     overwrite: bool = False,
     progress: bool = True,
+    before_finish: Callable[[Path, Path], None] | None = None,
 ) -> Path:
-    """Convert the dense checkpoint `src` into family `to` at `out`; returns the output folder."""
+    """Convert the dense checkpoint `src` into family `to` at `out`; returns the output folder.
+
+    `before_finish(folder, src_folder)` runs on the complete temporary folder before it is renamed to
+    `out` (the CLI evaluates it there and writes the card's evaluation); if it raises, nothing is left."""
     fam = _family(to)
     conv = fam.converter
     if dtype != "auto" and dtype not in DTYPES:
@@ -404,6 +408,8 @@ def convert(
             **conv.card_notes(config),
         }
         (tmp / "README.md").write_text(render_card(fam.card, card_values))
+        if before_finish is not None:
+            before_finish(tmp, src_path)
         _finish(tmp, out_path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -167,7 +167,7 @@ class ModelTesterMixin:
             rows = [torch.cat(docs[:2]), torch.cat(docs[2:])]
             ids = torch.zeros(2, max(map(len, rows)), dtype=torch.long)
             pos, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-            for i, (r, group) in enumerate(zip(rows, (docs[:2], docs[2:]))):
+            for i, (r, group) in enumerate(zip(rows, (docs[:2], docs[2:]), strict=True)):
                 ids[i, : len(r)], mask[i, : len(r)] = r, 1
                 pos[i, : len(r)] = torch.cat([torch.arange(len(d)) for d in group])
             two = m(ids, attention_mask=mask, position_ids=pos).logits

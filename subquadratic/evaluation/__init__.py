@@ -1,0 +1,21 @@
+"""Evaluation of causal LMs, dense or ours: perplexity at several context lengths (`ppl`), passkey
+and multi-key needle retrieval (`retrieval`), multi-query associative recall and the from-scratch
+comparison at equal state size (`mqar`), next-token KL to a dense reference (`kl`), and the table,
+JSON, plots and model-card section (`report`). `suite.evaluate` runs the chosen tasks on one model;
+`subquadratic eval` is its command line. docs/evaluation.md defines every measure.
+"""
+
+from .data import EvaluationError, load_stream, load_texts, token_stream, windows
+from .kl import next_token_kl
+from .mqar import MQARSettings, mqar_accuracy, mqar_batch, mqar_compare, mqar_eval
+from .ppl import perplexity
+from .report import markdown_table, plot_results, write_card_evaluation, write_json
+from .retrieval import niah, passkey, retrieval
+from .suite import TASKS, default_lengths, evaluate, evaluate_conversion, load_model
+
+__all__ = [
+    "EvaluationError", "MQARSettings", "TASKS", "default_lengths", "evaluate", "evaluate_conversion",
+    "load_model", "load_stream", "load_texts", "markdown_table", "mqar_accuracy", "mqar_batch", "mqar_compare",
+    "mqar_eval", "next_token_kl", "niah", "passkey", "perplexity", "plot_results", "retrieval", "token_stream",
+    "windows", "write_card_evaluation", "write_json",
+]

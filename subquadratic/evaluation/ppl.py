@@ -1,0 +1,89 @@
+"""Perplexity on held-out text at several context lengths, for any causal LM (dense or ours).
+
+At length L the token stream is cut into non-overlapping windows of L tokens (`data.windows`); each
+window is one forward pass from an empty state, and every token but the first is predicted from the
+tokens before it in its window. NLL = the mean of -log p(x_t | x_<t) over the n (L - 1) predicted
+tokens; perplexity = exp(NLL).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .data import windows
+
+#: Positions whose log-softmax is taken at once (bounds the fp32 copy of large-vocabulary logits).
+CHUNK = 1024
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    """[B, L, V] logits of a forward over `ids` [B, L] without a cache, on the model's device."""
+    return model(input_ids=ids.to(model_device(model)), use_cache=False).logits
+
+
+def batches(rows: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
+    for i in range(0, rows.shape[0], batch_size):
+        yield rows[i:i + batch_size]
+
+
+@torch.no_grad()
+def token_nll(model, ids: torch.Tensor) -> torch.Tensor:
+    """[B, L - 1] fp32: -log p(ids[:, t] | ids[:, :t]) for t = 1 .. L - 1, from one forward pass."""
+    logits = logits_of(model, ids)[:, :-1]  # position t predicts token t + 1
+    target = ids[:, 1:].to(logits.device)
+    out = []
+    for s in range(0, target.shape[1], CHUNK):
+        lg = logits[:, s:s + CHUNK].float()
+        t = target[:, s:s + CHUNK]
+        out.append(F.cross_entropy(lg.flatten(0, 1), t.flatten(), reduction="none").view_as(t))
+    return torch.cat(out, dim=1)
+
+
+def window_means(
+    per_token, ids: torch.Tensor, seq_lens: Iterable[int], *, max_windows: int | None, batch_size: int,
+    progress: bool, desc: str,
+) -> dict[int, dict]:
+    """{L: {"mean", "windows", "tokens"}}: the mean of `per_token(batch)` (a [B, *] tensor per batch of
+    windows) over every window of each length (`data.windows`)."""
+    from tqdm.auto import tqdm
+
+    out = {}
+    for L in seq_lens:
+        rows = windows(ids, L, max_windows)
+        total, count = 0.0, 0
+        for batch in tqdm(list(batches(rows, batch_size)), desc=f"{desc} @ {L}", disable=not progress, leave=False):
+            values = per_token(batch)
+            total += values.double().sum().item()
+            count += values.numel()
+        out[L] = {"mean": total / count, "windows": rows.shape[0], "tokens": count}
+    return out
+
+
+def perplexity(
+    model,
+    ids: torch.Tensor,
+    seq_lens: Iterable[int],
+    *,
+    max_windows: int | None = None,
+    batch_size: int = 1,
+    progress: bool = False,
+) -> dict[int, dict]:
+    """Perplexity of `model` on the token stream `ids` [N] at each length in `seq_lens`.
+
+    Returns {L: {"ppl", "nll", "windows", "tokens"}} (see the module doc); `max_windows` caps the
+    number of windows per length (the first ones of the stream)."""
+    was_training = model.training
+    model.eval()
+    means = window_means(lambda b: token_nll(model, b), ids, seq_lens, max_windows=max_windows,
+                         batch_size=batch_size, progress=progress, desc="ppl")
+    model.train(was_training)
+    return {L: {"ppl": math.exp(m["mean"]), "nll": m["mean"], "windows": m["windows"], "tokens": m["tokens"]}
+            for L, m in means.items()}

@@ -1,0 +1,219 @@
+"""Passkey retrieval and multi-key needle-in-a-haystack (NIAH) at chosen context lengths.
+
+A prompt of exactly L tokens is the tokenizer's leading special tokens, an intro, filler (one filler
+passage repeated and cut to fit) with needles inserted between two filler passages, and a question.
+Passkey: one needle holding a random number of `digits` digits. NIAH: `num_needles` needles, each a
+key (a distinct word) -> value (a number); one of them is queried. The queried needle sits at the
+filler boundary nearest to `depth` x (filler length); the other needles at random boundaries.
+
+Two templates: "prose" (sentences) and "code" (`PASSKEY = 48213` ... Python filler ... `assert
+PASSKEY ==`), for small models pretrained on source code only. Each piece is tokenized on its own
+(no special tokens) and the pieces are concatenated, so the answer tokens are exactly those scored.
+
+Per prompt: `correct` = greedy generation (Transformers' `generate`, `do_sample=False`, answer length
+plus 2 new tokens) starts with the value as a whole number (the first run of digits after optional
+spaces equals it); `logprob` = mean over the answer tokens of log p(answer token | prompt, earlier
+answer tokens), teacher-forced in one forward pass: a graded signal where exact matches are rare.
+Reported per length: accuracy (mean of `correct`), mean `logprob`, the number of prompts and the
+accuracy at each depth.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .data import EvaluationError
+from .ppl import model_device
+
+
+@dataclass(frozen=True)
+class Template:
+    """The pieces of a retrieval prompt; `needle`, `question` and `answer` are formatted with key and value."""
+
+    intro: str
+    filler: str
+    needle: str
+    question: str
+    answer: str = " {value}"
+
+
+_PROSE_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+_CODE_FILLER = (
+    "\n\ndef area(width, height):\n    return width * height\n\n\n"
+    "total = sum(area(w, h) for w, h in [(1, 2), (3, 4)])\n"
+)
+
+#: (task, template name) -> Template.
+TEMPLATES: dict[tuple[str, str], Template] = {
+    ("passkey", "prose"): Template(
+        intro="There is important information hidden inside a lot of irrelevant text. Find it and memorize it. "
+              "I will quiz you about it.",
+        filler=_PROSE_FILLER,
+        needle=" The pass key is {value}. Remember it. {value} is the pass key.",
+        question=" What is the pass key? The pass key is",
+    ),
+    ("passkey", "code"): Template(
+        intro="# settings\n", filler=_CODE_FILLER, needle="\nPASSKEY = {value}\n", question="\nassert PASSKEY ==",
+    ),
+    ("niah", "prose"): Template(
+        intro="Some special magic numbers are hidden inside the following text. Make sure to memorize them. "
+              "I will quiz you about one of them.",
+        filler=_PROSE_FILLER,
+        needle=" One of the special magic numbers for {key} is: {value}.",
+        question=" What is the special magic number for {key}? The special magic number for {key} is",
+    ),
+    ("niah", "code"): Template(
+        intro="VALUES = {}\n", filler=_CODE_FILLER, needle='\nVALUES["{key}"] = {value}\n',
+        question='\nassert VALUES["{key}"] ==',
+    ),
+}
+#: Needle keys of NIAH (distinct words; one prompt uses `num_needles` of them).
+KEYS = ("apple", "river", "garden", "silver", "window", "forest", "rocket", "pencil", "castle", "engine",
+        "harbor", "violet", "marble", "canyon", "meadow", "lantern")
+DEPTHS = (0.1, 0.5, 0.9)
+
+
+def answer_matches(text: str, value: str) -> bool:
+    """True when `text` (a generated continuation) starts, after optional spaces, with the number `value`."""
+    m = re.match(r"\s*(\d+)", text)
+    return m is not None and m.group(1) == value
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def build_prompt(
+    tokenizer,
+    template: Template,
+    length: int,
+    needles: list[tuple[str, str]],
+    query: int,
+    depth: float,
+    rng: random.Random,
+) -> tuple[list[int], list[int]]:
+    """(prompt ids of exactly `length` tokens, answer ids) for `needles` [(key, value)], asking for
+    needles[query], which is placed at `depth` in [0, 1] of the filler (see the module doc)."""
+    key, value = needles[query]
+    head = tokenizer("", add_special_tokens=True)["input_ids"] + _encode(tokenizer, template.intro)
+    question = _encode(tokenizer, template.question.format(key=key, value=value))
+    pieces = [_encode(tokenizer, template.needle.format(key=k, value=v)) for k, v in needles]
+    filler = _encode(tokenizer, template.filler)
+    n_fill = length - len(head) - len(question) - sum(map(len, pieces))
+    if n_fill < len(filler):
+        need = length - n_fill + len(filler)
+        raise EvaluationError(f"length {length} is too short for this prompt (at least {need} tokens); "
+                              "use a longer --seq-len or fewer needles")
+    fill = (filler * (n_fill // len(filler) + 1))[:n_fill]
+    bounds = list(range(0, n_fill + 1, len(filler)))  # between two filler passages (or at the start)
+    where = [min(bounds, key=lambda b: abs(b - depth * n_fill)) if i == query else rng.choice(bounds)
+             for i in range(len(needles))]
+    for i in sorted(range(len(needles)), key=lambda i: (where[i], i), reverse=True):
+        fill[where[i]:where[i]] = pieces[i]
+    answer = _encode(tokenizer, template.answer.format(key=key, value=value))
+    return head + fill + question, answer
+
+
+def min_length(tokenizer, task: str = "passkey", template: str = "prose", num_needles: int = 1,
+               digits: int = 5) -> int:
+    """A length that holds any prompt of this kind: the fixed pieces, the longest needles and question
+    (the longest keys, a value of `digits` digits, 2 tokens of slack each) and one filler passage."""
+    tpl = TEMPLATES[task, template]
+    keys = sorted(KEYS, key=lambda k: len(_encode(tokenizer, tpl.needle.format(key=k, value="9" * digits))))
+    longest = keys[-num_needles:]
+    fixed = tokenizer("", add_special_tokens=True)["input_ids"] + _encode(tokenizer, tpl.intro + tpl.filler)
+    question = max(len(_encode(tokenizer, tpl.question.format(key=k, value=""))) for k in longest)
+    needles = sum(len(_encode(tokenizer, tpl.needle.format(key=k, value="9" * digits))) for k in longest)
+    return len(fixed) + question + needles + 2 * (num_needles + 1)
+
+
+@torch.no_grad()
+def score_answer(model, tokenizer, prompt: list[int], answer: list[int], value: str) -> dict:
+    """{"correct", "logprob", "generated"} of one prompt (see the module doc)."""
+    from transformers import GenerationConfig
+
+    device = model_device(model)
+    full = torch.tensor([prompt + answer], device=device)
+    logp = model(input_ids=full, use_cache=False).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+    logprob = logp.gather(-1, full[0, len(prompt):, None]).mean().item()
+    ids = full[:, :len(prompt)]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    config = GenerationConfig(max_new_tokens=len(answer) + 2, do_sample=False, num_beams=1,
+                              pad_token_id=pad if pad is not None else 0, eos_token_id=tokenizer.eos_token_id)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    generated = tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
+    return {"correct": answer_matches(generated, value), "logprob": logprob, "generated": generated}
+
+
+def retrieval(
+    model,
+    tokenizer,
+    lengths: Iterable[int],
+    *,
+    task: str = "passkey",
+    template: str = "prose",
+    num_needles: int = 1,
+    depths: Iterable[float] = DEPTHS,
+    trials: int = 2,
+    digits: int = 5,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[int, dict]:
+    """Retrieval accuracy at each length: {L: {"accuracy", "logprob", "prompts", "by_depth": {depth: acc}}}.
+
+    Lengths shorter than `min_length` (too short to hold the prompt) are left out; none left is an error.
+    `task` "passkey" or "niah" picks the templates; `trials` prompts per (length, depth), each with fresh
+    random values (and keys), from `seed`."""
+    from tqdm.auto import tqdm
+
+    if (task, template) not in TEMPLATES:
+        raise EvaluationError(f"no {task} template {template!r}; available: "
+                              f"{', '.join(t for k, t in TEMPLATES if k == task)}")
+    if not 1 <= num_needles <= len(KEYS):
+        raise EvaluationError(f"num_needles must be in 1..{len(KEYS)}, got {num_needles}")
+    depths = tuple(depths)
+    if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+        raise EvaluationError(f"depths must be fractions in [0, 1], got {depths}")
+    tpl = TEMPLATES[task, template]
+    shortest = min_length(tokenizer, task, template, num_needles, digits)
+    lengths = [L for L in lengths if L >= shortest]
+    if not lengths:
+        raise EvaluationError(f"every length is too short for a {task} prompt (at least {shortest} tokens here); "
+                              "use a longer --seq-len or fewer needles")
+    was_training = model.training
+    model.eval()
+    out = {}
+    for L in lengths:
+        rng = random.Random(f"{seed}-{task}-{L}")
+        rows = []
+        for depth in tqdm(depths, desc=f"{task} @ {L}", disable=not progress, leave=False):
+            for _ in range(trials):
+                keys = rng.sample(KEYS, num_needles)
+                needles = [(k, str(rng.randrange(10 ** (digits - 1), 10 ** digits))) for k in keys]
+                query = rng.randrange(num_needles)
+                prompt, answer = build_prompt(tokenizer, tpl, L, needles, query, depth, rng)
+                rows.append((depth, score_answer(model, tokenizer, prompt, answer, needles[query][1])))
+        out[L] = {
+            "accuracy": sum(r["correct"] for _, r in rows) / len(rows),
+            "logprob": sum(r["logprob"] for _, r in rows) / len(rows),
+            "prompts": len(rows),
+            "by_depth": {d: sum(r["correct"] for dd, r in rows if dd == d) / trials for d in depths},
+        }
+    model.train(was_training)
+    return out
+
+
+def passkey(model, tokenizer, lengths: Iterable[int], *, template: str = "prose", **kw) -> dict[int, dict]:
+    """Passkey retrieval (one needle) at each length; see `retrieval`."""
+    return retrieval(model, tokenizer, lengths, task="passkey", template=template, num_needles=1, **kw)
+
+
+def niah(model, tokenizer, lengths: Iterable[int], *, template: str = "prose", num_needles: int = 4,
+         **kw) -> dict[int, dict]:
+    """Multi-key needle in a haystack (`num_needles` key -> value needles, one queried); see `retrieval`."""
+    return retrieval(model, tokenizer, lengths, task="niah", template=template, num_needles=num_needles, **kw)

@@ -1,0 +1,101 @@
+"""`subquadratic eval` end to end (table, JSON, PNG, card section), its one-line errors, and
+`convert --eval-data`, which writes the evaluation into the converted model's card."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from subquadratic.cli import main
+from subquadratic.evaluation import load_stream, perplexity
+from subquadratic.evaluation.retrieval import min_length
+
+from ..test_cli import one_error_line, run_cli
+
+
+def test_eval_help_is_fast_and_imports_no_torch():
+    t0 = time.perf_counter()
+    r = run_cli("-X", "importtime", "-m", "subquadratic.cli", "eval", "--help")
+    assert r.returncode == 0, r.stderr
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert not {"torch", "transformers", "datasets", "matplotlib"} & imported
+    for flag in ("--data", "--seq-len", "--tasks", "--reference", "--json", "--plot-dir", "--card", "--device"):
+        assert flag in r.stdout
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_eval_writes_table_json_plots_and_cards(checkpoints, corpus, tokenizer, tmp_path, capsys, one_thread):
+    spla = shutil.copytree(checkpoints["spla"], tmp_path / "spla")
+    card_before = (spla / "README.md").read_text()
+    L = min_length(tokenizer, "passkey", "code")
+    argv = ["eval", str(spla), str(checkpoints["dense"]), "--data", str(corpus), "--seq-len", "32", str(L),
+            "--tasks", "ppl,kl,passkey,mqar", "--reference", str(checkpoints["dense"]), "--template", "code",
+            "--trials", "1", "--max-windows", "2", "--json", str(tmp_path / "r.json"),
+            "--plot-dir", str(tmp_path / "plots"), "--device", "cpu", "--no-progress"]
+    assert main([*argv, "--card"]) == 0
+    out = capsys.readouterr().out
+    assert "| model | length | perplexity | KL to reference | passkey acc | passkey log p | MQAR acc |" in out
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert [r["model"] for r in results] == [str(spla), str(checkpoints["dense"])]
+    ids = load_stream(corpus, tokenizer)
+    want = perplexity(AutoModelForCausalLM.from_pretrained(spla), ids, [32, L], max_windows=2)
+    for r, kl_zero in zip(results, (False, True), strict=True):
+        t = r["tasks"]
+        assert set(t) == {"ppl", "kl", "passkey", "mqar"}
+        assert list(t["passkey"]) == [str(L)]  # 32 tokens cannot hold a passkey prompt
+        assert 0.0 <= t["passkey"][str(L)]["accuracy"] <= 1.0 and 0.0 <= t["mqar"]["32"]["accuracy"] <= 1.0
+        assert (t["kl"][str(L)]["kl"] < 1e-9) == kl_zero  # SPLA is sparse beyond its 32-token budget
+    assert results[0]["tasks"]["ppl"][str(L)]["ppl"] == pytest.approx(want[L]["ppl"], rel=1e-6)
+    for name in ("spla.png", "dense.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    card = (spla / "README.md").read_text()
+    assert card.startswith(card_before.rstrip("\n")) and card.count("## Evaluation") == 1
+    assert f"| spla | {L} |" in card and f"{want[L]['ppl']:.3f}" in card
+    assert main([*argv, "--card"]) == 0  # again: the section is replaced, not added
+    assert (spla / "README.md").read_text() == card
+
+
+@pytest.mark.parametrize(("extra", "expect"), [
+    (["--tasks", "ppl"], "tasks ppl and kl need held-out text: pass --data FILE"),
+    (["--tasks", "kl", "--data", "CORPUS"], "task kl needs a reference model: pass --reference DIR"),
+    (["--tasks", "ppl,bleu"], "unknown task(s) bleu; choose from ppl,passkey,niah,mqar,kl"),
+    (["--tasks", "mqar", "--reference", "DENSE"], "--reference is used by task kl only"),
+    (["--data", "nowhere.jsonl"], "--data nowhere.jsonl does not exist"),
+    (["--tasks", "passkey", "--seq-len", "16"], "every length is too short for a passkey prompt"),
+    (["--device", "gpu0"], "unknown device 'gpu0'"),
+])
+def test_eval_errors_are_one_line(checkpoints, corpus, capsys, extra, expect):
+    extra = [str(corpus) if a == "CORPUS" else str(checkpoints["dense"]) if a == "DENSE" else a for a in extra]
+    assert main(["eval", str(checkpoints["dense"]), "--no-progress", *extra]) == 2
+    captured = capsys.readouterr()
+    assert expect in one_error_line(captured.err) and captured.out == ""
+
+
+def test_eval_of_a_folder_without_config_is_one_line(tmp_path, capsys):
+    assert main(["eval", str(tmp_path), "--tasks", "mqar"]) == 2
+    assert "is not a checkpoint folder (no config.json)" in one_error_line(capsys.readouterr().err)
+
+
+def test_convert_eval_data_writes_the_table_into_the_card(checkpoints, corpus, tmp_path, capsys, one_thread):
+    out = tmp_path / "spla"
+    argv = ["convert", str(checkpoints["dense"]), str(out), "--to", "spla", "--spla-block-size", "8",
+            "--spla-top-k-blocks", "4", "--no-progress", "--eval-data", str(corpus), "--eval-seq-len", "32", "64",
+            "--eval-max-windows", "2"]
+    assert main(argv) == 0
+    card = (out / "README.md").read_text()
+    assert card.index("## What was verified") < card.index("## Evaluation")
+    rows = [line for line in card.splitlines() if line.startswith("| this model") or line.startswith("| dense")]
+    assert len(rows) == 4, card
+    kl32 = rows[0].split("|")[4].strip()
+    assert rows[0].startswith("| this model | 32 |") and kl32 == "0.0000"  # inside the budget: the dense model
+    assert rows[0].split("|")[3] == rows[2].split("|")[3]  # same perplexity as the source at 32 tokens
+    assert rows[1].split("|")[4].strip() != "0.0000"
+    capsys.readouterr()
+    bad = tmp_path / "bad"
+    assert main(["convert", str(checkpoints["dense"]), str(bad), "--to", "spla", "--no-progress",
+                 "--eval-data", str(tmp_path / "none.jsonl")]) == 2
+    assert "--eval-data" in one_error_line(capsys.readouterr().err) and not bad.exists()
