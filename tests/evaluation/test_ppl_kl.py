@@ -54,7 +54,7 @@ def test_text_and_parquet_files_read_like_jsonl(tmp_path, tokenizer):
 @pytest.mark.parametrize(("name", "content", "field", "expect"), [
     ("missing.jsonl", None, "text", "does not exist"),
     ("empty.txt", "  \n", "text", "no text found"),
-    ("a.jsonl", '{"body": "x"}\n', "text", "has no column 'text' (columns: body); name the text column with --text-field"),
+    ("a.jsonl", '{"body": "x"}\n', "text", "has no column 'text' (columns: body); name the text column"),
     ("a.jsonl", "{not json\n", "text", "cannot read"),
 ])
 def test_bad_data_files_are_one_clear_error(tmp_path, name, content, field, expect):
