@@ -1,11 +1,11 @@
 """Small-scale replication of the papers' quality claims, in one run, offline.
 
 A small dense Llama-style model is pretrained from scratch on a real corpus found on any machine with
-Python: the standard library's own sources. It is converted to SPLA, SPA (SPLA without its residual
+Python: the Python sources of the standard library and of the installed packages. It is converted to SPLA, SPA (SPLA without its residual
 term), SSE-H, SSE (no softmax layers) and an HLA hybrid, each adapted the same way with at most 5% of
 the pretraining tokens (`subquadratic.adaptation.adapt`), then evaluated (`subquadratic.evaluation`):
 
-  Q3  perplexity on held-out standard-library files, vs dense
+  Q3  perplexity on held-out source files, vs dense
   Q4  passkey / multi-key needle retrieval (code prompts) at 4x and 8x the adaptation length
   Q5  MQAR from scratch at equal state size: SSE vs a GLA-style baseline vs HLA
   Q6  SPLA vs SPA at 4x the SPLA budget
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import shutil
 import sys
@@ -67,10 +68,10 @@ class Scale:
 
 SCALES = {
     "h200": Scale(vocab=8192, hidden=512, layers=8, heads=8, kv_heads=2, seq_len=1024, batch=32,
-                  pretrain_seconds=120, pretrain_max_steps=4000, lr=1.5e-3, adapt_share=0.05, adapt_max_steps=120,
+                  pretrain_seconds=80, pretrain_max_steps=4000, lr=1.5e-3, adapt_share=0.05, adapt_max_steps=24,
                   spla=dict(block_size=32, top_k_blocks=8, num_sink_blocks=1, num_local_blocks=2),
-                  retrieval_lengths=(1024, 4096, 8192), ppl_windows=24, trials=4,
-                  mqar=MQARSettings.gpu(steps=1000), corpus_bytes=400_000_000),
+                  retrieval_lengths=(1024, 4096), ppl_windows=16, trials=2,
+                  mqar=MQARSettings.gpu(steps=500), corpus_bytes=150_000_000),
     "tiny": Scale(vocab=512, hidden=64, layers=4, heads=4, kv_heads=2, seq_len=128, batch=8,
                   pretrain_seconds=25, pretrain_max_steps=300, lr=3e-3, adapt_share=0.05, adapt_max_steps=8,
                   spla=dict(block_size=8, top_k_blocks=4, num_sink_blocks=1, num_local_blocks=2),
@@ -88,6 +89,13 @@ CONTENDERS = {
 }
 
 
+#: adaptation per family: SPLA starts as sparse attention and continues training (no attention
+#: transfer, a gentle learning rate); SSE and HLA layers start far from the dense layers and first
+#: learn to imitate them (a quarter of the steps), then distil
+RECIPES = {"spla": dict(stage1_share=0.0, lr=1e-4), "sse-h": dict(stage1_share=0.25, lr=3e-4),
+           "hla": dict(stage1_share=0.25, lr=3e-4)}
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -95,27 +103,40 @@ def log(msg: str) -> None:
 # --- corpus and tokenizer -----------------------------------------------------------------------
 
 
-def stdlib_files() -> list[Path]:
-    """Every .py file of the standard library, outside site-packages, in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+def source_files() -> list[tuple[Path, str]]:
+    """Every .py file of the standard library and of the installed packages (site-packages), with
+    its path relative to its root, in an order fixed by a hash of that relative path (so that a cap
+    on the bytes read takes a spread of packages, the same on every run)."""
+    roots = [Path(sysconfig.get_paths()["stdlib"])]
+    roots += [Path(p) for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}]
+    seen, files = set(), []
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for path in root.rglob("*.py"):
+            rel = str(path.relative_to(root))
+            if rel in seen or (root == roots[0] and ("site-packages" in path.parts or "dist-packages" in path.parts)):
+                continue
+            seen.add(rel)
+            files.append((path, rel))
+    return sorted(files, key=lambda f: (zlib.crc32(f[1].encode()), f[1]))
 
 
 def build_corpus(work: Path, cap: int) -> tuple[Path, Path, dict]:
     """train.jsonl (one record per file) and heldout.txt (2% of the files, chosen by a hash of the
-    relative path), from the standard library."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, held, sizes = [], [], {"train_files": 0, "heldout_files": 0, "train_bytes": 0, "heldout_bytes": 0}
-    for path in stdlib_files():
+    relative path) from the Python sources on this machine, at most `cap` bytes of training text."""
+    train, held = [], []
+    sizes = {"train_files": 0, "heldout_files": 0, "train_bytes": 0, "heldout_bytes": 0}
+    for path, rel in source_files():
+        if sizes["train_bytes"] > cap:
+            break
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        if not text.strip():
+        if not text.strip() or len(text) > 1_000_000:  # generated tables, vendored bundles
             continue
-        key = "heldout" if zlib.crc32(str(path.relative_to(root)).encode()) % 50 == 0 else "train"
-        if key == "train" and sizes["train_bytes"] > cap:
-            continue
+        key = "heldout" if zlib.crc32(rel.encode()) % 50 == 0 else "train"
         (held if key == "heldout" else train).append(text)
         sizes[f"{key}_files"] += 1
         sizes[f"{key}_bytes"] += len(text)
@@ -124,8 +145,8 @@ def build_corpus(work: Path, cap: int) -> tuple[Path, Path, dict]:
     with (corpus / "train.jsonl").open("w") as f:
         for text in train:
             f.write(json.dumps({"text": text}) + "\n")
-    (corpus / "heldout.txt").write_text("\n\n".join(held))
-    sizes["stdlib"] = str(root)
+    (corpus / "heldout.txt").write_text("\n\n".join(held[:200]))
+    sizes["roots"] = sorted({str(Path(sysconfig.get_paths()[k])) for k in ("stdlib", "purelib", "platlib")})
     return corpus / "train.jsonl", corpus / "heldout.txt", sizes
 
 
@@ -133,10 +154,15 @@ def train_tokenizer(train: Path, vocab: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    def texts():
+    def texts(limit: int = 40_000_000):  # the merges are learned from the first 40 MB
+        n = 0
         with train.open() as f:
             for line in f:
-                yield json.loads(line)["text"]
+                text = json.loads(line)["text"]
+                n += len(text)
+                yield text
+                if n > limit:
+                    return
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -157,7 +183,8 @@ def pretrain(scale: Scale, train: Path, tokenizer, out: Path, device: torch.devi
     from transformers import LlamaConfig, LlamaForCausalLM
 
     texts = load_dataset("json", data_files=str(train), split="train")
-    rows = tokenize_and_pack(texts, tokenizer, scale.seq_len)[:]["input_ids"]  # [N, seq_len]
+    rows = tokenize_and_pack(texts, tokenizer, scale.seq_len, num_proc=min(16, os.cpu_count() or 1))
+    rows = rows[:]["input_ids"]  # [N, seq_len]
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=scale.hidden, intermediate_size=3 * scale.hidden,
         num_hidden_layers=scale.layers, num_attention_heads=scale.heads, num_key_value_heads=scale.kv_heads,
@@ -249,17 +276,19 @@ def run(args) -> dict:
     folders = convert_all(scale, dense, work)
     tokens_per_step = scale.batch * scale.seq_len
     steps = max(4, min(scale.adapt_max_steps, int(scale.adapt_share * results["pretrain"]["tokens"] / tokens_per_step)))
-    common = dict(data=[str(train)], teacher=str(dense), max_steps=steps, stage1_steps=steps // 4, loss="kl",
-                  train="full", seq_len=scale.seq_len, batch_size=scale.batch, lr=3e-4, stage1_lr=1e-3,
+    common = dict(data=[str(train)], teacher=str(dense), max_steps=steps, loss="kl", train="full",
+                  seq_len=scale.seq_len, batch_size=scale.batch, stage1_lr=1e-3,
                   mixed_precision="bf16" if device.type == "cuda" else "no", save_every=10 ** 6, progress=False,
                   overwrite=True)
-    results["adaptation"] = {"steps": steps, "stage1_steps": steps // 4, "tokens": steps * tokens_per_step,
+    results["adaptation"] = {"steps": steps, "tokens": steps * tokens_per_step, "recipes": RECIPES,
                              "share_of_pretraining": steps * tokens_per_step / results["pretrain"]["tokens"],
                              "settings": {k: v for k, v in common.items() if k not in ("data", "teacher")}}
     adapted = {}
     for name, folder in folders.items():
         started = time.perf_counter()
+        recipe = RECIPES[CONTENDERS[name][0]]
         adapted[name] = adapt(AdaptConfig(student=str(folder), output_dir=str(work / "adapted" / folder.name),
+                                          stage1_steps=int(recipe["stage1_share"] * steps), lr=recipe["lr"],
                                           **common))
         shutil.copy(adapted[name] / "adapt_log.jsonl", out / f"adapt_log_{folder.name}.jsonl")
         results["adaptation"][name] = {"seconds": round(time.perf_counter() - started, 1),
@@ -346,12 +375,15 @@ def report(results: dict, scale: Scale) -> str:
         f"# Small-scale replication ({results['scale']}, {results['device']}, {results['date']})",
         "",
         f"Dense Llama-style model: {pre['parameters'] / 1e6:.1f}M parameters ({pre['config']}), pretrained from "
-        f"scratch on {results['corpus']['train_files']} Python standard-library files ({pre['corpus_tokens']:,} "
+        f"scratch on {results['corpus']['train_files']} Python source files ({pre['corpus_tokens']:,} "
         f"tokens), {pre['tokens']:,} tokens in {pre['steps']} steps ({pre['seconds']} s). Each conversion adapted "
         f"with {ad['tokens']:,} tokens ({100 * ad['share_of_pretraining']:.1f}% of pretraining): {ad['steps']} "
-        f"steps ({ad['stage1_steps']} attention transfer, then KL distillation), sequence length {L}. SPLA "
+        f"steps of {scale.batch} x {L} tokens, KL distillation from the dense model, every parameter trained; "
+        "SSE and HLA spend the first quarter on attention transfer (learning rate 1e-3) and distil at 3e-4, SPLA "
+        "and SPA distil at 1e-4 from the start. SPLA "
         f"budget {budget} tokens (B{scale.spla['block_size']} x {scale.spla['top_k_blocks']}). Held-out: "
-        f"{results['corpus']['heldout_files']} other standard-library files.",
+        f"{results['corpus']['heldout_files']} other source files (2% of the files, by a hash of the path); sources: "
+        f"the standard library and the installed packages of {', '.join(results['corpus']['roots'])}.",
         "",
         "## Q3: perplexity after adaptation, vs dense",
         "",
