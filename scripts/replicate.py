@@ -1,9 +1,10 @@
 """Small-scale replication of the papers' quality claims, in one run, offline.
 
 A small dense Llama-style model is pretrained from scratch on a real corpus found on any machine with
-Python: the Python sources of the standard library and of the installed packages. It is converted to SPLA, SPA (SPLA without its residual
-term), SSE-H, SSE (no softmax layers) and an HLA hybrid, each adapted the same way with at most 5% of
-the pretraining tokens (`subquadratic.adaptation.adapt`), then evaluated (`subquadratic.evaluation`):
+Python: the Python sources of the standard library and of the installed packages. It is converted to
+SPLA, SPA (SPLA without its residual term), SSE-H, SSE (no softmax layers) and an HLA hybrid, each
+adapted with at most 5% of the pretraining tokens (`subquadratic.adaptation.adapt`, one recipe per
+family, SPLA and SPA alike), then evaluated (`subquadratic.evaluation`):
 
   Q3  perplexity on held-out source files, vs dense
   Q4  passkey / multi-key needle retrieval (code prompts) at 4x and 8x the adaptation length
