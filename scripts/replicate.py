@@ -69,10 +69,10 @@ class Scale:
 
 SCALES = {
     "h200": Scale(vocab=8192, hidden=512, layers=8, heads=8, kv_heads=2, seq_len=1024, batch=32,
-                  pretrain_seconds=80, pretrain_max_steps=4000, lr=1.5e-3, adapt_share=0.05, adapt_max_steps=24,
+                  pretrain_seconds=70, pretrain_max_steps=4000, lr=1.5e-3, adapt_share=0.05, adapt_max_steps=20,
                   spla=dict(block_size=32, top_k_blocks=8, num_sink_blocks=1, num_local_blocks=2),
-                  retrieval_lengths=(1024, 4096), ppl_windows=16, trials=2,
-                  mqar=MQARSettings.gpu(steps=500), corpus_bytes=150_000_000),
+                  retrieval_lengths=(1024, 4096), ppl_windows=12, trials=2,
+                  mqar=MQARSettings.gpu(steps=400), corpus_bytes=100_000_000),
     "tiny": Scale(vocab=512, hidden=64, layers=4, heads=4, kv_heads=2, seq_len=128, batch=8,
                   pretrain_seconds=25, pretrain_max_steps=300, lr=3e-3, adapt_share=0.05, adapt_max_steps=8,
                   spla=dict(block_size=8, top_k_blocks=4, num_sink_blocks=1, num_local_blocks=2),
@@ -299,6 +299,7 @@ def run(args) -> dict:
 
     results["evaluation"] = evaluate_all(scale, dense, adapted, held, device, out)
     save()
+    (out / "results.md").write_text(report(results, scale))
     log(f"evaluated ({time.perf_counter() - t0:.0f} s so far)")
 
     started = time.perf_counter()
@@ -419,7 +420,9 @@ def report(results: dict, scale: Scale) -> str:
     for name in ("SPLA", "SPA (use_rla=False)"):
         ppl, kl = _metric(evals, name, "ppl", L4, "ppl"), _metric(evals, name, "kl", L4, "kl")
         lines.append(f"| {name} | {ppl:.3f} | {kl:.4f} | SPLA lower than SPA |")
-    m = results["mqar"]
+    m = results.get("mqar")
+    if m is None:
+        return "\n".join(lines + ["", "(MQAR not run yet)", ""])
     s = m["settings"]
     lines += ["", "## Q5: MQAR from scratch at equal state size", "",
               f"Sequence {s['seq_len']}, {s['num_kv_pairs']} key-value pairs, vocabulary {s['vocab_size']}, "
@@ -432,7 +435,7 @@ def report(results: dict, scale: Scale) -> str:
         label = {"sse": f"SSE (N={r['num_partitions']}, top-1)", "gla": "GLA-style (SSE, N=1)", "hla": "HLA (hla2)"}
         lines.append(f"| {label[name]} | {r['num_heads']} | {r['state_bytes']:,} | {r['accuracy']:.3f} | "
                      f"{r['final_loss']:.3f} | {claim} |")
-    lines += ["", f"Whole run: {results['seconds']} s; versions {results['versions']}.", ""]
+    lines += ["", f"Whole run: {results.get('seconds')} s; versions {results['versions']}.", ""]
     return "\n".join(lines)
 
 
