@@ -65,14 +65,15 @@ class Scale:
     trials: int
     mqar: MQARSettings
     corpus_bytes: int  # cap on the training text read
+    retrieval_tasks: tuple[str, ...] = ("passkey", "niah")
 
 
 SCALES = {
     "h200": Scale(vocab=8192, hidden=512, layers=8, heads=8, kv_heads=2, seq_len=1024, batch=32,
-                  pretrain_seconds=70, pretrain_max_steps=4000, lr=1.5e-3, adapt_share=0.05, adapt_max_steps=20,
+                  pretrain_seconds=60, pretrain_max_steps=4000, lr=1.5e-3, adapt_share=0.05, adapt_max_steps=16,
                   spla=dict(block_size=32, top_k_blocks=8, num_sink_blocks=1, num_local_blocks=2),
                   retrieval_lengths=(1024, 4096), ppl_windows=12, trials=2,
-                  mqar=MQARSettings.gpu(steps=400), corpus_bytes=100_000_000),
+                  mqar=MQARSettings.gpu(steps=300), corpus_bytes=100_000_000, retrieval_tasks=("passkey",)),
     "tiny": Scale(vocab=512, hidden=64, layers=4, heads=4, kv_heads=2, seq_len=128, batch=8,
                   pretrain_seconds=25, pretrain_max_steps=300, lr=3e-3, adapt_share=0.05, adapt_max_steps=8,
                   spla=dict(block_size=8, top_k_blocks=4, num_sink_blocks=1, num_local_blocks=2),
@@ -123,9 +124,11 @@ def source_files() -> list[tuple[Path, str]]:
     return sorted(files, key=lambda f: (zlib.crc32(f[1].encode()), f[1]))
 
 
-def build_corpus(work: Path, cap: int) -> tuple[Path, Path, dict]:
+def build_corpus(work: Path, cap: int, min_bytes: int) -> tuple[Path, Path, dict]:
     """train.jsonl (one record per file) and heldout.txt (2% of the files, chosen by a hash of the
-    relative path) from the Python sources on this machine, at most `cap` bytes of training text."""
+    relative path) from the Python sources on this machine, at most `cap` bytes of training text.
+    Files shorter than `min_bytes` are left out: a packed row then holds one or two documents, and the
+    model's one-document-per-row layout of a packed batch pads little."""
     train, held = [], []
     sizes = {"train_files": 0, "heldout_files": 0, "train_bytes": 0, "heldout_bytes": 0}
     for path, rel in source_files():
@@ -135,7 +138,7 @@ def build_corpus(work: Path, cap: int) -> tuple[Path, Path, dict]:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        if not text.strip() or len(text) > 1_000_000:  # generated tables, vendored bundles
+        if len(text) < min_bytes or len(text) > 1_000_000:  # short files; generated tables, vendored bundles
             continue
         key = "heldout" if zlib.crc32(rel.encode()) % 50 == 0 else "train"
         (held if key == "heldout" else train).append(text)
@@ -213,9 +216,14 @@ def pretrain(scale: Scale, train: Path, tokenizer, out: Path, device: torch.devi
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        if step == 20:  # fix the length of the run from the measured speed
-            per_step = (time.perf_counter() - started) / step
-            total = min(scale.pretrain_max_steps, max(40, int(scale.pretrain_seconds / per_step)))
+        if step == 10:
+            _sync(device)
+            warm_end = time.perf_counter()
+        if step == 30:  # fix the length of the run from the speed of steps 10..30 (past the warm-up)
+            _sync(device)
+            per_step = (time.perf_counter() - warm_end) / 20
+            left = scale.pretrain_seconds - (warm_end - started)
+            total = min(scale.pretrain_max_steps, max(40, int(left / per_step)))
         if step % 50 == 0 or step == total:
             losses.append((step, loss.item()))
             log(f"pretrain step {step}/{total} loss {losses[-1][1]:.3f}")
@@ -264,7 +272,7 @@ def run(args) -> dict:
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
 
     t0 = time.perf_counter()
-    train, held, sizes = build_corpus(work, scale.corpus_bytes)
+    train, held, sizes = build_corpus(work, scale.corpus_bytes, min_bytes=8 * scale.seq_len)
     results["corpus"] = sizes
     tokenizer = train_tokenizer(train, scale.vocab)
     log(f"corpus {sizes['train_files']} train / {sizes['heldout_files']} held-out files; tokenizer {len(tokenizer)}")
@@ -328,7 +336,8 @@ def evaluate_all(scale: Scale, dense_dir: Path, adapted: dict[str, Path], held: 
         tasks = ("ppl",) if name == "dense" else ("ppl", "kl")
         first = evaluate(model, tokenizer, name=name, tasks=tasks, seq_lens=ppl_lengths, data=str(held),
                          reference=dense, max_windows=scale.ppl_windows)
-        second = evaluate(model, tokenizer, name=name, tasks=("passkey", "niah"), seq_lens=scale.retrieval_lengths,
+        second = evaluate(model, tokenizer, name=name, tasks=scale.retrieval_tasks,
+                          seq_lens=scale.retrieval_lengths,
                           template="code", trials=scale.trials, num_needles=4)
         first["tasks"].update(second["tasks"])
         first["settings"]["retrieval"] = second["settings"]
@@ -340,6 +349,11 @@ def evaluate_all(scale: Scale, dense_dir: Path, adapted: dict[str, Path], held: 
     plot_results(evals, out / "plots")
     (out / "evaluation.md").write_text(markdown_table(evals))
     return evals
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _last_loss(folder: Path) -> float:
@@ -407,7 +421,7 @@ def report(results: dict, scale: Scale) -> str:
               "| --- |" + " --- |" * (2 * len(scale.retrieval_lengths))]
     for r in evals:
         cells = []
-        for task in ("passkey", "niah"):
+        for task in scale.retrieval_tasks:
             for n in scale.retrieval_lengths:
                 acc = _metric(evals, r["model"], task, n, "accuracy")
                 lp = _metric(evals, r["model"], task, n, "logprob")
