@@ -143,6 +143,12 @@ def _adapt_parser(sub) -> None:
     a.add_argument("--text-field", default="text", help="column holding the text in jsonl / parquet data")
     a.add_argument("--text-unit", default="document", choices=("document", "paragraph", "line"),
                    help="one document per text file, paragraph or line (default document)")
+    a.add_argument("--eval-data", metavar="FILE",
+                   help="held-out text evaluated at the end (perplexity, KL to --teacher) into OUT's model card")
+    a.add_argument("--eval-seq-len", type=int, nargs="+", metavar="L",
+                   help="context lengths of --eval-data (default: the SPLA budget and twice it, else 1024 2048)")
+    a.add_argument("--eval-max-windows", type=int, default=8, metavar="N",
+                   help="windows per length of --eval-data (default 8)")
     a.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -159,7 +165,8 @@ def _adapt(args) -> None:
         gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         save_every=args.save_every, save_total_limit=args.save_total_limit, keep_checkpoints=args.keep_checkpoints,
         resume=args.resume, overwrite=args.overwrite, text_field=args.text_field, text_unit=args.text_unit,
-        seed=args.seed, progress=not args.no_progress,
+        seed=args.seed, progress=not args.no_progress, eval_data=args.eval_data, eval_seq_lens=args.eval_seq_len,
+        eval_max_windows=args.eval_max_windows,
     )
     print(f"wrote {adapt(cfg)}")
 

@@ -81,6 +81,10 @@ class AdaptConfig:
     text_field: str = "text"
     text_unit: str = "document"
     progress: bool = True
+    #: held-out text evaluated at the end (perplexity, and KL to the teacher) into the card's Evaluation
+    eval_data: str | None = None
+    eval_seq_lens: list[int] | None = None
+    eval_max_windows: int = 8
     #: stop (as an interruption would) after this many steps, leaving the last checkpoint: for tests
     stop_after: int | None = None
     extra: dict = field(default_factory=dict)
@@ -427,6 +431,8 @@ def adapt(cfg: AdaptConfig) -> Path:
     save_model(accelerator, model, tokenizer, out, lora=cfg.train == "lora")
     if main:
         _write_card(out, cfg, stage1, step * tokens_per_step, last)
+        if cfg.eval_data:
+            _evaluate_into_card(out, cfg, accelerator.device)
         if not cfg.keep_checkpoints:
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -506,6 +512,22 @@ def _checkpoint(accelerator, model, tokenizer, cfg: AdaptConfig, out: Path, step
     accelerator.wait_for_everyone()
 
 
+def _evaluate_into_card(out: Path, cfg: AdaptConfig, device) -> None:
+    """Perplexity of the adapted model (and of the teacher, with the KL to it) on `eval_data`, written
+    into the card's Evaluation section."""
+    from ..evaluation import evaluate, evaluate_conversion, load_model, write_card_evaluation
+
+    note = f"Measured by `subquadratic adapt --eval-data {cfg.eval_data}` at the end of the run."
+    if cfg.teacher:
+        results = evaluate_conversion(out, cfg.teacher, cfg.eval_data, seq_lens=cfg.eval_seq_lens,
+                                      max_windows=cfg.eval_max_windows, device=str(device), name=out.name)
+    else:
+        model, tokenizer = load_model(out, device=str(device))
+        results = [evaluate(model, tokenizer, name=out.name, tasks=("ppl",), data=cfg.eval_data,
+                            seq_lens=cfg.eval_seq_lens or [cfg.seq_len], max_windows=cfg.eval_max_windows)]
+    write_card_evaluation(out, results, note=note)
+
+
 def _write_card(out: Path, cfg: AdaptConfig, stage1: int, tokens: int, last: dict) -> None:
     """The student's card plus a section on this adaptation."""
     card = out / "README.md"
@@ -523,14 +545,8 @@ def _write_card(out: Path, cfg: AdaptConfig, stage1: int, tokens: int, last: dic
     section = "## Adaptation\n\nAdapted with `subquadratic adapt`:\n\n| setting | value |\n| --- | --- |\n"
     section += "".join(f"| {k} | {v} |\n" for k, v in rows)
     section += f"\nThe loss of every step is in `{LOG_FILE}`.\n"
-    card.write_text(_replace_section(text, "## Adaptation", section))
+    from ..evaluation.report import replace_section
+
+    card.write_text(replace_section(text, "## Adaptation", section))
 
 
-def _replace_section(text: str, heading: str, section: str) -> str:
-    """`text` with the section under `heading` replaced by `section` (appended when absent)."""
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
-    if start is None:
-        return text.rstrip("\n") + "\n\n" + section
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    return "".join(lines[:start]) + section + ("\n" + "".join(lines[end:]) if end < len(lines) else "")

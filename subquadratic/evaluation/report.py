@@ -138,6 +138,18 @@ def card_section(results: list[dict], note: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def replace_section(text: str, heading: str, section: str) -> str:
+    """`text` (a markdown card) with the section under the level-2 `heading` replaced by `section`, or
+    `section` appended when the card has none."""
+    start = re.search(rf"^{re.escape(heading)}[ \t]*$", text, flags=re.M)
+    if start is None:
+        return (text.rstrip("\n") + "\n\n" if text.strip() else "") + section
+    nxt = re.search(r"^## ", text[start.end():], flags=re.M)
+    end = start.end() + nxt.start() if nxt else len(text)
+    rest = text[end:]
+    return text[:start.start()] + section + ("\n" + rest if rest else "")
+
+
 def write_card_evaluation(model_dir: str | Path, results: dict | list[dict], note: str | None = None) -> Path:
     """Write (or replace) the "## Evaluation" section of `model_dir`/README.md with the table of
     `results` (one result or a list, e.g. the model and its dense source); the rest of the card is
@@ -145,15 +157,6 @@ def write_card_evaluation(model_dir: str | Path, results: dict | list[dict], not
     only that section. Returns the card's path."""
     results = [results] if isinstance(results, dict) else list(results)
     card = Path(model_dir) / "README.md"
-    section = card_section(results, note)
-    text = card.read_text() if card.is_file() else ""
-    start = re.search(rf"^{re.escape(CARD_HEADING)}[ \t]*$", text, flags=re.M)
-    if start is None:
-        text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + section
-    else:
-        nxt = re.search(r"^## ", text[start.end():], flags=re.M)
-        end = start.end() + nxt.start() if nxt else len(text)
-        rest = text[end:]
-        text = text[:start.start()] + section + ("\n" + rest if rest else "")
+    text = replace_section(card.read_text() if card.is_file() else "", CARD_HEADING, card_section(results, note))
     card.write_text(text)
     return card

@@ -159,9 +159,17 @@ def test_cli_adapts_and_refuses_bad_input_in_one_line(tmp_path, corpus, converte
     files = [str(f) for f in corpus[0]]
     out = tmp_path / "out"
     r = cli("adapt", student, "-o", out, "--data", *files, "--teacher", dense_folder, "--max-steps", 3,
-            "--seq-len", 64, "--batch-size", 2, "--no-progress", "--loss", "kl")
+            "--seq-len", 64, "--batch-size", 2, "--no-progress", "--loss", "kl", "--eval-data", corpus[1],
+            "--eval-seq-len", 64, 128, "--eval-max-windows", 2)
     assert r.returncode == 0, r.stderr
     assert [e["stage"] for e in log(out)] == [1, 2, 2]  # a quarter of the steps transfer attention by default
+    card = (out / "README.md").read_text()
+    assert card.count("## Adaptation") == 1 and card.count("## Evaluation") == 1
+    rows = [line.split("|")[1:-1] for line in card[card.index("## Evaluation"):].splitlines()
+            if line.startswith("| ") and "---" not in line][1:]
+    cells = {(m.strip(), int(n)): (float(ppl), kl.strip()) for m, n, ppl, kl in rows}
+    assert set(cells) == {("out", 64), ("out", 128), ("llama (dense source)", 64), ("llama (dense source)", 128)}
+    assert all(v[0] > 1 for v in cells.values()) and float(cells[("out", 64)][1]) > 0  # computed, not placeholders
     bad = [
         (["adapt", student, "-o", out, "--data", *files], "not empty"),
         (["adapt", student, "-o", tmp_path / "o2", "--data", tmp_path / "missing.txt"], "missing.txt"),
