@@ -542,7 +542,8 @@ def _write_card(out: Path, cfg: AdaptConfig, stage1: int, tokens: int, last: dic
         ("learning rate", f"{cfg.stage1_lr:g} (stage 1), {cfg.lr:g} (stage 2)"),
         ("final loss", f"{last.get('loss', float('nan')):.4f} (stage {last.get('stage', '-')})"),
     ]
-    section = "## Adaptation\n\nAdapted with `subquadratic adapt`:\n\n| setting | value |\n| --- | --- |\n"
+    section = ("## Adaptation\n\nThis model was adapted with `subquadratic adapt` (the sections above describe the "
+               "conversion it started from):\n\n| setting | value |\n| --- | --- |\n")
     section += "".join(f"| {k} | {v} |\n" for k, v in rows)
     section += f"\nThe loss of every step is in `{LOG_FILE}`.\n"
     from ..evaluation.report import replace_section
