@@ -66,7 +66,7 @@ def gla_run(fn, T, bwd):
         if bwd:
             o = fn(q, k, v, g)
             o = o[0] if isinstance(o, tuple) else o
-            o.backward(do)
+            o.backward(do.reshape(o.shape))  # the varlen op returns packed [B * T, H, D]
         else:
             with torch.no_grad():
                 fn(q, k, v, g)
