@@ -351,8 +351,11 @@ def adapt(cfg: AdaptConfig) -> Path:
     new = new_parameter_names(student.config)
     if cfg.train == "lora":
         student = _lora(student, layers, cfg.lora_rank, cfg.lora_alpha)
-    if cfg.gradient_checkpointing:
-        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.gradient_checkpointing:  # Transformers >= 5.24 names it activation checkpointing
+        if hasattr(student, "activation_checkpointing_enable"):
+            student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_train = _select_trainable(student, cfg.train, layers, new)
     if n_train == 0:
         raise AdaptError(f"--train {cfg.train} leaves nothing to train in this model; choose another --train")
