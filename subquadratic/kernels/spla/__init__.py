@@ -61,7 +61,7 @@ def triton_unsupported(head_dim: int, block_size: int, k_offsets: torch.Tensor |
     return None
 
 
-def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto", k_offsets=None, **kw):
+def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto", k_offsets=None, new_kv=None, **kw):
     """SPLA attention of the new tokens over the cache. Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D]
     or None with use_rla=False, new sbar); keyword arguments as `parallel.spla_parallel`.
 
@@ -78,9 +78,11 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto",
     gradients (decode) takes the decode kernels, everything else the prefill / training kernels.
     `k_offsets` [B] int32: the slot of each row's position 0 (`slot_offsets(k_pos)`), or a function
     returning it (called only where needed; the model shares one result between its layers),
-    computed here when not given (one host sync)."""
+    computed here when not given (one host sync). `new_kv`: the new tokens' keys and values
+    [B, Tq, H, D] where they are not the last Tq slots of k, v (a static cache's whole buffers, where
+    unused slots have position -1)."""
     if backend in ("auto", "torch") and within_budget(k.shape[1], kw["block_size"], kw["top_k_blocks"]):
-        return spla_dense(q, k, v, q_pos, k_pos, sbar)
+        return spla_dense(q, k, v, q_pos, k_pos, sbar, new_kv)
     why = None
     if q.is_cuda and backend in ("auto", "triton"):  # the offsets (a host sync) only where kernels may run
         k_offsets = k_offsets() if callable(k_offsets) else k_offsets
@@ -89,11 +91,12 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto",
         why = triton_unsupported(q.shape[-1], kw["block_size"], k_offsets)
     path = resolve_backend(backend, q.device, op="SPLA", has_triton=True, has_naive=False, unsupported=why)
     if path == "torch":
-        return spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, **kw)
-    return spla_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, **kw)
+        return spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, new_kv=new_kv, **kw)
+    return spla_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, new_kv=new_kv, **kw)
 
 
-def spla_triton(q, k, v, q_pos, k_pos, stats, sbar, *, k_offsets=None, num_splits: int | None = None, **kw):
+def spla_triton(q, k, v, q_pos, k_pos, stats, sbar, *, k_offsets=None, num_splits: int | None = None, new_kv=None,
+                **kw):
     """The Triton forms, on any device Triton runs on (CUDA; the CPU interpreter in tests), same
     contract as `spla_attention`: one token per row without gradients (decode, fp32/bf16/fp16) takes
     the decode kernels, everything else the prefill / training kernels (`num_splits`: split each
@@ -108,7 +111,8 @@ def spla_triton(q, k, v, q_pos, k_pos, stats, sbar, *, k_offsets=None, num_split
         from .triton_decode import spla_decode_triton
 
         kw.pop("query_chunk", None)
-        return spla_decode_triton(q, k, v, q_pos, stats, sbar, k_offsets, **kw)
+        return spla_decode_triton(q, k, v, q_pos, stats, sbar, k_offsets, new_kv=new_kv, **kw)
     from .triton_parallel import spla_parallel_triton
 
-    return spla_parallel_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, num_splits=num_splits, **kw)
+    return spla_parallel_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, num_splits=num_splits,
+                                new_kv=new_kv, **kw)

@@ -129,13 +129,15 @@ def spla_decode_merge_kernel(
 
 
 def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_blocks, num_sink_blocks,
-                       num_local_blocks, selection="taylor", use_rla=True):
+                       num_local_blocks, selection="taylor", use_rla=True, new_kv=None):
     """SPLA of one new token per row in four launches: block scores, group top-k, the split decode
     kernel (selected tiles in parallel with the Sbar read-out and update), and the merge.
 
     q [B, 1, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D: the cache's [B, H, S, D]
-    buffers pass as transposed views), the new token last; koff [B] int32: slot of each row's
-    position 0 (`slot_offsets`). Returns (o_sp [B, 1, HQ, D], o_rla or None, new Sbar)."""
+    buffers pass as transposed views), the new token at slot koff + q_pos (last in a growing cache;
+    anywhere in a static cache's whole buffers, with its key and value also in `new_kv` [B, 1, H, D]
+    each); koff [B] int32: slot of each row's position 0 (`slot_offsets`). Returns (o_sp [B, 1, HQ, D],
+    o_rla or None, new Sbar). No host synchronisation and no data-dependent shapes."""
     B, _, HQ, D = q.shape
     H = stats.sum_k.shape[1]
     G = HQ // H
@@ -171,6 +173,7 @@ def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_b
     )
     if not use_rla:
         valid = (q_pos >= 0)[:, None, :, None]
-        kv_t = torch.einsum("bhsd,bhse->bhde", feature_map(kv_[:, :, -1:]) * valid, vv[:, :, -1:].float())
+        k_new, v_new = (kv_[:, :, -1:], vv[:, :, -1:]) if new_kv is None else (x.transpose(1, 2) for x in new_kv)
+        kv_t = torch.einsum("bhsd,bhse->bhde", feature_map(k_new) * valid, v_new.float())
         return o_sp.to(q.dtype), None, sbar + kv_t
     return o_sp.to(q.dtype), o_rla.to(q.dtype), sbar_new
