@@ -31,6 +31,7 @@ from ..configuration.base import SubquadraticConfig
 from ..kernels.utils import slot_offsets
 from ..registry import MIXERS, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, positions_from_mask
+from .cuda_graph import decode_step, replays_decode
 
 #: Name of the cache field in model outputs and of the forward argument generate() passes:
 #: Transformers 5.24 renamed `past_key_values` to `cache`; both names are accepted on input.
@@ -48,13 +49,16 @@ class SequenceInfo:
     #: Set when the caller asked for attention weights: mixers that compute them
     #: (`computes_attention_weights`) record theirs here by layer index, [B, HQ, T, S] each.
     attentions: dict | None = None
+    #: Whether each row's real tokens are known to sit in consecutive slots (a static cache checks
+    #: it at prefill), so `key_offsets` needs no check (no host sync).
+    consecutive: bool = False
 
     def key_offsets(self) -> torch.Tensor | None:
         """Slot of each row's position 0 when each row's real tokens sit in consecutive slots (left or
         right padding; else None); computed
         once per forward and shared by all layers."""
         if not self._key_offsets:
-            self._key_offsets = (slot_offsets(self.key_positions),)
+            self._key_offsets = (slot_offsets(self.key_positions, check=not self.consecutive),)
         return self._key_offsets[0]
 
 
@@ -237,7 +241,8 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = False
     # Running states (linear mixers, SPLA's residual state) cannot be split along the sequence.
     _supports_context_parallel = False
-    # generate() must not compile a static cache: the cache grows in Python-managed buffers.
+    # generate() must not compile: cache_implementation="static" builds our static cache, whose
+    # one-token steps replay our own CUDA graph (`cuda_graph.py`) instead.
     _can_compile_fullgraph = False
     # Running states cannot be rolled back token by token (no assisted decoding).
     _is_stateful = True
@@ -292,13 +297,31 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
                 )
         return bool(hidden), bool(attentions), ret is not False
 
-    def new_cache(self) -> SubquadraticCache:
-        """An empty cache with one state layer per decoder layer."""
+    def new_cache(self, max_length: int | None = None, cuda_graph: bool = True) -> SubquadraticCache:
+        """An empty cache with one state layer per decoder layer: growing, or with `max_length` static
+        (allocated once for that many tokens; on CUDA, with `cuda_graph`, one-token steps of the
+        causal LM replay one captured CUDA graph of the whole model step)."""
         kinds = [MIXERS[t] for t in self.config.mixer_types]
         return SubquadraticCache(
             [cls.cache_layer_cls() for cls in kinds],
             track_key_positions=any(cls.needs_key_positions for cls in kinds),
+            max_length=max_length, cuda_graph=cuda_graph,
         )
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        """generate(..., cache_implementation="static") builds a static `SubquadraticCache` for the
+        call's max_length (or `max_cache_len`), whose one-token steps replay a CUDA graph on CUDA
+        unless `disable_compile=True`; everything else goes to Transformers."""
+        if (generation_config.cache_implementation == "static" and model_kwargs.get(CACHE_FIELD) is None
+                and generation_config.use_cache is not False):
+            if generation_config.max_cache_len is not None:
+                max_cache_length = max(max_cache_length, generation_config.max_cache_len)
+            model_kwargs[CACHE_FIELD] = self.new_cache(
+                max_length=max_cache_length, cuda_graph=not generation_config.disable_compile)
+            return
+        return super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 
 
 class SubquadraticModel(SubquadraticPreTrainedModel):
@@ -360,7 +383,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
             position_ids = q_pos.clamp(min=0)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos,
-                           attentions={} if output_attentions else None)
+                           attentions={} if output_attentions else None,
+                           consecutive=cache is not None and cache.static is not None)
 
         hidden = inputs_embeds
         all_hidden = (hidden,) if output_hidden_states else None
@@ -399,8 +423,14 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def new_cache(self) -> SubquadraticCache:
-        return self.model.new_cache()
+    def new_cache(self, max_length: int | None = None, cuda_graph: bool = True) -> SubquadraticCache:
+        return self.model.new_cache(max_length, cuda_graph)
+
+    def decode_logits(self, input_ids: torch.LongTensor, cache: SubquadraticCache) -> torch.Tensor:
+        """Logits [B, 1, V] of one real new token per row on `cache`, eagerly: the step that
+        `cuda_graph.DecodeGraph` captures."""
+        hidden = self.model(input_ids=input_ids, cache=cache, use_cache=True, return_dict=True).last_hidden_state
+        return self.lm_head(hidden[:, -1:])
 
     def forward(
         self,
@@ -421,11 +451,15 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
         output_hidden_states, output_attentions, return_dict = self.output_options(
             output_hidden_states, output_attentions, return_dict
         )
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and replays_decode(cache, input_ids, inputs_embeds, labels, logits_to_keep,
+                                                output_hidden_states or output_attentions):
+            result = SubquadraticCausalLMOutput(logits=decode_step(self, cache, input_ids), **{CACHE_FIELD: cache})
+            return result if return_dict else result.to_tuple()
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions, cache=cache if cache is not None else past_key_values,
-            return_dict=True,
+            output_attentions=output_attentions, cache=cache, return_dict=True,
         )
         hidden = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

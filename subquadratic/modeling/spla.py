@@ -21,29 +21,29 @@ from .base import (
     SubquadraticForCausalLM,
     SubquadraticModel,
 )
-from .cache import GrowingBuffer, StateLayer
+from .cache import StateLayer
 
 
 class SPLALayer(StateLayer):
     """SPLA cache: post-RoPE keys k and values v [B, H, S, D], running block sums (sum_k, sum_k2
     [B, H, NB, D], count [B, NB]) and the residual linear state sbar [B, H, D, D], all updated with the
     new tokens only. K, V and the block sums grow in place in preallocated buffers (`GrowingBuffer`);
-    sbar (constant size) is replaced each step."""
+    sbar (constant size) is replaced each step (written in place in a static cache)."""
 
     def update(self, k, v, pos, block_size):
         """Append new keys/values at logical positions pos [B, T]; returns (K, V, stats incl. new, sbar before).
 
         The stats have ceil(S / block_size) blocks for S cached slots (padding included): an upper
         bound of every row's blocks known without reading pos on the host. Blocks past a row's current
-        block hold zeros and are never candidates for selection."""
+        block hold zeros and are never candidates for selection. In a static one-token step K, V and
+        the stats are the whole buffers (`self.whole`)."""
         B, H, _, D = k.shape
         if not self.buffers:
             acc = torch.float64 if k.dtype == torch.float64 else torch.float32
             self.buffers = {
-                "k": GrowingBuffer(dim=2), "v": GrowingBuffer(dim=2),  # along the slots
-                "sum_k": GrowingBuffer(dim=2, slots_per_entry=block_size),  # along the blocks
-                "sum_k2": GrowingBuffer(dim=2, slots_per_entry=block_size),
-                "count": GrowingBuffer(dim=1, slots_per_entry=block_size),
+                "k": self.new_buffer(2), "v": self.new_buffer(2),  # along the slots
+                "sum_k": self.new_buffer(2, block_size), "sum_k2": self.new_buffer(2, block_size),  # along the blocks
+                "count": self.new_buffer(1, block_size),
             }
             self.tensors["sbar"] = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
         bufs = self.buffers
@@ -77,8 +77,11 @@ class SPLAAttention(AttentionBase):
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
         cfg = self.config
         q, k, v = self.project(hidden_states, position_embeddings)
+        new_kv = None
         if cache_layer is not None:
             K, V, stats, sbar = cache_layer.update(k, v, seq.positions, cfg.block_size)
+            if cache_layer.whole:  # the new tokens sit at their slots of the whole buffers, not last
+                new_kv = (k.transpose(1, 2), v.transpose(1, 2))
         else:
             K, V = k, v
             acc = torch.float64 if k.dtype == torch.float64 else torch.float32
@@ -90,7 +93,7 @@ class SPLAAttention(AttentionBase):
         # the op takes [B, T, H, D]: transposed views of q and of the [B, H, S, D] cache, no copies
         o_sp, o_rla, sbar = spla_attention(
             q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), seq.positions, seq.key_positions, stats, sbar,
-            backend=cfg.kernel_backend, k_offsets=seq.key_offsets,
+            backend=cfg.kernel_backend, k_offsets=seq.key_offsets, new_kv=new_kv,
             block_size=cfg.block_size, top_k_blocks=cfg.top_k_blocks, num_sink_blocks=cfg.num_sink_blocks,
             num_local_blocks=cfg.num_local_blocks, selection=cfg.selection, use_rla=cfg.use_rla,
         )
