@@ -1,6 +1,9 @@
 """End-to-end decode speed (BENCHMARKS.md P7) on one GPU: a 1B-class Llama with random bf16 weights
 (Llama-3.2-1B shapes), converted to SPLA by the package's converter, against the dense source with
-SDPA and its DynamicCache, in the same run; plus the cache bytes of the HLA and SSE-H conversions of
+SDPA in the same run, each with a growing cache run eagerly and with a static cache whose step is
+captured (dense: Transformers' StaticCache, which generate() compiles with
+torch.compile(mode="reduce-overhead"); SPLA: the package's static cache, whose one-token steps
+replay one CUDA graph of the whole model); plus the cache bytes of the HLA and SSE-H conversions of
 the same source, whose linear layers must not grow with the context. Prints one table (peer, ours,
 ratio) and writes it as JSON (rewritten after every row, so a run cut short keeps what it measured).
 
@@ -17,6 +20,9 @@ that cache, each run synchronised and timed:
 An untimed run of the same N steps comes first, so that every Triton kernel variant the steps need
 (they depend on the number of blocks) is compiled before the clock starts. Decode tokens/s is
 batch x N / seconds. The dense peer's DynamicCache grows by concatenation, as in stock generate().
+Static caches (--modes static) are sized for the prompt plus every run and not copied: each run
+continues on the same cache from where the last stopped (the first, untimed, compiles or captures),
+so run r starts r x N tokens after the prompt.
 No network and no downloads: the weights are random (speed does not depend on them), built with
 Transformers' LlamaConfig / LlamaForCausalLM, saved and converted on local disk.
 """
@@ -136,6 +142,51 @@ def decode_loop(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
     return torch.cat(out, 1)
 
 
+def prefill_static(model, ids: torch.Tensor, chunk: int, max_length: int):
+    """A static cache of max_length tokens holding ids [B, T], fed in chunks: the package's for our models,
+    Transformers' StaticCache (compiled by generate()) for the dense source."""
+    from subquadratic import CACHE_FIELD
+
+    if hasattr(model, "new_cache"):
+        cache = model.new_cache(max_length=max_length)
+    else:
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=max_length)
+    with torch.no_grad():
+        for s in range(0, ids.shape[1], chunk):
+            model(ids[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{CACHE_FIELD: cache})
+    return cache
+
+
+def measure_static(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int, device: torch.device,
+                   loop: bool) -> dict:
+    """Prefill prompt[:, :-1] into a static cache, then 1 + `repeats` generate() runs of N steps (and,
+    with `loop`, as many plain loops) continuing on it; the first run is not timed (compile / capture)."""
+    max_length = prompt.shape[1] + (2 * repeats + 2) * n + 8
+    t_prefill, cache = timed(lambda: prefill_static(model, prompt[:, :-1], chunk, max_length), device)
+    res = dict(prefill_s=t_prefill, cache_bytes=cache_bytes(cache) if hasattr(cache, "nbytes") else None)
+    times: dict[str, list[float]] = {"generate": []}
+    if loop:
+        times["loop"] = []
+    seq, first = prompt, {}
+    for r in range(repeats + 1):
+        for how, fn in (("generate", decode_generate), ("loop", decode_loop)):
+            if how not in times:
+                continue
+            t, new = timed(lambda fn=fn, seq=seq: fn(model, seq, cache, n), device)
+            first.setdefault(how, new)
+            if r:
+                times[how].append(t)
+            seq = torch.cat([seq, new], 1)
+    B = prompt.shape[0]
+    for how, ts in times.items():
+        res[how + "_s"] = statistics.median(ts)
+        res[how + "_tok_s"] = B * n / res[how + "_s"]
+    res["first_tokens"] = first["generate"]
+    return res
+
+
 def timed(fn, device: torch.device) -> tuple[float, object]:
     sync(device)
     t0 = time.perf_counter()
@@ -171,6 +222,7 @@ def measure_decode(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int
         res[how + "_s"] = statistics.median(ts)
         res[how + "_tok_s"] = B * n / res[how + "_s"]
     res["same_tokens"] = bool(torch.equal(tokens["generate"], tokens["loop"]))
+    res["first_tokens"] = tokens["generate"]
     del cache
     free(device)
     return res
@@ -196,6 +248,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measure (median)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default 8192)")
     ap.add_argument("--families", default="spla,hla,sse-h", help="conversions to run (spla: speed; hla, sse-h: bytes)")
+    ap.add_argument("--modes", default="dynamic,static",
+                    help="caches to time: dynamic (growing, eager), static (static cache, step compiled / captured)")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, short contexts (smoke run)")
@@ -218,6 +272,7 @@ def main() -> None:
     new_tokens = args.new_tokens or new_tokens
     chunk = args.prefill_chunk or chunk
     families = [f for f in args.families.split(",") if f]
+    modes = [m for m in args.modes.split(",") if m]
     max_pos = -(-(max(131072, *contexts) + new_tokens + 1) // 1024) * 1024  # >= 128k + the new tokens
 
     meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if device.type == "cuda"
@@ -238,7 +293,7 @@ def main() -> None:
         print(f"{row['id']:4} {row['what']:52} {row['peer']:>14} {row['ours']:>14} {ratio:8.2f}  {row['target']}",
               flush=True)
         if args.out:
-            Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+            Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str) + "\n")
 
     print(json.dumps(meta))
     print(f"{'id':4} {'what':52} {'peer':>14} {'ours':>14} {'ratio':>8}  target")
@@ -256,18 +311,43 @@ def main() -> None:
         if "spla" in families:
             spla = load_converted(work / "spla", device, dtype)
             for c in contexts:
-                log(f"dense, context {c}")
-                peer = measure_decode(dense, prompts[c], new_tokens, chunk, args.repeats, device)
-                log(f"spla, context {c}")
-                ours = measure_decode(spla, prompts[c], new_tokens, chunk, args.repeats, device)
-                for how in ("generate", "loop"):
-                    emit(dict(id="P7", what=f"decode tok/s, {how}, ctx {c}, B{args.batch}",
+                res = {}
+                for mode in modes:
+                    for name, model in (("spla", spla), ("dense", dense)):
+                        log(f"{name}, {mode} cache, context {c}")
+                        if mode == "dynamic":
+                            res[name, mode] = measure_decode(model, prompts[c], new_tokens, chunk, args.repeats, device)
+                        else:
+                            res[name, mode] = measure_static(model, prompts[c], new_tokens, chunk, args.repeats,
+                                                             device, loop=name == "spla")
+                        got = res[name, mode].items()
+                        log("  " + ", ".join(f"{k} {v:.4g}" for k, v in got if isinstance(v, float)))
+                        free(device)
+                pairs = [(("dense", "dynamic"), ("spla", "dynamic"), "generate", ">= 5x at 128k"),
+                         (("dense", "dynamic"), ("spla", "static"), "generate", ">= 5x at 128k"),
+                         (("dense", "static"), ("spla", "static"), "generate", ">= 2x at B1, 5x at B4"),
+                         (("dense", "dynamic"), ("spla", "dynamic"), "loop", "(info)"),
+                         (("dense", "dynamic"), ("spla", "static"), "loop", "(info)")]
+                label = {("dense", "dynamic"): "dense eager", ("dense", "static"): "dense static+compile",
+                         ("spla", "dynamic"): "SPLA eager", ("spla", "static"): "SPLA static+graph"}
+                for pk, ok, how, target in pairs:
+                    if pk not in res or ok not in res or how + "_tok_s" not in res[ok]:
+                        continue
+                    peer, ours = res[pk], res[ok]
+                    emit(dict(id="P7", what=f"tok/s {how}, {c}, B{args.batch}: {label[ok]} vs {label[pk]}",
                               peer=f"{peer[how + '_tok_s']:.1f}", ours=f"{ours[how + '_tok_s']:.1f}",
-                              ratio=ours[how + "_tok_s"] / peer[how + "_tok_s"], target=">= 5x at 128k",
-                              dense=peer, spla=ours))
-                emit(dict(id="", what=f"  cache bytes after prefill, ctx {c} (SPLA vs dense)",
-                          peer=str(peer["cache_bytes"]), ours=str(ours["cache_bytes"]),
-                          ratio=ours["cache_bytes"] / peer["cache_bytes"], target="(info)"))
+                              ratio=ours[how + "_tok_s"] / peer[how + "_tok_s"], target=target,
+                              dense={k: v for k, v in peer.items() if k != "first_tokens"},
+                              spla={k: v for k, v in ours.items() if k != "first_tokens"}))
+                if ("spla", "dynamic") in res and ("spla", "static") in res:
+                    same = torch.equal(res["spla", "dynamic"]["first_tokens"], res["spla", "static"]["first_tokens"])
+                    emit(dict(id="", what="  SPLA static+graph tokens == SPLA eager tokens", peer="",
+                              ours=str(same), target="True"))
+                if ("spla", "dynamic") in res:
+                    peer, ours = res["dense", "dynamic"], res["spla", "dynamic"]
+                    emit(dict(id="", what=f"  cache bytes after prefill, ctx {c} (SPLA vs dense)",
+                              peer=str(peer["cache_bytes"]), ours=str(ours["cache_bytes"]),
+                              ratio=ours["cache_bytes"] / peer["cache_bytes"], target="(info)"))
             del spla
         del dense
         free(device)
