@@ -289,3 +289,24 @@ def test_model_training_step_on_gpu_matches_reference():
     assert abs(grads["auto"][0] - grads["torch"][0]) <= 1e-4
     for name, g_ref in grads["torch"][1].items():
         assert rel(grads["auto"][1][name], g_ref) <= 1e-3, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_token_one_launch_equals_index_copy_and_block_sums(dtype):
+    """A static cache's one-token write (key, value at their slot; real tokens into their block's
+    sums and count) gives what index_copy_ and BlockStats.add_ give, padded rows included."""
+    from subquadratic.kernels.spla import append_token
+
+    B, H, S, D, bs = 3, 2, 40, 16, 8
+    g = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(B, H, 1, D, generator=g).to(DEV, dtype) for _ in range(2))
+    K, V = (torch.randn(B, H, S, D, generator=g).to(DEV, dtype) for _ in range(2))
+    stats = BlockStats(*(torch.randn(*shape, generator=g).to(DEV) for shape in
+                         ((B, H, S // bs, D), (B, H, S // bs, D), (B, S // bs))))
+    slot, pos = torch.tensor([29], device=DEV), torch.tensor([[29], [-1], [21]], device=DEV)
+    want = [x.clone() for x in (K, V, stats.sum_k, stats.sum_k2, stats.count)]
+    append_token(*want[:2], BlockStats(*want[2:]), k, v, slot, pos, bs, backend="torch")
+    one_launch = append_token if DEV == "cuda" else triton_decode.append_token_triton  # CPU: the interpreter
+    one_launch(K, V, stats, k, v, slot, pos, bs)
+    for a, b in zip((K, V, stats.sum_k, stats.sum_k2, stats.count), want, strict=True):
+        assert torch.equal(a, b)
