@@ -242,9 +242,9 @@ def test_generate_with_cache_implementation_static_builds_the_static_cache(monke
     made = []
     real = type(model.model).new_cache
 
-    def spy(self, max_length=None, cuda_graph=True):
+    def spy(self, max_length=None, cuda_graph=True, fuse=True):
         made.append((max_length, cuda_graph))
-        return real(self, max_length, cuda_graph)
+        return real(self, max_length, cuda_graph, fuse)
 
     monkeypatch.setattr(type(model.model), "new_cache", spy)
     ids = torch.randint(1, 128, (2, 10))
@@ -254,3 +254,31 @@ def test_generate_with_cache_implementation_static_builds_the_static_cache(monke
     assert made == [(14, True), (14, False)]  # prompt + new tokens - 1: the last token is never fed
     made.clear()
     assert torch.equal(model.generate(ids, **kw), out) and made == [(None, True)]
+
+
+def test_fused_chains_equal_the_modules_they_stand_for(monkeypatch):
+    """The captured step's fused elementwise chains (here run eagerly: compiling needs the GPU path)
+    give the unfused step's logits; a chain whose compile fails warns and runs eagerly."""
+    from subquadratic.modeling import fused
+
+    for name in ("rms_norm", "add_rms_norm", "rope", "add_head_norm", "silu_mul"):
+        monkeypatch.setattr(getattr(fused, name), "compiled", False)
+    model = tiny_spla(mixer_types=MIXED)
+    ids = torch.randint(1, 128, (2, 30))
+    got = {}
+    for fuse_step in (False, True):
+        cache = model.new_cache(max_length=30)
+        _, cache = run(model, ids[:, :20], cache=cache, start=0)
+        cache.fuse_step = fuse_step  # what the captured step sets
+        got[fuse_step], _ = run(model, ids, cache=cache, start=20)
+    torch.testing.assert_close(got[True], got[False], rtol=0, atol=1e-5)
+
+    def broken(fn, **kw):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    chain = fused.Compiled(fused._rms_norm)
+    x, w = torch.randn(2, 3, 8), torch.randn(8)
+    with pytest.warns(UserWarning, match="runs it eagerly"):
+        out = chain(x, w, 1e-6)
+    assert chain.compiled is False and torch.equal(out, fused._rms_norm(x, w, 1e-6))

@@ -1,5 +1,6 @@
 """The static cache on CUDA: a one-token step runs without host synchronisation, the captured step
-(one CUDA graph of the whole model) gives the eager step's logits, and generate() with
+(one CUDA graph of the whole model, with and without its elementwise chains compiled) gives the
+eager step's logits, and generate() with
 cache_implementation="static" gives the tokens of the default generate(). GPU only (marker `gpu`)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 
 from subquadratic import HLAForCausalLM
 from subquadratic.configuration.hla import tiny_hla_config
+from subquadratic.modeling import fused
 from subquadratic.modeling.base import CACHE_FIELD
 
 from .models.common import GEN, left_pad
@@ -61,6 +63,11 @@ def test_captured_step_equals_eager_step(family):
     assert cache.get_seq_length() == ids.shape[1] + steps
     torch.testing.assert_close(captured, eager, rtol=0, atol=1e-5)
     torch.testing.assert_close(eager, growing, rtol=0, atol=1e-4)
+    assert fused.add_rms_norm.compiled not in (None, False)  # the captured step ran the compiled chains
+    if family == "spla+softmax":
+        assert fused.add_head_norm.compiled not in (None, False) and fused.rope.compiled not in (None, False)
+    unfused = decode(model, model.new_cache(max_length=ids.shape[1] + steps, fuse=False), ids, mask, steps)
+    torch.testing.assert_close(unfused, eager, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

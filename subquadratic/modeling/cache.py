@@ -115,14 +115,20 @@ class GrowingBuffer:
             new.narrow(self.dim, 0, self.length).copy_(self.view())
         self.data = new
 
+    def claim(self, x: torch.Tensor) -> torch.Tensor:
+        """Static: count x's entries as used without writing them (the caller writes them at
+        `static.index`); returns what `append` returns."""
+        self._grow(self.length + x.shape[self.dim], x)
+        self.length += x.shape[self.dim]
+        return self._out()
+
     def append(self, x: torch.Tensor) -> torch.Tensor:
         """Write x after the used entries; returns the view of all of them, x included."""
         n = x.shape[self.dim]
         if self.static is not None:
-            self._grow(self.length + n, x)
+            out = self.claim(x)
             self.data.index_copy_(self.dim, self.static.index, x)
-            self.length += n
-            return self._out()
+            return out
         if self.data is not None and torch.is_grad_enabled() and (x.requires_grad or self.data.requires_grad):
             spare = list(x.shape)
             spare[self.dim] = max(0, self.capacity - self.length - n)
@@ -289,11 +295,12 @@ class SubquadraticCache(Cache):
     With `max_length`, a static cache (see the module docstring): sized once, positions and the
     write slot kept on the device. On CUDA, with `cuda_graph` (the default), the model replays its
     one-token steps on it as one CUDA graph (`cuda_graph.DecodeGraph`, captured at the first
-    one-token step). A static cache takes left padding only (what generate() makes): every row's real
+    one-token step), with its elementwise chains fused by torch.compile where `fuse` (the default;
+    `fused.py`). A static cache takes left padding only (what generate() makes): every row's real
     tokens must sit in consecutive slots, and one-token steps must be real tokens."""
 
     def __init__(self, layers: list[StateLayer], track_key_positions: bool = True, max_length: int | None = None,
-                 cuda_graph: bool = True) -> None:
+                 cuda_graph: bool = True, fuse: bool = True) -> None:
         super().__init__(layers=layers)
         self.track_key_positions = track_key_positions
         self.static = StaticSlots(max_length) if max_length is not None else None
@@ -301,6 +308,8 @@ class SubquadraticCache(Cache):
             layer.static = self.static
             layer.reset()
         self.cuda_graph = cuda_graph
+        self.fuse = fuse
+        self.fuse_step = False  # set by cuda_graph.DecodeGraph while it runs and records a step
         self.decode_graph = None  # cuda_graph.DecodeGraph, once captured
         self._reset_positions()
 

@@ -57,11 +57,19 @@ class DecodeGraph:
         return self.logits.clone()
 
     def _warm_up_and_capture(self) -> torch.Tensor:
+        self.cache.fuse_step = self.cache.fuse
+        try:
+            return self._run_and_record()
+        finally:
+            self.cache.fuse_step = False
+
+    def _run_and_record(self) -> torch.Tensor:
         side = torch.cuda.Stream(device=self.ids.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # a real step, eagerly: compiles the kernels, initialises cuBLAS
             logits = self.model.decode_logits(self.ids, self.cache)
         torch.cuda.current_stream().wait_stream(side)
+        logits.record_stream(torch.cuda.current_stream())
         before = self.cache.host_counters()
         graph = torch.cuda.CUDAGraph()
         try:

@@ -13,7 +13,7 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ..configuration.spla import SPLAConfig
-from ..kernels.spla import BlockStats, spla_attention
+from ..kernels.spla import BlockStats, append_token, spla_attention
 from .base import (
     AttentionBase,
     HeadNorm,
@@ -22,6 +22,7 @@ from .base import (
     SubquadraticModel,
 )
 from .cache import StateLayer
+from .fused import add_head_norm
 
 
 class SPLALayer(StateLayer):
@@ -30,13 +31,14 @@ class SPLALayer(StateLayer):
     new tokens only. K, V and the block sums grow in place in preallocated buffers (`GrowingBuffer`);
     sbar (constant size) is replaced each step (written in place in a static cache)."""
 
-    def update(self, k, v, pos, block_size):
+    def update(self, k, v, pos, block_size, backend: str = "auto"):
         """Append new keys/values at logical positions pos [B, T]; returns (K, V, stats incl. new, sbar before).
 
         The stats have ceil(S / block_size) blocks for S cached slots (padding included): an upper
         bound of every row's blocks known without reading pos on the host. Blocks past a row's current
         block hold zeros and are never candidates for selection. In a static one-token step K, V and
-        the stats are the whole buffers (`self.whole`)."""
+        the stats are the whole buffers (`self.whole`); a static cache writes keys, values and sums
+        with `append_token` (one launch for a token per row on CUDA)."""
         B, H, _, D = k.shape
         if not self.buffers:
             acc = torch.float64 if k.dtype == torch.float64 else torch.float32
@@ -47,12 +49,19 @@ class SPLALayer(StateLayer):
             }
             self.tensors["sbar"] = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
         bufs = self.buffers
-        K, V = bufs["k"].append(k), bufs["v"].append(v)
+        if self.static is None:
+            K, V = bufs["k"].append(k), bufs["v"].append(v)
+        else:
+            K, V = bufs["k"].claim(k), bufs["v"].claim(v)
         nb = -(-K.shape[2] // block_size)
         like = k.new_empty(B, H, 0, D, dtype=self.tensors["sbar"].dtype)  # shape, dtype and device of the sums
         stats = BlockStats(
             bufs["sum_k"].extend(nb, like), bufs["sum_k2"].extend(nb, like), bufs["count"].extend(nb, like[:, 0, :, 0])
-        ).add_(k.transpose(1, 2), pos, block_size)
+        )
+        if self.static is None:
+            stats.add_(k.transpose(1, 2), pos, block_size)
+        else:
+            append_token(K, V, stats, k, v, self.static.index, pos, block_size, backend=backend)
         return K, V, stats, self.tensors["sbar"]
 
     def set_sbar(self, sbar: torch.Tensor) -> None:
@@ -76,10 +85,10 @@ class SPLAAttention(AttentionBase):
 
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
         cfg = self.config
-        q, k, v = self.project(hidden_states, position_embeddings)
+        q, k, v = self.project(hidden_states, position_embeddings, fused=seq.fused)
         new_kv = None
         if cache_layer is not None:
-            K, V, stats, sbar = cache_layer.update(k, v, seq.positions, cfg.block_size)
+            K, V, stats, sbar = cache_layer.update(k, v, seq.positions, cfg.block_size, cfg.kernel_backend)
             if cache_layer.whole:  # the new tokens sit at their slots of the whole buffers, not last
                 new_kv = (k.transpose(1, 2), v.transpose(1, 2))
         else:
@@ -100,7 +109,9 @@ class SPLAAttention(AttentionBase):
         if cache_layer is not None:
             cache_layer.set_sbar(sbar)
         o = o_sp.transpose(1, 2)  # [B, HQ, T, D]
-        if o_rla is not None:
+        if o_rla is not None and seq.fused:  # inside a captured step (fused.py)
+            o = add_head_norm(o, o_rla.transpose(1, 2), self.rla_norm.weight, self.rla_norm.eps)
+        elif o_rla is not None:
             o = o + self.rla_norm(o_rla.transpose(1, 2))
         return self.output(o), None
 
