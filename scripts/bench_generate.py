@@ -120,13 +120,44 @@ def prefill(model, ids: torch.Tensor, chunk: int):
     return cache
 
 
-def decode_generate(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
+def decode_generate(model, prompt: torch.Tensor, cache, n: int, logits: bool = False):
+    """The N new tokens [B, N] (with `logits`: and the logits of each step [B, N, V], fp32)."""
     from subquadratic import CACHE_FIELD
 
-    return model.generate(
+    out = model.generate(
         prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-        pad_token_id=PAD, eos_token_id=None, **{CACHE_FIELD: cache},
-    )[:, prompt.shape[1]:]
+        pad_token_id=PAD, eos_token_id=None, output_logits=logits, return_dict_in_generate=logits,
+        **{CACHE_FIELD: cache},
+    )
+    if logits:
+        return out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, 1).float()
+    return out[:, prompt.shape[1]:]
+
+
+def agreement(a: tuple, b: tuple) -> dict:
+    """How two runs from the same prompt agree: (tokens [B, N], logits [B, N, V]) each; the logits are
+    compared up to the first step where the tokens differ (after it the inputs differ)."""
+    same = (a[0] == b[0]).all(0)
+    steps = int(same.long().cumprod(0).sum())  # leading steps with equal tokens in every row
+    upto = min(steps + 1, same.numel())
+    diff = (a[1][:, :upto] - b[1][:, :upto]).abs().amax(-1) / a[1][:, :upto].abs().amax(-1)  # [B, upto]
+    return dict(equal_steps=steps, steps=same.numel(), max_rel_logit_diff=float(diff.max()),
+                first_step_rel_logit_diff=float(diff[:, 0].max()))
+
+
+def profile_steps(model, prompt: torch.Tensor, cache, n: int = 4) -> dict:
+    """GPU kernels of n one-token steps (a loop, as generate() runs them): kernels and device ms per step,
+    the eight kernels with the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decode_loop(model, prompt, cache, n)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    top = sorted(events, key=lambda e: -e.device_time_total)[:8]
+    return dict(kernels_per_step=sum(e.count for e in events) / n,
+                device_ms_per_step=sum(e.device_time_total for e in events) / n / 1000,
+                top={e.key[:70]: round(e.device_time_total / n / 1000, 4) for e in top})
 
 
 def decode_loop(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
@@ -142,13 +173,13 @@ def decode_loop(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
     return torch.cat(out, 1)
 
 
-def prefill_static(model, ids: torch.Tensor, chunk: int, max_length: int):
+def prefill_static(model, ids: torch.Tensor, chunk: int, max_length: int, fuse: bool = True):
     """A static cache of max_length tokens holding ids [B, T], fed in chunks: the package's for our models,
     Transformers' StaticCache (compiled by generate()) for the dense source."""
     from subquadratic import CACHE_FIELD
 
     if hasattr(model, "new_cache"):
-        cache = model.new_cache(max_length=max_length)
+        cache = model.new_cache(max_length=max_length, fuse=fuse)
     else:
         from transformers import StaticCache
 
@@ -160,11 +191,13 @@ def prefill_static(model, ids: torch.Tensor, chunk: int, max_length: int):
 
 
 def measure_static(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int, device: torch.device,
-                   loop: bool) -> dict:
+                   loop: bool, fuse: bool = True, profile: bool = False) -> dict:
     """Prefill prompt[:, :-1] into a static cache, then 1 + `repeats` generate() runs of N steps (and,
-    with `loop`, as many plain loops) continuing on it; the first run is not timed (compile / capture)."""
-    max_length = prompt.shape[1] + (2 * repeats + 2) * n + 8
-    t_prefill, cache = timed(lambda: prefill_static(model, prompt[:, :-1], chunk, max_length), device)
+    with `loop`, as many plain loops) continuing on it; the first run is not timed (compile / capture)
+    and keeps its logits. `fuse`: our cache's fused elementwise chains; `profile`: the GPU kernels of
+    a few more steps."""
+    max_length = prompt.shape[1] + (2 * repeats + 3) * n + 8
+    t_prefill, cache = timed(lambda: prefill_static(model, prompt[:, :-1], chunk, max_length, fuse), device)
     res = dict(prefill_s=t_prefill, cache_bytes=cache_bytes(cache) if hasattr(cache, "nbytes") else None)
     times: dict[str, list[float]] = {"generate": []}
     if loop:
@@ -174,7 +207,11 @@ def measure_static(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int
         for how, fn in (("generate", decode_generate), ("loop", decode_loop)):
             if how not in times:
                 continue
-            t, new = timed(lambda fn=fn, seq=seq: fn(model, seq, cache, n), device)
+            if not r and how == "generate":
+                t, (new, logits) = timed(lambda seq=seq: decode_generate(model, seq, cache, n, logits=True), device)
+                res["first_run"] = (new, logits)
+            else:
+                t, new = timed(lambda fn=fn, seq=seq: fn(model, seq, cache, n), device)
             first.setdefault(how, new)
             if r:
                 times[how].append(t)
@@ -184,6 +221,8 @@ def measure_static(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int
         res[how + "_s"] = statistics.median(ts)
         res[how + "_tok_s"] = B * n / res[how + "_s"]
     res["first_tokens"] = first["generate"]
+    if profile and device.type == "cuda":
+        res["profile"] = profile_steps(model, seq, cache)
     return res
 
 
@@ -202,7 +241,8 @@ def cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
-def measure_decode(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int, device: torch.device) -> dict:
+def measure_decode(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int, device: torch.device,
+                   keep_logits: bool = False) -> dict:
     """Prefill prompt[:, :-1] once, then time N decode steps through generate() and through a plain
     loop, each from a fresh copy of the prefilled cache (copied before the clock starts); medians of
     `repeats` runs."""
@@ -223,6 +263,8 @@ def measure_decode(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int
         res[how + "_tok_s"] = B * n / res[how + "_s"]
     res["same_tokens"] = bool(torch.equal(tokens["generate"], tokens["loop"]))
     res["first_tokens"] = tokens["generate"]
+    if keep_logits:
+        res["first_run"] = decode_generate(model, prompt, copy.deepcopy(cache), n, logits=True)
     del cache
     free(device)
     return res
@@ -312,24 +354,35 @@ def main() -> None:
             spla = load_converted(work / "spla", device, dtype)
             for c in contexts:
                 res = {}
-                for mode in modes:
-                    for name, model in (("spla", spla), ("dense", dense)):
-                        log(f"{name}, {mode} cache, context {c}")
-                        if mode == "dynamic":
-                            res[name, mode] = measure_decode(model, prompts[c], new_tokens, chunk, args.repeats, device)
-                        else:
-                            res[name, mode] = measure_static(model, prompts[c], new_tokens, chunk, args.repeats,
-                                                             device, loop=name == "spla")
-                        got = res[name, mode].items()
-                        log("  " + ", ".join(f"{k} {v:.4g}" for k, v in got if isinstance(v, float)))
-                        free(device)
+                runs = [("spla", "dynamic"), ("dense", "dynamic"), ("spla", "static"), ("spla", "static-unfused"),
+                        ("dense", "static")]
+                for name, mode in runs:
+                    if mode.split("-")[0] not in modes:
+                        continue
+                    model = spla if name == "spla" else dense
+                    log(f"{name}, {mode} cache, context {c}")
+                    if mode == "dynamic":
+                        res[name, mode] = measure_decode(model, prompts[c], new_tokens, chunk, args.repeats, device,
+                                                         keep_logits=name == "spla")
+                    else:
+                        res[name, mode] = measure_static(model, prompts[c], new_tokens, chunk, args.repeats, device,
+                                                         loop=name == "spla", fuse=mode == "static",
+                                                         profile=name == "spla" and not args.quick)
+                    got = res[name, mode].items()
+                    log("  " + ", ".join(f"{k} {v:.4g}" for k, v in got if isinstance(v, float)))
+                    if "profile" in res[name, mode]:
+                        log(f"  profile: {json.dumps(res[name, mode]['profile'])}")
+                    free(device)
+                label = {("dense", "dynamic"): "dense eager", ("dense", "static"): "dense static+compile",
+                         ("spla", "dynamic"): "SPLA eager", ("spla", "static"): "SPLA static+graph",
+                         ("spla", "static-unfused"): "SPLA static+graph unfused"}
                 pairs = [(("dense", "dynamic"), ("spla", "dynamic"), "generate", ">= 5x at 128k"),
                          (("dense", "dynamic"), ("spla", "static"), "generate", ">= 5x at 128k"),
                          (("dense", "static"), ("spla", "static"), "generate", ">= 2x at B1, 5x at B4"),
+                         (("dense", "dynamic"), ("spla", "static-unfused"), "generate", "(info)"),
                          (("dense", "dynamic"), ("spla", "dynamic"), "loop", "(info)"),
                          (("dense", "dynamic"), ("spla", "static"), "loop", "(info)")]
-                label = {("dense", "dynamic"): "dense eager", ("dense", "static"): "dense static+compile",
-                         ("spla", "dynamic"): "SPLA eager", ("spla", "static"): "SPLA static+graph"}
+                hidden = ("first_tokens", "first_run")
                 for pk, ok, how, target in pairs:
                     if pk not in res or ok not in res or how + "_tok_s" not in res[ok]:
                         continue
@@ -337,12 +390,15 @@ def main() -> None:
                     emit(dict(id="P7", what=f"tok/s {how}, {c}, B{args.batch}: {label[ok]} vs {label[pk]}",
                               peer=f"{peer[how + '_tok_s']:.1f}", ours=f"{ours[how + '_tok_s']:.1f}",
                               ratio=ours[how + "_tok_s"] / peer[how + "_tok_s"], target=target,
-                              dense={k: v for k, v in peer.items() if k != "first_tokens"},
-                              spla={k: v for k, v in ours.items() if k != "first_tokens"}))
-                if ("spla", "dynamic") in res and ("spla", "static") in res:
-                    same = torch.equal(res["spla", "dynamic"]["first_tokens"], res["spla", "static"]["first_tokens"])
-                    emit(dict(id="", what="  SPLA static+graph tokens == SPLA eager tokens", peer="",
-                              ours=str(same), target="True"))
+                              dense={k: v for k, v in peer.items() if k not in hidden},
+                              spla={k: v for k, v in ours.items() if k not in hidden}))
+                for mode in ("static", "static-unfused"):
+                    if ("spla", "dynamic") in res and ("spla", mode) in res:
+                        agree = agreement(res["spla", "dynamic"]["first_run"], res["spla", mode]["first_run"])
+                        emit(dict(id="", what=f"  {label['spla', mode]} vs SPLA eager: equal greedy steps",
+                                  peer=str(agree["steps"]), ours=str(agree["equal_steps"]),
+                                  ratio=agree["first_step_rel_logit_diff"], target="ratio: step-1 logit diff / max",
+                                  agreement=agree))
                 if ("spla", "dynamic") in res:
                     peer, ours = res["dense", "dynamic"], res["spla", "dynamic"]
                     emit(dict(id="", what=f"  cache bytes after prefill, ctx {c} (SPLA vs dense)",
