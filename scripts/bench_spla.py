@@ -43,7 +43,7 @@ def prefill_kernel(name: str):
         triton_parallel.PREFILL_KERNEL, triton_parallel.TRAIN_KERNEL = old
 
 
-def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
+def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16, sweep=True):
     from subquadratic.kernels.spla import BlockStats, spla_triton
     from subquadratic.kernels.utils import slot_offsets
 
@@ -77,12 +77,15 @@ def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
     from subquadratic.kernels.spla import triton_decode, triton_select
 
     print("\ndecode launch settings (whole step as a CUDA graph, median ms)")
-    names = ("SCORE_BN", "SCORE_DOT", "SCORE_PREC", "DECODE_BLOCKS_PER_SPLIT", "DECODE_WARPS", "TOPK_WARPS")
+    names = ("SCORE_BN", "SCORE_DOT", "SCORE_PREC", "DECODE_BLOCKS_PER_SPLIT", "DECODE_WARPS", "TOPK_WARPS", "TOPK_BN")
     owner = {n: triton_decode if n.startswith("DECODE") else triton_select for n in names}
     default = tuple(getattr(owner[n], n) for n in names)
-    for setting in ((16, False, "ieee", 3, 4, 4), (32, False, "ieee", 3, 4, 4), (16, False, "ieee", 2, 4, 4),
-                    (16, False, "ieee", 1, 4, 4), (16, False, "ieee", 3, 4, 8), (16, False, "ieee", 3, 4, 16),
-                    (32, False, "ieee", 2, 4, 8), (64, True, "tf32x3", 3, 4, 4), (16, False, "ieee", 3, 8, 4)):
+    settings = ((16, False, "ieee", 3, 4, 4, 128), (16, False, "ieee", 3, 4, 2, 128),
+                (16, False, "ieee", 3, 4, 1, 128), (16, False, "ieee", 3, 4, 4, 512),
+                (16, False, "ieee", 3, 4, 4, 1024), (16, False, "ieee", 3, 4, 8, 1024),
+                (16, False, "ieee", 3, 4, 2, 512), (16, False, "ieee", 4, 4, 4, 512),
+                (16, False, "ieee", 3, 8, 4, 512))
+    for setting in settings if sweep else ():
         for n, val in zip(names, setting, strict=True):
             setattr(owner[n], n, val)
         step()
@@ -275,6 +278,7 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode rows and stages (P1)")
     ap.add_argument("--no-nsa", action="store_true", help="skip the fla NSA rows (P3)")
     ap.add_argument("--decode-only", action="store_true", help="only the decode rows and stages (P1)")
+    ap.add_argument("--no-sweep", action="store_true", help="no decode launch-settings sweep and no stage breakdowns")
     args = ap.parse_args()
     import transformers
     import triton
@@ -282,7 +286,7 @@ def main() -> None:
     rows = []
     S = 32768 if args.quick else 131072
     if not args.prefill_only:
-        peer, ours, ours_graph, frac = decode_case(S=S)
+        peer, ours, ours_graph, frac = decode_case(S=S, sweep=not args.no_sweep)
         rows.append(dict(id="P1", what=f"decode step, B4 HQ32 H8 d128, {S // 1024}k ctx, 16x64", peer_ms=peer,
                          ours_ms=ours, speedup=peer / ours, bytes_vs_dense=frac, target=">= 15x, bytes <= 5%"))
         rows.append(dict(id="P1g", what="  same, SPLA step replayed as a CUDA graph", peer_ms=peer,
@@ -332,7 +336,7 @@ def main() -> None:
         print(f"{r['id']:4} {r['what']:58} {r.get('peer_ms', math.nan):9.3f} {r['ours_ms']:9.3f} {ratio:8.2f}  "
               f"{r['target']}{extra}")
     parts = {} if args.decode_only else {f"prefill, B1, {T // 1024}k": breakdown(T, T, 1)}
-    if not args.prefill_only:
+    if not args.prefill_only and not args.no_sweep:
         parts["decode, B4, 128k"] = breakdown(1, S, 4)
         parts["decode selection kernels, settings"] = score_variants(S=S)
     for name, stages in parts.items():

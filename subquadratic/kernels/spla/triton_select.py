@@ -24,8 +24,10 @@ SCORE_PREC = "ieee"
 SCORE_DOT = False
 SCORE_WARPS = 4
 SCORE_KERNEL_MAX_TQ = 64
-#: Warps of the group top-k kernel up to 4096 blocks (8 beyond).
+#: Warps of the group top-k kernel up to 4096 blocks (8 beyond) and the blocks per step of its
+#: softmax passes.
 TOPK_WARPS = 4
+TOPK_BN = 128
 
 
 @triton.jit
@@ -185,7 +187,7 @@ def select_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks
         idx = new_output((B, C, H, nsel), dev, torch.int32)
         spla_topk_kernel[(C, B * H)](
             sc, pc, new_output((B, C, H, NB), dev), idx, *strides, C, H, NB, block_size, num_sink_blocks,
-            num_local_blocks, top_k_blocks, nsel, G=G, GP=max(2, triton.next_power_of_2(G)), BN=128,
+            num_local_blocks, top_k_blocks, nsel, G=G, GP=max(2, triton.next_power_of_2(G)), BN=TOPK_BN,
             NBP=max(16, triton.next_power_of_2(NB)), num_warps=TOPK_WARPS if NB <= 4096 else 8,
         )
         if out is None:

@@ -150,12 +150,15 @@ def test_queries_by_block_inverts_the_selection():
 @pytest.mark.parametrize("selection", ["taylor", "mean"])
 @pytest.mark.parametrize("case", [(2, 4, 2, 90, 16, 16, 4, 1, 2, 7), (1, 3, 1, 64, 32, 16, 3, 0, 1, 0)])
 @pytest.mark.parametrize("setting", [("tf32x3", True, None, True), ("ieee", False, 40, True), (None, None, 40, False)])
-def test_selection_kernels_select_the_reference_blocks(case, selection, setting, monkeypatch):
-    """Scores (scoring kernel as one dot or elementwise sums, or matmuls) + group top-k kernel, whole
-    or in query chunks, vs the PyTorch select_blocks."""
+@pytest.mark.parametrize("topk_bn", [128, 2])
+def test_selection_kernels_select_the_reference_blocks(case, selection, setting, topk_bn, monkeypatch):
+    """Scores (scoring kernel as one dot or elementwise sums, or matmuls) + group top-k kernel (its
+    softmax passes over all blocks at once or in steps of 2), whole or in query chunks, vs the
+    PyTorch select_blocks."""
     B, HQ, H, T, D, bs, top, sink, local, pad = case
     prec, use_dot, max_scores, use_kernel = setting
     monkeypatch.setattr(triton_select, "SCORE_KERNEL_MAX_TQ", T if use_kernel else 0)
+    monkeypatch.setattr(triton_select, "TOPK_BN", topk_bn)
     if prec is not None:
         monkeypatch.setattr(triton_select, "SCORE_PREC", prec)
         monkeypatch.setattr(triton_select, "SCORE_DOT", use_dot)
