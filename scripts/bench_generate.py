@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -222,7 +223,10 @@ def measure_static(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int
         res[how + "_tok_s"] = B * n / res[how + "_s"]
     res["first_tokens"] = first["generate"]
     if profile and device.type == "cuda":
-        res["profile"] = profile_steps(model, seq, cache)
+        try:
+            res["profile"] = profile_steps(model, seq, cache)
+        except Exception as e:  # noqa: BLE001 (a profiler failure must not lose the run's figures)
+            res["profile"] = f"failed: {type(e).__name__}: {e}"
     return res
 
 
@@ -361,13 +365,18 @@ def main() -> None:
                         continue
                     model = spla if name == "spla" else dense
                     log(f"{name}, {mode} cache, context {c}")
-                    if mode == "dynamic":
-                        res[name, mode] = measure_decode(model, prompts[c], new_tokens, chunk, args.repeats, device,
-                                                         keep_logits=name == "spla")
-                    else:
-                        res[name, mode] = measure_static(model, prompts[c], new_tokens, chunk, args.repeats, device,
-                                                         loop=name == "spla", fuse=mode == "static",
-                                                         profile=name == "spla" and not args.quick)
+                    try:
+                        if mode == "dynamic":
+                            res[name, mode] = measure_decode(model, prompts[c], new_tokens, chunk, args.repeats,
+                                                             device, keep_logits=name == "spla")
+                        else:
+                            res[name, mode] = measure_static(model, prompts[c], new_tokens, chunk, args.repeats,
+                                                             device, loop=name == "spla", fuse=mode == "static",
+                                                             profile=name == "spla" and not args.quick)
+                    except Exception:  # noqa: BLE001 (one failed measurement must not lose the others)
+                        log(f"  failed:\n{traceback.format_exc()}")
+                        free(device)
+                        continue
                     got = res[name, mode].items()
                     log("  " + ", ".join(f"{k} {v:.4g}" for k, v in got if isinstance(v, float)))
                     if "profile" in res[name, mode]:
@@ -399,7 +408,7 @@ def main() -> None:
                                   peer=str(agree["steps"]), ours=str(agree["equal_steps"]),
                                   ratio=agree["first_step_rel_logit_diff"], target="ratio: step-1 logit diff / max",
                                   agreement=agree))
-                if ("spla", "dynamic") in res:
+                if ("spla", "dynamic") in res and ("dense", "dynamic") in res:
                     peer, ours = res["dense", "dynamic"], res["spla", "dynamic"]
                     emit(dict(id="", what=f"  cache bytes after prefill, ctx {c} (SPLA vs dense)",
                               peer=str(peer["cache_bytes"]), ours=str(ours["cache_bytes"]),
