@@ -133,11 +133,12 @@ def spla_topk_kernel(
     tl.debug_barrier()  # the group scores written above are read back by other threads
     nn = tl.arange(0, NBP)
     g = tl.load(gs_base + nn, mask=nn < NB, other=-1.0)  # all group scores in registers
-    for r in range(0, top_k):  # iterative arg-max, one reduction per round
+    for r in range(0, free):  # iterative arg-max over the free budget, one reduction per round
         best_v, best_i = tl.max(g, 0, return_indices=True)
-        ok = (best_v >= 0) & (r < free)
-        tl.store(out + n_local + n_sink + r, tl.where(ok, best_i, -1))
+        tl.store(out + n_local + n_sink + r, tl.where(best_v >= 0, best_i, -1))
         g = tl.where(nn == best_i, -2.0, g)
+    for r in range(tl.maximum(free, 0), top_k):
+        tl.store(out + n_local + n_sink + r, -1)
 
 
 def select_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks, num_local_blocks,
