@@ -25,9 +25,11 @@ SCORE_DOT = False
 SCORE_WARPS = 4
 SCORE_KERNEL_MAX_TQ = 64
 #: Warps of the group top-k kernel up to 4096 blocks (8 beyond) and the blocks per step of its
-#: softmax passes.
+#: softmax passes (None: 4096 scores per step, e.g. 1024 blocks for groups of 4 heads). On the H200
+#: (B4 HQ32 H8 d128, 128k, the step as a CUDA graph) 128 blocks per step gave 0.089 ms, 512 0.081
+#: and 1024 0.079; 2 or 8 warps did not help.
 TOPK_WARPS = 4
-TOPK_BN = 128
+TOPK_BN: int | None = None
 
 
 @triton.jit
@@ -186,9 +188,10 @@ def select_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks
             )
             strides = (sc.stride(0), sc.stride(1), sc.stride(2), sc.stride(3))
         idx = new_output((B, C, H, nsel), dev, torch.int32)
+        GP_TOPK = max(2, triton.next_power_of_2(G))  # no tl.dot in the top-k: no padding to 16
         spla_topk_kernel[(C, B * H)](
             sc, pc, new_output((B, C, H, NB), dev), idx, *strides, C, H, NB, block_size, num_sink_blocks,
-            num_local_blocks, top_k_blocks, nsel, G=G, GP=max(2, triton.next_power_of_2(G)), BN=TOPK_BN,
+            num_local_blocks, top_k_blocks, nsel, G=G, GP=GP_TOPK, BN=TOPK_BN or max(128, 4096 // GP_TOPK),
             NBP=max(16, triton.next_power_of_2(NB)), num_warps=TOPK_WARPS if NB <= 4096 else 8,
         )
         if out is None:
