@@ -1,6 +1,9 @@
 """End-to-end decode speed (BENCHMARKS.md P7) on one GPU: a 1B-class Llama with random bf16 weights
 (Llama-3.2-1B shapes), converted to SPLA by the package's converter, against the dense source with
-SDPA and its DynamicCache, in the same run; plus the cache bytes of the HLA and SSE-H conversions of
+SDPA in the same run, each with a growing cache run eagerly and with a static cache whose step is
+captured (dense: Transformers' StaticCache, which generate() compiles with
+torch.compile(mode="reduce-overhead"); SPLA: the package's static cache, whose one-token steps
+replay one CUDA graph of the whole model); plus the cache bytes of the HLA and SSE-H conversions of
 the same source, whose linear layers must not grow with the context. Prints one table (peer, ours,
 ratio) and writes it as JSON (rewritten after every row, so a run cut short keeps what it measured).
 
@@ -17,6 +20,9 @@ that cache, each run synchronised and timed:
 An untimed run of the same N steps comes first, so that every Triton kernel variant the steps need
 (they depend on the number of blocks) is compiled before the clock starts. Decode tokens/s is
 batch x N / seconds. The dense peer's DynamicCache grows by concatenation, as in stock generate().
+Static caches (--modes static) are sized for the prompt plus every run and not copied: each run
+continues on the same cache from where the last stopped (the first, untimed, compiles or captures),
+so run r starts r x N tokens after the prompt.
 No network and no downloads: the weights are random (speed does not depend on them), built with
 Transformers' LlamaConfig / LlamaForCausalLM, saved and converted on local disk.
 """
@@ -33,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -114,13 +121,44 @@ def prefill(model, ids: torch.Tensor, chunk: int):
     return cache
 
 
-def decode_generate(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
+def decode_generate(model, prompt: torch.Tensor, cache, n: int, logits: bool = False):
+    """The N new tokens [B, N] (with `logits`: and the logits of each step [B, N, V], fp32)."""
     from subquadratic import CACHE_FIELD
 
-    return model.generate(
+    out = model.generate(
         prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-        pad_token_id=PAD, eos_token_id=None, **{CACHE_FIELD: cache},
-    )[:, prompt.shape[1]:]
+        pad_token_id=PAD, eos_token_id=None, output_logits=logits, return_dict_in_generate=logits,
+        **{CACHE_FIELD: cache},
+    )
+    if logits:
+        return out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, 1).float()
+    return out[:, prompt.shape[1]:]
+
+
+def agreement(a: tuple, b: tuple) -> dict:
+    """How two runs from the same prompt agree: (tokens [B, N], logits [B, N, V]) each; the logits are
+    compared up to the first step where the tokens differ (after it the inputs differ)."""
+    same = (a[0] == b[0]).all(0)
+    steps = int(same.long().cumprod(0).sum())  # leading steps with equal tokens in every row
+    upto = min(steps + 1, same.numel())
+    diff = (a[1][:, :upto] - b[1][:, :upto]).abs().amax(-1) / a[1][:, :upto].abs().amax(-1)  # [B, upto]
+    return dict(equal_steps=steps, steps=same.numel(), max_rel_logit_diff=float(diff.max()),
+                first_step_rel_logit_diff=float(diff[:, 0].max()))
+
+
+def profile_steps(model, prompt: torch.Tensor, cache, n: int = 4) -> dict:
+    """GPU kernels of n one-token steps (a loop, as generate() runs them): kernels and device ms per step,
+    the eight kernels with the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decode_loop(model, prompt, cache, n)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    top = sorted(events, key=lambda e: -e.device_time_total)[:8]
+    return dict(kernels_per_step=sum(e.count for e in events) / n,
+                device_ms_per_step=sum(e.device_time_total for e in events) / n / 1000,
+                top={e.key[:70]: round(e.device_time_total / n / 1000, 4) for e in top})
 
 
 def decode_loop(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
@@ -134,6 +172,62 @@ def decode_loop(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
             tok = res.logits[:, -1].argmax(-1, keepdim=True)
             out.append(tok)
     return torch.cat(out, 1)
+
+
+def prefill_static(model, ids: torch.Tensor, chunk: int, max_length: int, fuse: bool = True):
+    """A static cache of max_length tokens holding ids [B, T], fed in chunks: the package's for our models,
+    Transformers' StaticCache (compiled by generate()) for the dense source."""
+    from subquadratic import CACHE_FIELD
+
+    if hasattr(model, "new_cache"):
+        cache = model.new_cache(max_length=max_length, fuse=fuse)
+    else:
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=max_length)
+    with torch.no_grad():
+        for s in range(0, ids.shape[1], chunk):
+            model(ids[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{CACHE_FIELD: cache})
+    return cache
+
+
+def measure_static(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int, device: torch.device,
+                   loop: bool, fuse: bool = True, profile: bool = False) -> dict:
+    """Prefill prompt[:, :-1] into a static cache, then 1 + `repeats` generate() runs of N steps (and,
+    with `loop`, as many plain loops) continuing on it; the first run is not timed (compile / capture)
+    and keeps its logits. `fuse`: our cache's fused elementwise chains; `profile`: the GPU kernels of
+    a few more steps."""
+    max_length = prompt.shape[1] + (2 * repeats + 3) * n + 8
+    t_prefill, cache = timed(lambda: prefill_static(model, prompt[:, :-1], chunk, max_length, fuse), device)
+    res = dict(prefill_s=t_prefill, cache_bytes=cache_bytes(cache) if hasattr(cache, "nbytes") else None)
+    times: dict[str, list[float]] = {"generate": []}
+    if loop:
+        times["loop"] = []
+    seq, first = prompt, {}
+    for r in range(repeats + 1):
+        for how, fn in (("generate", decode_generate), ("loop", decode_loop)):
+            if how not in times:
+                continue
+            if not r and how == "generate":
+                t, (new, logits) = timed(lambda seq=seq: decode_generate(model, seq, cache, n, logits=True), device)
+                res["first_run"] = (new, logits)
+            else:
+                t, new = timed(lambda fn=fn, seq=seq: fn(model, seq, cache, n), device)
+            first.setdefault(how, new)
+            if r:
+                times[how].append(t)
+            seq = torch.cat([seq, new], 1)
+    B = prompt.shape[0]
+    for how, ts in times.items():
+        res[how + "_s"] = statistics.median(ts)
+        res[how + "_tok_s"] = B * n / res[how + "_s"]
+    res["first_tokens"] = first["generate"]
+    if profile and device.type == "cuda":
+        try:
+            res["profile"] = profile_steps(model, seq, cache)
+        except Exception as e:  # noqa: BLE001 (a profiler failure must not lose the run's figures)
+            res["profile"] = f"failed: {type(e).__name__}: {e}"
+    return res
 
 
 def timed(fn, device: torch.device) -> tuple[float, object]:
@@ -151,7 +245,8 @@ def cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
-def measure_decode(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int, device: torch.device) -> dict:
+def measure_decode(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int, device: torch.device,
+                   keep_logits: bool = False) -> dict:
     """Prefill prompt[:, :-1] once, then time N decode steps through generate() and through a plain
     loop, each from a fresh copy of the prefilled cache (copied before the clock starts); medians of
     `repeats` runs."""
@@ -171,6 +266,9 @@ def measure_decode(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int
         res[how + "_s"] = statistics.median(ts)
         res[how + "_tok_s"] = B * n / res[how + "_s"]
     res["same_tokens"] = bool(torch.equal(tokens["generate"], tokens["loop"]))
+    res["first_tokens"] = tokens["generate"]
+    if keep_logits:
+        res["first_run"] = decode_generate(model, prompt, copy.deepcopy(cache), n, logits=True)
     del cache
     free(device)
     return res
@@ -196,6 +294,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measure (median)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default 8192)")
     ap.add_argument("--families", default="spla,hla,sse-h", help="conversions to run (spla: speed; hla, sse-h: bytes)")
+    ap.add_argument("--modes", default="dynamic,static",
+                    help="caches to time: dynamic (growing, eager), static (static cache, step compiled / captured)")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, short contexts (smoke run)")
@@ -218,6 +318,7 @@ def main() -> None:
     new_tokens = args.new_tokens or new_tokens
     chunk = args.prefill_chunk or chunk
     families = [f for f in args.families.split(",") if f]
+    modes = [m for m in args.modes.split(",") if m]
     max_pos = -(-(max(131072, *contexts) + new_tokens + 1) // 1024) * 1024  # >= 128k + the new tokens
 
     meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if device.type == "cuda"
@@ -238,7 +339,7 @@ def main() -> None:
         print(f"{row['id']:4} {row['what']:52} {row['peer']:>14} {row['ours']:>14} {ratio:8.2f}  {row['target']}",
               flush=True)
         if args.out:
-            Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+            Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str) + "\n")
 
     print(json.dumps(meta))
     print(f"{'id':4} {'what':52} {'peer':>14} {'ours':>14} {'ratio':>8}  target")
@@ -256,18 +357,62 @@ def main() -> None:
         if "spla" in families:
             spla = load_converted(work / "spla", device, dtype)
             for c in contexts:
-                log(f"dense, context {c}")
-                peer = measure_decode(dense, prompts[c], new_tokens, chunk, args.repeats, device)
-                log(f"spla, context {c}")
-                ours = measure_decode(spla, prompts[c], new_tokens, chunk, args.repeats, device)
-                for how in ("generate", "loop"):
-                    emit(dict(id="P7", what=f"decode tok/s, {how}, ctx {c}, B{args.batch}",
+                res = {}
+                runs = [("spla", "dynamic"), ("dense", "dynamic"), ("spla", "static"), ("spla", "static-unfused"),
+                        ("dense", "static")]
+                for name, mode in runs:
+                    if mode.split("-")[0] not in modes:
+                        continue
+                    model = spla if name == "spla" else dense
+                    log(f"{name}, {mode} cache, context {c}")
+                    try:
+                        if mode == "dynamic":
+                            res[name, mode] = measure_decode(model, prompts[c], new_tokens, chunk, args.repeats,
+                                                             device, keep_logits=name == "spla")
+                        else:
+                            res[name, mode] = measure_static(model, prompts[c], new_tokens, chunk, args.repeats,
+                                                             device, loop=name == "spla", fuse=mode == "static",
+                                                             profile=name == "spla" and not args.quick)
+                    except Exception:  # noqa: BLE001 (one failed measurement must not lose the others)
+                        log(f"  failed:\n{traceback.format_exc()}")
+                        free(device)
+                        continue
+                    got = res[name, mode].items()
+                    log("  " + ", ".join(f"{k} {v:.4g}" for k, v in got if isinstance(v, float)))
+                    if "profile" in res[name, mode]:
+                        log(f"  profile: {json.dumps(res[name, mode]['profile'])}")
+                    free(device)
+                label = {("dense", "dynamic"): "dense eager", ("dense", "static"): "dense static+compile",
+                         ("spla", "dynamic"): "SPLA eager", ("spla", "static"): "SPLA static+graph",
+                         ("spla", "static-unfused"): "SPLA static+graph unfused"}
+                pairs = [(("dense", "dynamic"), ("spla", "dynamic"), "generate", ">= 5x at 128k"),
+                         (("dense", "dynamic"), ("spla", "static"), "generate", ">= 5x at 128k"),
+                         (("dense", "static"), ("spla", "static"), "generate", ">= 2x at B1, 5x at B4"),
+                         (("dense", "dynamic"), ("spla", "static-unfused"), "generate", "(info)"),
+                         (("dense", "dynamic"), ("spla", "dynamic"), "loop", "(info)"),
+                         (("dense", "dynamic"), ("spla", "static"), "loop", "(info)")]
+                hidden = ("first_tokens", "first_run")
+                for pk, ok, how, target in pairs:
+                    if pk not in res or ok not in res or how + "_tok_s" not in res[ok]:
+                        continue
+                    peer, ours = res[pk], res[ok]
+                    emit(dict(id="P7", what=f"tok/s {how}, {c}, B{args.batch}: {label[ok]} vs {label[pk]}",
                               peer=f"{peer[how + '_tok_s']:.1f}", ours=f"{ours[how + '_tok_s']:.1f}",
-                              ratio=ours[how + "_tok_s"] / peer[how + "_tok_s"], target=">= 5x at 128k",
-                              dense=peer, spla=ours))
-                emit(dict(id="", what=f"  cache bytes after prefill, ctx {c} (SPLA vs dense)",
-                          peer=str(peer["cache_bytes"]), ours=str(ours["cache_bytes"]),
-                          ratio=ours["cache_bytes"] / peer["cache_bytes"], target="(info)"))
+                              ratio=ours[how + "_tok_s"] / peer[how + "_tok_s"], target=target,
+                              dense={k: v for k, v in peer.items() if k not in hidden},
+                              spla={k: v for k, v in ours.items() if k not in hidden}))
+                for mode in ("static", "static-unfused"):
+                    if ("spla", "dynamic") in res and ("spla", mode) in res:
+                        agree = agreement(res["spla", "dynamic"]["first_run"], res["spla", mode]["first_run"])
+                        emit(dict(id="", what=f"  {label['spla', mode]} vs SPLA eager: equal greedy steps",
+                                  peer=str(agree["steps"]), ours=str(agree["equal_steps"]),
+                                  ratio=agree["first_step_rel_logit_diff"], target="ratio: step-1 logit diff / max",
+                                  agreement=agree))
+                if ("spla", "dynamic") in res and ("dense", "dynamic") in res:
+                    peer, ours = res["dense", "dynamic"], res["spla", "dynamic"]
+                    emit(dict(id="", what=f"  cache bytes after prefill, ctx {c} (SPLA vs dense)",
+                              peer=str(peer["cache_bytes"]), ours=str(ours["cache_bytes"]),
+                              ratio=ours["cache_bytes"] / peer["cache_bytes"], target="(info)"))
             del spla
         del dense
         free(device)

@@ -43,7 +43,7 @@ def prefill_kernel(name: str):
         triton_parallel.PREFILL_KERNEL, triton_parallel.TRAIN_KERNEL = old
 
 
-def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
+def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16, sweep=True):
     from subquadratic.kernels.spla import BlockStats, spla_triton
     from subquadratic.kernels.utils import slot_offsets
 
@@ -77,11 +77,15 @@ def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16):
     from subquadratic.kernels.spla import triton_decode, triton_select
 
     print("\ndecode launch settings (whole step as a CUDA graph, median ms)")
-    names = ("SCORE_BN", "SCORE_DOT", "SCORE_PREC", "DECODE_BLOCKS_PER_SPLIT", "DECODE_WARPS")
+    names = ("SCORE_BN", "SCORE_DOT", "SCORE_PREC", "DECODE_BLOCKS_PER_SPLIT", "DECODE_WARPS", "TOPK_WARPS", "TOPK_BN")
     owner = {n: triton_decode if n.startswith("DECODE") else triton_select for n in names}
     default = tuple(getattr(owner[n], n) for n in names)
-    for setting in ((16, False, "ieee", 4, 4), (16, False, "ieee", 3, 4), (32, False, "ieee", 3, 4),
-                    (64, True, "tf32x3", 3, 4), (16, False, "ieee", 3, 8)):
+    settings = ((16, False, "ieee", 3, 4, 4, 128), (16, False, "ieee", 3, 4, 2, 128),
+                (16, False, "ieee", 3, 4, 1, 128), (16, False, "ieee", 3, 4, 4, 512),
+                (16, False, "ieee", 3, 4, 4, 1024), (16, False, "ieee", 3, 4, 8, 1024),
+                (16, False, "ieee", 3, 4, 2, 512), (16, False, "ieee", 4, 4, 4, 512),
+                (16, False, "ieee", 3, 8, 4, 512))
+    for setting in settings if sweep else ():
         for n, val in zip(names, setting, strict=True):
             setattr(owner[n], n, val)
         step()
@@ -273,6 +277,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller contexts (smoke run)")
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode rows and stages (P1)")
     ap.add_argument("--no-nsa", action="store_true", help="skip the fla NSA rows (P3)")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode rows and stages (P1)")
+    ap.add_argument("--no-sweep", action="store_true", help="no decode launch-settings sweep and no stage breakdowns")
     args = ap.parse_args()
     import transformers
     import triton
@@ -280,45 +286,46 @@ def main() -> None:
     rows = []
     S = 32768 if args.quick else 131072
     if not args.prefill_only:
-        peer, ours, ours_graph, frac = decode_case(S=S)
+        peer, ours, ours_graph, frac = decode_case(S=S, sweep=not args.no_sweep)
         rows.append(dict(id="P1", what=f"decode step, B4 HQ32 H8 d128, {S // 1024}k ctx, 16x64", peer_ms=peer,
                          ours_ms=ours, speedup=peer / ours, bytes_vs_dense=frac, target=">= 15x, bytes <= 5%"))
         rows.append(dict(id="P1g", what="  same, SPLA step replayed as a CUDA graph", peer_ms=peer,
                          ours_ms=ours_graph, speedup=peer / ours_graph, target=">= 15x"))
     T = 8192 if args.quick else 32768
-    o_fn, p_fn = prefill_fn(T)
-    t_ours, t_peer = bench(o_fn), bench(p_fn)
-    rows.append(dict(id="P2", what=f"prefill fwd, B1 HQ32 H8 d128, T {T // 1024}k", peer_ms=t_peer, ours_ms=t_ours,
-                     speedup=t_peer / t_ours, target=">= 3x"))
-    o_fn, p_fn = prefill_fn(T, backward=True)
-    tb_ours, tb_peer = bench(o_fn), bench(p_fn)
-    rows.append(dict(id="P2b", what=f"prefill fwd+bwd, B1 HQ32 H8 d128, T {T // 1024}k", peer_ms=tb_peer,
-                     ours_ms=tb_ours, speedup=tb_peer / tb_ours, target=">= 2x"))
-    with prefill_kernel("token"):  # the per-token prefill kernels on the same calls
-        t_tok = bench(prefill_fn(T)[0])
-        tb_tok = bench(prefill_fn(T, backward=True)[0])
-    rows.append(dict(id="P2", what="  same fwd, per-token kernels", peer_ms=t_peer,
-                     ours_ms=t_tok, speedup=t_peer / t_tok, target=">= 3x"))
-    rows.append(dict(id="P2b", what="  same fwd+bwd, per-token kernels", peer_ms=tb_peer,
-                     ours_ms=tb_tok, speedup=tb_peer / tb_tok, target=">= 2x"))
-    try:
-        if args.no_nsa:
-            raise ImportError("--no-nsa")
-        for bwd in (False, True):
-            t_nsa, t_o = nsa_case(T, backward=bwd)
-            rows.append(dict(id="P3" + ("b" if bwd else ""), peer="fla parallel_nsa (cmp + slc)",
-                             what=f"vs NSA, {'fwd+bwd' if bwd else 'fwd'}, B1 HQ64 H4 d128, T {T // 1024}k",
-                             peer_ms=t_nsa, ours_ms=t_o, speedup=t_nsa / t_o, target="> 1x"))
-    except ImportError as e:
-        print(f"P3 skipped: {e}")
-    o2, _ = prefill_fn(2 * T)
-    t2 = bench(o2)
-    rows.append(dict(id="P6", what=f"SPLA prefill fwd time({2 * T // 1024}k)/time({T // 1024}k)", ours_ms=t2,
-                     ratio=t2 / t_ours, target="<= 2.1"))
-    o2, _ = prefill_fn(2 * T, backward=True)
-    t2 = bench(o2)
-    rows.append(dict(id="P6b", what=f"SPLA fwd+bwd time({2 * T // 1024}k)/time({T // 1024}k)", ours_ms=t2,
-                     ratio=t2 / tb_ours, target="<= 2.1"))
+    if not args.decode_only:
+        o_fn, p_fn = prefill_fn(T)
+        t_ours, t_peer = bench(o_fn), bench(p_fn)
+        rows.append(dict(id="P2", what=f"prefill fwd, B1 HQ32 H8 d128, T {T // 1024}k", peer_ms=t_peer, ours_ms=t_ours,
+                         speedup=t_peer / t_ours, target=">= 3x"))
+        o_fn, p_fn = prefill_fn(T, backward=True)
+        tb_ours, tb_peer = bench(o_fn), bench(p_fn)
+        rows.append(dict(id="P2b", what=f"prefill fwd+bwd, B1 HQ32 H8 d128, T {T // 1024}k", peer_ms=tb_peer,
+                         ours_ms=tb_ours, speedup=tb_peer / tb_ours, target=">= 2x"))
+        with prefill_kernel("token"):  # the per-token prefill kernels on the same calls
+            t_tok = bench(prefill_fn(T)[0])
+            tb_tok = bench(prefill_fn(T, backward=True)[0])
+        rows.append(dict(id="P2", what="  same fwd, per-token kernels", peer_ms=t_peer,
+                         ours_ms=t_tok, speedup=t_peer / t_tok, target=">= 3x"))
+        rows.append(dict(id="P2b", what="  same fwd+bwd, per-token kernels", peer_ms=tb_peer,
+                         ours_ms=tb_tok, speedup=tb_peer / tb_tok, target=">= 2x"))
+        try:
+            if args.no_nsa:
+                raise ImportError("--no-nsa")
+            for bwd in (False, True):
+                t_nsa, t_o = nsa_case(T, backward=bwd)
+                rows.append(dict(id="P3" + ("b" if bwd else ""), peer="fla parallel_nsa (cmp + slc)",
+                                 what=f"vs NSA, {'fwd+bwd' if bwd else 'fwd'}, B1 HQ64 H4 d128, T {T // 1024}k",
+                                 peer_ms=t_nsa, ours_ms=t_o, speedup=t_nsa / t_o, target="> 1x"))
+        except ImportError as e:
+            print(f"P3 skipped: {e}")
+        o2, _ = prefill_fn(2 * T)
+        t2 = bench(o2)
+        rows.append(dict(id="P6", what=f"SPLA prefill fwd time({2 * T // 1024}k)/time({T // 1024}k)", ours_ms=t2,
+                         ratio=t2 / t_ours, target="<= 2.1"))
+        o2, _ = prefill_fn(2 * T, backward=True)
+        t2 = bench(o2)
+        rows.append(dict(id="P6b", what=f"SPLA fwd+bwd time({2 * T // 1024}k)/time({T // 1024}k)", ours_ms=t2,
+                         ratio=t2 / tb_ours, target="<= 2.1"))
     meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, transformers=transformers.__version__)
     print(json.dumps(meta))
@@ -328,8 +335,8 @@ def main() -> None:
         extra = f"  bytes {100 * r['bytes_vs_dense']:.2f}% of dense" if "bytes_vs_dense" in r else ""
         print(f"{r['id']:4} {r['what']:58} {r.get('peer_ms', math.nan):9.3f} {r['ours_ms']:9.3f} {ratio:8.2f}  "
               f"{r['target']}{extra}")
-    parts = {f"prefill, B1, {T // 1024}k": breakdown(T, T, 1)}
-    if not args.prefill_only:
+    parts = {} if args.decode_only else {f"prefill, B1, {T // 1024}k": breakdown(T, T, 1)}
+    if not args.prefill_only and not args.no_sweep:
         parts["decode, B4, 128k"] = breakdown(1, S, 4)
         parts["decode selection kernels, settings"] = score_variants(S=S)
     for name, stages in parts.items():

@@ -19,9 +19,13 @@ def test_bench_generate_quick_smoke(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    decode = [r for r in rows if r["what"].startswith("decode tok/s")]
-    assert len(decode) == 4 and all(r["ratio"] > 0 for r in decode)
-    assert all(r["spla"]["same_tokens"] and r["dense"]["same_tokens"] for r in decode)  # generate == loop
+    decode = [r for r in rows if r["what"].startswith("tok/s")]
+    assert len(decode) == 12 and all(r["ratio"] > 0 for r in decode)  # 6 pairs of caches x 2 contexts
+    eager = [r for r in decode if "SPLA eager vs dense eager" in r["what"]]
+    # generate == loop
+    assert len(eager) == 4 and all(r["spla"]["same_tokens"] and r["dense"]["same_tokens"] for r in eager)
+    same = [r for r in rows if "vs SPLA eager: equal greedy steps" in r["what"]]
+    assert len(same) == 4 and all(r["ours"] == r["peer"] == "3" and r["ratio"] < 1e-5 for r in same)
     linear = {r["what"].split()[0]: r for r in rows if "linear-layer cache bytes" in r["what"]}
     assert set(linear) == {"hla", "sse-h"} and all(r["ratio"] == 1.0 for r in linear.values())
     soft = [r for r in rows if "softmax-layer KV bytes" in r["what"]]

@@ -173,3 +173,112 @@ def test_chunked_forward_with_cache_backpropagates_like_one_forward():
     torch.cat(parts, 1).square().mean().backward()
     for n, g in want.items():
         torch.testing.assert_close(model.get_parameter(n).grad, g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+# ---------------------------------------------------------------------- static caches
+
+
+def test_static_cache_allocates_once_and_gives_one_token_steps_fixed_shapes(monkeypatch):
+    """Every buffer is allocated for max_length at the first tokens; one-token steps see the whole
+    buffers (the same shapes at every step, unused slots at position -1) and write in place."""
+    from subquadratic.modeling import spla as spla_module
+
+    seen_shapes = []
+    real = spla_module.spla_attention
+
+    def spy(q, k, v, q_pos, k_pos, stats, sbar, **kw):
+        seen_shapes.append((q.shape[1], k.shape, k_pos.shape, stats.sum_k.shape, kw["new_kv"] is not None))
+        return real(q, k, v, q_pos, k_pos, stats, sbar, **kw)
+
+    monkeypatch.setattr(spla_module, "spla_attention", spy)
+    model = tiny_spla(mixer_types=MIXED)
+    ids = torch.randint(1, 128, (2, 30))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    cache = model.new_cache(max_length=40)
+    _, cache = run(model, ids, mask, cache=cache, start=0)
+    bufs = all_buffers(cache)
+    assert {n: b.capacity for n, b in bufs.items()} == {
+        "key_positions": 40, "0.k": 40, "0.v": 40, "1.k": 40, "1.v": 40, "1.sum_k": 5, "1.sum_k2": 5, "1.count": 5}
+    steps = seen_shapes[1:]  # after the 1-token first call: all one-token steps
+    assert len(steps) == 29 and all(s == steps[0] for s in steps)
+    assert steps[0][1] == (2, 40, 2, 16) and steps[0][3] == (2, 2, 5, 16) and steps[0][4]
+    assert torch.equal(cache.key_positions[1], torch.cat([torch.full((6,), -1), torch.arange(24)]))
+    assert (cache._key_positions.data[:, 30:] == -1).all()  # never written
+    assert cache.seen.tolist() == [30, 24] and int(cache.slot) == 30 and cache.get_seq_length() == 30
+
+
+def test_static_cache_refuses_overflow_and_padding_after_the_first_token():
+    model = tiny_spla(mixer_types=MIXED)
+    ids = torch.randint(1, 128, (2, 12))
+    with torch.no_grad():
+        cache = model.new_cache(max_length=12)
+        model(ids, cache=cache)
+        with pytest.raises(ValueError, match="holds 12 tokens"):
+            model(ids[:, :1], cache=cache)
+        mask = torch.ones_like(ids)
+        mask[0, 5] = 0
+        with pytest.raises(ValueError, match="left padding only"):
+            model(ids, attention_mask=mask, cache=model.new_cache(max_length=20))
+
+
+def test_static_cache_beam_reorder_in_place_equals_growing_cache():
+    model = tiny_spla(mixer_types=MIXED)
+    ids = torch.randint(1, 128, (3, 44))
+    idx = torch.tensor([2, 0, 0])
+    got = {}
+    for name, cache in (("growing", model.new_cache()), ("static", model.new_cache(max_length=50))):
+        _, cache = run(model, ids[:, :36], prefill=30, cache=cache, start=0)
+        before = {n: b.data.data_ptr() for n, b in all_buffers(cache).items()}
+        cache.reorder_cache(idx)
+        if name == "static":
+            assert {n: b.data.data_ptr() for n, b in all_buffers(cache).items()} == before
+        got[name], _ = run(model, ids[idx], cache=cache, start=36)
+    torch.testing.assert_close(got["static"], got["growing"], rtol=0, atol=1e-5)
+
+
+def test_generate_with_cache_implementation_static_builds_the_static_cache(monkeypatch):
+    model = tiny_spla(mixer_types=MIXED)
+    made = []
+    real = type(model.model).new_cache
+
+    def spy(self, max_length=None, cuda_graph=True, fuse=True):
+        made.append((max_length, cuda_graph))
+        return real(self, max_length, cuda_graph, fuse)
+
+    monkeypatch.setattr(type(model.model), "new_cache", spy)
+    ids = torch.randint(1, 128, (2, 10))
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = model.generate(ids, cache_implementation="static", **kw)
+    model.generate(ids, cache_implementation="static", disable_compile=True, **kw)
+    assert made == [(14, True), (14, False)]  # prompt + new tokens - 1: the last token is never fed
+    made.clear()
+    assert torch.equal(model.generate(ids, **kw), out) and made == [(None, True)]
+
+
+def test_fused_chains_equal_the_modules_they_stand_for(monkeypatch):
+    """The captured step's fused elementwise chains (here run eagerly: compiling needs the GPU path)
+    give the unfused step's logits; a chain whose compile fails warns and runs eagerly."""
+    from subquadratic.modeling import fused
+
+    for name in ("rms_norm", "add_rms_norm", "rope", "add_head_norm", "silu_mul"):
+        monkeypatch.setattr(getattr(fused, name), "compiled", False)
+    model = tiny_spla(mixer_types=MIXED)
+    ids = torch.randint(1, 128, (2, 30))
+    got = {}
+    for fuse_step in (False, True):
+        cache = model.new_cache(max_length=30)
+        _, cache = run(model, ids[:, :20], cache=cache, start=0)
+        cache.fuse_step = fuse_step  # what the captured step sets
+        got[fuse_step], _ = run(model, ids, cache=cache, start=20)
+    torch.testing.assert_close(got[True], got[False], rtol=0, atol=1e-5)
+
+    def broken(fn, **kw):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    chain = fused.Compiled(fused._rms_norm)
+    x, w = torch.randn(2, 3, 8), torch.randn(8)
+    with pytest.warns(UserWarning, match="runs it eagerly"):
+        out = chain(x, w, 1e-6)
+    assert chain.compiled is False and torch.equal(out, fused._rms_norm(x, w, 1e-6))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -32,6 +33,8 @@ from ..kernels.utils import slot_offsets
 from ..registry import MIXERS, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, positions_from_mask
 from .packing import find_documents, positions_from_cu_seqlens
+from .cuda_graph import decode_step, replays_decode
+from .fused import add_rms_norm, rms_norm, rope, silu_mul
 
 #: Name of the cache field in model outputs and of the forward argument generate() passes:
 #: Transformers 5.24 renamed `past_key_values` to `cache`; both names are accepted on input.
@@ -51,13 +54,18 @@ class SequenceInfo:
     attentions: dict | None = None
     #: A packed batch's documents (`packing.Documents`) when the layers run one document per row.
     documents: object | None = None
+    #: Whether each row's real tokens are known to sit in consecutive slots (a static cache checks
+    #: it at prefill), so `key_offsets` needs no check (no host sync).
+    consecutive: bool = False
+    #: Whether the step runs the fused elementwise chains (`fused.py`): inside a captured step only.
+    fused: bool = False
 
     def key_offsets(self) -> torch.Tensor | None:
         """Slot of each row's position 0 when each row's real tokens sit in consecutive slots (left or
         right padding; else None); computed
         once per forward and shared by all layers."""
         if not self._key_offsets:
-            self._key_offsets = (slot_offsets(self.key_positions),)
+            self._key_offsets = (slot_offsets(self.key_positions, check=not self.consecutive),)
         return self._key_offsets[0]
 
 
@@ -130,16 +138,17 @@ class AttentionBase(nn.Module):
         return q, k, v
 
     def project(
-        self, x: torch.Tensor, position_embeddings=None, heads_first: bool = True
+        self, x: torch.Tensor, position_embeddings=None, heads_first: bool = True, fused: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, hidden] -> q [B, T, HQ, D], k, v [B, T, H, D] with the source's qk-norm, and RoPE
-        when `position_embeddings` (cos, sin) are given; `heads_first` returns them as [B, heads, T, D]."""
+        when `position_embeddings` (cos, sin) are given; `heads_first` returns them as [B, heads, T, D].
+        `fused`: RoPE through its compiled form (`fused.rope`, inside a captured step)."""
         q, k, v = self.qkv(x)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if position_embeddings is not None:
             cos, sin = position_embeddings
-            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+            q, k = (rope if fused else partial(apply_rotary_pos_emb, unsqueeze_dim=2))(q, k, cos, sin)
         if heads_first:
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return q, k, v
@@ -208,9 +217,19 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, position_embeddings=None, seq=None, cache_layer=None, **kwargs):
         residual = hidden_states
-        h, aux = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, seq, cache_layer)
-        hidden_states = residual + h
-        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        if seq is not None and seq.fused:  # inside a captured step: the norms and the add fused (fused.py)
+            h, aux = self.self_attn(rms_norm(hidden_states, n1.weight, n1.variance_epsilon),
+                                    position_embeddings, seq, cache_layer)
+            hidden_states, x = add_rms_norm(residual, h, n2.weight, n2.variance_epsilon)
+        else:
+            h, aux = self.self_attn(n1(hidden_states), position_embeddings, seq, cache_layer)
+            hidden_states = residual + h
+            x = n2(hidden_states)
+        if seq is not None and seq.fused and self.mlp.config.hidden_act == "silu":
+            mlp = self.mlp
+            return hidden_states + mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x))), aux
+        hidden_states = hidden_states + self.mlp(x)
         return hidden_states, aux
 
 
@@ -240,7 +259,8 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = False
     # Running states (linear mixers, SPLA's residual state) cannot be split along the sequence.
     _supports_context_parallel = False
-    # generate() must not compile a static cache: the cache grows in Python-managed buffers.
+    # generate() must not compile: cache_implementation="static" builds our static cache, whose
+    # one-token steps replay our own CUDA graph (`cuda_graph.py`) instead.
     _can_compile_fullgraph = False
     # Running states cannot be rolled back token by token (no assisted decoding).
     _is_stateful = True
@@ -295,13 +315,32 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
                 )
         return bool(hidden), bool(attentions), ret is not False
 
-    def new_cache(self) -> SubquadraticCache:
-        """An empty cache with one state layer per decoder layer."""
+    def new_cache(self, max_length: int | None = None, cuda_graph: bool = True, fuse: bool = True) -> SubquadraticCache:
+        """An empty cache with one state layer per decoder layer: growing, or with `max_length` static
+        (allocated once for that many tokens; on CUDA, with `cuda_graph`, one-token steps of the
+        causal LM replay one captured CUDA graph of the whole model step, whose elementwise chains
+        torch.compile fuses where `fuse`)."""
         kinds = [MIXERS[t] for t in self.config.mixer_types]
         return SubquadraticCache(
             [cls.cache_layer_cls() for cls in kinds],
             track_key_positions=any(cls.needs_key_positions for cls in kinds),
+            max_length=max_length, cuda_graph=cuda_graph, fuse=fuse,
         )
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        """generate(..., cache_implementation="static") builds a static `SubquadraticCache` for the
+        call's max_length (or `max_cache_len`), whose one-token steps replay a CUDA graph on CUDA
+        unless `disable_compile=True`; everything else goes to Transformers."""
+        if (generation_config.cache_implementation == "static" and model_kwargs.get(CACHE_FIELD) is None
+                and generation_config.use_cache is not False):
+            if generation_config.max_cache_len is not None:
+                max_cache_length = max(max_cache_length, generation_config.max_cache_len)
+            model_kwargs[CACHE_FIELD] = self.new_cache(
+                max_length=max_cache_length, cuda_graph=not generation_config.disable_compile)
+            return
+        return super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 
 
 class SubquadraticModel(SubquadraticPreTrainedModel):
@@ -376,7 +415,9 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
             position_ids = q_pos.clamp(min=0)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos,
-                           attentions={} if output_attentions else None)
+                           attentions={} if output_attentions else None,
+                           consecutive=cache is not None and cache.static is not None,
+                           fused=cache is not None and cache.fuse_step)
 
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, cache,
                                                          output_hidden_states)
@@ -402,7 +443,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
                 aux_total = aux if aux_total is None else aux_total + aux
             if output_hidden_states:
                 all_hidden += (restore(hidden),)
-        hidden = self.norm(hidden)
+        hidden = rms_norm(hidden, self.norm.weight, self.norm.variance_epsilon) if seq.fused else self.norm(hidden)
         if output_hidden_states:
             all_hidden = all_hidden[:-1] + (restore(hidden),)
         return hidden, all_hidden, aux_total
@@ -436,8 +477,14 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def new_cache(self) -> SubquadraticCache:
-        return self.model.new_cache()
+    def new_cache(self, max_length: int | None = None, cuda_graph: bool = True, fuse: bool = True) -> SubquadraticCache:
+        return self.model.new_cache(max_length, cuda_graph, fuse)
+
+    def decode_logits(self, input_ids: torch.LongTensor, cache: SubquadraticCache) -> torch.Tensor:
+        """Logits [B, 1, V] of one real new token per row on `cache`, eagerly: the step that
+        `cuda_graph.DecodeGraph` captures."""
+        hidden = self.model(input_ids=input_ids, cache=cache, use_cache=True, return_dict=True).last_hidden_state
+        return self.lm_head(hidden[:, -1:])
 
     def forward(
         self,
@@ -458,11 +505,16 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
         output_hidden_states, output_attentions, return_dict = self.output_options(
             output_hidden_states, output_attentions, return_dict
         )
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and replays_decode(cache, input_ids, inputs_embeds, labels, logits_to_keep,
+                                                output_hidden_states or output_attentions):
+            result = SubquadraticCausalLMOutput(logits=decode_step(self, cache, input_ids), **{CACHE_FIELD: cache})
+            return result if return_dict else result.to_tuple()
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions, cache=cache if cache is not None else past_key_values,
-            return_dict=True, cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+            output_attentions=output_attentions, cache=cache, return_dict=True,
+            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
         )
         hidden = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

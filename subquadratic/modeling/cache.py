@@ -11,6 +11,11 @@ Growing states (keys, values, running block sums, the key positions) live in `Gr
 preallocated with spare room and written in place, so a decode step costs O(new tokens) instead of
 a copy of the whole cache. Layers hand out views of the used part (`layer.state["k"]`).
 
+Static caches (`max_length` given): every buffer is allocated once for `max_length` tokens and
+written at slots held on the device (`StaticSlots`), fixed-size states are updated in place, and a
+one-token step hands out whole buffers (unused slots have position -1), so the step has fixed
+shapes, no host synchronisation and stable addresses: what a CUDA graph needs (`cuda_graph.py`).
+
 Logical positions: with left padding, a row's own token positions differ from its cache slots.
 The cache counts each row's real tokens (`seen`), so a new token's logical position is
 `seen + (index among the new real tokens)`, and padding gets -1. Mixers use these positions for
@@ -24,9 +29,25 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from ..kernels.utils import slot_offsets
+
 #: Allocation granule of the growing buffers, in entries along the growing dimension (token slots
 #: for keys, values and positions).
 CHUNK = 256
+
+
+class StaticSlots:
+    """What a static cache shares with its layers: the allocation size (`max_length` token slots),
+    the slots the current call writes (`index`, [T] long on the device, derived from a device
+    counter so a replayed step writes the next slot) and whether the call hands out whole buffers
+    (`whole`: one-token steps, fixed shapes) or views of the used part (longer calls: prefill)."""
+
+    def __init__(self, max_length: int) -> None:
+        if max_length < 1:
+            raise ValueError(f"max_length must be at least 1, got {max_length}")
+        self.max_length = max_length
+        self.index: torch.Tensor | None = None
+        self.whole = False
 
 
 class GrowingBuffer:
@@ -43,11 +64,19 @@ class GrowingBuffer:
     Autograd: when grad is enabled and the new entries require grad (a training forward that keeps a
     cache), `append` builds a new tensor instead of writing in place, so tensors saved for backward
     by earlier steps are never overwritten.
+
+    Static (`static` given, a `StaticSlots`): allocated once for `static.max_length` token slots
+    (`fill` in the entries not yet written), `append` writes at `static.index`, and `append` /
+    `extend` return the whole allocation during one-token steps (`static.whole`). `apply` writes
+    same-shape results back in place, so the addresses never change.
     """
 
-    def __init__(self, dim: int, slots_per_entry: int = 1) -> None:
+    def __init__(self, dim: int, slots_per_entry: int = 1, fill: float = 0, static: StaticSlots | None = None) -> None:
         self.dim = dim
+        self.slots_per_entry = slots_per_entry
         self.chunk = -(-CHUNK // slots_per_entry)  # entries per chunk (SPLA block sums: one per block)
+        self.fill = fill
+        self.static = static
         self.data: torch.Tensor | None = None
         self.length = 0
 
@@ -60,10 +89,20 @@ class GrowingBuffer:
         return 0 if self.data is None else self.data.shape[self.dim]
 
     def capacity_for(self, needed: int) -> int:
+        if self.static is not None:
+            cap = -(-self.static.max_length // self.slots_per_entry)
+            if needed > cap:
+                raise ValueError(f"the static cache holds {self.static.max_length} tokens and this call needs more; "
+                                 "build it with a larger max_length")
+            return cap
         return (needed + needed // 4) // self.chunk * self.chunk + self.chunk
 
     def view(self) -> torch.Tensor:
         return self.data.narrow(self.dim, 0, self.length)
+
+    def _out(self) -> torch.Tensor:
+        """What append / extend return: the used part, or the whole allocation in a static one-token step."""
+        return self.data if self.static is not None and self.static.whole else self.view()
 
     def _grow(self, needed: int, like: torch.Tensor) -> None:
         """Reallocate (like's dtype, device and other dimensions) when `needed` entries do not fit."""
@@ -71,14 +110,25 @@ class GrowingBuffer:
             return
         shape = list(like.shape)
         shape[self.dim] = self.capacity_for(needed)
-        new = like.new_zeros(shape)
+        new = like.new_full(shape, self.fill)
         if self.length:
             new.narrow(self.dim, 0, self.length).copy_(self.view())
         self.data = new
 
+    def claim(self, x: torch.Tensor) -> torch.Tensor:
+        """Static: count x's entries as used without writing them (the caller writes them at
+        `static.index`); returns what `append` returns."""
+        self._grow(self.length + x.shape[self.dim], x)
+        self.length += x.shape[self.dim]
+        return self._out()
+
     def append(self, x: torch.Tensor) -> torch.Tensor:
         """Write x after the used entries; returns the view of all of them, x included."""
         n = x.shape[self.dim]
+        if self.static is not None:
+            out = self.claim(x)
+            self.data.index_copy_(self.dim, self.static.index, x)
+            return out
         if self.data is not None and torch.is_grad_enabled() and (x.requires_grad or self.data.requires_grad):
             spare = list(x.shape)
             spare[self.dim] = max(0, self.capacity - self.length - n)
@@ -93,12 +143,13 @@ class GrowingBuffer:
         """Make the used part at least n long with zero entries (shape/dtype/device of `like`)."""
         self._grow(n, like)
         self.length = max(self.length, n)
-        return self.view()
+        return self._out()
 
     def apply(self, fn) -> None:
-        """Replace the allocation by fn(allocation) (a batch op: index_select, repeat_interleave, ...)."""
+        """Replace the allocation by fn(allocation) (a batch op: index_select, repeat_interleave, ...);
+        static: written back in place when the shape is kept."""
         if self.data is not None:
-            self.data = fn(self.data)
+            self.data = _write_back(self.data, fn(self.data), self.static is not None)
 
     def nbytes(self, allocated: bool = False) -> int:
         if self.data is None:
@@ -107,10 +158,36 @@ class GrowingBuffer:
         return t.numel() * t.element_size()
 
 
+def _write_back(old: torch.Tensor, new: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """new, or (in_place, same shape and dtype) old with new's values copied in: the static cache's rule."""
+    if in_place and new is not old and new.shape == old.shape and new.dtype == old.dtype:
+        return old.copy_(new)
+    return new
+
+
+class StateDict(dict):
+    """A layer's fixed-size tensors. In a static cache (`in_place`), a new value for an existing entry
+    of the same shape is copied into it, so the entry keeps its address (a CUDA graph replays on it)."""
+
+    def __init__(self, *args, in_place: bool = False, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.in_place = in_place
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        old = self.get(name)
+        super().__setitem__(name, value if old is None else _write_back(old, value, self.in_place))
+
+    def update(self, *args, **kw) -> None:
+        for name, value in dict(*args, **kw).items():
+            self[name] = value
+
+
 class StateLayer:
     """Per-layer cache: named tensors whose first dimension is the batch. Fixed-size tensors, replaced
     as a whole, are in `tensors`; growing ones in `buffers` (`GrowingBuffer`). `state` shows both,
-    growing ones as views of their used part."""
+    growing ones as views of their used part. In a static cache (`static` set by the cache), buffers
+    are allocated for its `max_length` and fixed-size tensors are updated in place (`StateDict`):
+    assigning `layer.tensors = {...}` or `layer.tensors[name] = t` copies into existing entries."""
 
     is_compileable = False
     is_sliding = False
@@ -118,8 +195,32 @@ class StateLayer:
     record_past = False
 
     def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.static: StaticSlots | None = None
+        self._tensors = StateDict()
         self.buffers: dict[str, GrowingBuffer] = {}
+
+    @property
+    def tensors(self) -> StateDict:
+        return self._tensors
+
+    @tensors.setter
+    def tensors(self, value: dict[str, torch.Tensor]) -> None:
+        if self.static is None or not self._tensors:
+            self._tensors = StateDict(value, in_place=self.static is not None)
+            return
+        for name in [n for n in self._tensors if n not in value]:
+            del self._tensors[name]
+        self._tensors.update(value)
+
+    def new_buffer(self, dim: int, slots_per_entry: int = 1) -> GrowingBuffer:
+        """A growing buffer of this layer (static when the cache is)."""
+        return GrowingBuffer(dim, slots_per_entry, static=self.static)
+
+    @property
+    def whole(self) -> bool:
+        """Whether this call's buffers are handed out whole (a static one-token step): the new tokens
+        then sit at their slots, not last."""
+        return self.static is not None and self.static.whole
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
@@ -145,7 +246,7 @@ class StateLayer:
             b.apply(fn)
 
     def reset(self) -> None:
-        self.tensors = {}
+        self._tensors = StateDict(in_place=self.static is not None)
         self.buffers = {}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -177,7 +278,7 @@ class KVLayer(StateLayer):
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new keys/values [B, H, T, D]; returns views of all of them [B, H, S, D]."""
         if not self.buffers:
-            self.buffers = {"k": GrowingBuffer(dim=2), "v": GrowingBuffer(dim=2)}
+            self.buffers = {"k": self.new_buffer(2), "v": self.new_buffer(2)}
         return self.buffers["k"].append(k), self.buffers["v"].append(v)
 
 
@@ -189,14 +290,40 @@ class RecurrentLayer(StateLayer):
 
 
 class SubquadraticCache(Cache):
-    """Cache of a subquadratic model: one `StateLayer` per decoder layer plus token positions."""
+    """Cache of a subquadratic model: one `StateLayer` per decoder layer plus token positions.
 
-    def __init__(self, layers: list[StateLayer], track_key_positions: bool = True) -> None:
+    With `max_length`, a static cache (see the module docstring): sized once, positions and the
+    write slot kept on the device. On CUDA, with `cuda_graph` (the default), the model replays its
+    one-token steps on it as one CUDA graph (`cuda_graph.DecodeGraph`, captured at the first
+    one-token step), with its elementwise chains fused by torch.compile where `fuse` (the default;
+    `fused.py`). A static cache takes left padding only (what generate() makes): every row's real
+    tokens must sit in consecutive slots, and one-token steps must be real tokens."""
+
+    def __init__(self, layers: list[StateLayer], track_key_positions: bool = True, max_length: int | None = None,
+                 cuda_graph: bool = True, fuse: bool = True) -> None:
         super().__init__(layers=layers)
         self.track_key_positions = track_key_positions
+        self.static = StaticSlots(max_length) if max_length is not None else None
+        for layer in layers:
+            layer.static = self.static
+            layer.reset()
+        self.cuda_graph = cuda_graph
+        self.fuse = fuse
+        self.fuse_step = False  # set by cuda_graph.DecodeGraph while it runs and records a step
+        self.decode_graph = None  # cuda_graph.DecodeGraph, once captured
+        self._reset_positions()
+
+    def _reset_positions(self) -> None:
         self.seen: torch.Tensor | None = None  # [B] real tokens per row
-        self._key_positions = GrowingBuffer(dim=1)  # [B, S] logical position of each slot, -1 = pad
+        # [B, S] logical position of each slot, -1 = padding (and, static, not yet written)
+        self._key_positions = GrowingBuffer(dim=1, fill=-1, static=self.static)
+        self.slot: torch.Tensor | None = None  # static: next slot to write, a device scalar
         self.length = 0  # slots, padding included (what generate() counts)
+
+    @property
+    def max_length(self) -> int | None:
+        """Tokens a static cache holds (None: a growing cache)."""
+        return None if self.static is None else self.static.max_length
 
     @property
     def key_positions(self) -> torch.Tensor | None:
@@ -206,13 +333,31 @@ class SubquadraticCache(Cache):
 
     # --- positions ---------------------------------------------------------------------------
     def advance(self, new_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Register T new tokens (new_valid [B, T] bool). Returns (their positions [B, T], key positions [B, S])."""
+        """Register T new tokens (new_valid [B, T] bool). Returns (their positions [B, T], key positions [B, S]).
+        Static: no host synchronisation in one-token steps (the slot and counts are updated in place
+        on the device); a longer call checks once that every row's tokens are consecutive."""
+        T = new_valid.shape[1]
         if self.seen is None:
             self.seen = torch.zeros(new_valid.shape[0], dtype=torch.long, device=new_valid.device)
         pos = positions_from_mask(new_valid, self.seen)
-        self.seen = self.seen + new_valid.sum(-1)
-        self.length += new_valid.shape[1]
+        if self.static is None:
+            self.seen = self.seen + new_valid.sum(-1)
+            self.length += T
+            kp = self._key_positions.append(pos) if self.track_key_positions else pos
+            return pos, kp
+        if self.length + T > self.static.max_length:
+            raise ValueError(f"the static cache holds {self.static.max_length} tokens; {self.length} are cached and "
+                             f"{T} more were given: build it with a larger max_length")
+        if self.slot is None:
+            self.slot = torch.zeros((), dtype=torch.long, device=new_valid.device)
+        self.static.index = self.slot + torch.arange(T, device=new_valid.device)
+        self.static.whole = T == 1
+        self.seen.add_(new_valid.sum(-1))
+        self.slot.add_(T)
+        self.length += T
         kp = self._key_positions.append(pos) if self.track_key_positions else pos
+        if T > 1 and self.track_key_positions and slot_offsets(self._key_positions.view()) is None:
+            raise ValueError("a static cache takes left padding only: a row has padding after its first token")
         return pos, kp
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -225,11 +370,27 @@ class SubquadraticCache(Cache):
         allocations, spare room of the growing buffers included."""
         return sum(layer.nbytes(allocated) for layer in self.layers)
 
+    # --- the captured decode step (cuda_graph.DecodeGraph) ------------------------------------
+    def _buffers(self) -> list[GrowingBuffer]:
+        return [self._key_positions] + [b for layer in self.layers for b in layer.buffers.values()]
+
+    def host_counters(self) -> list[int]:
+        """The host-side counts a step advances (slots, used entries of each buffer): a replayed step
+        runs no Python, so the graph runner advances them by what one captured step did."""
+        return [self.length] + [b.length for b in self._buffers()]
+
+    def set_host_counters(self, counts: list[int]) -> None:
+        self.length = counts[0]
+        for b, n in zip(self._buffers(), counts[1:], strict=True):
+            b.length = n
+
     # --- batch surgery (beam search, contrastive selection) ----------------------------------
     def _apply_meta(self, fn) -> None:
         if self.seen is not None:
-            self.seen = fn(self.seen)
+            self.seen = _write_back(self.seen, fn(self.seen), self.static is not None)
         self._key_positions.apply(fn)
+        if self.decode_graph is not None and not self.decode_graph.still_valid():
+            self.decode_graph = None  # the batch changed size: buffers were reallocated
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -245,8 +406,8 @@ class SubquadraticCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.seen, self.length = None, 0
-        self._key_positions = GrowingBuffer(dim=1)
+        self.decode_graph = None
+        self._reset_positions()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("subquadratic caches hold running state and cannot be cropped")
@@ -256,7 +417,7 @@ class SubquadraticCache(Cache):
         return False
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__
+        return {**self.__dict__, "decode_graph": None}  # a copy captures its own graph
 
 
 def positions_from_mask(valid: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:

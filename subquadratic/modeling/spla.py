@@ -13,7 +13,7 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ..configuration.spla import SPLAConfig
-from ..kernels.spla import BlockStats, spla_attention
+from ..kernels.spla import BlockStats, append_token, spla_attention
 from .base import (
     AttentionBase,
     HeadNorm,
@@ -21,38 +21,47 @@ from .base import (
     SubquadraticForCausalLM,
     SubquadraticModel,
 )
-from .cache import GrowingBuffer, StateLayer
+from .cache import StateLayer
+from .fused import add_head_norm
 
 
 class SPLALayer(StateLayer):
     """SPLA cache: post-RoPE keys k and values v [B, H, S, D], running block sums (sum_k, sum_k2
     [B, H, NB, D], count [B, NB]) and the residual linear state sbar [B, H, D, D], all updated with the
     new tokens only. K, V and the block sums grow in place in preallocated buffers (`GrowingBuffer`);
-    sbar (constant size) is replaced each step."""
+    sbar (constant size) is replaced each step (written in place in a static cache)."""
 
-    def update(self, k, v, pos, block_size):
+    def update(self, k, v, pos, block_size, backend: str = "auto"):
         """Append new keys/values at logical positions pos [B, T]; returns (K, V, stats incl. new, sbar before).
 
         The stats have ceil(S / block_size) blocks for S cached slots (padding included): an upper
         bound of every row's blocks known without reading pos on the host. Blocks past a row's current
-        block hold zeros and are never candidates for selection."""
+        block hold zeros and are never candidates for selection. In a static one-token step K, V and
+        the stats are the whole buffers (`self.whole`); a static cache writes keys, values and sums
+        with `append_token` (one launch for a token per row on CUDA)."""
         B, H, _, D = k.shape
         if not self.buffers:
             acc = torch.float64 if k.dtype == torch.float64 else torch.float32
             self.buffers = {
-                "k": GrowingBuffer(dim=2), "v": GrowingBuffer(dim=2),  # along the slots
-                "sum_k": GrowingBuffer(dim=2, slots_per_entry=block_size),  # along the blocks
-                "sum_k2": GrowingBuffer(dim=2, slots_per_entry=block_size),
-                "count": GrowingBuffer(dim=1, slots_per_entry=block_size),
+                "k": self.new_buffer(2), "v": self.new_buffer(2),  # along the slots
+                "sum_k": self.new_buffer(2, block_size), "sum_k2": self.new_buffer(2, block_size),  # along the blocks
+                "count": self.new_buffer(1, block_size),
             }
             self.tensors["sbar"] = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
         bufs = self.buffers
-        K, V = bufs["k"].append(k), bufs["v"].append(v)
+        if self.static is None:
+            K, V = bufs["k"].append(k), bufs["v"].append(v)
+        else:
+            K, V = bufs["k"].claim(k), bufs["v"].claim(v)
         nb = -(-K.shape[2] // block_size)
         like = k.new_empty(B, H, 0, D, dtype=self.tensors["sbar"].dtype)  # shape, dtype and device of the sums
         stats = BlockStats(
             bufs["sum_k"].extend(nb, like), bufs["sum_k2"].extend(nb, like), bufs["count"].extend(nb, like[:, 0, :, 0])
-        ).add_(k.transpose(1, 2), pos, block_size)
+        )
+        if self.static is None:
+            stats.add_(k.transpose(1, 2), pos, block_size)
+        else:
+            append_token(K, V, stats, k, v, self.static.index, pos, block_size, backend=backend)
         return K, V, stats, self.tensors["sbar"]
 
     def set_sbar(self, sbar: torch.Tensor) -> None:
@@ -76,9 +85,12 @@ class SPLAAttention(AttentionBase):
 
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
         cfg = self.config
-        q, k, v = self.project(hidden_states, position_embeddings)
+        q, k, v = self.project(hidden_states, position_embeddings, fused=seq.fused)
+        new_kv = None
         if cache_layer is not None:
-            K, V, stats, sbar = cache_layer.update(k, v, seq.positions, cfg.block_size)
+            K, V, stats, sbar = cache_layer.update(k, v, seq.positions, cfg.block_size, cfg.kernel_backend)
+            if cache_layer.whole:  # the new tokens sit at their slots of the whole buffers, not last
+                new_kv = (k.transpose(1, 2), v.transpose(1, 2))
         else:
             K, V = k, v
             acc = torch.float64 if k.dtype == torch.float64 else torch.float32
@@ -90,14 +102,16 @@ class SPLAAttention(AttentionBase):
         # the op takes [B, T, H, D]: transposed views of q and of the [B, H, S, D] cache, no copies
         o_sp, o_rla, sbar = spla_attention(
             q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), seq.positions, seq.key_positions, stats, sbar,
-            backend=cfg.kernel_backend, k_offsets=seq.key_offsets,
+            backend=cfg.kernel_backend, k_offsets=seq.key_offsets, new_kv=new_kv,
             block_size=cfg.block_size, top_k_blocks=cfg.top_k_blocks, num_sink_blocks=cfg.num_sink_blocks,
             num_local_blocks=cfg.num_local_blocks, selection=cfg.selection, use_rla=cfg.use_rla,
         )
         if cache_layer is not None:
             cache_layer.set_sbar(sbar)
         o = o_sp.transpose(1, 2)  # [B, HQ, T, D]
-        if o_rla is not None:
+        if o_rla is not None and seq.fused:  # inside a captured step (fused.py)
+            o = add_head_norm(o, o_rla.transpose(1, 2), self.rla_norm.weight, self.rla_norm.eps)
+        elif o_rla is not None:
             o = o + self.rla_norm(o_rla.transpose(1, 2))
         return self.output(o), None
 

@@ -133,6 +133,29 @@ class ModelTesterMixin:
         assert diff <= self.tester.atol, diff
         assert cache.get_seq_length() == T
 
+    def test_static_cache_decode_equals_growing_cache(self):
+        """A static cache (allocated once for max_length; one-token steps on whole buffers, states
+        updated in place) gives the growing cache's logits on a left-padded batch, never moves its
+        tensors, and generate(cache_implementation="static") gives the same tokens."""
+        m, T = self.tester.model(), self.tester.seq_len
+        ids, mask = left_pad([self.tester.ids(1, n, seed=n)[0] for n in (T, T - 5)])
+        logits, addresses = {}, []
+        with torch.no_grad():
+            for name, cache in (("growing", m.new_cache()), ("static", m.new_cache(max_length=T + 3))):
+                parts = [m(ids[:, : T // 2], attention_mask=mask[:, : T // 2], past_key_values=cache).logits]
+                for t in range(T // 2, T):
+                    parts.append(m(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits)
+                    if name == "static":
+                        state = [x for layer in cache.layers for x in (*layer.tensors.values(), *(
+                            b.data for b in layer.buffers.values()))]
+                        addresses.append([x.data_ptr() for x in state])
+                logits[name] = torch.cat(parts, 1) * mask[:, :, None]
+        diff = (logits["static"] - logits["growing"]).abs().max().item()
+        assert diff <= self.tester.atol, diff
+        assert all(a == addresses[0] for a in addresses)
+        kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, **GEN)
+        assert torch.equal(m.generate(ids, cache_implementation="static", **kw), m.generate(ids, **kw))
+
     def test_left_padded_batch_equals_each_row_alone(self):
         """Logits at the real tokens and greedy continuations of a left-padded batch equal those of
         each row run alone."""

@@ -11,13 +11,14 @@ Forms: `naive.spla_naive` (the definition, one unpadded sequence: the test oracl
 (PyTorch selection); Triton (CUDA): `triton_select.select_indices`, `triton_parallel.spla_parallel_triton`
 (prefill / training, backward in `triton_parallel_bwd`) and `triton_decode.spla_decode_triton`
 (one token per row), both behind `spla_triton`. The Triton modules import Triton when first used.
+`append_token` writes new tokens into a static cache (keys, values, block sums) in place.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..utils import resolve_backend, slot_offsets
+from ..utils import resolve_backend, slot_offsets, triton_available
 from .dense import spla_dense, within_budget
 from .naive import spla_naive
 from .parallel import spla_parallel
@@ -29,12 +30,13 @@ _TRITON_EXPORTS = {
     "select_indices": "triton_select", "spla_parallel_triton": "triton_parallel", "sparse_forward": "triton_parallel",
     "key_features": "triton_parallel", "causal_linear_term": "triton_parallel", "SparseAttention": "triton_parallel",
     "queries_by_block": "triton_parallel_bwd", "spla_decode_triton": "triton_decode",
+    "append_token_triton": "triton_decode",
 }
 
 
 __all__ = [
-    "BlockStats", "TRITON_HEAD_DIMS", "feature_map", "select_blocks", "spla_attention", "spla_dense", "spla_naive",
-    "spla_parallel", "within_budget", "spla_triton", "triton_unsupported", *_TRITON_EXPORTS,
+    "BlockStats", "TRITON_HEAD_DIMS", "append_token", "feature_map", "select_blocks", "spla_attention", "spla_dense",
+    "spla_naive", "spla_parallel", "within_budget", "spla_triton", "triton_unsupported", *_TRITON_EXPORTS,
 ]
 
 def __getattr__(name: str):
@@ -61,7 +63,26 @@ def triton_unsupported(head_dim: int, block_size: int, k_offsets: torch.Tensor |
     return None
 
 
-def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto", k_offsets=None, **kw):
+def append_token(K, V, stats: BlockStats, k, v, index, pos, block_size: int, *, backend: str = "auto") -> None:
+    """Write new tokens k, v [B, H, T, D] into slots `index` [T] (long, on the device) of a static
+    cache's K, V [B, H, S, D] and add the real ones (pos [B, T] >= 0) to its block sums `stats`, in
+    place and with no host synchronisation. One token per row on CUDA with Triton (backend "auto" or
+    "triton"): one launch (`triton_decode.append_token_triton`); otherwise index_copy_ and
+    `BlockStats.add_`, with the same sums."""
+    one_launch = (backend in ("auto", "triton") and k.is_cuda and k.shape[2] == 1 and triton_available()
+                  and k.shape[-1] in TRITON_HEAD_DIMS and stats.sum_k.dtype == torch.float32
+                  and K.stride(-1) == V.stride(-1) == stats.sum_k.stride(-1) == 1)
+    if one_launch:
+        from .triton_decode import append_token_triton
+
+        append_token_triton(K, V, stats, k, v, index, pos, block_size)
+        return
+    K.index_copy_(2, index, k)
+    V.index_copy_(2, index, v)
+    stats.add_(k.transpose(1, 2), pos, block_size)
+
+
+def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto", k_offsets=None, new_kv=None, **kw):
     """SPLA attention of the new tokens over the cache. Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D]
     or None with use_rla=False, new sbar); keyword arguments as `parallel.spla_parallel`.
 
@@ -78,9 +99,11 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto",
     gradients (decode) takes the decode kernels, everything else the prefill / training kernels.
     `k_offsets` [B] int32: the slot of each row's position 0 (`slot_offsets(k_pos)`), or a function
     returning it (called only where needed; the model shares one result between its layers),
-    computed here when not given (one host sync)."""
+    computed here when not given (one host sync). `new_kv`: the new tokens' keys and values
+    [B, Tq, H, D] where they are not the last Tq slots of k, v (a static cache's whole buffers, where
+    unused slots have position -1)."""
     if backend in ("auto", "torch") and within_budget(k.shape[1], kw["block_size"], kw["top_k_blocks"]):
-        return spla_dense(q, k, v, q_pos, k_pos, sbar)
+        return spla_dense(q, k, v, q_pos, k_pos, sbar, new_kv)
     why = None
     if q.is_cuda and backend in ("auto", "triton"):  # the offsets (a host sync) only where kernels may run
         k_offsets = k_offsets() if callable(k_offsets) else k_offsets
@@ -89,11 +112,12 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto",
         why = triton_unsupported(q.shape[-1], kw["block_size"], k_offsets)
     path = resolve_backend(backend, q.device, op="SPLA", has_triton=True, has_naive=False, unsupported=why)
     if path == "torch":
-        return spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, **kw)
-    return spla_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, **kw)
+        return spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, new_kv=new_kv, **kw)
+    return spla_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, new_kv=new_kv, **kw)
 
 
-def spla_triton(q, k, v, q_pos, k_pos, stats, sbar, *, k_offsets=None, num_splits: int | None = None, **kw):
+def spla_triton(q, k, v, q_pos, k_pos, stats, sbar, *, k_offsets=None, num_splits: int | None = None, new_kv=None,
+                **kw):
     """The Triton forms, on any device Triton runs on (CUDA; the CPU interpreter in tests), same
     contract as `spla_attention`: one token per row without gradients (decode, fp32/bf16/fp16) takes
     the decode kernels, everything else the prefill / training kernels (`num_splits`: split each
@@ -108,7 +132,8 @@ def spla_triton(q, k, v, q_pos, k_pos, stats, sbar, *, k_offsets=None, num_split
         from .triton_decode import spla_decode_triton
 
         kw.pop("query_chunk", None)
-        return spla_decode_triton(q, k, v, q_pos, stats, sbar, k_offsets, **kw)
+        return spla_decode_triton(q, k, v, q_pos, stats, sbar, k_offsets, new_kv=new_kv, **kw)
     from .triton_parallel import spla_parallel_triton
 
-    return spla_parallel_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, num_splits=num_splits, **kw)
+    return spla_parallel_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, num_splits=num_splits,
+                                new_kv=new_kv, **kw)

@@ -29,14 +29,17 @@ def spla_dense(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     sbar: torch.Tensor,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, None, torch.Tensor]:
     """Softmax attention of the new tokens over every causal cached key, plus the Sbar update.
 
     q: [B, Tq, HQ, D] post-RoPE queries of the new tokens; k, v: [B, S, H, D] every cached token with
     the new ones last; q_pos [B, Tq], k_pos [B, S] logical positions (-1 = padding); sbar [B, H, D, D]
     covers the S - Tq cached tokens (carried with or without the residual term, as on the sparse
-    path). Returns (o_sp [B, Tq, HQ, D] in q's dtype (fp64 for an fp64
-    sbar), None: the residual term is exactly zero, new Sbar). Padded queries return zeros.
+    path). The new tokens are the last Tq of k, v, or, where they sit elsewhere (a static cache's
+    whole buffers), `new_kv` holds their keys and values [B, Tq, H, D]. Returns (o_sp [B, Tq, HQ, D]
+    in q's dtype (fp64 for an fp64 sbar), None: the residual term is exactly zero, new Sbar). Padded
+    queries return zeros.
     """
     B, Tq, HQ, D = q.shape
     H = k.shape[2]
@@ -49,6 +52,7 @@ def spla_dense(
     o = o.transpose(1, 2) * (q_pos >= 0)[:, :, None, None]
     acc = sbar.dtype
     new = slice(k.shape[1] - Tq, None)
-    phik = torch.softmax(k[:, new].to(acc), dim=-1) * (q_pos >= 0)[:, :, None, None]  # [B, Tq, H, D]
-    sbar = sbar + torch.einsum("bthd,bthe->bhde", phik, v[:, new].to(acc))
+    k_new, v_new = (k[:, new], v[:, new]) if new_kv is None else new_kv
+    phik = torch.softmax(k_new.to(acc), dim=-1) * (q_pos >= 0)[:, :, None, None]  # [B, Tq, H, D]
+    sbar = sbar + torch.einsum("bthd,bthe->bhde", phik, v_new.to(acc))
     return o, None, sbar

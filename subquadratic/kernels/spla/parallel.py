@@ -39,6 +39,7 @@ def spla_parallel(
     use_rla: bool = True,
     query_chunk: int | None = None,
     k_offsets: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """SPLA for the new tokens as masked dense PyTorch (every cached key read, in query chunks).
     Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D] or None, new Sbar).
@@ -46,13 +47,15 @@ def spla_parallel(
     q: [B, Tq, HQ, D] post-RoPE queries of the new tokens, which are the last Tq entries of
     k, v: [B, S, H, D]. `stats` must already include the new keys; `sbar` [B, H, D, D] covers the
     S - Tq cached tokens only. Padded queries (q_pos < 0) return zeros. `k_offsets` is used by the
-    Triton path only (accepted here so both share one signature).
+    Triton path only (accepted here so both share one signature). Where the new tokens are not the
+    last Tq slots (a static cache's whole buffers), `new_kv` holds their keys and values
+    [B, Tq, H, D]: they feed Sbar and the causal linear term, and every slot is a candidate key.
     """
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # views [B, H, T, D]
     B, HQ, Tq, D = q.shape
     H, S = k.shape[1], k.shape[2]
     G = HQ // H
-    P = S - Tq
+    P = S - Tq  # cached slots before the new tokens (when they are last)
     scale = 1.0 / math.sqrt(D)
     sel_blocks = select_blocks(
         q.transpose(1, 2), stats, q_pos, block_size=block_size, top_k_blocks=top_k_blocks,
@@ -67,11 +70,18 @@ def spla_parallel(
     vf = v.to(acc)
     sbar = sbar.to(acc)
     phik = feature_map(k) * k_valid[:, None, :, None]  # [B, H, S, D]; pads contribute nothing
+    if new_kv is None:
+        k_new, v_new = k[:, :, P:], v[:, :, P:]  # [B, H, Tq, D]
+    else:
+        k_new, v_new = (x.transpose(1, 2) for x in new_kv)
+    phik_new = feature_map(k_new) * (q_pos >= 0)[:, None, :, None]
+    v_new = v_new.to(acc)
     o_sp = q.new_zeros(B, HQ, Tq, D, dtype=acc)
     o_rla = torch.zeros_like(o_sp) if use_rla else None
     for c0 in range(0, Tq, query_chunk):
         c1 = min(Tq, c0 + query_chunk)
-        C, Sc = c1 - c0, P + c1  # keys after the chunk's last slot are never causal for it
+        C = c1 - c0
+        Sc = P + c1 if new_kv is None else S  # keys after the chunk's last slot are never causal for it
         qp = q_pos[:, c0:c1]  # [B, C]
         kp = k_pos[:, :Sc]
         causal = (kp >= 0)[:, None, :] & (kp[:, None, :] <= qp[:, :, None])  # [B, C, Sc]
@@ -87,11 +97,12 @@ def spla_parallel(
         if use_rla:
             phiq = feature_map(qc)  # [B, H, G, C, D]
             # global causal linear term phi(q)^T Sbar_t: cached part through Sbar, new part exactly
-            new = slice(P + c0, P + c1)
-            intra_mask = causal[:, :, P + c0:]  # [B, C, C]
-            a_intra = torch.einsum("bhgcd,bhsd->bhgcs", phiq, phik[:, :, new]) * intra_mask[:, None, None]
+            new = slice(c0, c1)  # the chunk's own tokens: causal among themselves
+            kq = q_pos[:, new]
+            intra_mask = (kq >= 0)[:, None, :] & (kq[:, None, :] <= qp[:, :, None])  # [B, C, C]
+            a_intra = torch.einsum("bhgcd,bhsd->bhgcs", phiq, phik_new[:, :, new]) * intra_mask[:, None, None]
             full = torch.einsum("bhgcd,bhde->bhgce", phiq, sbar) + torch.einsum(
-                "bhgcs,bhsd->bhgcd", a_intra, vf[:, :, new]
+                "bhgcs,bhsd->bhgcd", a_intra, v_new[:, :, new]
             )
             # correction otilde over the selected tokens (the tiles the sparse branch loads)
             a_sel = torch.einsum("bhgcd,bhsd->bhgcs", phiq, phik[:, :, :Sc]) * mask[:, :, None]
@@ -99,11 +110,11 @@ def spla_parallel(
             all_selected = mask.sum(-1) == causal.sum(-1)[:, None]  # [B, H, C]
             rla = rla.masked_fill(all_selected[:, :, None, :, None], 0.0)
             o_rla[:, :, c0:c1] = rla.reshape(B, HQ, C, D)
-            sbar = sbar + torch.einsum("bhsd,bhse->bhde", phik[:, :, new], vf[:, :, new])
+            sbar = sbar + torch.einsum("bhsd,bhse->bhde", phik_new[:, :, new], v_new[:, :, new])
     q_ok = (q_pos >= 0)[:, :, None, None]
     o_sp = (o_sp.transpose(1, 2) * q_ok).to(q.dtype)
     if use_rla:
         o_rla = (o_rla.transpose(1, 2) * q_ok).to(q.dtype)
     elif Tq:
-        sbar = sbar + torch.einsum("bhsd,bhse->bhde", phik[:, :, P:], vf[:, :, P:])
+        sbar = sbar + torch.einsum("bhsd,bhse->bhde", phik_new, v_new)
     return o_sp, o_rla, sbar

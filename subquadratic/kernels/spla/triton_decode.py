@@ -1,5 +1,7 @@
 """SPLA decode with Triton: one new token per row in four launches (scores, group top-k, the split
-decode kernel, the merge), reading only the selected KV blocks. No host synchronisation."""
+decode kernel, the merge), reading only the selected KV blocks; and `append_token_triton`, which
+writes the token into a static cache (its key and value at their slot, its block sums) in one
+launch. No host synchronisation."""
 
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ def spla_decode_merge_kernel(
 ):
     """Combine the decode parts of one (batch, KV head): o_sp = sum_s w_s O_s / sum_s w_s L_s with
     w_s = exp(M_s - max M), and o_rla = LIN - sum_s OT_s, exactly 0 when every causal key was
-    selected. O_SP, O_RLA: [B, HQ, D] fp32."""
+    selected. O_SP, O_RLA: [B, HQ, D] in the output dtype (the store rounds)."""
     bh = tl.program_id(0)
     BH = tl.num_programs(0)
     rows = tl.arange(0, GP)
@@ -129,13 +131,15 @@ def spla_decode_merge_kernel(
 
 
 def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_blocks, num_sink_blocks,
-                       num_local_blocks, selection="taylor", use_rla=True):
+                       num_local_blocks, selection="taylor", use_rla=True, new_kv=None):
     """SPLA of one new token per row in four launches: block scores, group top-k, the split decode
     kernel (selected tiles in parallel with the Sbar read-out and update), and the merge.
 
     q [B, 1, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D: the cache's [B, H, S, D]
-    buffers pass as transposed views), the new token last; koff [B] int32: slot of each row's
-    position 0 (`slot_offsets`). Returns (o_sp [B, 1, HQ, D], o_rla or None, new Sbar)."""
+    buffers pass as transposed views), the new token at slot koff + q_pos (last in a growing cache;
+    anywhere in a static cache's whole buffers, with its key and value also in `new_kv` [B, 1, H, D]
+    each); koff [B] int32: slot of each row's position 0 (`slot_offsets`). Returns (o_sp [B, 1, HQ, D],
+    o_rla or None, new Sbar). No host synchronisation and no data-dependent shapes."""
     B, _, HQ, D = q.shape
     H = stats.sum_k.shape[1]
     G = HQ // H
@@ -163,14 +167,60 @@ def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_b
         G=G, GP=GP, D=D, BS=block_size, DC=min(32, D), USE_RLA=use_rla, IEEE=q.dtype == torch.float32,
         num_warps=DECODE_WARPS, num_stages=2,
     )
-    o_sp = new_output((B, 1, HQ, D), dev)  # the merge writes [B, HQ, D] rows
-    o_rla = new_output((B, 1, HQ, D), dev) if use_rla else o_sp
+    o_sp = new_output((B, 1, HQ, D), dev, q.dtype)  # the merge writes [B, HQ, D] rows
+    o_rla = new_output((B, 1, HQ, D), dev, q.dtype) if use_rla else o_sp
     spla_decode_merge_kernel[(B * H,)](
         qpos, m_part, l_part, o_part, ot_part, n_part, lin, o_sp, o_rla, H, nsplit,
         G=G, GP=GP, D=D, USE_RLA=use_rla, num_warps=4,
     )
     if not use_rla:
         valid = (q_pos >= 0)[:, None, :, None]
-        kv_t = torch.einsum("bhsd,bhse->bhde", feature_map(kv_[:, :, -1:]) * valid, vv[:, :, -1:].float())
-        return o_sp.to(q.dtype), None, sbar + kv_t
-    return o_sp.to(q.dtype), o_rla.to(q.dtype), sbar_new
+        k_new, v_new = (kv_[:, :, -1:], vv[:, :, -1:]) if new_kv is None else (x.transpose(1, 2) for x in new_kv)
+        kv_t = torch.einsum("bhsd,bhse->bhde", feature_map(k_new) * valid, v_new.float())
+        return o_sp, None, sbar + kv_t
+    return o_sp, o_rla, sbar_new
+
+
+@triton.jit
+def spla_append_kernel(
+    KNEW, VNEW, K, V, SLOT, POS, SUMK, SUMK2, CNT,
+    stride_nb, stride_nh, stride_vnb, stride_vnh,
+    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_sb, stride_sh, stride_sn, stride_cb,
+    H, block_size, D: tl.constexpr,
+):
+    """One new token of one (batch, KV head): its key and value into slot SLOT of K, V, and (a real
+    token, POS >= 0) its key into the sums of its block; the count by the head-0 program."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, D)
+    k = tl.load(KNEW + b * stride_nb + h * stride_nh + d)
+    v = tl.load(VNEW + b * stride_vnb + h * stride_vnh + d)
+    slot = tl.load(SLOT)
+    tl.store(K + b * stride_kb + h * stride_kh + slot * stride_ks + d, k)
+    tl.store(V + b * stride_vb + h * stride_vh + slot * stride_vs + d, v)
+    pos = tl.load(POS + b)
+    if pos >= 0:
+        blk = pos // block_size
+        kf = k.to(tl.float32)
+        s = b * stride_sb + h * stride_sh + blk * stride_sn + d
+        tl.store(SUMK + s, tl.load(SUMK + s) + kf)
+        tl.store(SUMK2 + s, tl.load(SUMK2 + s) + kf * kf)
+        if h == 0:
+            c = CNT + b * stride_cb + blk
+            tl.store(c, tl.load(c) + 1.0)
+
+
+def append_token_triton(K, V, stats, k, v, slot, pos, block_size: int) -> None:
+    """Write one new token per row, k, v [B, H, 1, D], at slot `slot` (a device scalar, the same for
+    every row) of K, V [B, H, S, D] and add the real ones (pos [B, 1] >= 0) to the block sums of
+    `stats` (fp32, unit stride in D), in place: `append_token`'s one-launch form."""
+    B, H, _, D = k.shape
+    spla_append_kernel[(B * H,)](
+        k, v, K, V, slot, pos[:, 0].contiguous(), stats.sum_k, stats.sum_k2, stats.count,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        K.stride(0), K.stride(1), K.stride(2), V.stride(0), V.stride(1), V.stride(2),
+        stats.sum_k.stride(0), stats.sum_k.stride(1), stats.sum_k.stride(2), stats.count.stride(0),
+        H, block_size, D=D, num_warps=1,
+    )

@@ -181,6 +181,7 @@ class SparseAttention(torch.autograd.Function):
 def spla_parallel_triton(
     q, k, v, q_pos, k_pos, stats: BlockStats, sbar, *, block_size, top_k_blocks, num_sink_blocks,
     num_local_blocks, selection="taylor", use_rla=True, query_chunk=None, num_splits=None, k_offsets=None,
+    new_kv=None,
 ):
     """SPLA of the new tokens with the Triton kernels, the contract of `parallel.spla_parallel`:
     q [B, Tq, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D) with the new tokens last;
@@ -192,7 +193,8 @@ def spla_parallel_triton(
     the number of programs). `k_offsets` [B]:
     slot of each row's position 0 (`slot_offsets(k_pos)`, computed here when not given); rows whose
     real tokens do not sit in consecutive slots (padding in the middle) are refused with a ValueError:
-    `spla_attention` sends them to the PyTorch form. fp64 inputs (tests) run the kernels in fp32."""
+    `spla_attention` sends them to the PyTorch form. fp64 inputs (tests) run the kernels in fp32.
+    `new_kv`: as in `parallel.spla_parallel`."""
     B, Tq, HQ, D = q.shape
     S, H = k.shape[1], k.shape[2]
     G = HQ // H
@@ -229,7 +231,10 @@ def spla_parallel_triton(
     o_sp = o_sp * q_ok  # [B, Tq, HQ, D]
     out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
     acc = acc_dtype(sbar)
-    k_new, v_new = kv_[:, :, S - Tq:], vv[:, :, S - Tq:]  # [B, H, Tq, D]
+    if new_kv is None:
+        k_new, v_new = kv_[:, :, S - Tq:], vv[:, :, S - Tq:]  # [B, H, Tq, D]
+    else:
+        k_new, v_new = (x.transpose(1, 2) for x in new_kv)
     if not use_rla:
         kv_new = torch.einsum("bhsd,bhse->bhde", feature_map(k_new).to(acc) * (q_pos >= 0)[:, None, :, None],
                               v_new.to(acc))

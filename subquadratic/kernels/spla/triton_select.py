@@ -24,6 +24,12 @@ SCORE_PREC = "ieee"
 SCORE_DOT = False
 SCORE_WARPS = 4
 SCORE_KERNEL_MAX_TQ = 64
+#: Warps of the group top-k kernel up to 4096 blocks (8 beyond) and the blocks per step of its
+#: softmax passes (None: 4096 scores per step, e.g. 1024 blocks for groups of 4 heads). On the H200
+#: (B4 HQ32 H8 d128, 128k, the step as a CUDA graph) 128 blocks per step gave 0.089 ms, 512 0.081
+#: and 1024 0.079; 2 or 8 warps did not help.
+TOPK_WARPS = 4
+TOPK_BN: int | None = None
 
 
 @triton.jit
@@ -83,7 +89,8 @@ def spla_topk_kernel(
     G: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, NBP: tl.constexpr,
 ):
     """Group top-k of one (token, batch x KV head) from the raw scores SC [B, T, H, G, NB] (any
-    strides, unit stride over the blocks; scores of non-candidate blocks are ignored): softmax
+    strides, unit stride over the blocks; scores of non-candidate blocks are ignored; GP >= G rows, no
+    tl.dot here, so no padding to 16): softmax
     over the candidate blocks per query head, summed over the group (written to the scratch GS
     [B, T, H, NB]), then the forced blocks (local, then sinks) and the best `top_k - forced`
     candidates into IDX [B, T, H, NSEL] (-1 = none)."""
@@ -128,12 +135,12 @@ def spla_topk_kernel(
     tl.debug_barrier()  # the group scores written above are read back by other threads
     nn = tl.arange(0, NBP)
     g = tl.load(gs_base + nn, mask=nn < NB, other=-1.0)  # all group scores in registers
-    for r in range(0, top_k):  # iterative arg-max
-        best_v = tl.max(g, 0)
-        best_i = tl.argmax(g, 0)
-        ok = (best_v >= 0) & (r < free)
-        tl.store(out + n_local + n_sink + r, tl.where(ok, best_i, -1))
+    for r in range(0, free):  # iterative arg-max over the free budget, one reduction per round
+        best_v, best_i = tl.max(g, 0, return_indices=True)
+        tl.store(out + n_local + n_sink + r, tl.where(best_v >= 0, best_i, -1))
         g = tl.where(nn == best_i, -2.0, g)
+    for r in range(tl.maximum(free, 0), top_k):
+        tl.store(out + n_local + n_sink + r, -1)
 
 
 def select_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks, num_local_blocks,
@@ -181,10 +188,11 @@ def select_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks
             )
             strides = (sc.stride(0), sc.stride(1), sc.stride(2), sc.stride(3))
         idx = new_output((B, C, H, nsel), dev, torch.int32)
+        GP_TOPK = max(2, triton.next_power_of_2(G))  # no tl.dot in the top-k: no padding to 16
         spla_topk_kernel[(C, B * H)](
             sc, pc, new_output((B, C, H, NB), dev), idx, *strides, C, H, NB, block_size, num_sink_blocks,
-            num_local_blocks, top_k_blocks, nsel, G=G, GP=GP, BN=128, NBP=max(16, triton.next_power_of_2(NB)),
-            num_warps=4 if NB <= 4096 else 8,
+            num_local_blocks, top_k_blocks, nsel, G=G, GP=GP_TOPK, BN=TOPK_BN or max(128, 4096 // GP_TOPK),
+            NBP=max(16, triton.next_power_of_2(NB)), num_warps=TOPK_WARPS if NB <= 4096 else 8,
         )
         if out is None:
             return idx

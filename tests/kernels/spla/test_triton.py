@@ -150,12 +150,15 @@ def test_queries_by_block_inverts_the_selection():
 @pytest.mark.parametrize("selection", ["taylor", "mean"])
 @pytest.mark.parametrize("case", [(2, 4, 2, 90, 16, 16, 4, 1, 2, 7), (1, 3, 1, 64, 32, 16, 3, 0, 1, 0)])
 @pytest.mark.parametrize("setting", [("tf32x3", True, None, True), ("ieee", False, 40, True), (None, None, 40, False)])
-def test_selection_kernels_select_the_reference_blocks(case, selection, setting, monkeypatch):
-    """Scores (scoring kernel as one dot or elementwise sums, or matmuls) + group top-k kernel, whole
-    or in query chunks, vs the PyTorch select_blocks."""
+@pytest.mark.parametrize("topk_bn", [128, 2])
+def test_selection_kernels_select_the_reference_blocks(case, selection, setting, topk_bn, monkeypatch):
+    """Scores (scoring kernel as one dot or elementwise sums, or matmuls) + group top-k kernel (its
+    softmax passes over all blocks at once or in steps of 2), whole or in query chunks, vs the
+    PyTorch select_blocks."""
     B, HQ, H, T, D, bs, top, sink, local, pad = case
     prec, use_dot, max_scores, use_kernel = setting
     monkeypatch.setattr(triton_select, "SCORE_KERNEL_MAX_TQ", T if use_kernel else 0)
+    monkeypatch.setattr(triton_select, "TOPK_BN", topk_bn)
     if prec is not None:
         monkeypatch.setattr(triton_select, "SCORE_PREC", prec)
         monkeypatch.setattr(triton_select, "SCORE_DOT", use_dot)
@@ -289,3 +292,29 @@ def test_model_training_step_on_gpu_matches_reference():
     assert abs(grads["auto"][0] - grads["torch"][0]) <= 1e-4
     for name, g_ref in grads["torch"][1].items():
         assert rel(grads["auto"][1][name], g_ref) <= 1e-3, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_token_one_launch_equals_index_copy_and_block_sums(dtype):
+    """A static cache's one-token write (key, value at their slot; real tokens into their block's
+    sums and count) gives what index_copy_ and BlockStats.add_ give, padded rows included: the same
+    bits, but for fp32 keys' squared sums, where the kernel may fuse the square into the add (FMA)."""
+    from subquadratic.kernels.spla import append_token
+
+    B, H, S, D, bs = 3, 2, 40, 16, 8
+    g = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(B, H, 1, D, generator=g).to(DEV, dtype) for _ in range(2))
+    K, V = (torch.randn(B, H, S, D, generator=g).to(DEV, dtype) for _ in range(2))
+    stats = BlockStats(*(torch.randn(*shape, generator=g).to(DEV) for shape in
+                         ((B, H, S // bs, D), (B, H, S // bs, D), (B, S // bs))))
+    slot, pos = torch.tensor([29], device=DEV), torch.tensor([[29], [-1], [21]], device=DEV)
+    want = [x.clone() for x in (K, V, stats.sum_k, stats.sum_k2, stats.count)]
+    append_token(*want[:2], BlockStats(*want[2:]), k, v, slot, pos, bs, backend="torch")
+    one_launch = append_token if DEV == "cuda" else triton_decode.append_token_triton  # CPU: the interpreter
+    one_launch(K, V, stats, k, v, slot, pos, bs)
+    got = (K, V, stats.sum_k, stats.sum_k2, stats.count)
+    for name, a, b in zip(("K", "V", "sum_k", "sum_k2", "count"), got, want, strict=True):
+        if name == "sum_k2" and dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(a, b), name

@@ -1,0 +1,97 @@
+"""The static cache on CUDA: a one-token step runs without host synchronisation, the captured step
+(one CUDA graph of the whole model, with and without its elementwise chains compiled) gives the
+eager step's logits, and generate() with
+cache_implementation="static" gives the tokens of the default generate(). GPU only (marker `gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subquadratic import HLAForCausalLM
+from subquadratic.configuration.hla import tiny_hla_config
+from subquadratic.modeling import fused
+from subquadratic.modeling.base import CACHE_FIELD
+
+from .models.common import GEN, left_pad
+from .models.spla.tiny import tiny_spla
+from .models.sse.test_modeling_sse import lively
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+#: Budget 3 blocks x 16 = 48 tokens under ~130-token contexts: the sparse decode kernels at work.
+SPARSE = dict(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1)
+FAMILIES = {
+    "spla+softmax": lambda: tiny_spla(mixer_types=["spla", "full_attention"], **SPARSE),
+    "spla-no-rla": lambda: tiny_spla(use_rla=False, **SPARSE),
+    "hla": lambda: HLAForCausalLM(tiny_hla_config(hla_chunk_size=8)).eval(),
+    "sse-h": lambda: lively("tiny-h", 0),
+    "sse-swa": lambda: lively("tiny-swa", 0),
+}
+
+
+def inputs(T: int = 96):
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, 128, (n,), generator=g) for n in (T, T - 17)]
+    ids, mask = left_pad(rows)
+    return ids.cuda(), mask.cuda()
+
+
+def decode(model, cache, ids, mask, steps: int, attention_mask: bool = True) -> torch.Tensor:
+    """Prefill ids, then `steps` greedy one-token steps; returns the logits of the steps [B, steps, V]."""
+    out = []
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, **{CACHE_FIELD: cache}).logits[:, -1:]
+        for _ in range(steps):
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            logits = model(tok, attention_mask=mask if attention_mask else None, **{CACHE_FIELD: cache}).logits
+            out.append(logits)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_captured_step_equals_eager_step(family):
+    model = FAMILIES[family]().cuda()
+    ids, mask = inputs()
+    steps = 40
+    growing = decode(model, model.new_cache(), ids, mask, steps)
+    eager = decode(model, model.new_cache(max_length=ids.shape[1] + steps, cuda_graph=False), ids, mask, steps)
+    cache = model.new_cache(max_length=ids.shape[1] + steps)
+    captured = decode(model, cache, ids, mask, steps)
+    assert cache.decode_graph is not None and cache.decode_graph.graph is not None
+    assert cache.get_seq_length() == ids.shape[1] + steps
+    torch.testing.assert_close(captured, eager, rtol=0, atol=1e-5)
+    torch.testing.assert_close(eager, growing, rtol=0, atol=1e-4)
+    assert fused.add_rms_norm.compiled not in (None, False)  # the captured step ran the compiled chains
+    if family == "spla+softmax":
+        assert fused.add_head_norm.compiled not in (None, False) and fused.rope.compiled not in (None, False)
+    unfused = decode(model, model.new_cache(max_length=ids.shape[1] + steps, fuse=False), ids, mask, steps)
+    torch.testing.assert_close(unfused, eager, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_static_one_token_step_has_no_host_sync(family):
+    model = FAMILIES[family]().cuda()
+    ids, mask = inputs()
+    cache = model.new_cache(max_length=ids.shape[1] + 8, cuda_graph=False)
+    decode(model, cache, ids, mask, 2)  # compiles the kernels
+    tok = torch.full((2, 1), 5, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                model(tok, **{CACHE_FIELD: cache})
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("family", ["spla+softmax", "hla", "sse-h"])
+def test_generate_static_captured_equals_default_generate(family):
+    model = FAMILIES[family]().cuda()
+    ids, mask = inputs()
+    kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, **GEN)
+    assert torch.equal(model.generate(ids, cache_implementation="static", **kw), model.generate(ids, **kw))
+    kw.update(num_beams=3, max_new_tokens=8)
+    assert torch.equal(model.generate(ids, cache_implementation="static", **kw), model.generate(ids, **kw))
