@@ -32,9 +32,9 @@ from ..configuration.base import SubquadraticConfig
 from ..kernels.utils import slot_offsets
 from ..registry import MIXERS, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, positions_from_mask
-from .packing import find_documents, positions_from_cu_seqlens
 from .cuda_graph import decode_step, replays_decode
 from .fused import add_rms_norm, rms_norm, rope, silu_mul
+from .packing import find_documents, positions_from_cu_seqlens
 
 #: Name of the cache field in model outputs and of the forward argument generate() passes:
 #: Transformers 5.24 renamed `past_key_values` to `cache`; both names are accepted on input.
