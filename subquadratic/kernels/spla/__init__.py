@@ -20,6 +20,7 @@ import torch
 
 from ..utils import resolve_backend, slot_offsets, triton_available
 from .dense import spla_dense, within_budget
+from .gather import spla_decode_gather
 from .naive import spla_naive
 from .parallel import spla_parallel
 from .select import select_blocks
@@ -36,7 +37,7 @@ _TRITON_EXPORTS = {
 
 __all__ = [
     "BlockStats", "TRITON_HEAD_DIMS", "append_token", "feature_map", "select_blocks", "spla_attention", "spla_dense",
-    "spla_naive", "spla_parallel", "within_budget", "spla_triton", "triton_unsupported", *_TRITON_EXPORTS,
+    "spla_decode_gather", "spla_naive", "spla_parallel", "within_budget", "spla_triton", "triton_unsupported", *_TRITON_EXPORTS,
 ]
 
 def __getattr__(name: str):
@@ -112,6 +113,12 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto",
         why = triton_unsupported(q.shape[-1], kw["block_size"], k_offsets)
     path = resolve_backend(backend, q.device, op="SPLA", has_triton=True, has_naive=False, unsupported=why)
     if path == "torch":
+        if q.shape[1] == 1 and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+            k_offsets = k_offsets() if callable(k_offsets) else k_offsets
+            if k_offsets is None:
+                k_offsets = slot_offsets(k_pos)
+            if k_offsets is not None:  # a decode step: read only the selected blocks
+                return spla_decode_gather(q, k, v, q_pos, stats, sbar, k_offsets, new_kv=new_kv, **kw)
         return spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, new_kv=new_kv, **kw)
     return spla_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, new_kv=new_kv, **kw)
 

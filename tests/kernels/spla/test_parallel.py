@@ -111,3 +111,36 @@ def test_block_stats_running_sums_equal_recomputation():
     for a, b in ((whole.sum_k, inc.sum_k), (whole.sum_k2, inc.sum_k2), (whole.count, inc.count)):
         assert torch.allclose(a, b, atol=1e-5)
     assert whole.count[0].tolist() == [8.0] * 6 + [2.0]
+
+
+@pytest.mark.parametrize("use_rla", [True, False])
+@pytest.mark.parametrize("case", CASES)
+def test_decode_gather_equals_the_masked_form(case, use_rla):
+    """One decode step reading only the selected blocks (`spla_decode_gather`, the torch path's decode)
+    equals the masked form that reads every key: left-padded rows, fp64, and through `spla_attention`'s
+    dispatch, which takes it for one token per row without gradients."""
+    from subquadratic.kernels.spla import spla_attention, spla_decode_gather
+    from subquadratic.kernels.utils import slot_offsets
+
+    HQ, H, T, bs, top, sink, local, selection = case
+    g = torch.Generator().manual_seed(T + HQ)
+    B, D = 3, 16
+    q, k, v = (torch.randn(B, T, n, D, generator=g, dtype=torch.float64) for n in (HQ, H, H))
+    pos = torch.arange(T).expand(B, T).clone()
+    for row, pad in ((1, 7), (2, T - 5)):  # left padding; the last row is shorter than a block or two
+        pos[row, :pad] = -1
+        pos[row, pad:] = torch.arange(T - pad)
+    stats = BlockStats.empty(B, H, D, "cpu", torch.float64).add(k, pos, bs)
+    sbar = torch.randn(B, H, D, D, generator=g, dtype=torch.float64) * 0.1
+    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local,
+               selection=selection, use_rla=use_rla)
+    args = (q[:, -1:], k, v, pos[:, -1:], pos, stats, sbar)
+    want = spla_parallel(*args, **cfg)
+    got = spla_decode_gather(q[:, -1:], k, v, pos[:, -1:], stats, sbar, slot_offsets(pos), **cfg)
+    routed = spla_attention(*args, backend="torch", **cfg)
+    for a, b, c in zip(got, want, routed, strict=True):
+        if b is None:
+            assert a is None and c is None
+            continue
+        assert torch.allclose(a, b, atol=1e-10, rtol=1e-9), (a - b).abs().max()
+        assert torch.equal(a, c)

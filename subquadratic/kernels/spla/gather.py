@@ -1,0 +1,81 @@
+"""One SPLA decode step in PyTorch that reads only the selected blocks: the "torch" path's decode
+(CPU, or CUDA without Triton) when each row's tokens sit in consecutive cache slots.
+
+The masked parallel form (`parallel.spla_parallel`) reads every cached key for the sparse branch and
+the correction term; here the block scores read the block sums only, the top-k gives each KV head's
+selected blocks, and their keys and values are gathered (top_k_blocks x block_size slots) for the
+softmax and the correction. The global linear term reads Sbar, as before. Same contract and same
+values as `spla_parallel` for one token per row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..utils import acc_dtype
+from .select import NEG, select_blocks
+from .stats import BlockStats, feature_map
+
+
+def spla_decode_gather(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    stats: BlockStats,
+    sbar: torch.Tensor,
+    k_offsets: torch.Tensor,
+    *,
+    block_size: int,
+    top_k_blocks: int,
+    num_sink_blocks: int,
+    num_local_blocks: int,
+    selection: str = "taylor",
+    use_rla: bool = True,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    query_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """q [B, 1, HQ, D] (one new token per row, already written into k, v [B, S, H, D]), q_pos [B, 1],
+    `k_offsets` [B]: the slot of each row's position 0. Returns (o_sp, o_rla or None, new Sbar) as
+    `spla_parallel` does. `query_chunk` is accepted for a shared signature and unused."""
+    B, Tq, HQ, D = q.shape
+    if Tq != 1:
+        raise ValueError(f"spla_decode_gather takes one token per row, got {Tq}")
+    S, H = k.shape[1], k.shape[2]
+    G = HQ // H
+    acc = acc_dtype(q)
+    dev = q.device
+    sel = select_blocks(q, stats, q_pos, block_size=block_size, top_k_blocks=top_k_blocks,
+                        num_sink_blocks=num_sink_blocks, num_local_blocks=num_local_blocks,
+                        selection=selection)[:, :, 0]                     # [B, H, NB] bool
+    kk = min(top_k_blocks, sel.shape[-1])
+    live, blocks = sel.to(torch.int8).topk(kk, dim=-1)                   # [B, H, kk]
+    qp = q_pos[:, 0]                                                      # [B]
+    pos = blocks[..., None] * block_size + torch.arange(block_size, device=dev)  # [B, H, kk, bs]
+    ok = live.bool()[..., None] & (pos <= qp[:, None, None, None]) & (qp >= 0)[:, None, None, None]
+    slot = (k_offsets.long()[:, None, None, None] + pos).clamp(0, S - 1)
+    slot, ok = slot.reshape(B, H, -1), ok.reshape(B, H, -1)              # [B, H, L]
+    index = slot[..., None].expand(-1, -1, -1, D)
+    kg = k.transpose(1, 2).gather(2, index).to(acc)                       # [B, H, L, D]
+    vg = v.transpose(1, 2).gather(2, index).to(acc)
+    qf = q[:, 0].to(acc).reshape(B, H, G, D)
+    logits = torch.einsum("bhgd,bhld->bhgl", qf, kg) / math.sqrt(D)
+    attn = torch.softmax(logits.masked_fill(~ok[:, :, None], NEG), dim=-1)
+    o_sp = torch.einsum("bhgl,bhld->bhgd", attn, vg)
+
+    k_new, v_new = (k[:, -1:], v[:, -1:]) if new_kv is None else new_kv   # [B, 1, H, D]
+    phik_new = feature_map(k_new[:, 0]) * (qp >= 0)[:, None, None]       # [B, H, D]
+    sbar = sbar.to(acc) + torch.einsum("bhd,bhe->bhde", phik_new, v_new[:, 0].to(acc))
+    o_rla = None
+    if use_rla:
+        phiq = feature_map(qf)                                            # [B, H, G, D]
+        full = torch.einsum("bhgd,bhde->bhge", phiq, sbar)
+        a_sel = torch.einsum("bhgd,bhld->bhgl", phiq, feature_map(kg) * ok[..., None])
+        rla = full - torch.einsum("bhgl,bhld->bhgd", a_sel, vg)
+        every = ok.sum(-1) == (qp + 1)[:, None]                          # all causal keys selected
+        o_rla = rla.masked_fill(every[:, :, None, None], 0.0)
+    q_ok = (qp >= 0)[:, None, None, None]
+    out = [(x.reshape(B, 1, HQ, D) * q_ok).to(q.dtype) if x is not None else None for x in (o_sp, o_rla)]
+    return out[0], out[1], sbar
