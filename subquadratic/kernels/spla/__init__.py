@@ -6,6 +6,7 @@ logical positions q_pos [B, Tq], k_pos [B, S] (-1 at padding), block statistics 
 internal structure of the op) and the residual state sbar [B, H, D, D].
 
 Forms: `naive.spla_naive` (the definition, one unpadded sequence: the test oracle),
+`gather.spla_decode_gather` (the "torch" backend's decode step: reads only the selected blocks),
 `dense.spla_dense` (SDPA over every causal key: SPLA while every row fits its budget),
 `parallel.spla_parallel` (masked PyTorch, any device: backend "torch"), `select.select_blocks`
 (PyTorch selection); Triton (CUDA): `triton_select.select_indices`, `triton_parallel.spla_parallel_triton`
@@ -37,7 +38,8 @@ _TRITON_EXPORTS = {
 
 __all__ = [
     "BlockStats", "TRITON_HEAD_DIMS", "append_token", "feature_map", "select_blocks", "spla_attention", "spla_dense",
-    "spla_decode_gather", "spla_naive", "spla_parallel", "within_budget", "spla_triton", "triton_unsupported", *_TRITON_EXPORTS,
+    "spla_decode_gather", "spla_naive", "spla_parallel", "within_budget", "spla_triton", "triton_unsupported",
+    *_TRITON_EXPORTS,
 ]
 
 def __getattr__(name: str):
