@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import random
 import shutil
 import sys
 import sysconfig
@@ -345,7 +344,8 @@ def evaluate_all(scale: Scale, dense_dir: Path, adapted: dict[str, Path], held: 
         log(f"evaluated {name}: ppl {[round(v['ppl'], 3) for v in first['tasks']['ppl'].values()]}")
         if name != "dense":
             del model
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     plot_results(evals, out / "plots")
     (out / "evaluation.md").write_text(markdown_table(evals))
     return evals
@@ -460,7 +460,6 @@ def main() -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--work", default=None, help="folder for the corpus and checkpoints (default: a temporary one)")
     args = p.parse_args()
-    random.seed(0)
     run(args)
 
 

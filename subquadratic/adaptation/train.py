@@ -282,8 +282,8 @@ def batches(rows, batch_size: int, seed: int, skip: int, rank: int = 0, world: i
     if per_epoch == 0:
         raise DataError(f"{len(rows)} packed rows do not fill one batch of {batch_size} x {world} process(es); "
                         "give more data, or lower --batch-size / --seq-len")
-    n, epoch = 0, skip // per_epoch
-    n = epoch * per_epoch
+    epoch = skip // per_epoch
+    n = epoch * per_epoch  # micro-batches before this epoch
     while True:
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + epoch))
         for i in range(per_epoch):

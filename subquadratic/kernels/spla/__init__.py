@@ -85,6 +85,12 @@ def append_token(K, V, stats: BlockStats, k, v, index, pos, block_size: int, *, 
     stats.add_(k.transpose(1, 2), pos, block_size)
 
 
+def _resolve_offsets(k_offsets, k_pos: torch.Tensor) -> torch.Tensor | None:
+    """`k_offsets` as given (a tensor, or a function returning one), else `slot_offsets(k_pos)`."""
+    k_offsets = k_offsets() if callable(k_offsets) else k_offsets
+    return slot_offsets(k_pos) if k_offsets is None else k_offsets
+
+
 def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto", k_offsets=None, new_kv=None, **kw):
     """SPLA attention of the new tokens over the cache. Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D]
     or None with use_rla=False, new sbar); keyword arguments as `parallel.spla_parallel`.
@@ -109,16 +115,12 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto",
         return spla_dense(q, k, v, q_pos, k_pos, sbar, new_kv)
     why = None
     if q.is_cuda and backend in ("auto", "triton"):  # the offsets (a host sync) only where kernels may run
-        k_offsets = k_offsets() if callable(k_offsets) else k_offsets
-        if k_offsets is None:
-            k_offsets = slot_offsets(k_pos)
+        k_offsets = _resolve_offsets(k_offsets, k_pos)
         why = triton_unsupported(q.shape[-1], kw["block_size"], k_offsets)
     path = resolve_backend(backend, q.device, op="SPLA", has_triton=True, has_naive=False, unsupported=why)
     if path == "torch":
         if q.shape[1] == 1 and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
-            k_offsets = k_offsets() if callable(k_offsets) else k_offsets
-            if k_offsets is None:
-                k_offsets = slot_offsets(k_pos)
+            k_offsets = _resolve_offsets(k_offsets, k_pos)
             if k_offsets is not None:  # a decode step: read only the selected blocks
                 return spla_decode_gather(q, k, v, q_pos, stats, sbar, k_offsets, new_kv=new_kv, **kw)
         return spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, new_kv=new_kv, **kw)
