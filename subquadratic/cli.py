@@ -143,6 +143,8 @@ def _adapt_parser(sub) -> None:
     a.add_argument("--text-field", default="text", help="column holding the text in jsonl / parquet data")
     a.add_argument("--text-unit", default="document", choices=("document", "paragraph", "line"),
                    help="one document per text file, paragraph or line (default document)")
+    a.add_argument("--num-proc", type=int, default=None, metavar="N",
+                   help="processes that tokenise the data (default one; more for corpora of many MB)")
     a.add_argument("--eval-data", metavar="FILE",
                    help="held-out text evaluated at the end (perplexity, KL to --teacher) into OUT's model card")
     a.add_argument("--eval-seq-len", type=int, nargs="+", metavar="L",
@@ -165,8 +167,8 @@ def _adapt(args) -> None:
         gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         save_every=args.save_every, save_total_limit=args.save_total_limit, keep_checkpoints=args.keep_checkpoints,
         resume=args.resume, overwrite=args.overwrite, text_field=args.text_field, text_unit=args.text_unit,
-        seed=args.seed, progress=not args.no_progress, eval_data=args.eval_data, eval_seq_lens=args.eval_seq_len,
-        eval_max_windows=args.eval_max_windows,
+        num_proc=args.num_proc, seed=args.seed, progress=not args.no_progress, eval_data=args.eval_data,
+        eval_seq_lens=args.eval_seq_len, eval_max_windows=args.eval_max_windows,
     )
     print(f"wrote {adapt(cfg)}")
 

@@ -80,6 +80,8 @@ class AdaptConfig:
     lora_alpha: float = 32.0
     text_field: str = "text"
     text_unit: str = "document"
+    #: processes that tokenise the data (default: one)
+    num_proc: int | None = None
     progress: bool = True
     #: held-out text evaluated at the end (perplexity, and KL to the teacher) into the card's Evaluation
     eval_data: str | None = None
@@ -99,6 +101,8 @@ class AdaptConfig:
         for name in ("max_steps", "seq_len", "batch_size", "grad_accum", "save_every", "save_total_limit"):
             if getattr(self, name) < 1:
                 raise AdaptError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise AdaptError(f"--num-proc must be at least 1, got {self.num_proc}")
         if self.stage1_steps is not None and not 0 <= self.stage1_steps <= self.max_steps:
             raise AdaptError(f"--stage1-steps must lie in 0..--max-steps ({self.max_steps}), got {self.stage1_steps}")
         if self.teacher is None and self.loss == "kl":
@@ -334,7 +338,8 @@ def adapt(cfg: AdaptConfig) -> Path:
     _check_student_folder(cfg.student)
     tokenizer = AutoTokenizer.from_pretrained(cfg.student)
     with accelerator.main_process_first():  # the data first: its problems show before any model loads
-        rows = tokenize_and_pack(load_texts(cfg.data, cfg.text_field, cfg.text_unit), tokenizer, cfg.seq_len)
+        rows = tokenize_and_pack(load_texts(cfg.data, cfg.text_field, cfg.text_unit), tokenizer, cfg.seq_len,
+                                 num_proc=cfg.num_proc)
     if len(rows) < cfg.batch_size * accelerator.num_processes:
         raise DataError(f"the data makes {len(rows)} packed rows of {cfg.seq_len} tokens, fewer than one batch of "
                         f"{cfg.batch_size} x {accelerator.num_processes} process(es); give more data, or lower "

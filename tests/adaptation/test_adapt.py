@@ -160,7 +160,7 @@ def test_cli_adapts_and_refuses_bad_input_in_one_line(tmp_path, corpus, converte
     out = tmp_path / "out"
     r = cli("adapt", student, "-o", out, "--data", *files, "--teacher", dense_folder, "--max-steps", 3,
             "--seq-len", 64, "--batch-size", 2, "--no-progress", "--loss", "kl", "--eval-data", corpus[1],
-            "--eval-seq-len", 64, 128, "--eval-max-windows", 2)
+            "--eval-seq-len", 64, 128, "--eval-max-windows", 2, "--num-proc", 2)
     assert r.returncode == 0, r.stderr
     assert [e["stage"] for e in log(out)] == [1, 2, 2]  # a quarter of the steps transfer attention by default
     card = (out / "README.md").read_text()
@@ -176,6 +176,7 @@ def test_cli_adapts_and_refuses_bad_input_in_one_line(tmp_path, corpus, converte
         (["adapt", dense_folder, "-o", tmp_path / "o3", "--data", *files], "convert it first"),
         (["adapt", student, "-o", tmp_path / "o4", "--data", *files, "--loss", "kl"], "--teacher"),
         (["adapt", student, "-o", tmp_path / "o5", "--data", *files, "--seq-len", 10**7], "fewer than"),
+        (["adapt", student, "-o", tmp_path / "o6", "--data", *files, "--num-proc", 0], "--num-proc"),
     ]
     for args, needle in bad:
         r = cli(*args)
