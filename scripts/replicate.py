@@ -300,7 +300,8 @@ def run(args) -> dict:
     steps = max(4, min(scale.adapt_max_steps, int(scale.adapt_share * results["pretrain"]["tokens"] / tokens_per_step)))
     adapt_data = adaptation_subset(train, 4 * steps * tokens_per_step * sizes["train_bytes"]
                                    / results["pretrain"]["corpus_tokens"])
-    common = dict(data=[str(adapt_data)], num_proc=min(16, os.cpu_count() or 1), teacher=str(dense), max_steps=steps, loss="kl", train="full",
+    common = dict(data=[str(adapt_data)], num_proc=min(16, os.cpu_count() or 1), teacher=str(dense),
+                  max_steps=steps, loss="kl", train="full",
                   seq_len=scale.seq_len, batch_size=scale.batch, stage1_lr=1e-3,
                   mixed_precision="bf16" if device.type == "cuda" else "no", save_every=10 ** 6, progress=False,
                   overwrite=True)

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -330,6 +332,10 @@ def adapt(cfg: AdaptConfig) -> Path:
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision,
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     main = accelerator.is_main_process
+    if main and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not accelerator.is_fsdp2 \
+            and accelerator.distributed_type.value != "FSDP":
+        warnings.warn(f"an FSDP configuration is set, but accelerate shards only on GPUs; this run is "
+                      f"{accelerator.distributed_type.value} on {accelerator.device.type}", stacklevel=2)
     if main and out.exists() and resume_from is None and cfg.overwrite:
         shutil.rmtree(out)
     accelerator.wait_for_everyone()
@@ -374,6 +380,8 @@ def adapt(cfg: AdaptConfig) -> Path:
     model, optimizer = accelerator.prepare(Trainee(student, teacher, cfg.loss), optimizer)
     accelerator.register_for_checkpointing(scheduler)
     trainee = accelerator.unwrap_model(model)
+    trainee.sharded = accelerator.distributed_type.value == "FSDP"
+    params = [p for p in model.parameters() if p.requires_grad]  # FSDP replaces the parameters with shards
     student_lm = trainee.student.get_base_model() if cfg.train == "lora" else trainee.student
 
     step = 0
@@ -457,6 +465,17 @@ class Trainee(torch.nn.Module):
         self.student = student
         self.loss_kind = loss
         self._outside = {"teacher": teacher, "transfer": None}
+        #: under FSDP the stage-1 loss also reaches every layer's output (with a zero gradient)
+        self.sharded = False
+        # what FSDP's auto-wrap reads: one shard unit per decoder layer, the embeddings carved apart
+        base = student.get_base_model() if hasattr(student, "get_base_model") else student
+        self._no_split_modules = list(getattr(base, "_no_split_modules", None) or [])
+
+    def get_input_embeddings(self):
+        return self.student.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.student.get_output_embeddings()
 
     @property
     def transfer(self) -> Transfer | None:
@@ -473,8 +492,11 @@ class Trainee(torch.nn.Module):
             self.transfer.losses.clear()
             with torch.no_grad():
                 _teacher_forward(teacher, batch)
-            self.student(input_ids=ids, position_ids=pos, logits_to_keep=1)
-            return torch.stack(self.transfer.losses).mean()
+            out = self.student(input_ids=ids, position_ids=pos, logits_to_keep=1)
+            loss = torch.stack(self.transfer.losses).mean()
+            if self.sharded:  # FSDP gathers a layer's weights for backward when a gradient reaches its output
+                loss = loss + 0.0 * out.logits.sum()
+            return loss
         if self.loss_kind == "lm":
             return self.student(input_ids=ids, position_ids=pos, labels=labels).loss  # with the weighted aux loss
         with torch.no_grad():
