@@ -38,3 +38,24 @@ def test_replicate_tiny_writes_every_table(tmp_path):
         assert heading in report
     assert len(list((out / "plots").glob("*.png"))) == len(names)
     assert len(list(out.glob("adapt_log_*.jsonl"))) == 5
+
+
+@pytest.mark.slow
+def test_fsdp_two_gpus_dry_run_compares_two_processes_with_one(tmp_path):
+    """scripts/fsdp_two_gpus.py --dry-run: the one- and two-process adaptations of SPLA and SSE-H run,
+    follow each other (same seed, same global batch), and every cell of the table is measured."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "scripts" / "fsdp_two_gpus.py"), "--dry-run", "--steps", "6", "--batch", "4",
+           "--out", str(out), "--work", str(tmp_path / "work")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["families"]) == {"spla", "sse-h"}
+    for r in results["families"].values():
+        assert len(r["one"]["losses"]) == len(r["two"]["losses"]) == 6
+        assert r["losses"]["max_rel_diff"] < 0.05  # per-process token means: not bit-equal, close
+        assert abs(r["one"]["ppl"] / r["two"]["ppl"] - 1) < 0.01 and r["one"]["ppl"] > 1
+        assert r["one"]["tokens_per_s_per_gpu"] > 0 and r["scaling_efficiency"] > 0
+    table = (out / "results.md").read_text()
+    assert table.count("| spla |") == 2 and table.count("| sse-h |") == 2

@@ -430,6 +430,10 @@ def adapt(cfg: AdaptConfig) -> Path:
         last = {"step": step, "stage": stage, "loss": loss_value, "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "tokens": step * tokens_per_step, "seconds": round(time.perf_counter() - started, 3)}
+        if accelerator.device.type == "cuda":  # peak memory of each process's GPU so far
+            peak = torch.tensor([torch.cuda.max_memory_allocated(accelerator.device) / 2**30],
+                                device=accelerator.device)
+            last["peak_memory_gib"] = [round(v, 3) for v in accelerator.gather(peak).tolist()]
         if main:
             with log_path.open("a") as f:
                 f.write(json.dumps(last) + "\n")
