@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .stats import new_tokens
+
 
 def within_budget(num_key_slots: int, block_size: int, top_k_blocks: int) -> bool:
     """True when every row of a cache with `num_key_slots` slots (padding included) has at most
@@ -51,8 +53,7 @@ def spla_dense(
     o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed[:, None], enable_gqa=HQ != H)
     o = o.transpose(1, 2) * (q_pos >= 0)[:, :, None, None]
     acc = sbar.dtype
-    new = slice(k.shape[1] - Tq, None)
-    k_new, v_new = (k[:, new], v[:, new]) if new_kv is None else new_kv
+    k_new, v_new = new_tokens(k, v, Tq, new_kv)
     phik = torch.softmax(k_new.to(acc), dim=-1) * (q_pos >= 0)[:, :, None, None]  # [B, Tq, H, D]
     sbar = sbar + torch.einsum("bthd,bthe->bhde", phik, v_new.to(acc))
     return o, None, sbar

@@ -16,7 +16,7 @@ import torch
 
 from ..utils import acc_dtype
 from .select import NEG, select_blocks
-from .stats import BlockStats, feature_map
+from .stats import BlockStats, feature_map, new_tokens
 
 
 def spla_decode_gather(
@@ -65,7 +65,7 @@ def spla_decode_gather(
     attn = torch.softmax(logits.masked_fill(~ok[:, :, None], NEG), dim=-1)
     o_sp = torch.einsum("bhgl,bhld->bhgd", attn, vg)
 
-    k_new, v_new = (k[:, -1:], v[:, -1:]) if new_kv is None else new_kv   # [B, 1, H, D]
+    k_new, v_new = new_tokens(k, v, 1, new_kv)                           # [B, 1, H, D]
     phik_new = feature_map(k_new[:, 0]) * (qp >= 0)[:, None, None]       # [B, H, D]
     sbar = sbar.to(acc) + torch.einsum("bhd,bhe->bhde", phik_new, v_new[:, 0].to(acc))
     o_rla = None

@@ -19,7 +19,7 @@ import torch
 
 from ..utils import acc_dtype
 from .select import NEG, select_blocks
-from .stats import BlockStats, feature_map
+from .stats import BlockStats, feature_map, new_tokens
 
 
 def spla_parallel(
@@ -70,10 +70,7 @@ def spla_parallel(
     vf = v.to(acc)
     sbar = sbar.to(acc)
     phik = feature_map(k) * k_valid[:, None, :, None]  # [B, H, S, D]; pads contribute nothing
-    if new_kv is None:
-        k_new, v_new = k[:, :, P:], v[:, :, P:]  # [B, H, Tq, D]
-    else:
-        k_new, v_new = (x.transpose(1, 2) for x in new_kv)
+    k_new, v_new = (x.transpose(1, 2) for x in new_tokens(k.transpose(1, 2), v.transpose(1, 2), Tq, new_kv))
     phik_new = feature_map(k_new) * (q_pos >= 0)[:, None, :, None]
     v_new = v_new.to(acc)
     o_sp = q.new_zeros(B, HQ, Tq, D, dtype=acc)

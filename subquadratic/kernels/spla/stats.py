@@ -15,6 +15,12 @@ def feature_map(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x.to(acc_dtype(x)), dim=-1)
 
 
+def new_tokens(k: torch.Tensor, v: torch.Tensor, tq: int, new_kv=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values [B, Tq, H, D] of the Tq new tokens: the last Tq slots of k, v [B, S, H, D],
+    or `new_kv` where the new tokens sit elsewhere (a static cache's whole buffers)."""
+    return (k[:, k.shape[1] - tq:], v[:, v.shape[1] - tq:]) if new_kv is None else new_kv
+
+
 @dataclass
 class BlockStats:
     """Running per-block sums of post-RoPE keys: sum_k, sum_k2 [B, H, NB, D] fp32, count [B, NB] fp32."""

@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..utils import import_triton, new_output
-from .stats import feature_map
+from .stats import feature_map, new_tokens
 from .triton_common import NEG, _selected_blocks, _softmax_rows
 from .triton_select import select_indices
 
@@ -175,7 +175,7 @@ def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_b
     )
     if not use_rla:
         valid = (q_pos >= 0)[:, None, :, None]
-        k_new, v_new = (kv_[:, :, -1:], vv[:, :, -1:]) if new_kv is None else (x.transpose(1, 2) for x in new_kv)
+        k_new, v_new = (x.transpose(1, 2) for x in new_tokens(k, v, 1, new_kv))
         kv_t = torch.einsum("bhsd,bhse->bhde", feature_map(k_new) * valid, v_new.float())
         return o_sp, None, sbar + kv_t
     return o_sp, o_rla, sbar_new

@@ -25,7 +25,7 @@ import math
 import torch
 
 from ..utils import acc_dtype, import_triton, new_output, slot_offsets
-from .stats import BlockStats, feature_map
+from .stats import BlockStats, feature_map, new_tokens
 from .triton_common import _selected_blocks, _softmax_rows, key_features
 from .triton_parallel_bwd import sparse_backward
 from .triton_select import select_indices
@@ -196,7 +196,7 @@ def spla_parallel_triton(
     `spla_attention` sends them to the PyTorch form. fp64 inputs (tests) run the kernels in fp32.
     `new_kv`: as in `parallel.spla_parallel`."""
     B, Tq, HQ, D = q.shape
-    S, H = k.shape[1], k.shape[2]
+    H = k.shape[2]
     G = HQ // H
     koff = slot_offsets(k_pos) if k_offsets is None else k_offsets
     if koff is None:
@@ -231,10 +231,7 @@ def spla_parallel_triton(
     o_sp = o_sp * q_ok  # [B, Tq, HQ, D]
     out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
     acc = acc_dtype(sbar)
-    if new_kv is None:
-        k_new, v_new = kv_[:, :, S - Tq:], vv[:, :, S - Tq:]  # [B, H, Tq, D]
-    else:
-        k_new, v_new = (x.transpose(1, 2) for x in new_kv)
+    k_new, v_new = (x.transpose(1, 2) for x in new_tokens(k, v, Tq, new_kv))  # [B, H, Tq, D]
     if not use_rla:
         kv_new = torch.einsum("bhsd,bhse->bhde", feature_map(k_new).to(acc) * (q_pos >= 0)[:, None, :, None],
                               v_new.to(acc))
