@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import replicate  # noqa: E402  (corpus, tokenizer, pretraining)
+from replicate import log  # noqa: E402
 
 from subquadratic.conversion import convert  # noqa: E402
 from subquadratic.evaluation import evaluate  # noqa: E402
@@ -41,10 +42,6 @@ from subquadratic.evaluation import evaluate  # noqa: E402
 FAMILIES = {"spla": dict(stage1_share=0.0, lr=1e-4), "sse-h": dict(stage1_share=0.25, lr=3e-4)}
 #: NVLink multicast stays off (the GPU host's rule for NCCL)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def prepare(scale: replicate.Scale, work: Path, device: torch.device, steps: int, batch: int) -> dict:
@@ -106,8 +103,8 @@ def throughput(entries: list[dict], gpus: int) -> float:
     return (last["tokens"] - first["tokens"]) / (last["seconds"] - first["seconds"]) / gpus
 
 
-def compare_losses(a: list[dict], b: list[dict]) -> dict:
-    la, lb = [e["loss"] for e in a], [e["loss"] for e in b]
+def compare_losses(la: list[float], lb: list[float]) -> dict:
+    """The two runs' loss curves, step by step."""
     rel = [abs(y - x) / max(abs(x), 1e-12) for x, y in zip(la, lb, strict=True)]
     tail = max(1, len(la) // 10)
     return {"mean_rel_diff": sum(rel) / len(rel), "max_rel_diff": max(rel),
@@ -194,8 +191,7 @@ def main() -> None:
                        ppl=perplexity(folder, prep["dense"], prep["held"], scale.seq_len, device, scale.ppl_windows))
             r[key] = run
             log(f"{family} on {gpus}: {run['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, ppl {run['ppl']:.3f}")
-        r["losses"] = compare_losses([{"loss": x} for x in r["one"]["losses"]],
-                                     [{"loss": x} for x in r["two"]["losses"]])
+        r["losses"] = compare_losses(r["one"]["losses"], r["two"]["losses"])
         r["scaling_efficiency"] = r["two"]["tokens_per_s_per_gpu"] / r["one"]["tokens_per_s_per_gpu"]
         results["families"][family] = r
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str))

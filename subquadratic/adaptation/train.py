@@ -323,7 +323,7 @@ def _prepare_output(cfg: AdaptConfig) -> tuple[Path, Path | None]:
 def adapt(cfg: AdaptConfig) -> Path:
     """Run the adaptation `cfg` describes; returns the output folder (a loadable model folder)."""
     from accelerate import Accelerator, DistributedDataParallelKwargs
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedType, set_seed
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
@@ -332,8 +332,8 @@ def adapt(cfg: AdaptConfig) -> Path:
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision,
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     main = accelerator.is_main_process
-    if main and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not accelerator.is_fsdp2 \
-            and accelerator.distributed_type.value != "FSDP":
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    if main and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not sharded:
         warnings.warn(f"an FSDP configuration is set, but accelerate shards only on GPUs; this run is "
                       f"{accelerator.distributed_type.value} on {accelerator.device.type}", stacklevel=2)
     if main and out.exists() and resume_from is None and cfg.overwrite:
@@ -380,7 +380,7 @@ def adapt(cfg: AdaptConfig) -> Path:
     model, optimizer = accelerator.prepare(Trainee(student, teacher, cfg.loss), optimizer)
     accelerator.register_for_checkpointing(scheduler)
     trainee = accelerator.unwrap_model(model)
-    trainee.sharded = accelerator.distributed_type.value == "FSDP"
+    trainee.sharded = sharded
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP replaces the parameters with shards
     student_lm = trainee.student.get_base_model() if cfg.train == "lora" else trainee.student
 
