@@ -218,7 +218,8 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, position_embeddings=None, seq=None, cache_layer=None, **kwargs):
         residual = hidden_states
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        if seq is not None and seq.fused:  # inside a captured step: the norms and the add fused (fused.py)
+        fused = seq is not None and seq.fused  # inside a captured step: the elementwise chains fused (fused.py)
+        if fused:
             h, aux = self.self_attn(rms_norm(hidden_states, n1.weight, n1.variance_epsilon),
                                     position_embeddings, seq, cache_layer)
             hidden_states, x = add_rms_norm(residual, h, n2.weight, n2.variance_epsilon)
@@ -226,7 +227,7 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
             h, aux = self.self_attn(n1(hidden_states), position_embeddings, seq, cache_layer)
             hidden_states = residual + h
             x = n2(hidden_states)
-        if seq is not None and seq.fused and self.mlp.config.hidden_act == "silu":
+        if fused and self.mlp.config.hidden_act == "silu":
             mlp = self.mlp
             return hidden_states + mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x))), aux
         hidden_states = hidden_states + self.mlp(x)
