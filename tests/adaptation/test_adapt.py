@@ -211,14 +211,15 @@ def test_two_processes_train_as_one_with_the_same_global_batch(tmp_path, corpus,
 
 
 @pytest.mark.slow
-def test_fsdp_two_processes_shard_each_layer_and_train_as_one(tmp_path, corpus, converted, dense_folder):
+def test_fsdp_two_processes_shard_each_layer_and_train_as_one(tmp_path, monkeypatch, corpus, converted,
+                                                              dense_folder):
     """accelerate's FSDP2 path with the project's configuration (configs/accelerate/fsdp.yaml: one shard
     unit per decoder layer, full state dict gathered for saving) over two gloo processes, taken on CPU
     by tests/adaptation/fsdp_cpu.py, follows one process with the same global batch (activation
     checkpointing on in the sharded run), and saves a folder that loads with the same weights."""
     import os
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
     from fsdp_cpu import fsdp_env
 
     student = converted("sse-h")
