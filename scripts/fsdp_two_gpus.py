@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import accelerate
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +46,15 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 
 def prepare(scale: replicate.Scale, work: Path, device: torch.device, steps: int, batch: int) -> dict:
-    """The dense model, the adaptation slice of the corpus, the held-out text and the conversions."""
+    """The dense model, the adaptation slice of the corpus, the held-out text and the conversions.
+
+    A WORK folder that already holds them (a previous call with the same WORK) is reused as it is."""
+    saved = work / "prepared.json"
+    if saved.exists():
+        prep = json.loads(saved.read_text())
+        log(f"reusing {work}")
+        return {k: {f: Path(v) for f, v in v.items()} if k == "students" else (v if k == "pretrain" else Path(v))
+                for k, v in prep.items()}
     train, held, sizes = replicate.build_corpus(work, scale.corpus_bytes, min_bytes=8 * scale.seq_len)
     tokenizer = replicate.train_tokenizer(train, scale.vocab)
     dense = work / "dense"
@@ -58,7 +67,9 @@ def prepare(scale: replicate.Scale, work: Path, device: torch.device, steps: int
         options = dict(scale.spla) if family == "spla" else dict(softmax_every=4)
         students[family] = convert(str(dense), str(work / "converted" / family), family, options=options,
                                    overwrite=True, progress=False)
-    return {"dense": dense, "data": data, "held": held, "students": students, "pretrain": pre}
+    prep = {"dense": dense, "data": data, "held": held, "students": students, "pretrain": pre}
+    saved.write_text(json.dumps(prep, default=str))
+    return prep
 
 
 def adapt_command(family: str, prep: dict, out: Path, gpus: int, steps: int, batch: int, seq_len: int,
@@ -172,11 +183,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="fsdp-"))
     results = {"gpus": 2, "device": torch.cuda.get_device_name() if cuda else "cpu (dry run)",
-               "date": time.strftime("%Y-%m-%d"), "versions": {"torch": torch.__version__, **replicate._versions()},
+               "date": time.strftime("%Y-%m-%d"), "versions": {"torch": torch.__version__, **replicate._versions(),
+                                                   "accelerate": accelerate.__version__},
                "settings": {"steps": args.steps, "batch": args.batch, "seq_len": scale.seq_len,
                             "precision": "bf16 autocast" if cuda else "float32",
                             "two_gpus": "FSDP2, configs/accelerate/fsdp.yaml" if cuda
                             else "two CPU processes, data-parallel (dry run)"}, "families": {}}
+    previous = out / "results.json"
+    if previous.exists():  # an earlier call ran other families into the same OUT: keep them
+        results["families"] = json.loads(previous.read_text()).get("families", {})
     prep = prepare(scale, work, device, args.steps, args.batch)
     results["pretrain"] = {k: v for k, v in prep["pretrain"].items() if k != "losses"}
     for family in args.families:

@@ -320,6 +320,22 @@ def _prepare_output(cfg: AdaptConfig) -> tuple[Path, Path | None]:
 # --- the run ------------------------------------------------------------------------------------
 
 
+def _fsdp_plugin(mixed_precision: str):
+    """Under an FSDP2 launch with mixed precision, the plugin accelerate would build from the launch
+    configuration, except that gradients are averaged across processes in float32 and outputs keep
+    their dtype (accelerate's default casts both to the compute dtype, which rounds every gradient
+    before the average, and the loss, to bf16). None otherwise."""
+    fsdp2 = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and os.environ.get("FSDP_VERSION") == "2"
+    if not fsdp2 or mixed_precision == "no":
+        return None
+    from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=MixedPrecisionPolicy(
+        param_dtype=compute, reduce_dtype=torch.float32))
+
+
 def adapt(cfg: AdaptConfig) -> Path:
     """Run the adaptation `cfg` describes; returns the output folder (a loadable model folder)."""
     from accelerate import Accelerator, DistributedDataParallelKwargs
@@ -329,7 +345,7 @@ def adapt(cfg: AdaptConfig) -> Path:
 
     cfg.check()
     out, resume_from = _prepare_output(cfg)
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision,
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, fsdp_plugin=_fsdp_plugin(cfg.mixed_precision),
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     main = accelerator.is_main_process
     sharded = accelerator.distributed_type == DistributedType.FSDP

@@ -210,6 +210,26 @@ def test_two_processes_train_as_one_with_the_same_global_batch(tmp_path, corpus,
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4 if x["stage"] == 1 else 2e-2), (x, y)
 
 
+def test_fsdp_mixed_precision_averages_gradients_in_float32(monkeypatch):
+    """Under an FSDP2 launch with bf16, adapt hands accelerate a policy that computes in bf16 but
+    reduces gradients in float32 and leaves outputs (the loss) in their dtype; elsewhere, no plugin."""
+    from subquadratic.adaptation.train import _fsdp_plugin
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert _fsdp_plugin("bf16") is None
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    assert _fsdp_plugin("bf16") is None  # FSDP1: accelerate's own policy
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert _fsdp_plugin("no") is None
+    plugin = _fsdp_plugin("bf16")
+    policy = plugin.mixed_precision_policy
+    assert plugin.fsdp_version == 2
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (torch.bfloat16, torch.float32, None)
+    plugin.set_mixed_precision("bf16")  # what accelerate's state does with a given plugin: keeps the policy
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.float32
+
+
 @pytest.mark.slow
 def test_fsdp_two_processes_shard_each_layer_and_train_as_one(tmp_path, monkeypatch, corpus, converted,
                                                               dense_folder):
