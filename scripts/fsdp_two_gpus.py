@@ -11,6 +11,8 @@ memory, with the commands that ran.
 
     python scripts/fsdp_two_gpus.py --out results/fsdp [--work DIR] [--steps 200] [--batch 8]
 
+A `--work` folder prepared by an earlier call is reused (no second pretraining), and the families
+already in OUT/results.json are kept, so `--families spla` and `--families sse-h` can run as two calls.
 `--dry-run` runs the same pipeline at tiny scale on a CPU, with two gloo processes that run
 data-parallel (accelerate shards only on GPUs): a check of the script, not a measurement.
 """
