@@ -38,20 +38,22 @@ triton, tl = import_triton()
 
 def _group(sel: Tensor, topk: int):
     """sel [B, T, N] bool -> (src_tok [R] token of each row (b * T + t), src_n [R] partition,
-    valid [R] bool, cu_parts [B * N + 1]) with R = B * T * topk, rows sorted by (b, partition, t)."""
+    valid [R] bool, cu_parts [B * N + 1]) with R = B * T * topk, rows sorted by (b, partition, t).
+
+    In (b, partition, t) order, the row of a selected token is the number of selected entries before
+    it: one exclusive cumulative sum over the flattened selection (a scan along the last dim of a
+    contiguous tensor; along T of [B, T, N] PyTorch's CUDA scan ran 5 ms at T = 32k)."""
     B, T, N = sel.shape
     R = B * T * topk
     dev = sel.device
-    s = sel.to(torch.int64)
-    cu_parts = torch.cat([s.new_zeros(1), s.sum(1).reshape(-1).cumsum(0)])       # [B * N + 1]
-    rank = s.cumsum(1) - s                                                        # earlier selected
-    dest = cu_parts[:-1].view(B, 1, N) + rank
-    dest = torch.where(sel, dest.clamp(max=R), torch.full_like(dest, R))          # R: dropped
-    tok = (torch.arange(B, device=dev)[:, None] * T + torch.arange(T, device=dev)[None, :])
-    tok = tok[:, :, None].expand(B, T, N).reshape(-1)
-    part = torch.arange(N, device=dev).expand(B, T, N).reshape(-1)
-    src_tok = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest.reshape(-1), tok)[:R]
-    src_n = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest.reshape(-1), part)[:R]
+    s = sel.transpose(1, 2).reshape(-1).to(torch.int64)                           # [B * N * T]
+    dest = s.cumsum(0) - s                                                        # rows before
+    cu_parts = torch.cat([s.new_zeros(1), s.view(B * N, T).sum(-1).cumsum(0)])    # [B * N + 1]
+    dest = torch.where(s.bool(), dest.clamp(max=R), torch.full_like(dest, R))     # R: dropped
+    tok = (torch.arange(B, device=dev)[:, None, None] * T + torch.arange(T, device=dev)).expand(B, N, T)
+    part = torch.arange(N, device=dev)[None, :, None].expand(B, N, T)
+    src_tok = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest, tok.reshape(-1))[:R]
+    src_n = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest, part.reshape(-1))[:R]
     valid = torch.arange(R, device=dev) < cu_parts[-1]
     return src_tok, src_n, valid, cu_parts
 
@@ -88,8 +90,8 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
     pc = p[:, None, None]
     flat = lambda x: x.reshape(BT, H, x.shape[-1])  # noqa: E731
     gather = lambda x: flat(x).index_select(0, src_tok)  # noqa: E731
-    qp = (pc * gather(q2).float()).to(dt)
-    kp = (pc * gather(k2).float()).to(dt)
+    qp = (gather(q2) * pc).to(dt)  # the product in fp32 (pc is), rounded once
+    kp = (gather(k2) * pc).to(dt)
     gp = gather(g2).float() * valid[:, None, None]
     Q = torch.cat([flat(q1), qp])
     Kk = torch.cat([flat(k1).to(dt), kp])

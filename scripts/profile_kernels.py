@@ -1,0 +1,89 @@
+"""GPU time of each kernel in one call of a linear-time op (HLA, SSE, the GLA ops under them, and the
+fla peers), from torch.profiler: where a call's time goes, kernel by kernel and in the PyTorch ops
+around the kernels. Inputs are those of scripts/bench_hla.py and scripts/bench_sse.py (bf16,
+B1 H16 d128, fresh random data).
+
+    python scripts/profile_kernels.py --op sse --T 32768 [--bwd] [--rows 25]
+
+ops: hla2, ahla (hla_chunked_triton), sse (sse_triton, N = 4, K = 1), gla-varlen (our varlen GLA on
+one segment per row), fla-gla, fla-simple-gla (fla-core, optional).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_hla  # noqa: E402
+import bench_sse  # noqa: E402
+
+
+def make(op: str, T: int, bwd: bool):
+    """A no-argument callable running one call of `op` (forward, or forward and backward)."""
+    from subquadratic.kernels.hla.triton_chunk import hla_chunked_triton
+    from subquadratic.kernels.sse.triton_sse import sse_triton
+
+    if op in ("hla2", "ahla"):
+        return (bench_hla.fwdbwd_fn if bwd else bench_hla.fwd_fn)(hla_chunked_triton, T, variant=op)
+    if op == "sse":
+        return bench_sse.sse_run(sse_triton, T, bwd, topk=bench_sse.TOPK)
+    if op == "gla-varlen":
+        return bench_sse.gla_run(bench_sse.ours_gla, T, bwd)
+    if op == "fla-gla":
+        from fla.ops.gla import chunk_gla
+
+        return bench_sse.gla_run(lambda q, k, v, g: chunk_gla(q, k, v, g=g), T, bwd)
+    if op == "fla-simple-gla":
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        return (bench_hla.fwdbwd_fn if bwd else bench_hla.fwd_fn)(
+            lambda q, k, v, la: chunk_simple_gla(q, k, v, g=la), T)
+    raise SystemExit(f"unknown --op {op!r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--op", nargs="+", default=["sse"],
+                    choices=["hla2", "ahla", "sse", "gla-varlen", "fla-gla", "fla-simple-gla"])
+    ap.add_argument("--T", type=int, default=32768)
+    ap.add_argument("--bwd", action="store_true", help="profile forward + backward (default: forward)")
+    ap.add_argument("--calls", type=int, default=5, help="calls profiled after three warm-up calls")
+    ap.add_argument("--rows", type=int, default=25, help="kernels listed, by total GPU time")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_kernels.py needs a CUDA GPU")
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for op in args.op:
+        run = make(op, args.T, args.bwd)
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.calls):
+                run()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+        kernel = lambda e: e.device_type != DeviceType.CPU  # noqa: E731  (ops and Functions: the CPU rows)
+        total = sum(getattr(e, key) for e in events if kernel(e)) / args.calls / 1e3
+        print(f"\n{op} T={args.T} {'fwd+bwd' if args.bwd else 'fwd'}: {total:.3f} ms of GPU time per call "
+              f"({args.calls} calls); kernels, and the ops / autograd Functions that launched them, by GPU time",
+              flush=True)
+        rows = sorted((e for e in events if getattr(e, key) > 0), key=lambda e: -getattr(e, key))
+        for e in rows[:args.rows]:
+            t = getattr(e, key) / args.calls / 1e3
+            print(f"  {t:8.3f} ms {100 * t / total:5.1f}%  x{e.count // args.calls:<4} "
+                  f"{'kernel' if kernel(e) else 'op    '} {e.key[:100]}", flush=True)
+        del run
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
