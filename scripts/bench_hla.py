@@ -9,10 +9,10 @@ form, one chunked linear-attention stage alone, and the fused decode step vs the
 recurrence. Needs fla-core for the peer rows (they are skipped without it).
 
 Measured 2026-11-30, one H200, torch 2.11, Triton 3.6, fla 0.6.0, B1 H16 d128 bf16, one run:
-hla2 fwd 1.166 ms (32k) / 2.273 ms (64k) vs chunk_simple_gla fwd 0.531 ms (32k): 2.20x (P4 <= 2x
-missed by 10%: hla2 is two chunked linear attentions, each about simple_gla's cost); hla2 fwd+bwd
-4.702 ms (32k) / 9.301 ms (64k); P6 1.95 (fwd) and 1.98 (fwd+bwd). chunk_gla fwd+bwd did not finish
-its autotuning within that run's time limit (7.24 ms on 2026-11-29: 0.65x).
+hla2 fwd 1.168 ms (32k) / 2.277 ms (64k) vs chunk_simple_gla fwd 0.533 ms (32k): 2.19x (P4 <= 2x
+missed by 10%: hla2 is two chunked linear attentions, each 1.13x simple_gla's forward); hla2
+fwd+bwd 4.722 ms (32k) / 9.309 ms (64k) vs chunk_gla fwd+bwd 7.233 ms: 0.65x (met); P6 1.95 (fwd)
+and 1.97 (fwd+bwd). docs/benchmarks.md has the whole table.
 """
 
 from __future__ import annotations
