@@ -175,6 +175,36 @@ def test_chunked_forward_with_cache_backpropagates_like_one_forward():
         torch.testing.assert_close(model.get_parameter(n).grad, g, rtol=1e-4, atol=1e-6, msg=n)
 
 
+def test_unpadded_steps_skip_the_mask_and_equal_the_masked_path(monkeypatch):
+    """A growing cache whose tokens are all real says so (`all_real`): the softmax and SPLA layers then
+    run SDPA without a mask (causal at prefill, every key at one-token steps). A padded prefill, a
+    static cache and an unknown mask say False. The logits equal those of the masked path, which the
+    same steps take when the flag is forced off."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    masks = []
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask") is None)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = tiny_spla(mixer_types=MIXED).eval()  # budget 4 x 8 = 32 slots: the SPLA layer stays dense
+    ids = torch.randint(1, 128, (2, 28))
+    got, cache = run(model, ids, mask=torch.ones_like(ids))
+    assert cache.all_real and masks and all(masks)
+    masks.clear()
+    with monkeypatch.context() as m:
+        m.setattr(cache_module, "all_real", lambda valid: False)
+        want, cache = run(model, ids)
+    assert not cache.all_real and masks and not any(masks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    padded = torch.ones_like(ids)
+    padded[1, :3] = 0
+    assert not run(model, ids, mask=padded)[1].all_real
+    assert not model.new_cache(max_length=40).all_real
+    assert cache_module.all_real(None) and not cache_module.all_real(padded.bool())
+
+
 # ---------------------------------------------------------------------- static caches
 
 

@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import (
 from ..configuration.base import SubquadraticConfig
 from ..kernels.utils import slot_offsets
 from ..registry import MIXERS, register_mixer
-from .cache import KVLayer, StateLayer, SubquadraticCache, positions_from_mask
+from .cache import KVLayer, StateLayer, SubquadraticCache, all_real, positions_from_mask
 from .cuda_graph import decode_step, replays_decode
 from .fused import add_rms_norm, rms_norm, rope, silu_mul
 from .packing import find_documents, positions_from_cu_seqlens
@@ -59,6 +59,11 @@ class SequenceInfo:
     consecutive: bool = False
     #: Whether the step runs the fused elementwise chains (`fused.py`): inside a captured step only.
     fused: bool = False
+    #: Whether every key slot holds a real token in position order and the new tokens are the last
+    #: T slots (no padding anywhere, a growing cache or none): a query then sees exactly the slots up
+    #: to its own, so the mixers may call SDPA with is_causal (T = S) or without a mask (T = 1)
+    #: instead of an explicit mask. False when unknown.
+    causal: bool = False
 
     def key_offsets(self) -> torch.Tensor | None:
         """Slot of each row's position 0 when each row's real tokens sit in consecutive slots (left or
@@ -176,6 +181,16 @@ class SoftmaxAttention(AttentionBase):
         q, k, v = self.project(hidden_states, position_embeddings)
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)
+        sdpa = self.config._attn_implementation != "eager" and seq.attentions is None
+        T = q.shape[2]
+        S = k.shape[2]
+        if sdpa and seq.causal and T in (S, 1) and (not self.window or S <= self.window):
+            # every slot real, the queries the last T: causal (T = S) or every key (one query), no mask
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            o, _ = sdpa_attention_forward(self, q, k, v, None, dropout=self.attention_dropout if self.training else 0.0,
+                                          scaling=self.scaling, is_causal=T > 1)
+            return self.o_proj(o.reshape(*o.shape[:2], -1)), None
         qp, kp = seq.positions[:, :, None], seq.key_positions[:, None, :]
         allowed = (kp >= 0) & (kp <= qp)
         if self.window:
@@ -183,7 +198,7 @@ class SoftmaxAttention(AttentionBase):
         allowed |= (qp < 0)  # padded queries attend anywhere (their output is discarded)
         mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
         mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None]
-        if self.config._attn_implementation == "eager" or seq.attentions is not None:
+        if not sdpa:
             fn = eager_attention_forward
         else:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
@@ -415,7 +430,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         if position_ids is None:
             position_ids = q_pos.clamp(min=0)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos,
+        causal = cache.all_real if cache is not None else all_real(full_valid if attention_mask is not None else None)
+        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos, causal=causal,
                            attentions={} if output_attentions else None,
                            consecutive=cache is not None and cache.static is not None,
                            fused=cache is not None and cache.fuse_step)

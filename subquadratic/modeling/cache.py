@@ -319,6 +319,8 @@ class SubquadraticCache(Cache):
         self._key_positions = GrowingBuffer(dim=1, fill=-1, static=self.static)
         self.slot: torch.Tensor | None = None  # static: next slot to write, a device scalar
         self.length = 0  # slots, padding included (what generate() counts)
+        # every slot so far a real token in a growing cache, where known without a host sync (`all_real`)
+        self.all_real = self.static is None
 
     @property
     def max_length(self) -> int | None:
@@ -341,6 +343,7 @@ class SubquadraticCache(Cache):
             self.seen = torch.zeros(new_valid.shape[0], dtype=torch.long, device=new_valid.device)
         pos = positions_from_mask(new_valid, self.seen)
         if self.static is None:
+            self.all_real = self.all_real and all_real(new_valid)
             self.seen = self.seen + new_valid.sum(-1)
             self.length += T
             kp = self._key_positions.append(pos) if self.track_key_positions else pos
@@ -418,6 +421,17 @@ class SubquadraticCache(Cache):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "decode_graph": None}  # a copy captures its own graph
+
+
+def all_real(valid: torch.Tensor | None) -> bool:
+    """Whether a padding mask (True / 1 = real token) marks every token real, where that costs no host
+    synchronisation: no mask, or a mask on the CPU outside compilation and export; False otherwise
+    (unknown)."""
+    if valid is None:
+        return True
+    if valid.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    return bool(valid.all())
 
 
 def positions_from_mask(valid: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:

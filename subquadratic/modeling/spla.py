@@ -102,7 +102,7 @@ class SPLAAttention(AttentionBase):
         # the op takes [B, T, H, D]: transposed views of q and of the [B, H, S, D] cache, no copies
         o_sp, o_rla, sbar = spla_attention(
             q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), seq.positions, seq.key_positions, stats, sbar,
-            backend=cfg.kernel_backend, k_offsets=seq.key_offsets, new_kv=new_kv,
+            backend=cfg.kernel_backend, k_offsets=seq.key_offsets, new_kv=new_kv, causal=seq.causal,
             block_size=cfg.block_size, top_k_blocks=cfg.top_k_blocks, num_sink_blocks=cfg.num_sink_blocks,
             num_local_blocks=cfg.num_local_blocks, selection=cfg.selection, use_rla=cfg.use_rla,
         )

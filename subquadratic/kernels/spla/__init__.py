@@ -91,7 +91,8 @@ def _resolve_offsets(k_offsets, k_pos: torch.Tensor) -> torch.Tensor | None:
     return slot_offsets(k_pos) if k_offsets is None else k_offsets
 
 
-def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto", k_offsets=None, new_kv=None, **kw):
+def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto", k_offsets=None, new_kv=None,
+                   causal: bool = False, **kw):
     """SPLA attention of the new tokens over the cache. Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D]
     or None with use_rla=False, new sbar); keyword arguments as `parallel.spla_parallel`.
 
@@ -110,9 +111,10 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto",
     returning it (called only where needed; the model shares one result between its layers),
     computed here when not given (one host sync). `new_kv`: the new tokens' keys and values
     [B, Tq, H, D] where they are not the last Tq slots of k, v (a static cache's whole buffers, where
-    unused slots have position -1)."""
+    unused slots have position -1). `causal`: the caller knows every slot is a real token in
+    position order with the new tokens last (`SequenceInfo.causal`), so the dense path may skip the mask."""
     if backend in ("auto", "torch") and within_budget(k.shape[1], kw["block_size"], kw["top_k_blocks"]):
-        return spla_dense(q, k, v, q_pos, k_pos, sbar, new_kv)
+        return spla_dense(q, k, v, q_pos, k_pos, sbar, new_kv, causal=causal)
     why = None
     if q.is_cuda and backend in ("auto", "triton"):  # the offsets (a host sync) only where kernels may run
         k_offsets = _resolve_offsets(k_offsets, k_pos)

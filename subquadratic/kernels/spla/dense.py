@@ -32,6 +32,8 @@ def spla_dense(
     k_pos: torch.Tensor,
     sbar: torch.Tensor,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, None, torch.Tensor]:
     """Softmax attention of the new tokens over every causal cached key, plus the Sbar update.
 
@@ -39,19 +41,26 @@ def spla_dense(
     the new ones last; q_pos [B, Tq], k_pos [B, S] logical positions (-1 = padding); sbar [B, H, D, D]
     covers the S - Tq cached tokens (carried with or without the residual term, as on the sparse
     path). The new tokens are the last Tq of k, v, or, where they sit elsewhere (a static cache's
-    whole buffers), `new_kv` holds their keys and values [B, Tq, H, D]. Returns (o_sp [B, Tq, HQ, D]
+    whole buffers), `new_kv` holds their keys and values [B, Tq, H, D]. causal=True: the caller
+    knows that every slot of k, v is a real token in position order and the new tokens are the last
+    Tq (`SequenceInfo.causal`), so SDPA runs without a mask where that gives the same values (Tq = S:
+    is_causal; Tq = 1: every key). Returns (o_sp [B, Tq, HQ, D]
     in q's dtype (fp64 for an fp64 sbar), None: the residual term is exactly zero, new Sbar). Padded
     queries return zeros.
     """
     B, Tq, HQ, D = q.shape
     H = k.shape[2]
-    qp, kp = q_pos[:, :, None], k_pos[:, None, :]
-    allowed = (kp >= 0) & (kp <= qp)
-    allowed = allowed | (qp < 0)  # padded queries attend anywhere; their output is zeroed below
     out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
     qt, kt, vt = (x.transpose(1, 2).to(out_dtype) for x in (q, k, v))  # [B, heads, T, D] views
-    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed[:, None], enable_gqa=HQ != H)
-    o = o.transpose(1, 2) * (q_pos >= 0)[:, :, None, None]
+    if causal and new_kv is None and Tq in (k.shape[1], 1):
+        # every slot real, the queries the last Tq: causal (Tq = S) or every key (one query)
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=Tq > 1, enable_gqa=HQ != H).transpose(1, 2)
+    else:
+        qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+        allowed = (kp >= 0) & (kp <= qp)
+        allowed = allowed | (qp < 0)  # padded queries attend anywhere; their output is zeroed below
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed[:, None], enable_gqa=HQ != H)
+        o = o.transpose(1, 2) * (q_pos >= 0)[:, :, None, None]
     acc = sbar.dtype
     k_new, v_new = new_tokens(k, v, Tq, new_kv)
     phik = torch.softmax(k_new.to(acc), dim=-1) * (q_pos >= 0)[:, :, None, None]  # [B, Tq, H, D]

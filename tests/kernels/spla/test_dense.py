@@ -62,3 +62,20 @@ def test_padded_queries_are_zero():
     q, k, v, q_pos, k_pos, stats, sbar = inputs(7)
     o, _, _ = spla_dense(q, k, v, q_pos, k_pos, sbar)
     assert torch.count_nonzero(o[1, :3]) == 0 and torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("S,Tq", [(37, 37), (1, 1), (20, 1)])
+def test_causal_flag_gives_the_masked_result(S, Tq):
+    """causal=True (the caller knows every slot is real, in position order, the new tokens last) runs
+    SDPA without a mask: same values and gradients as the masked call on the same unpadded inputs."""
+    q, k, v, q_pos, k_pos, _, sbar = inputs(S * 100 + Tq, B=2, S=S, Tq=Tq, left_pad=0)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    results = []
+    for causal in (False, True):
+        o, _, s = spla_dense(q, k, v, q_pos, k_pos, sbar, causal=causal)
+        results.append((o, s, torch.autograd.grad((o * w).sum(), (q, k, v))))
+    (o0, s0, g0), (o1, s1, g1) = results
+    torch.testing.assert_close(o1, o0, rtol=0, atol=1e-12)
+    torch.testing.assert_close(s1, s0, rtol=0, atol=0)
+    for a, b in zip(g1, g0, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
