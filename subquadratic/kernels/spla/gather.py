@@ -19,6 +19,24 @@ from .select import NEG, select_blocks
 from .stats import BlockStats, feature_map, new_tokens
 
 
+def gather_slots(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, D] (a view of a cache, whose slots are rows of D contiguous elements), slot
+    [B, H, L] -> x[b, h, slot[b, h, l]] as [B, H, L, D]. Copies whole rows (index_select over the rows
+    of x's storage: about 10x faster on the CPU than `gather` with an index expanded over D), or
+    indexes x directly where its strides do not make rows."""
+    B, H, S, D = x.shape
+    sb, sh, ss, sd = x.stride()
+    if sd == 1 and ss == D and sb % D == 0 and sh % D == 0:
+        n = ((B - 1) * sb + (H - 1) * sh) // D + S                    # the rows x spans
+        rows = x.as_strided((n, D), (D, 1))                           # from x's own storage offset
+        r = (torch.arange(B, device=x.device) * (sb // D))[:, None, None] \
+            + (torch.arange(H, device=x.device) * (sh // D))[None, :, None] + slot
+        return rows.index_select(0, r.reshape(-1)).view(B, H, -1, D)
+    b = torch.arange(B, device=x.device)[:, None, None]
+    h = torch.arange(H, device=x.device)[None, :, None]
+    return x[b, h, slot]
+
+
 def spla_decode_gather(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -57,9 +75,8 @@ def spla_decode_gather(
     ok = live.bool()[..., None] & (pos <= qp[:, None, None, None]) & (qp >= 0)[:, None, None, None]
     slot = (k_offsets.long()[:, None, None, None] + pos).clamp(0, S - 1)
     slot, ok = slot.reshape(B, H, -1), ok.reshape(B, H, -1)              # [B, H, L]
-    index = slot[..., None].expand(-1, -1, -1, D)
-    kg = k.transpose(1, 2).gather(2, index).to(acc)                       # [B, H, L, D]
-    vg = v.transpose(1, 2).gather(2, index).to(acc)
+    kg = gather_slots(k.transpose(1, 2), slot).to(acc)                    # [B, H, L, D]
+    vg = gather_slots(v.transpose(1, 2), slot).to(acc)
     qf = q[:, 0].to(acc).reshape(B, H, G, D)
     logits = torch.einsum("bhgd,bhld->bhgl", qf, kg) / math.sqrt(D)
     attn = torch.softmax(logits.masked_fill(~ok[:, :, None], NEG), dim=-1)

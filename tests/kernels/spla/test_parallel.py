@@ -144,3 +144,20 @@ def test_decode_gather_equals_the_masked_form(case, use_rla):
             continue
         assert torch.allclose(a, b, atol=1e-10, rtol=1e-9), (a - b).abs().max()
         assert torch.equal(a, c)
+
+
+def test_gather_slots_equals_gather_on_every_layout():
+    """`gather_slots` (rows of the storage where the strides allow, else indexing) equals torch.gather
+    on a contiguous [B, H, S, D] cache, on a slice of a larger buffer (a cache with spare room), on the
+    transpose of a [B, S, H, D] tensor and on a tensor expanded over the batch."""
+    from subquadratic.kernels.spla.gather import gather_slots
+
+    g = torch.Generator().manual_seed(0)
+    B, H, S, D, L = 2, 3, 21, 8, 11
+    buf = torch.randn(B, H, S + 9, D, generator=g)
+    layouts = [buf[:, :, :S].contiguous(), buf[:, :, :S], torch.randn(B, S, H, D, generator=g).transpose(1, 2),
+               torch.randn(1, H, S, D, generator=g).expand(B, H, S, D)]
+    slot = torch.randint(0, S, (B, H, L), generator=g)
+    for x in layouts:
+        want = x.gather(2, slot[..., None].expand(-1, -1, -1, D))
+        assert torch.equal(gather_slots(x, slot), want)
