@@ -43,6 +43,8 @@ STATE_FILE = "trainer_state.json"
 TRAIN_CHOICES = ("full", "mixer", "new", "lora")
 LOSS_CHOICES = ("lm", "kl")
 PRECISION_CHOICES = ("no", "bf16", "fp16")
+#: the compute dtype of each --mixed-precision choice
+COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class AdaptError(ValueError):
@@ -325,15 +327,18 @@ def _fsdp_plugin(mixed_precision: str):
     configuration, except that gradients are averaged across processes in float32 and outputs keep
     their dtype (accelerate's default casts both to the compute dtype, which rounds every gradient
     before the average, and the loss, to bf16). None otherwise."""
-    fsdp2 = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and os.environ.get("FSDP_VERSION") == "2"
-    if not fsdp2 or mixed_precision == "no":
+    if not _fsdp_launch() or os.environ.get("FSDP_VERSION") != "2" or mixed_precision == "no":
         return None
     from accelerate import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
     return FullyShardedDataParallelPlugin(mixed_precision_policy=MixedPrecisionPolicy(
-        param_dtype=compute, reduce_dtype=torch.float32))
+        param_dtype=COMPUTE_DTYPES[mixed_precision], reduce_dtype=torch.float32))
+
+
+def _fsdp_launch() -> bool:
+    """Whether `accelerate launch` was given an FSDP configuration (it sets ACCELERATE_USE_FSDP)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
 
 
 def adapt(cfg: AdaptConfig) -> Path:
@@ -349,7 +354,7 @@ def adapt(cfg: AdaptConfig) -> Path:
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     main = accelerator.is_main_process
     sharded = accelerator.distributed_type == DistributedType.FSDP
-    if main and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not sharded:
+    if main and _fsdp_launch() and not sharded:
         warnings.warn(f"an FSDP configuration is set, but accelerate shards only on GPUs; this run is "
                       f"{accelerator.distributed_type.value} on {accelerator.device.type}", stacklevel=2)
     if main and out.exists() and resume_from is None and cfg.overwrite:
@@ -367,7 +372,7 @@ def adapt(cfg: AdaptConfig) -> Path:
                         f"{cfg.batch_size} x {accelerator.num_processes} process(es); give more data, or lower "
                         "--batch-size / --seq-len")
     student = _load_student(cfg.student)
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision, torch.float32)
+    compute = COMPUTE_DTYPES[cfg.mixed_precision]
     teacher = _load_teacher(cfg.teacher, student, compute).to(accelerator.device) if cfg.teacher else None
     layers = converted_layers(student.config)
     stage1 = cfg.stage1_steps if cfg.stage1_steps is not None else (-(-cfg.max_steps // 4) if teacher and layers else 0)

@@ -182,29 +182,25 @@ class SoftmaxAttention(AttentionBase):
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)
         sdpa = self.config._attn_implementation != "eager" and seq.attentions is None
-        T = q.shape[2]
-        S = k.shape[2]
+        T, S = q.shape[2], k.shape[2]
         if sdpa and seq.causal and T in (S, 1) and (not self.window or S <= self.window):
             # every slot real, the queries the last T: causal (T = S) or every key (one query), no mask
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-            o, _ = sdpa_attention_forward(self, q, k, v, None, dropout=self.attention_dropout if self.training else 0.0,
-                                          scaling=self.scaling, is_causal=T > 1)
-            return self.o_proj(o.reshape(*o.shape[:2], -1)), None
-        qp, kp = seq.positions[:, :, None], seq.key_positions[:, None, :]
-        allowed = (kp >= 0) & (kp <= qp)
-        if self.window:
-            allowed &= qp - kp < self.window
-        allowed |= (qp < 0)  # padded queries attend anywhere (their output is discarded)
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None]
+            mask, is_causal = None, T > 1
+        else:
+            qp, kp = seq.positions[:, :, None], seq.key_positions[:, None, :]
+            allowed = (kp >= 0) & (kp <= qp)
+            if self.window:
+                allowed &= qp - kp < self.window
+            allowed |= (qp < 0)  # padded queries attend anywhere (their output is discarded)
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+            mask, is_causal = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None], False
         if not sdpa:
             fn = eager_attention_forward
         else:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
         o, weights = fn(
             self, q, k, v, mask, dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling, is_causal=False,
+            scaling=self.scaling, is_causal=is_causal,
         )
         if seq.attentions is not None:
             seq.attentions[self.layer_idx] = weights
