@@ -22,7 +22,9 @@ An untimed run of the same N steps comes first, so that every Triton kernel vari
 batch x N / seconds. The dense peer's DynamicCache grows by concatenation, as in stock generate().
 Static caches (--modes static) are sized for the prompt plus every run and not copied: each run
 continues on the same cache from where the last stopped (the first, untimed, compiles or captures),
-so run r starts r x N tokens after the prompt.
+so run r starts r x N tokens after the prompt. Agreement rows: how many leading greedy tokens and how
+close the first step's logits are, captured SPLA vs eager SPLA and dense static vs dense eager (the
+second pair measures what two kernel paths of one model differ by in the chosen --dtype).
 No network and no downloads: the weights are random (speed does not depend on them), built with
 Transformers' LlamaConfig / LlamaForCausalLM, saved and converted on local disk.
 """
@@ -298,6 +300,8 @@ def main() -> None:
                     help="caches to time: dynamic (growing, eager), static (static cache, step compiled / captured)")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="weights and activations (default bfloat16 on the GPU, float32 on the CPU)")
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, short contexts (smoke run)")
     args = ap.parse_args()
     import transformers
@@ -315,6 +319,7 @@ def main() -> None:
         contexts, new_tokens, chunk = [32768, 131072], 64, 8192
         spla_options = {}  # the defaults: 16 blocks of 64
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else contexts
+    dtype = getattr(torch, args.dtype) if args.dtype else dtype
     new_tokens = args.new_tokens or new_tokens
     chunk = args.prefill_chunk or chunk
     families = [f for f in args.families.split(",") if f]
@@ -368,7 +373,7 @@ def main() -> None:
                     try:
                         if mode == "dynamic":
                             res[name, mode] = measure_decode(model, prompts[c], new_tokens, chunk, args.repeats,
-                                                             device, keep_logits=name == "spla")
+                                                             device, keep_logits=True)
                         else:
                             res[name, mode] = measure_static(model, prompts[c], new_tokens, chunk, args.repeats,
                                                              device, loop=name == "spla", fuse=mode == "static",
@@ -408,6 +413,12 @@ def main() -> None:
                                   peer=str(agree["steps"]), ours=str(agree["equal_steps"]),
                                   ratio=agree["first_step_rel_logit_diff"], target="ratio: step-1 logit diff / max",
                                   agreement=agree))
+                if ("dense", "dynamic") in res and ("dense", "static") in res:  # how far two dense paths differ
+                    agree = agreement(res["dense", "dynamic"]["first_run"], res["dense", "static"]["first_run"])
+                    emit(dict(id="", what=f"  {label['dense', 'static']} vs dense eager: equal greedy steps",
+                              peer=str(agree["steps"]), ours=str(agree["equal_steps"]),
+                              ratio=agree["first_step_rel_logit_diff"], target="ratio: step-1 logit diff / max",
+                              agreement=agree))
                 if ("spla", "dynamic") in res and ("dense", "dynamic") in res:
                     peer, ours = res["dense", "dynamic"], res["spla", "dynamic"]
                     emit(dict(id="", what=f"  cache bytes after prefill, ctx {c} (SPLA vs dense)",
