@@ -4,15 +4,17 @@ writes it as JSON.
 
 P4: hla2 chunked forward vs fla chunk_simple_gla forward (target <= 2x); hla2 forward+backward vs
 fla chunk_gla forward+backward with the per-head gate expanded per dimension (target <= 1x);
-B1 H16 d128 T 32k. P6: time(64k) / time(32k) of each (target <= 2.1). Also ahla, the normalised
-form, one chunked linear-attention stage alone, and the fused decode step vs the PyTorch
-recurrence. Needs fla-core for the peer rows (they are skipped without it).
+B1 H16 d128 T 32k. P6: time(64k) / time(32k) of each (target <= 2.1). The crossover: hla2 against
+SDPA flash causal attention on the same heads from 2k to 32k tokens, forward and forward+backward.
+Also ahla, the normalised form, one chunked linear-attention stage alone, and the fused decode
+step vs the PyTorch recurrence. Needs fla-core for the peer rows (they are skipped without it).
 
-Measured 2026-11-30, one H200, torch 2.11, Triton 3.6, fla 0.6.0, B1 H16 d128 bf16, one run:
-hla2 fwd 1.168 ms (32k) / 2.277 ms (64k) vs chunk_simple_gla fwd 0.533 ms (32k): 2.19x (P4 <= 2x
-missed by 10%: hla2 is two chunked linear attentions, each 1.13x simple_gla's forward); hla2
-fwd+bwd 4.722 ms (32k) / 9.309 ms (64k) vs chunk_gla fwd+bwd 7.233 ms: 0.65x (met); P6 1.95 (fwd)
-and 1.97 (fwd+bwd). docs/benchmarks.md has the whole table.
+Measured 2026-12-01, one H200, torch 2.11, Triton 3.6, fla 0.6.0, B1 H16 d128 bf16, one run:
+hla2 fwd 1.186 ms (32k) / 2.317 ms (64k) vs chunk_simple_gla fwd 0.533 ms (32k): 2.23x (P4 <= 2x
+missed by 11%: hla2 is two chunked linear attentions, each 1.14x simple_gla's forward); hla2
+fwd+bwd 4.801 ms (32k) / 9.471 ms (64k) vs chunk_gla fwd+bwd 7.258 ms: 0.66x (met); P6 1.95 (fwd)
+and 1.97 (fwd+bwd); faster than SDPA flash from 8k tokens on, forward and forward+backward.
+docs/benchmarks.md has the whole table.
 """
 
 from __future__ import annotations
@@ -24,14 +26,11 @@ import sys
 import torch
 import torch.nn.functional as Fn
 import triton
+from _bench import bench, crossover
 
 from subquadratic.kernels.hla import hla_recurrent
 from subquadratic.kernels.hla.triton_chunk import hla_chunked_triton, linear_attention
 from subquadratic.kernels.hla.triton_fused_recurrent import hla_recurrent_triton
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
 
 def inputs(T, B=1, H=16, D=128, dtype=torch.bfloat16, grad=False):
@@ -116,6 +115,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--T", type=int, nargs="+", default=[32768, 65536])
+    ap.add_argument("--chunk", type=int, default=64, help="chunk of our kernels (a power of two >= 16)")
+    ap.add_argument("--crossover", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768],
+                    help="lengths at which hla2 is timed against SDPA flash (none: skip)")
     ap.add_argument("--breakdown", action="store_true", help="per-kernel times and launch settings of one stage")
     args = ap.parse_args()
     try:
@@ -130,8 +132,8 @@ def main() -> None:
     def gla(q, k, v, la):
         return chunk_gla(q, k, v, g=la[..., None].expand_as(k))
 
-    def la_stage(q, k, v, la):
-        return linear_attention(q, k, v, la)
+    def la_stage(q, k, v, la, chunk_size=64):
+        return linear_attention(q, k, v, la, chunk_size=chunk_size)
 
     main_cases = [  # id, what, peer, ours, kwargs of ours, backward
         ("P4", "hla2 fwd", simple_gla, hla_chunked_triton, {}, False),
@@ -148,6 +150,8 @@ def main() -> None:
     names = {simple_gla: "fla chunk_simple_gla fwd", gla: "fla chunk_gla fwd+bwd"}
 
     def measure(fn, T, bwd, **kw):
+        if fn not in names:  # ours: the chunk of --chunk
+            kw = {"chunk_size": args.chunk, **kw}
         try:
             return bench((fwdbwd_fn if bwd else fwd_fn)(fn, T, **kw))
         except Exception as e:  # keep the table going
@@ -186,6 +190,10 @@ def main() -> None:
         rows.append(dict(id="-", what=f"{variant} decode step", T=1, peer="PyTorch hla_recurrent",
                          peer_ms=t_ref, ours_ms=t_ours, ratio=t_ours / t_ref))
         print(f"-    {variant} decode step B1 H16 d128: PyTorch {t_ref:.4f} ms  ours {t_ours:.4f} ms", flush=True)
+    if args.crossover:
+        def hla2(T, bwd):
+            return (fwdbwd_fn if bwd else fwd_fn)(hla_chunked_triton, T, chunk_size=args.chunk)
+        rows += crossover("hla2", hla2, args.crossover)
     if args.breakdown:
         breakdown(T0)
     for _, what, peer, ours, kw, bwd in extra_cases:

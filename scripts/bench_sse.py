@@ -4,9 +4,11 @@ as JSON with --out.
 
 P5: SSE (N = 4, K = 1, GLA base) forward+backward vs fla chunk_gla forward+backward on the same
 heads, B1 H16 d128 T 32k (target <= 1.5x); also forward vs chunk_gla forward. P6: time(64k) /
-time(32k) of ours (target <= 2.1). Also the varlen GLA op alone on one dense segment per row (the
-like-for-like kernel comparison with chunk_gla), the PyTorch `sse_varlen` at the first T, and the
-decode step vs `sse_recurrent`. fla-core is optional (peer rows are NaN without it).
+time(32k) of ours (target <= 2.1). The crossover: SSE against SDPA flash causal attention on the
+same heads from 2k to 32k tokens, forward and forward+backward. Also the varlen GLA op alone on one
+dense segment per row (the like-for-like kernel comparison with chunk_gla), the PyTorch
+`sse_varlen` at the first T, and the decode step vs `sse_recurrent`. fla-core is optional (peer
+rows are NaN without it).
 """
 
 from __future__ import annotations
@@ -18,16 +20,13 @@ import sys
 import torch
 import torch.nn.functional as Fn
 import triton
+from _bench import bench, crossover
 
 from subquadratic.kernels.sse import SSEState, router_topk, sse_recurrent, sse_varlen
 from subquadratic.kernels.sse.triton_gla import gla_varlen_triton
 from subquadratic.kernels.sse.triton_sse import sse_decode_triton, sse_triton
 
 N_PARTS, TOPK = 4, 1
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
 
 def sse_inputs(T, B=1, H=16, D=128, dtype=torch.bfloat16, grad=False):
@@ -84,6 +83,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--T", type=int, nargs="+", default=[32768, 65536])
+    ap.add_argument("--crossover", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768],
+                    help="lengths at which SSE is timed against SDPA flash (none: skip)")
     ap.add_argument("--no-pytorch", action="store_true", help="skip the PyTorch sse_varlen row")
     args = ap.parse_args()
     try:
@@ -136,6 +137,8 @@ def main() -> None:
             o = ours[("sse", what, T0)]
             rows.append(dict(id="-", what=f"SSE {what} vs PyTorch", T=T0, peer="sse_varlen (PyTorch)",
                              peer_ms=t_ref, ours_ms=o, ratio=o / t_ref))
+    if args.crossover:
+        rows += crossover(f"SSE n{N_PARTS}k{TOPK}", lambda T, bwd: sse_run(sse_triton, T, bwd, **kw), args.crossover)
     # decode: one token, B1 H16 d128, N4 K1, from a random fp32 state
     x1 = sse_inputs(1)
     probs, sel = router_topk(x1[7], TOPK)
