@@ -9,10 +9,10 @@
    cu[b * N + i] + (number of earlier selected tokens of that segment), an exclusive cumulative sum
    of `sel` along time. Rows left over (tokens with fewer than `topk` selections, i.e. padding) form
    one trailing "trash" segment with zero key, query and decay: it reads and writes nothing.
-2. One call of the varlen GLA op (`triton_gla.gla_varlen_triton`) over B shared segments (a plain
-   GLA over each row on (q1, k1, v, g1)) followed by the B * N partition segments on
-   (p q2, p k2, v, g2) and the trash segment; initial states are the SSE states, final states come
-   back as the new ones (a partition with no token keeps its state exactly).
+2. Two calls of the varlen GLA op (`triton_gla.gla_varlen_triton`): the B shared segments (a plain
+   GLA over each row on (q1, k1, v, g1), read where they are) and the B * N partition segments on
+   the gathered (p q2, p k2, v, g2) plus the trash segment; initial states are the SSE states,
+   final states come back as the new ones (a partition with no token keeps its state exactly).
 3. The partition outputs are scattered back onto the shared output with index_add (fp32).
 
 Autograd runs through all of it (router probs, q2 / k2 (hence LoRA offsets), gates g1 / g2, the
@@ -93,19 +93,18 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
     qp = (gather(q2) * pc).to(dt)  # the product in fp32 (pc is), rounded once
     kp = (gather(k2) * pc).to(dt)
     gp = gather(g2).float() * valid[:, None, None]
-    Q = torch.cat([flat(q1), qp])
-    Kk = torch.cat([flat(k1).to(dt), kp])
-    Vv = torch.cat([flat(v).to(dt), gather(v).to(dt)])
-    G = torch.cat([flat(g1).float(), gp])
     dev = q1.device
-    cu = torch.cat([torch.arange(B + 1, device=dev) * T, BT + cu_parts[1:],
-                    torch.full((1,), BT + R, device=dev, dtype=cu_parts.dtype)])
-    h0 = torch.cat([state.shared.float(), state.parts.float().reshape(B * N, H, Dk, Dv),
+    # the shared branch on the inputs as they are (no copy), then the partition rows
+    rows = torch.arange(B + 1, device=dev) * T
+    o, h_shared = gla_varlen_triton(flat(q1), flat(k1), flat(v), flat(g1), cu_seqlens=rows,
+                                    initial_state=state.shared, chunk_size=chunk_size, out_dtype=torch.float32)
+    cu = torch.cat([cu_parts, torch.full((1,), R, device=dev, dtype=cu_parts.dtype)])
+    h0 = torch.cat([state.parts.float().reshape(B * N, H, Dk, Dv),
                     state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
-    o_all, hT = gla_varlen_triton(Q, Kk, Vv, G, cu_seqlens=cu, initial_state=h0, chunk_size=chunk_size,
-                                  out_dtype=torch.float32)
-    o = o_all[:BT].index_add(0, src_tok, o_all[BT:])
-    new = SSEState(hT[:B], hT[B:B + B * N].reshape(B, N, H, Dk, Dv))
+    o_parts, h_parts = gla_varlen_triton(qp, kp, gather(v), gp, cu_seqlens=cu, initial_state=h0,
+                                         chunk_size=chunk_size, out_dtype=torch.float32)
+    o = o.index_add(0, src_tok, o_parts)
+    new = SSEState(h_shared, h_parts[:B * N].reshape(B, N, H, Dk, Dv))
     return o.view(B, T, H, Dv).to(dt), new
 
 
