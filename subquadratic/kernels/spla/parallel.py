@@ -7,8 +7,13 @@ sequence: q_pos [B, Tq], k_pos [B, S], -1 at padding. Blocks are cut on logical 
 left-padded row of a batch sees exactly the blocks it would see alone.
 
 Block statistics are running sums (`BlockStats`), updated with new keys only; the residual linear
-state Sbar [B, H, D, D] (fp32) is carried the same way. This form reads every cached key for the
-masked sparse branch and the correction term; the Triton decode kernel reads only selected blocks.
+state Sbar [B, H, D, D] (fp32) is carried the same way. This form reads every cached key: the
+sparse branch is SDPA with each query's selected causal keys as its mask, and the residual term
+phi(q_t)^T Sbar_t - otilde_t is summed directly over the unselected causal keys,
+sum_{j <= t, j not in Sel(t)} (phi(q_t).phi(k_j)) v_j, plus phi(q_t)^T (Sbar - sum of the cached
+keys' phi(k_j) v_j^T), the part of the given Sbar that the cached keys do not account for (0 up to
+rounding in a model's cache), and set to exactly 0 where every causal key is selected. The Triton
+kernels take the subtraction form, which reads the selected blocks only.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ..utils import acc_dtype
-from .select import NEG, select_blocks
+from .select import select_blocks
 from .stats import BlockStats, feature_map, new_tokens
 
 
@@ -75,6 +81,8 @@ def spla_parallel(
     v_new = v_new.to(acc)
     o_sp = q.new_zeros(B, HQ, Tq, D, dtype=acc)
     o_rla = torch.zeros_like(o_sp) if use_rla else None
+    if use_rla:  # what Sbar holds beyond the cached keys' own sum (0 up to rounding in a model's cache)
+        drift = sbar - (phik.transpose(-1, -2) @ vf - phik_new.transpose(-1, -2) @ v_new)
     for c0 in range(0, Tq, query_chunk):
         c1 = min(Tq, c0 + query_chunk)
         C = c1 - c0
@@ -85,33 +93,28 @@ def spla_parallel(
         blk_sel = sel_blocks[:, :, c0:c1].gather(
             -1, k_blk[:, None, None, :Sc].expand(B, H, C, Sc)
         )  # [B, H, C, Sc]
-        mask = blk_sel & causal[:, None]  # selected causal keys
+        mask = blk_sel & causal[:, None]  # selected causal keys [B, H, C, Sc]
         qc = q[:, :, c0:c1].to(acc).reshape(B, H, G, C, D)
-        logits = torch.einsum("bhgcd,bhsd->bhgcs", qc, kf[:, :, :Sc]) * scale
-        logits = logits.masked_fill(~mask[:, :, None], NEG)
-        attn = torch.softmax(logits, dim=-1)
-        o_sp[:, :, c0:c1] = torch.einsum("bhgcs,bhsd->bhgcd", attn, vf[:, :, :Sc]).reshape(B, HQ, C, D)
-        if use_rla:
-            phiq = feature_map(qc)  # [B, H, G, C, D]
-            # global causal linear term phi(q)^T Sbar_t: cached part through Sbar, new part exactly
-            new = slice(c0, c1)  # the chunk's own tokens: causal among themselves
-            kq = q_pos[:, new]
-            intra_mask = (kq >= 0)[:, None, :] & (kq[:, None, :] <= qp[:, :, None])  # [B, C, C]
-            a_intra = torch.einsum("bhgcd,bhsd->bhgcs", phiq, phik_new[:, :, new]) * intra_mask[:, None, None]
-            full = torch.einsum("bhgcd,bhde->bhgce", phiq, sbar) + torch.einsum(
-                "bhgcs,bhsd->bhgcd", a_intra, v_new[:, :, new]
-            )
-            # correction otilde over the selected tokens (the tiles the sparse branch loads)
-            a_sel = torch.einsum("bhgcd,bhsd->bhgcs", phiq, phik[:, :, :Sc]) * mask[:, :, None]
-            rla = full - torch.einsum("bhgcs,bhsd->bhgcd", a_sel, vf[:, :, :Sc])
-            all_selected = mask.sum(-1) == causal.sum(-1)[:, None]  # [B, H, C]
-            rla = rla.masked_fill(all_selected[:, :, None, :, None], 0.0)
+        # the sparse branch through SDPA: batch x KV head as the batch, the group's G query heads
+        # sharing the KV head and the mask; every real query has a key (its own block is always
+        # selected), padded ones get any (zeroed below)
+        rows = (mask | (qp < 0)[:, None, :, None]).reshape(B * H, 1, C, Sc)
+        o_sp[:, :, c0:c1] = F.scaled_dot_product_attention(
+            qc.reshape(B * H, G, C, D), kf[:, :, None, :Sc].reshape(B * H, 1, Sc, D),
+            vf[:, :, None, :Sc].reshape(B * H, 1, Sc, D), attn_mask=rows, scale=scale, enable_gqa=True,
+        ).reshape(B, HQ, C, D)
+        if use_rla:  # the unselected causal keys' linear term, summed directly (module docstring)
+            unsel = causal[:, None] & ~blk_sel  # [B, H, C, Sc]
+            phiq = feature_map(qc).reshape(B, H, G * C, D)
+            a = torch.matmul(phiq, phik[:, :, :Sc].transpose(-1, -2)).view(B, H, G, C, Sc)
+            a = a.masked_fill_(~unsel[:, :, None], 0.0).view(B, H, G * C, Sc)
+            rla = torch.matmul(a, vf[:, :, :Sc]) + torch.matmul(phiq, drift)
+            rla = rla.view(B, H, G, C, D).masked_fill_(~unsel.any(-1)[:, :, None, :, None], 0.0)
             o_rla[:, :, c0:c1] = rla.reshape(B, HQ, C, D)
-            sbar = sbar + torch.einsum("bhsd,bhse->bhde", phik_new[:, :, new], v_new[:, :, new])
     q_ok = (q_pos >= 0)[:, :, None, None]
     o_sp = (o_sp.transpose(1, 2) * q_ok).to(q.dtype)
     if use_rla:
         o_rla = (o_rla.transpose(1, 2) * q_ok).to(q.dtype)
-    elif Tq:
+    if Tq:
         sbar = sbar + torch.einsum("bhsd,bhse->bhde", phik_new, v_new)
     return o_sp, o_rla, sbar
