@@ -90,6 +90,18 @@ def new_output(shape, device, dtype: torch.dtype = torch.float32) -> torch.Tenso
     return torch.empty(shape, device=device, dtype=dtype)
 
 
+def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Which keys each query of softmax attention sees, bool [B, Tq, S], from logical positions
+    q_pos [B, Tq] and k_pos [B, S] (-1 = padding): the real keys at or before the query (and, with a
+    `window`, fewer than `window` positions back). Padded queries see every key (their output is
+    discarded; a row with no key would give NaN)."""
+    qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+    allowed = (kp >= 0) & (kp <= qp)
+    if window:
+        allowed &= qp - kp < window
+    return allowed | (qp < 0)
+
+
 def slot_offsets(k_pos: torch.Tensor, check: bool = True) -> torch.Tensor | None:
     """Slot of logical position 0 per row ([B] int32) when each row of k_pos [B, S] holds its real
     tokens in consecutive slots (positions 0, 1, 2, ...), with padding (-1) only before them (left

@@ -29,7 +29,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ..configuration.base import SubquadraticConfig
-from ..kernels.utils import slot_offsets
+from ..kernels.utils import allowed_keys, slot_offsets
 from ..registry import MIXERS, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, all_real, positions_from_mask
 from .cuda_graph import decode_step, replays_decode
@@ -187,11 +187,7 @@ class SoftmaxAttention(AttentionBase):
             # every slot real, the queries the last T: causal (T = S) or every key (one query), no mask
             mask, is_causal = None, T > 1
         else:
-            qp, kp = seq.positions[:, :, None], seq.key_positions[:, None, :]
-            allowed = (kp >= 0) & (kp <= qp)
-            if self.window:
-                allowed &= qp - kp < self.window
-            allowed |= (qp < 0)  # padded queries attend anywhere (their output is discarded)
+            allowed = allowed_keys(seq.positions, seq.key_positions, self.window)
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             mask, is_causal = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None], False
         if not sdpa:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..utils import allowed_keys
 from .stats import new_tokens
 
 
@@ -56,9 +57,7 @@ def spla_dense(
         # every slot real, the queries the last Tq: causal (Tq = S) or every key (one query)
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=Tq > 1, enable_gqa=HQ != H).transpose(1, 2)
     else:
-        qp, kp = q_pos[:, :, None], k_pos[:, None, :]
-        allowed = (kp >= 0) & (kp <= qp)
-        allowed = allowed | (qp < 0)  # padded queries attend anywhere; their output is zeroed below
+        allowed = allowed_keys(q_pos, k_pos)  # padded queries see every key; their output is zeroed below
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed[:, None], enable_gqa=HQ != H)
         o = o.transpose(1, 2) * (q_pos >= 0)[:, :, None, None]
     acc = sbar.dtype
