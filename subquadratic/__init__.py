@@ -18,9 +18,14 @@ from . import families
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    **dict.fromkeys(("SubquadraticConfig", "SPLAConfig", "SSEConfig", "HLAConfig"), ".configuration"),
-    **dict.fromkeys(("CACHE_FIELD", "SubquadraticCache", "StateLayer", "RecurrentLayer", "SPLAModel",
-                     "SPLAForCausalLM", "SSEModel", "SSEForCausalLM", "HLAModel", "HLAForCausalLM"), ".modeling"),
+    "SubquadraticConfig": ".configuration",
+    **dict.fromkeys(("CACHE_FIELD", "SubquadraticCache", "StateLayer", "RecurrentLayer"), ".modeling"),
+    "SPLAConfig": ".families.spla.configuration",
+    **dict.fromkeys(("SPLAModel", "SPLAForCausalLM"), ".families.spla.modeling"),
+    "SSEConfig": ".families.sse.configuration",
+    **dict.fromkeys(("SSEModel", "SSEForCausalLM"), ".families.sse.modeling"),
+    "HLAConfig": ".families.hla.configuration",
+    **dict.fromkeys(("HLAModel", "HLAForCausalLM"), ".families.hla.modeling"),
     **dict.fromkeys(("Family", "register_family", "get_family"), ".registry"),
 }
 __all__ = [*_EXPORTS, "__version__"]

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from subquadratic.families.spla.modeling import SPLALayer
 from subquadratic.kernels.spla import BlockStats
 from subquadratic.modeling import cache as cache_module
 from subquadratic.modeling.base import CACHE_FIELD
 from subquadratic.modeling.cache import GrowingBuffer
-from subquadratic.modeling.spla import SPLALayer
 
 from .models.spla.tiny import tiny_spla
 
@@ -211,7 +211,7 @@ def test_unpadded_steps_skip_the_mask_and_equal_the_masked_path(monkeypatch):
 def test_static_cache_allocates_once_and_gives_one_token_steps_fixed_shapes(monkeypatch):
     """Every buffer is allocated for max_length at the first tokens; one-token steps see the whole
     buffers (the same shapes at every step, unused slots at position -1) and write in place."""
-    from subquadratic.modeling import spla as spla_module
+    from subquadratic.families.spla import modeling as spla_module
 
     seen_shapes = []
     real = spla_module.spla_attention

@@ -40,7 +40,6 @@ COPIED_FILES = (
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
     "chat_template.json",
 )
-CARDS_DIR = Path(__file__).resolve().parent.parent / "model_cards"
 
 
 class ConversionError(Exception):
@@ -313,8 +312,8 @@ def _prepare_out(src: Path, out: Path, overwrite: bool) -> None:
 
 
 def render_card(template: str | Path, values: dict) -> str:
-    """The card template (a name under model_cards/, or a path) with its {{key}} fields filled in."""
-    text = (CARDS_DIR / template).read_text()  # an absolute path replaces CARDS_DIR
+    """The card template (a file, `Family.card`) with its {{key}} fields filled in."""
+    text = Path(template).read_text()
     for k, v in values.items():
         text = text.replace("{{" + k + "}}", str(v))
     return text

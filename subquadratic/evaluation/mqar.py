@@ -127,8 +127,8 @@ MQAR_MODELS = ("sse", "gla", "hla")
 
 def mqar_config(name: str, s: MQARSettings):
     """The config of contender `name` ("sse", "gla", "hla") at the shapes of `s`, equal state size."""
-    from ..configuration.hla import HLAConfig
-    from ..configuration.sse import SSEConfig
+    from ..families.hla.configuration import HLAConfig
+    from ..families.sse.configuration import SSEConfig
 
     wide = s.num_heads * (s.sse_partitions + 1)
     if wide % 2:

@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from subquadratic.cli import main as cli_main
-from subquadratic.conversion.sse import new_tensors
+from subquadratic.families.sse.conversion import new_tensors
 from subquadratic.modeling.base import CACHE_FIELD, SequenceInfo
 
 pytestmark = pytest.mark.usefixtures("one_thread")

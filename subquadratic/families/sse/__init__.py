@@ -1,9 +1,13 @@
 """SSE / SSE-H (`sse`, converted to as `sse-h`): Sparse State Expansion, declared once."""
 
-from ..registry import Family
+from pathlib import Path
+
+from ...registry import Family
 
 NAME = "sse-h"
 OPTION_PREFIX = "sse"
+#: Model card template of converted checkpoints.
+CARD = Path(__file__).with_name("card.md")
 #: `convert` options (`--sse-<key>`), readable without importing the model code.
 OPTIONS: dict[str, dict] = {
     "partitions": dict(type=int, dest="sse_num_partitions", help="state partitions N (default 4)"),
@@ -25,9 +29,9 @@ OPTIONS: dict[str, dict] = {
 
 def family() -> Family:
     """The full declaration (imports the configuration, model and converter modules)."""
-    from ..configuration.sse import PRESETS, SSEConfig
-    from ..conversion.sse import CONVERTER
-    from ..modeling.sse import SSEAttention, SSEForCausalLM, SSEModel
+    from .configuration import PRESETS, SSEConfig
+    from .conversion import CONVERTER
+    from .modeling import SSEAttention, SSEForCausalLM, SSEModel
 
     return Family(
         name=NAME,
@@ -36,7 +40,7 @@ def family() -> Family:
         causal_lm_class=SSEForCausalLM,
         mixers={"sse": SSEAttention},  # cache layer: SSELayer
         converter=CONVERTER,
-        card="sse-h.md",
+        card=CARD,
         presets=PRESETS,
         options=OPTIONS,
         option_prefix=OPTION_PREFIX,

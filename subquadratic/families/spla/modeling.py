@@ -12,17 +12,17 @@ import torch
 from transformers import GenerationMixin
 from transformers import initialization as init
 
-from ..configuration.spla import SPLAConfig
-from ..kernels.spla import BlockStats, append_token, spla_attention
-from .base import (
+from ...kernels.spla import BlockStats, append_token, spla_attention
+from ...modeling.base import (
     AttentionBase,
     HeadNorm,
     SequenceInfo,
     SubquadraticForCausalLM,
     SubquadraticModel,
 )
-from .cache import StateLayer
-from .fused import add_head_norm
+from ...modeling.cache import StateLayer
+from ...modeling.fused import add_head_norm
+from .configuration import SPLAConfig
 
 
 class SPLALayer(StateLayer):

@@ -1,9 +1,13 @@
 """SPLA (`spla`): block-sparse attention plus residual linear attention, declared once."""
 
-from ..registry import Family
+from pathlib import Path
+
+from ...registry import Family
 
 NAME = "spla"
 OPTION_PREFIX = "spla"
+#: Model card template of converted checkpoints.
+CARD = Path(__file__).with_name("card.md")
 #: `convert` options (`--spla-<key>`), readable without importing the model code.
 OPTIONS: dict[str, dict] = {
     "block-size": dict(type=int, help="keys per block, a power of two (default 64)"),
@@ -16,9 +20,9 @@ OPTIONS: dict[str, dict] = {
 
 def family() -> Family:
     """The full declaration (imports the configuration, model and converter modules)."""
-    from ..configuration.spla import SPLAConfig
-    from ..conversion.spla import CONVERTER
-    from ..modeling.spla import SPLAAttention, SPLAForCausalLM, SPLAModel
+    from .configuration import SPLAConfig
+    from .conversion import CONVERTER
+    from .modeling import SPLAAttention, SPLAForCausalLM, SPLAModel
 
     return Family(
         name=NAME,
@@ -27,7 +31,7 @@ def family() -> Family:
         causal_lm_class=SPLAForCausalLM,
         mixers={"spla": SPLAAttention},  # cache layer: SPLALayer
         converter=CONVERTER,
-        card="spla.md",
+        card=CARD,
         options=OPTIONS,
         option_prefix=OPTION_PREFIX,
     )

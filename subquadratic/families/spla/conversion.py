@@ -4,8 +4,8 @@ dense model while the budget covers the context."""
 
 from __future__ import annotations
 
-from ..configuration.spla import SPLAConfig
-from .core import Converter
+from ...conversion.core import Converter
+from .configuration import SPLAConfig
 
 OPTIONS = ("block_size", "top_k_blocks", "num_sink_blocks", "num_local_blocks", "selection", "use_rla")
 

@@ -23,9 +23,9 @@ from collections.abc import Iterable
 
 import torch
 
-from ..configuration.base import SOFTMAX_MIXERS, hybrid_mixer_types
-from ..configuration.sse import SSEConfig
-from .core import Converter, fresh_mixer_tensors, softmax_layer_notes
+from ...configuration.base import SOFTMAX_MIXERS, hybrid_mixer_types
+from ...conversion.core import Converter, fresh_mixer_tensors, softmax_layer_notes
+from .configuration import SSEConfig
 
 #: Options passed straight to SSEConfig.
 CONFIG_OPTIONS = ("sse_num_partitions", "sse_top_k", "sse_sliding_window", "sse_base", "sse_key_topk", "sse_lora_rank")

@@ -1,9 +1,13 @@
 """HLA (`hla`): second-order Higher-order Linear Attention, declared once."""
 
-from ..registry import Family
+from pathlib import Path
+
+from ...registry import Family
 
 NAME = "hla"
 OPTION_PREFIX = "hla"
+#: Model card template of converted checkpoints.
+CARD = Path(__file__).with_name("card.md")
 #: `convert` options (`--hla-<key>`), readable without importing the model code.
 OPTIONS: dict[str, dict] = {
     "softmax-layers": dict(help="comma list of the layers that keep softmax attention"),
@@ -18,9 +22,9 @@ OPTIONS: dict[str, dict] = {
 
 def family() -> Family:
     """The full declaration (imports the configuration, model and converter modules)."""
-    from ..configuration.hla import TINY_PRESETS, HLAConfig
-    from ..conversion.hla import CONVERTER
-    from ..modeling.hla import HLAAttention, HLAForCausalLM, HLAModel
+    from .configuration import TINY_PRESETS, HLAConfig
+    from .conversion import CONVERTER
+    from .modeling import HLAAttention, HLAForCausalLM, HLAModel
 
     return Family(
         name=NAME,
@@ -29,7 +33,7 @@ def family() -> Family:
         causal_lm_class=HLAForCausalLM,
         mixers={"hla": HLAAttention},  # cache layer: HLALayer
         converter=CONVERTER,
-        card="hla.md",
+        card=CARD,
         presets=TINY_PRESETS,
         options=OPTIONS,
         option_prefix=OPTION_PREFIX,

@@ -16,9 +16,9 @@ says so). The new parameters come from `HLAAttention.reset_mixer_parameters` und
 
 from __future__ import annotations
 
-from ..configuration.base import SOFTMAX_MIXERS, hybrid_mixer_types
-from ..configuration.hla import HLAConfig
-from .core import Converter, softmax_layer_notes
+from ...configuration.base import SOFTMAX_MIXERS, hybrid_mixer_types
+from ...conversion.core import Converter, softmax_layer_notes
+from .configuration import HLAConfig
 
 #: Options passed straight to HLAConfig.
 CONFIG_OPTIONS = ("hla_variant", "decay_mode", "hla_chunk_size", "hla_normalize", "hla_rope")
