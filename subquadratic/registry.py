@@ -38,20 +38,23 @@ def register_mixer(name: str, cls: type) -> type:
 class Family:
     """Everything the package needs to know about one family.
 
-    name: the conversion target and CLI name (`convert --to NAME`, `demo --to NAME`).
     config_class, model_class, causal_lm_class: the family's classes; `config_class.model_type` is
-      the model type registered with Transformers' Auto classes.
+      the family's one name: the model type registered with Transformers' Auto classes, the
+      conversion target (`convert --to NAME`, `demo --to NAME`) and the default CLI option prefix.
     mixers: token mixer name -> mixer class, for the names the family adds to `mixer_types`.
     converter: a `conversion.core.Converter` (None: the family cannot be converted to).
-    card: model card template of converted checkpoints (a file name under model_cards/, or a path).
+    card: the model card template of converted checkpoints (a file).
     options: the `convert` options of this family, as argparse keyword arguments keyed by the option
-      name without its prefix; the CLI spells them `--{option_prefix}-{key}` (`dest` defaults to the
-      key with underscores, the name `converter.build_config` receives).
+      name without its prefix; the CLI spells them `--{option_prefix}-{key}`; `dest` (default: the
+      key with underscores) is the name `converter.build_config` receives, and `convert` refuses
+      names the family does not declare.
     option_prefix: prefix of the family's CLI options (default: the model type).
-    presets: named config field sets (tiny shapes for tests, the papers' sizes).
+    presets: named config field sets (tiny shapes for tests, the papers' sizes), for `preset()`.
+    convert_presets: named `convert` option sets, each a conversion target beside the family's own
+      name (`convert --to sse-h` is the `sse` family with `softmax_every=6`); options given
+      explicitly override the preset's.
     """
 
-    name: str
     config_class: type
     model_class: type
     causal_lm_class: type
@@ -61,14 +64,24 @@ class Family:
     options: dict[str, dict] = field(default_factory=dict)
     option_prefix: str | None = None
     presets: dict[str, dict] = field(default_factory=dict)
+    convert_presets: dict[str, dict] = field(default_factory=dict)
 
     @property
     def model_type(self) -> str:
         return self.config_class.model_type
 
+    @property
+    def name(self) -> str:
+        """The family's name: its model type."""
+        return self.config_class.model_type
+
     def cli_options(self) -> dict[str, dict]:
         """`--prefix-key` -> argparse keyword arguments (with `dest` filled in)."""
         return cli_flags(self.option_prefix or self.model_type, self.options)
+
+    def option_names(self) -> set[str]:
+        """The option names `convert` takes for this family (the options' `dest`s)."""
+        return {kw["dest"] for kw in self.cli_options().values()}
 
     def preset(self, name: str, **overrides):
         """A config of the preset `name` with fields overridden by keyword."""
@@ -96,6 +109,11 @@ def register_family(family: Family, *, auto_classes: bool = True) -> Family:
                 raise TypeError(f"mixer {cls.__qualname__} of family {family.name!r} has no {attr}; "
                                 "subclass subquadratic.modeling.base.AttentionBase")
         register_mixer(name, cls)
+    taken = {n: f.name for f in FAMILIES.values() if f.name != family.name for n in (f.name, *f.convert_presets)}
+    clash = sorted(n for n in (family.name, *family.convert_presets) if n in taken)
+    if clash:
+        raise ValueError(f"family {family.name!r}: target name(s) {clash} already taken by family "
+                         f"{taken[clash[0]]!r}")
     FAMILIES[family.name] = family
     if auto_classes:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -107,19 +125,34 @@ def register_family(family: Family, *, auto_classes: bool = True) -> Family:
 
 
 def get_family(name: str) -> Family:
-    """The family registered under `name` (its conversion target name)."""
+    """The family registered under `name` (its model type)."""
     if name not in FAMILIES:
         raise KeyError(f"unknown family {name!r}; registered: {', '.join(sorted(FAMILIES)) or 'none'}")
     return FAMILIES[name]
 
 
 def family_of_model_type(model_type: str) -> Family:
-    """The family whose config class has `model_type`."""
+    """The family whose config class has `model_type` (its name: `get_family`)."""
+    if model_type not in FAMILIES:
+        raise KeyError(f"no family registered for model_type {model_type!r}; "
+                       f"registered: {', '.join(sorted(FAMILIES)) or 'none'}")
+    return FAMILIES[model_type]
+
+
+def convert_target(name: str) -> tuple[Family, dict]:
+    """The family that `convert --to name` converts to, and the options its preset `name` sets ({}
+    for the family's own name). Raises KeyError listing the targets."""
     for fam in FAMILIES.values():
-        if fam.model_type == model_type:
-            return fam
-    raise KeyError(f"no family registered for model_type {model_type!r}; "
-                   f"registered: {', '.join(sorted(f.model_type for f in FAMILIES.values()))}")
+        if fam.converter is not None and name == fam.name:
+            return fam, {}
+        if fam.converter is not None and name in fam.convert_presets:
+            return fam, dict(fam.convert_presets[name])
+    raise KeyError(f"unknown target {name!r}; available: {', '.join(convert_targets()) or 'none'}")
+
+
+def convert_targets() -> list[str]:
+    """Every `convert --to` name, sorted: the families with a converter and their presets."""
+    return sorted(n for f in FAMILIES.values() if f.converter is not None for n in (f.name, *f.convert_presets))
 
 
 def families(where: Callable[[Family], bool] | None = None) -> list[Family]:

@@ -24,7 +24,6 @@ def family(tmp_path_factory):
     card = tmp_path_factory.mktemp("card") / "swa.md"
     card.write_text(CARD)
     fam = register_family(Family(
-        name="swa-test",
         config_class=SWAConfig,
         model_class=SWAModel,
         causal_lm_class=SWAForCausalLM,
@@ -45,7 +44,7 @@ def family(tmp_path_factory):
 
 
 def test_registration_reaches_config_validation_and_auto_classes(family):
-    assert get_family("swa-test") is family and MIXERS["local_softmax"] is LocalSoftmax
+    assert get_family("swa_test") is family and MIXERS["local_softmax"] is LocalSoftmax
     assert AutoConfig.for_model("swa_test").__class__ is SWAConfig
     with pytest.raises(ValueError, match="local_softmax"):  # the error lists the registered mixers
         SWAConfig(mixer_types=["nope"] * 4)
@@ -58,7 +57,7 @@ def test_convert_save_load_remote_code_and_generate(family, dense_checkpoint, tm
     dense, src = dense_checkpoint("llama")
     x = torch.randint(1, 128, (1, 20))
     # a window covering the context: exactly the dense model
-    out = convert(str(src), str(tmp_path / "wide"), "swa-test", options={"window": 64}, progress=False)
+    out = convert(str(src), str(tmp_path / "wide"), "swa_test", options={"window": 64}, progress=False)
     assert "window: 64 tokens" in (out / "README.md").read_text()
     wide = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(wide) is SWAForCausalLM and wide.config.mixer_types == ["local_softmax"] * 2
@@ -67,7 +66,7 @@ def test_convert_save_load_remote_code_and_generate(family, dense_checkpoint, tm
 
     # the CLI spells the family's option --swa-window; a window of 6 changes the model
     narrow_dir = tmp_path / "narrow"
-    assert main(["convert", str(src), str(narrow_dir), "--to", "swa-test", "--swa-window", "6", "--no-progress"]) == 0
+    assert main(["convert", str(src), str(narrow_dir), "--to", "swa_test", "--swa-window", "6", "--no-progress"]) == 0
     narrow = AutoModelForCausalLM.from_pretrained(narrow_dir).eval()
     with torch.no_grad():
         want = narrow(x).logits

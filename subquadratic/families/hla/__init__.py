@@ -1,14 +1,19 @@
-"""HLA (`hla`): second-order Higher-order Linear Attention, declared once."""
+"""HLA (`hla`): second-order Higher-order Linear Attention, declared once.
+
+The light part (`NAME`, `OPTIONS`, `CARD`; no torch needed: the command line reads it) and
+`family()`, the full declaration (`registry.Family`), which imports the family's modules:
+`configuration.py` (HLAConfig, tiny presets), `modeling.py` (the mixer, its cache layer, the model
+classes), `conversion.py` (the Converter) and `card.md` (the model card template).
+"""
 
 from pathlib import Path
 
 from ...registry import Family
 
+#: The family's one name: its model type and `convert --to` target.
 NAME = "hla"
-OPTION_PREFIX = "hla"
-#: Model card template of converted checkpoints.
 CARD = Path(__file__).with_name("card.md")
-#: `convert` options (`--hla-<key>`), readable without importing the model code.
+#: `convert` options (`--hla-<key>`; `dest`: the HLAConfig field each one sets, but for the layout).
 OPTIONS: dict[str, dict] = {
     "softmax-layers": dict(help="comma list of the layers that keep softmax attention"),
     "softmax-every": dict(type=int, help="every K-th layer keeps softmax attention (default: none, pure HLA)"),
@@ -27,7 +32,6 @@ def family() -> Family:
     from .modeling import HLAAttention, HLAForCausalLM, HLAModel
 
     return Family(
-        name=NAME,
         config_class=HLAConfig,
         model_class=HLAModel,
         causal_lm_class=HLAForCausalLM,
@@ -36,5 +40,4 @@ def family() -> Family:
         card=CARD,
         presets=TINY_PRESETS,
         options=OPTIONS,
-        option_prefix=OPTION_PREFIX,
     )

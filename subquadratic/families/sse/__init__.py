@@ -1,20 +1,29 @@
-"""SSE / SSE-H (`sse`, converted to as `sse-h`): Sparse State Expansion, declared once."""
+"""SSE (`sse`): Sparse State Expansion, declared once; SSE-H is its convert preset `sse-h`.
+
+The light part (`NAME`, `OPTIONS`, `CONVERT_PRESETS`, `CARD`; no torch needed: the command line
+reads it) and `family()`, the full declaration (`registry.Family`), which imports the family's
+modules: `configuration.py` (SSEConfig, presets), `modeling.py` (the mixer, its cache layer, the
+model classes), `conversion.py` (the Converter) and `card.md` (the model card template).
+
+`convert --to sse` makes every layer an SSE layer (pure SSE, like `--to hla`); `--to sse-h` keeps
+softmax attention in every 6th layer (five SSE layers, then one softmax layer: the paper's SSE-H).
+"""
 
 from pathlib import Path
 
 from ...registry import Family
 
-NAME = "sse-h"
-OPTION_PREFIX = "sse"
-#: Model card template of converted checkpoints.
+#: The family's one name: its model type and `convert --to` target.
+NAME = "sse"
 CARD = Path(__file__).with_name("card.md")
-#: `convert` options (`--sse-<key>`), readable without importing the model code.
+#: `convert` options (`--sse-<key>`; `dest`: the SSEConfig field each one sets, but for the layout).
 OPTIONS: dict[str, dict] = {
     "partitions": dict(type=int, dest="sse_num_partitions", help="state partitions N (default 4)"),
     "top-k": dict(type=int, dest="sse_top_k", help="partitions written and read per token K (default 1)"),
     "softmax-every": dict(
         type=int,
-        help="every K-th layer keeps softmax attention (default 6: five SSE layers then one softmax; 0: pure SSE)",
+        help="every K-th layer keeps softmax attention (default: none with --to sse, 6 with --to sse-h: five SSE "
+             "layers then one softmax)",
     ),
     "softmax-layers": dict(help="comma list of the layers that keep softmax attention"),
     "sliding-window": dict(
@@ -25,6 +34,8 @@ OPTIONS: dict[str, dict] = {
     "key-topk": dict(type=int, dest="sse_key_topk", help="row-sparse keys: softmax over the top entries only"),
     "lora-rank": dict(type=int, dest="sse_lora_rank", help="rank of the q2/k2 offsets (default head_dim)"),
 }
+#: Conversion targets beside `sse`: option sets under the given options.
+CONVERT_PRESETS: dict[str, dict] = {"sse-h": {"softmax_every": 6}}
 
 
 def family() -> Family:
@@ -34,7 +45,6 @@ def family() -> Family:
     from .modeling import SSEAttention, SSEForCausalLM, SSEModel
 
     return Family(
-        name=NAME,
         config_class=SSEConfig,
         model_class=SSEModel,
         causal_lm_class=SSEForCausalLM,
@@ -43,5 +53,5 @@ def family() -> Family:
         card=CARD,
         presets=PRESETS,
         options=OPTIONS,
-        option_prefix=OPTION_PREFIX,
+        convert_presets=CONVERT_PRESETS,
     )
