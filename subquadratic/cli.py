@@ -315,9 +315,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from .conversion import ConversionError  # imports torch: only once a command runs
     from .evaluation import EvaluationError
-    from .families import register_builtin
-
-    register_builtin()
 
     try:
         if args.command == "convert":

@@ -114,7 +114,7 @@ def fresh_mixer_tensors(config, from_source: re.Pattern = SOURCE_PARAMS, seed: i
     the meta device and materialised uninitialised; parameters whose names match `from_source` come
     from the dense checkpoint and are skipped."""
     from ..configuration.base import SOFTMAX_MIXERS
-    from ..registry import MIXERS
+    from ..registry import mixer
 
     out: dict[str, torch.Tensor] = {}
     with torch.random.fork_rng(devices=[]):
@@ -123,7 +123,7 @@ def fresh_mixer_tensors(config, from_source: re.Pattern = SOURCE_PARAMS, seed: i
             if kind in SOFTMAX_MIXERS:
                 continue
             with torch.device("meta"):
-                layer = MIXERS[kind](config, i)
+                layer = mixer(kind)(config, i)
             layer.to_empty(device="cpu")
             layer.reset_mixer_parameters()
             for n, p in layer.named_parameters():

@@ -206,9 +206,6 @@ def mqar_compare(
     same for every contender (see the module doc)."""
     from transformers import AutoModelForCausalLM
 
-    from .. import families
-
-    families.register_builtin()
     s = settings or MQARSettings()
     test_g = torch.Generator().manual_seed(seed + 1)
     test = mqar_batch(s.test_examples, s.seq_len, s.num_kv_pairs, s.vocab_size, generator=test_g)

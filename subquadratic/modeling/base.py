@@ -2,7 +2,7 @@
 residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head.
 
 Families only add token mixers (declared with `registry.register_family`); `config.mixer_types[i]`
-picks layer i's mixer from `registry.MIXERS`. A mixer subclasses `AttentionBase` (q/k/v/o
+picks layer i's mixer from the registry (`registry.mixer`). A mixer subclasses `AttentionBase` (q/k/v/o
 projections, qk-norm, RoPE), names the cache layer it keeps (`cache_layer_cls`) and initialises the
 parameters a dense checkpoint lacks in `reset_mixer_parameters`. Transformers supplies rotary
 embeddings, RMSNorm, the SwiGLU MLP, the attention functions, weight loading and generation.
@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import (
 
 from ..configuration.base import SubquadraticConfig
 from ..kernels.utils import allowed_keys, slot_offsets
-from ..registry import MIXERS, register_mixer
+from ..registry import mixer, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, all_real, positions_from_mask
 from .cuda_graph import decode_step, replays_decode
 from .fused import add_rms_norm, rms_norm, rope, silu_mul
@@ -212,12 +212,7 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: SubquadraticConfig, layer_idx: int) -> None:
         super().__init__()
         self.mixer_type = config.mixer_types[layer_idx]
-        if self.mixer_type not in MIXERS:
-            raise ValueError(
-                f"mixer {self.mixer_type!r} is not available; import the family that provides it "
-                f"(available: {', '.join(sorted(MIXERS))})"
-            )
-        self.self_attn = MIXERS[self.mixer_type](config, layer_idx)  # registry.MIXERS
+        self.self_attn = mixer(self.mixer_type)(config, layer_idx)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -315,7 +310,7 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         attentions = cfg.output_attentions if output_attentions is None else output_attentions
         ret = cfg.return_dict if return_dict is None else return_dict
         if attentions:
-            lacking = sorted({t for t in cfg.mixer_types if not MIXERS[t].computes_attention_weights})
+            lacking = sorted({t for t in cfg.mixer_types if not mixer(t).computes_attention_weights})
             if lacking:
                 raise ValueError(
                     f"output_attentions is not available: the {', '.join(map(repr, lacking))} layers do not form "
@@ -328,7 +323,7 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         (allocated once for that many tokens; on CUDA, with `cuda_graph`, one-token steps of the
         causal LM replay one captured CUDA graph of the whole model step, whose elementwise chains
         torch.compile fuses where `fuse`)."""
-        kinds = [MIXERS[t] for t in self.config.mixer_types]
+        kinds = [mixer(t) for t in self.config.mixer_types]
         return SubquadraticCache(
             [cls.cache_layer_cls() for cls in kinds],
             track_key_positions=any(cls.needs_key_positions for cls in kinds),

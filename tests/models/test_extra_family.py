@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from subquadratic.cli import main
 from subquadratic.conversion import Converter, convert
-from subquadratic.registry import FAMILIES, MIXERS, Family, get_family, register_family
+from subquadratic.registry import Family, get_family, mixer, register_family, unregister_family
 
 from .swa_family import LocalSoftmax, SWAConfig, SWAForCausalLM, SWAModel
 
@@ -39,12 +39,13 @@ def family(tmp_path_factory):
                               num_attention_heads=4, num_key_value_heads=2, window=6)},
     ))
     yield fam
-    FAMILIES.pop(fam.name)
-    MIXERS.pop("local_softmax")
+    unregister_family(fam.name)
+    with pytest.raises(KeyError, match="local_softmax.*is not available"):
+        mixer("local_softmax")
 
 
 def test_registration_reaches_config_validation_and_auto_classes(family):
-    assert get_family("swa_test") is family and MIXERS["local_softmax"] is LocalSoftmax
+    assert get_family("swa_test") is family and mixer("local_softmax") is LocalSoftmax
     assert AutoConfig.for_model("swa_test").__class__ is SWAConfig
     with pytest.raises(ValueError, match="local_softmax"):  # the error lists the registered mixers
         SWAConfig(mixer_types=["nope"] * 4)

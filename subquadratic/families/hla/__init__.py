@@ -1,9 +1,10 @@
 """HLA (`hla`): second-order Higher-order Linear Attention, declared once.
 
-The light part (`NAME`, `OPTIONS`, `CARD`; no torch needed: the command line reads it) and
-`family()`, the full declaration (`registry.Family`), which imports the family's modules:
-`configuration.py` (HLAConfig, tiny presets), `modeling.py` (the mixer, its cache layer, the model
-classes), `conversion.py` (the Converter) and `card.md` (the model card template).
+The light part (`NAME`, `OPTIONS`, `CARD`; no torch needed: the command line reads it), then
+`config_class()` (the configuration module alone) and `family()`, the full declaration
+(`registry.Family`), which import the folder's modules: `configuration.py` (HLAConfig, tiny
+presets), `modeling.py` (the mixer, its cache layer, the model classes), `conversion.py` (the
+Converter); `card.md` is the model card template.
 """
 
 from pathlib import Path
@@ -23,6 +24,13 @@ OPTIONS: dict[str, dict] = {
     "normalize": dict(action="store_const", const=True, dest="hla_normalize", help="normalised form"),
     "rope": dict(action="store_const", const=True, dest="hla_rope", help="apply the source's RoPE to q and k"),
 }
+
+
+def config_class() -> type:
+    """The config class alone (what AutoConfig needs; imports no model code)."""
+    from .configuration import HLAConfig
+
+    return HLAConfig
 
 
 def family() -> Family:

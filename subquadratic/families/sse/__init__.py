@@ -1,9 +1,10 @@
 """SSE (`sse`): Sparse State Expansion, declared once; SSE-H is its convert preset `sse-h`.
 
 The light part (`NAME`, `OPTIONS`, `CONVERT_PRESETS`, `CARD`; no torch needed: the command line
-reads it) and `family()`, the full declaration (`registry.Family`), which imports the family's
-modules: `configuration.py` (SSEConfig, presets), `modeling.py` (the mixer, its cache layer, the
-model classes), `conversion.py` (the Converter) and `card.md` (the model card template).
+reads it), then `config_class()` (the configuration module alone) and `family()`, the full
+declaration (`registry.Family`), which import the folder's modules: `configuration.py` (SSEConfig,
+presets), `modeling.py` (the mixer, its cache layer, the model classes), `conversion.py` (the
+Converter); `card.md` is the model card template.
 
 `convert --to sse` makes every layer an SSE layer (pure SSE, like `--to hla`); `--to sse-h` keeps
 softmax attention in every 6th layer (five SSE layers, then one softmax layer: the paper's SSE-H).
@@ -36,6 +37,13 @@ OPTIONS: dict[str, dict] = {
 }
 #: Conversion targets beside `sse`: option sets under the given options.
 CONVERT_PRESETS: dict[str, dict] = {"sse-h": {"softmax_every": 6}}
+
+
+def config_class() -> type:
+    """The config class alone (what AutoConfig needs; imports no model code)."""
+    from .configuration import SSEConfig
+
+    return SSEConfig
 
 
 def family() -> Family:
