@@ -23,13 +23,13 @@ from transformers import initialization as init
 from ...kernels.hla import HLAState, hla_attention
 from ...modeling.base import (
     AttentionBase,
-    HeadNorm,
     SequenceInfo,
     SubquadraticForCausalLM,
     SubquadraticModel,
     decay_spread,
 )
 from ...modeling.cache import RecurrentLayer
+from ...modeling.fused import HeadNorm
 from .configuration import HLAConfig
 
 
