@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a dense Llama/Mistral/Qwen2/Qwen3 checkpoint")
     c.add_argument("src", help="source checkpoint folder (safetensors) or Hub id (org/name)")
     c.add_argument("out", help="output folder (written atomically: complete or absent)")
+    presets = sorted(set(targets) - set(families))
     c.add_argument("--to", required=True, choices=targets,
-                   help="target family, or a preset of one (sse-h: the sse family with every 6th layer softmax)")
+                   help="target family" + (f", or a convert preset of one ({', '.join(presets)})" if presets else ""))
     c.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="dtype of the written weights: auto keeps the source's, or cast floating-point "
                         "weights to float32, bfloat16 or float16 (default auto)")
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "(default cpu)")
     p.family_dests = {}
     for name, (options, presets) in families.items():
-        group = c.add_argument_group(f"{name} options (--to {', '.join((name, *presets))})")
+        said = "".join(f"; --to {p}: " + ", ".join(f"{k}={v}" for k, v in kw.items()) for p, kw in presets.items())
+        group = c.add_argument_group(f"{name} options (--to {name}{said})")
         p.family_dests[name] = []
         for flag, kw in options.items():
             kw = dict(kw)

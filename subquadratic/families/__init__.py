@@ -53,11 +53,11 @@ def install() -> None:
     wrapt.register_post_import_hook(_auto_configs, "transformers.models.auto.configuration_auto")
 
 
-def convert_targets() -> dict[str, tuple[dict[str, dict], list[str]]]:
-    """Family name -> (its `convert` flags: `--prefix-key` -> argparse keyword arguments, the names
-    of its convert presets) for every family `convert` can target: the built-ins, registered or not
-    (from their light declarations), and those registered so far (read without loading any)."""
-    out = {m.NAME: (cli_flags(m.NAME, m.OPTIONS), list(getattr(m, "CONVERT_PRESETS", {}))) for m in BUILTIN}
+def convert_targets() -> dict[str, tuple[dict[str, dict], dict[str, dict]]]:
+    """Family name -> (its `convert` flags: `--prefix-key` -> argparse keyword arguments, its convert
+    presets) for every family `convert` can target: the built-ins, registered or not (from their
+    light declarations), and those registered so far (read without loading any)."""
+    out = {m.NAME: (cli_flags(m.NAME, m.OPTIONS), getattr(m, "CONVERT_PRESETS", {})) for m in BUILTIN}
     for f in families(lambda f: f.converter is not None, load=False):
-        out[f.name] = (f.cli_options(), list(f.convert_presets))
+        out[f.name] = (f.cli_options(), f.convert_presets)
     return out
