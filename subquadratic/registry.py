@@ -67,13 +67,17 @@ def register_mixer(name: str, cls: type) -> type:
     return cls
 
 
+def _lookup(table: dict, name: str, missing: str, known: str):
+    """table[name] after the loaders ran; if absent, a KeyError: `missing`, then `known` and the names."""
+    _load()
+    if name not in table:
+        raise KeyError(f"{missing}; {known}: {', '.join(sorted(table)) or 'none'}")
+    return table[name]
+
+
 def mixer(name: str) -> type:
     """The token mixer class registered under `name` (a `config.mixer_types` entry)."""
-    _load()
-    if name not in _MIXERS:
-        raise KeyError(f"mixer {name!r} is not available; import the family that provides it "
-                       f"(available: {', '.join(sorted(_MIXERS)) or 'none'})")
-    return _MIXERS[name]
+    return _lookup(_MIXERS, name, f"mixer {name!r} is not available (import the family that provides it)", "available")
 
 
 def mixers() -> dict[str, type]:
@@ -191,20 +195,12 @@ def unregister_family(name: str) -> Family:
 
 
 def get_family(name: str) -> Family:
-    """The family registered under `name` (its model type)."""
-    _load()
-    if name not in _FAMILIES:
-        raise KeyError(f"unknown family {name!r}; registered: {', '.join(sorted(_FAMILIES)) or 'none'}")
-    return _FAMILIES[name]
+    """The family registered under `name`, its model type."""
+    return _lookup(_FAMILIES, name, f"unknown family {name!r}", "registered")
 
 
-def family_of_model_type(model_type: str) -> Family:
-    """The family whose config class has `model_type` (its name: `get_family`)."""
-    _load()
-    if model_type not in _FAMILIES:
-        raise KeyError(f"no family registered for model_type {model_type!r}; "
-                       f"registered: {', '.join(sorted(_FAMILIES)) or 'none'}")
-    return _FAMILIES[model_type]
+#: The family of a model type: `get_family` (a family's name is its model type).
+family_of_model_type = get_family
 
 
 def convert_target(name: str) -> tuple[Family, dict]:
