@@ -1,5 +1,5 @@
 """Shared timing pieces of the GPU benchmark scripts (run as `python scripts/bench_*.py`, which puts
-this folder on sys.path)."""
+this folder on sys.path), and `spla_plan`: the SPLA kernels a benchmark names, as a plan."""
 
 from __future__ import annotations
 
@@ -54,3 +54,12 @@ def crossover(name: str, make, lengths: list[int]) -> list[dict]:
         rows.append(dict(id="X", what=f"{name} {what}: faster than flash from T =",
                          T="never" if cross is None else str(cross), ratio=float("nan")))
     return rows
+
+
+def spla_plan(q, k, params, grad: bool = False, **fields):
+    """The plan `spla_attention(..., backend="triton")` makes for q [B, Tq, HQ, D] and k [B, S, H, D]
+    (`grad`: the call needs gradients), with `fields` set (`kernels.spla.SPLAPlan`): form="token",
+    splits=2, launch=Launch(topk_bn=512), ... Run it as `spla_attention(..., plan=plan)`."""
+    from subquadratic.kernels.spla import plan_spla
+
+    return plan_spla(q.shape, k.shape, q.dtype, q.device, params, backend="triton", grad=grad, **fields)

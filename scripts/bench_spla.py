@@ -6,21 +6,22 @@ data, triton.testing.do_bench medians). Prints one table (peer, ours, ratio) and
 Rows: P1 decode step at 128k context (B4 HQ32 H8 d128, 16 blocks of 64) with the bytes each reads;
 P2 prefill forward and forward+backward at 32k (B1 HQ32 H8 d128); P3 against fla's parallel_nsa
 (needs fla installed; B1 HQ64 H4 d128, G = 16); P6 time(64k)/time(32k) of the SPLA prefill. P2-P6
-run the default kernels (`triton_parallel.PREFILL_KERNEL` "tile" without gradients,
-`TRAIN_KERNEL` "token" with them); the rows marked "per-token kernels" repeat P2 / P2b with the
-per-token kernels for both, and the prefill stages list the tile and per-token kernels apart.
+run the kernels the plan picks (`kernels.spla.plan_spla`: the tile form without gradients, the
+per-token form with them); the rows marked "per-token kernels" repeat P2 / P2b with the plan's
+form="token" for both, and the prefill stages list the tile and per-token kernels apart.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import datetime
 import json
 import math
 
 import torch
 import torch.nn.functional as F
+from _bench import spla_plan
 
 
 def bench(fn) -> float:
@@ -29,22 +30,8 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-@contextlib.contextmanager
-def prefill_kernel(name: str):
-    """Run the SPLA prefill and training with `triton_parallel.PREFILL_KERNEL = TRAIN_KERNEL = name`
-    ("tile" or "token")."""
-    from subquadratic.kernels.spla import triton_parallel
-
-    old = triton_parallel.PREFILL_KERNEL, triton_parallel.TRAIN_KERNEL
-    triton_parallel.PREFILL_KERNEL = triton_parallel.TRAIN_KERNEL = name
-    try:
-        yield
-    finally:
-        triton_parallel.PREFILL_KERNEL, triton_parallel.TRAIN_KERNEL = old
-
-
 def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16, sweep=True):
-    from subquadratic.kernels.spla import BlockStats, spla_triton
+    from subquadratic.kernels.spla import BlockStats, Launch, SPLAParams, spla_attention
     from subquadratic.kernels.utils import slot_offsets
 
     dev, dt = "cuda", torch.bfloat16
@@ -55,13 +42,18 @@ def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16, sweep=True):
     pos = torch.arange(S, device=dev).expand(B, S).contiguous()
     stats = BlockStats.empty(B, H, D, dev).add(kt, pos, bs)
     sbar = torch.randn(B, H, D, D, device=dev) * 0.01
-    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
     koff = slot_offsets(pos)  # the model computes this once per forward for all layers
-    ours = bench(lambda: spla_triton(q, kt, vt, pos[:, -1:], pos, stats, sbar, k_offsets=koff, **cfg))
+    ours = bench(lambda: spla_attention(q, kt, vt, pos[:, -1:], pos, stats, sbar, params, backend="triton",
+                                        k_offsets=koff))
     qd = q.transpose(1, 2)
     peer = bench(lambda: F.scaled_dot_product_attention(qd, k, v, enable_gqa=True))
+
+    def step(launch=None):  # one decode step on the plan's kernels, with other launch settings if given
+        plan = spla_plan(q, kt, params, **({} if launch is None else {"launch": launch}))
+        return spla_attention(q, kt, vt, pos[:, -1:], pos, stats, sbar, params, k_offsets=koff, plan=plan)
+
     # the same step replayed as one CUDA graph (how serving stacks run decode): launch gaps removed
-    step = lambda: spla_triton(q, kt, vt, pos[:, -1:], pos, stats, sbar, k_offsets=koff, **cfg)  # noqa: E731
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -74,29 +66,19 @@ def decode_case(B=4, HQ=32, H=8, D=128, S=131072, bs=64, top=16, sweep=True):
         for _ in range(20):
             step()
         torch.cuda.synchronize()
-    from subquadratic.kernels.spla import triton_decode, triton_select
-
     print("\ndecode launch settings (whole step as a CUDA graph, median ms)")
-    names = ("SCORE_BN", "SCORE_DOT", "SCORE_PREC", "DECODE_BLOCKS_PER_SPLIT", "DECODE_WARPS", "TOPK_WARPS", "TOPK_BN")
-    owner = {n: triton_decode if n.startswith("DECODE") else triton_select for n in names}
-    default = tuple(getattr(owner[n], n) for n in names)
-    settings = ((16, False, "ieee", 3, 4, 4, 128), (16, False, "ieee", 3, 4, 2, 128),
-                (16, False, "ieee", 3, 4, 1, 128), (16, False, "ieee", 3, 4, 4, 512),
-                (16, False, "ieee", 3, 4, 4, 1024), (16, False, "ieee", 3, 4, 8, 1024),
-                (16, False, "ieee", 3, 4, 2, 512), (16, False, "ieee", 4, 4, 4, 512),
-                (16, False, "ieee", 3, 8, 4, 512))
-    for setting in settings if sweep else ():
-        for n, val in zip(names, setting, strict=True):
-            setattr(owner[n], n, val)
-        step()
+    settings = (Launch(topk_bn=128), Launch(topk_warps=2, topk_bn=128), Launch(topk_warps=1, topk_bn=128),
+                Launch(topk_bn=512), Launch(topk_bn=1024), Launch(topk_warps=8, topk_bn=1024),
+                Launch(topk_warps=2, topk_bn=512), Launch(decode_blocks_per_split=4, topk_bn=512),
+                Launch(decode_warps=8, topk_bn=512))
+    for launch in settings if sweep else ():
+        step(launch)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            step()
-        print("  " + " ".join(f"{n}={val}" for n, val in zip(names, setting, strict=True)) +
+            step(launch)
+        print("  " + " ".join(f"{f.name}={getattr(launch, f.name)}" for f in dataclasses.fields(launch)) +
               f": {bench(g.replay):8.4f}")
-    for n, val in zip(names, default, strict=True):
-        setattr(owner[n], n, val)
     print("\nGPU kernels of one decode step (mean of 20 steps)")
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
         print(f"  {e.key[:60]:60} {e.device_time_total / 20 / 1000:8.4f} ms")
@@ -114,15 +96,19 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
     from subquadratic.kernels.spla import (
         BlockStats,
         SparseAttention,
+        SPLAParams,
         causal_linear_term,
         feature_map,
         key_features,
         queries_by_block,
         select_indices,
+        select_indices_fast,
         sparse_forward,
-        spla_triton,
-        triton_parallel,
-        triton_tile,
+        spla_attention,
+        tile_shape,
+        tile_sparse_attention,
+        tile_sparse_forward,
+        tile_union,
     )
     from subquadratic.kernels.utils import slot_offsets
 
@@ -135,29 +121,32 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
     qpos = pos[:, S - Tq:]
     stats = BlockStats.empty(B, H, D, dev).add(kt, pos, bs)
     sbar = torch.zeros(B, H, D, D, device=dev)
-    kw = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
     koff = slot_offsets(pos)
-    idx = select_indices(q, stats, qpos, **kw)
-    nsel = idx.shape[-1]
+    plan = spla_plan(q, kt, params)  # the call's plan: the decode kernels for one token, else the tile prefill
+    many = Tq > 64  # the two-launch selection scores many queries with matmuls, a few with its scoring kernel
+    idx = select_indices(q, stats, qpos, params, matmul=many)
     G = HQ // H
     qh = q.transpose(1, 2)  # [B, HQ, Tq, D] view, the sparse kernels' operand
     phiq = feature_map(qh).reshape(B, H, G, Tq, D)
     out = {
         "slot_offsets": bench(lambda: slot_offsets(pos)),
-        "selection (scores + group top-k kernel)": bench(lambda: select_indices(q, stats, qpos, **kw)),
+        "selection (scores + group top-k kernel)": bench(lambda: select_indices(q, stats, qpos, params, matmul=many)),
         "causal linear term": bench(lambda: causal_linear_term(
             phiq, feature_map(k[:, :, S - Tq:]), v[:, :, S - Tq:].float(), sbar, qpos >= 0, chunk=min(64, Tq))),
-        "whole call": bench(lambda: spla_triton(q, kt, vt, qpos, pos, stats, sbar, k_offsets=koff, **kw)),
+        "whole call": bench(lambda: spla_attention(q, kt, vt, qpos, pos, stats, sbar, params, plan=plan,
+                                                   k_offsets=koff)),
     }
-    if Tq >= triton_parallel.TILE_MIN_TQ:
-        with prefill_kernel("token"):
-            out["whole call, per-token kernels"] = bench(
-                lambda: spla_triton(q, kt, vt, qpos, pos, stats, sbar, k_offsets=koff, **kw))
+    tiles = plan.select == "tile"
+    if tiles:
+        token = spla_plan(q, kt, params, form="token")
+        out["whole call, per-token kernels"] = bench(
+            lambda: spla_attention(q, kt, vt, qpos, pos, stats, sbar, params, plan=token, k_offsets=koff))
         out["selection, one launch per query tile (select_indices_fast)"] = bench(
-            lambda: triton_tile.select_indices_fast(q, stats, qpos, **kw))
+            lambda: select_indices_fast(q, stats, qpos, params, prec=plan.select_prec))
     if Tq == S:
         out["block stats (prefill)"] = bench(lambda: BlockStats.empty(B, H, D, dev).add(kt, pos, bs))
-    nsp = max(1, min(nsel, 264 // (B * H * Tq))) if Tq <= 8 else 1
+    nsp = plan.splits  # the per-token kernel's split-K for these shapes
     qi = qpos.to(torch.int32).contiguous()
     phik = key_features(k)
 
@@ -168,14 +157,14 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
     out["  same, phi(k) precomputed (used for Tq > 64)"] = bench(lambda: kernel(True, True))
     out["  phi(k) of all keys (key_features)"] = bench(lambda: key_features(k))
     out["  same kernel without the correction (SPA)"] = bench(lambda: kernel(False))
-    if Tq >= triton_parallel.TILE_MIN_TQ:  # the query-tile kernels (phi(k) precomputed)
-        GP, BM = triton_tile.tile_shape(G, triton_tile.TILE_ROWS_INFERENCE)
+    if tiles:  # the query-tile kernels (phi(k) precomputed)
+        GP, BM = tile_shape(G, plan.tile_rows)
         NB = triton.cdiv(S, bs)
-        union = triton_tile.tile_union(idx, NB, BM)
+        union = tile_union(idx, NB, BM)
         out[f"tile: union lists ({union[2].float().mean().item():.1f} blocks per tile)"] = bench(
-            lambda: triton_tile.tile_union(idx, NB, BM))
-        out["tile: sparse forward incl. union (inference rows)"] = bench(lambda: triton_tile.tile_sparse_forward(
-            qh, k, v, idx, qi, koff, True, bs, phik=phik, rows=triton_tile.TILE_ROWS_INFERENCE))
+            lambda: tile_union(idx, NB, BM))
+        out["tile: sparse forward incl. union (inference rows)"] = bench(lambda: tile_sparse_forward(
+            qh, k, v, idx, qi, koff, True, bs, rows=plan.tile_rows, phik=phik))
     if Tq == S:  # the backward pass of the sparse branch + correction
         qg, kg, vg = (x.detach().requires_grad_() for x in (qh, k, v))
         o, ot = SparseAttention.apply(qg, kg, vg, idx, qi, koff, True, bs, True)
@@ -183,18 +172,20 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
         out["CSR lists (queries per key block)"] = bench(lambda: queries_by_block(idx, triton.cdiv(S, bs)))
         out["sparse backward (dq kernel + CSR + dkv kernel)"] = bench(
             lambda: torch.autograd.grad([o, ot], [qg, kg, vg], [g, g], retain_graph=True))
-        o, ot = triton_tile.tile_sparse_attention(qg, kg, vg, idx, qi, koff, True, bs, True)
+        rows = spla_plan(q, kt, params, grad=True).tile_rows  # a training call's tiles
+        o, ot = tile_sparse_attention(qg, kg, vg, idx, qi, koff, True, bs, True, grad=True, rows=rows)
         out["tile: sparse backward (dq kernel + lists + dkv kernel)"] = bench(
             lambda: torch.autograd.grad([o, ot], [qg, kg, vg], [g, g], retain_graph=True))
     return out
 
 
-def prefill_fn(T, B=1, HQ=32, H=8, D=128, bs=64, top=16, backward=False, layout="bhtd"):
+def prefill_fn(T, B=1, HQ=32, H=8, D=128, bs=64, top=16, backward=False, layout="bhtd", form=None):
     """(ours, peer) callables of one prefill call at T tokens: SPLA (block stats, selection, sparse
     kernel, residual term) vs SDPA flash; with backward=True both also run the backward pass for
     random output gradients. layout "bthd" stores q, k, v token-major (the op's layout), "bhtd"
-    head-major (SDPA's, the model's cache); each side gets views in its own layout."""
-    from subquadratic.kernels.spla import BlockStats, spla_triton
+    head-major (SDPA's, the model's cache); each side gets views in its own layout. `form`: the
+    plan's sparse kernels ("tile" or "token"; default: the plan's choice)."""
+    from subquadratic.kernels.spla import BlockStats, SPLAParams, spla_attention
 
     dev, dt = "cuda", torch.bfloat16
 
@@ -206,14 +197,15 @@ def prefill_fn(T, B=1, HQ=32, H=8, D=128, bs=64, top=16, backward=False, layout=
     q, k, v = (make(n).requires_grad_(backward) for n in (HQ, H, H))
     pos = torch.arange(T, device=dev).expand(B, T).contiguous()
     sbar = torch.zeros(B, H, D, D, device=dev)
-    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
     g_sp, g_rla = torch.randn(2, B, HQ, T, D, device=dev, dtype=dt)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, T, heads, D] views
     gt_sp, gt_rla = g_sp.transpose(1, 2), g_rla.transpose(1, 2)
+    plan = spla_plan(qt, kt, params, grad=backward, **({} if form is None else {"form": form}))
 
     def ours():
         stats = BlockStats.empty(B, H, D, dev).add(kt.detach(), pos, bs)
-        o_sp, o_rla, _ = spla_triton(qt, kt, vt, pos, pos, stats, sbar, **cfg)
+        o_sp, o_rla, _ = spla_attention(qt, kt, vt, pos, pos, stats, sbar, params, plan=plan)
         if backward:
             torch.autograd.backward([o_sp, o_rla], [gt_sp, gt_rla])
 
@@ -248,7 +240,7 @@ def nsa_case(T=32768, B=1, HQ=64, H=4, D=128, bs=64, top=16, backward=False):
 def score_variants(B=4, HQ=32, H=8, D=128, S=131072, bs=64, Tq=1):
     """Median ms of the selection (scoring launch + group top-k launch) for the last Tq queries in
     each scoring setting (BN blocks per program, dot precision or elementwise fp32 sums)."""
-    from subquadratic.kernels.spla import BlockStats, select_indices, triton_select
+    from subquadratic.kernels.spla import BlockStats, Launch, SPLAParams, select_indices
 
     dev = "cuda"
     q = torch.randn(B, Tq, HQ, D, device=dev, dtype=torch.bfloat16)
@@ -256,18 +248,12 @@ def score_variants(B=4, HQ=32, H=8, D=128, S=131072, bs=64, Tq=1):
     pos = torch.arange(S, device=dev).expand(B, S).contiguous()
     stats = BlockStats.empty(B, H, D, dev).add(k, pos, bs)
     qpos = pos[:, -Tq:].to(torch.int32).contiguous()
-    kw = dict(block_size=bs, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2)
-    names = ("SCORE_BN", "SCORE_PREC", "SCORE_DOT", "SCORE_WARPS")
-    default = tuple(getattr(triton_select, n) for n in names)
+    params = SPLAParams(block_size=bs, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2)
     out = {}
-    for setting in ((64, "tf32x3", True, 4), (16, "ieee", False, 4)):
-        for n, val in zip(names, setting, strict=True):
-            setattr(triton_select, n, val)
-        bn, prec, use_dot, warps = setting
+    for bn, prec, use_dot, warps in ((64, "tf32x3", True, 4), (16, "ieee", False, 4)):
+        launch = Launch(score_bn=bn, score_prec=prec, score_dot=use_dot, score_warps=warps)
         out[f"selection, score BN={bn} {('dot ' + prec) if use_dot else 'elementwise'} warps={warps}"] = bench(
-            lambda: select_indices(q, stats, qpos, **kw))
-    for n, val in zip(names, default, strict=True):
-        setattr(triton_select, n, val)
+            lambda launch=launch: select_indices(q, stats, qpos, params, launch=launch))
     return out
 
 
@@ -301,9 +287,8 @@ def main() -> None:
         tb_ours, tb_peer = bench(o_fn), bench(p_fn)
         rows.append(dict(id="P2b", what=f"prefill fwd+bwd, B1 HQ32 H8 d128, T {T // 1024}k", peer_ms=tb_peer,
                          ours_ms=tb_ours, speedup=tb_peer / tb_ours, target=">= 2x"))
-        with prefill_kernel("token"):  # the per-token prefill kernels on the same calls
-            t_tok = bench(prefill_fn(T)[0])
-            tb_tok = bench(prefill_fn(T, backward=True)[0])
+        t_tok = bench(prefill_fn(T, form="token")[0])  # the per-token prefill kernels on the same calls
+        tb_tok = bench(prefill_fn(T, backward=True, form="token")[0])
         rows.append(dict(id="P2", what="  same fwd, per-token kernels", peer_ms=t_peer,
                          ours_ms=t_tok, speedup=t_peer / t_tok, target=">= 3x"))
         rows.append(dict(id="P2b", what="  same fwd+bwd, per-token kernels", peer_ms=tb_peer,

@@ -4,8 +4,8 @@ speed against SDPA flash and the per-token sparse kernel, measured in the same r
 
   python scripts/bench_spla_tile.py [--check] [--time] [--T 32768 65536] [--rows 64 128]
 
-"old" is the per-token form (`triton_parallel.PREFILL_KERNEL = "token"`: `select_indices`,
-`sparse_forward`, `SparseAttention`), "new" the query-tile form, the prefill default. The whole-call
+"old" is the per-token form (the plan's form="token": `select_indices`, `sparse_forward`,
+`SparseAttention`), "new" the query-tile form, the prefill default. The whole-call
 comparison of the two is also in scripts/bench_spla.py (P2 / P2b rows marked "token").
 
 Two kinds of data: "random" (iid q, k: every token selects nearly independent blocks, the worst
@@ -35,6 +35,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from _bench import spla_plan
 
 
 def bench(fn) -> float:
@@ -74,26 +75,8 @@ def data(kind, B, HQ, H, T, D, dev="cuda", dt=torch.bfloat16, seed=0, bs=64):
     return q.to(dt), k.to(dt), v.to(dt)
 
 
-def patched(tile):
-    """Context: the prefill with the per-token kernels (tile=False) or the query-tile kernels."""
-    import contextlib
-
-    from subquadratic.kernels.spla import triton_parallel
-
-    @contextlib.contextmanager
-    def ctx():
-        old = triton_parallel.PREFILL_KERNEL, triton_parallel.TRAIN_KERNEL
-        triton_parallel.PREFILL_KERNEL = triton_parallel.TRAIN_KERNEL = "tile" if tile else "token"
-        try:
-            yield
-        finally:
-            triton_parallel.PREFILL_KERNEL, triton_parallel.TRAIN_KERNEL = old
-
-    return ctx()
-
-
 def check():
-    from subquadratic.kernels.spla import BlockStats, spla_parallel, spla_triton
+    from subquadratic.kernels.spla import BlockStats, SPLAParams, spla_attention, spla_parallel
 
     dev = "cuda"
     worst = 0.0
@@ -106,12 +89,12 @@ def check():
         pos = torch.arange(T, device=dev)[None].contiguous()
         stats = BlockStats.empty(1, H, D, dev).add(k, pos, 64)
         sbar = torch.zeros(1, H, D, D, device=dev)
-        cfg = dict(block_size=64, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2, use_rla=True)
+        params = SPLAParams(block_size=64, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2, use_rla=True)
         ins = [x.float().requires_grad_(grad) for x in (q, k, v)]
-        want = spla_parallel(*ins, pos, pos, stats, sbar, **cfg)
+        want = spla_parallel(*ins, pos, pos, stats, sbar, params)
         outs = [x.detach().requires_grad_(grad) for x in (q, k, v)]
-        with patched(True):
-            got = spla_triton(*outs, pos, pos, stats, sbar, **cfg)
+        plan = spla_plan(outs[0], outs[1], params, grad=grad, form="tile")  # the tile kernels, forward and backward
+        got = spla_attention(*outs, pos, pos, stats, sbar, params, plan=plan)
         errs = [rel(got[0], want[0]), rel(got[1], want[1])]
         if grad:
             gs = [torch.randn_like(want[0]) for _ in range(2)]
@@ -139,23 +122,22 @@ def flash_case(T, B=1, HQ=32, H=8, D=128):
 
 
 def tile_case(rows, q, k, v, idx, qpos, koff, phik, bs, ref, grads_old, g1, g2):
-    from subquadratic.kernels.spla import triton_tile as tile
+    from subquadratic.kernels.spla import tile_shape, tile_sparse_attention, tile_sparse_forward, tile_union
 
     B, HQ, T, D = q.shape
     H = k.shape[1]
-    tile.TILE_ROWS = rows
-    GP, BM = tile.tile_shape(HQ // H)
+    GP, BM = tile_shape(HQ // H, rows)
     NB = -(-T // bs)
-    union = tile.tile_union(idx, NB, BM)
+    union = tile_union(idx, NB, BM)
     mean_u = union[2].float().mean().item()
-    t_union = bench(lambda: tile.tile_union(idx, NB, BM))
-    t_new = bench(lambda: tile.tile_sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik))
-    o, ot, lse, _ = tile.tile_sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik)
+    t_union = bench(lambda: tile_union(idx, NB, BM))
+    t_new = bench(lambda: tile_sparse_forward(q, k, v, idx, qpos, koff, True, bs, rows=rows, phik=phik))
+    o, ot, lse, _ = tile_sparse_forward(q, k, v, idx, qpos, koff, True, bs, rows=rows, phik=phik)
     err = max(rel(o, ref[0]), rel(ot, ref[1]), rel(lse, ref[2]))
     qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
 
     def new_fb():
-        o, ot = tile.tile_sparse_attention(qg, kg, vg, idx, qpos, koff, True, bs, True)
+        o, ot = tile_sparse_attention(qg, kg, vg, idx, qpos, koff, True, bs, True, grad=True, rows=rows)
         torch.autograd.backward([o, ot], [g1, g2])
 
     t_new_fb = bench(new_fb)
@@ -166,32 +148,41 @@ def tile_case(rows, q, k, v, idx, qpos, koff, phik, bs, ref, grads_old, g1, g2):
 
 
 def data_case(T, kind, rows_list, B=1, HQ=32, H=8, D=128, bs=64):
-    from subquadratic.kernels.spla import BlockStats, spla_triton, triton_parallel, triton_select
-    from subquadratic.kernels.spla import triton_tile as tile
+    from subquadratic.kernels.spla import (
+        BlockStats,
+        SparseAttention,
+        SPLAParams,
+        key_features,
+        select_indices,
+        select_indices_fast,
+        sparse_forward,
+        spla_attention,
+    )
 
     dev = "cuda"
-    cfg = dict(block_size=bs, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2)
+    params = SPLAParams(block_size=bs, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2)
     q, k, v = data(kind, B, HQ, H, T, D)
     pos = torch.arange(T, device=dev)[None].contiguous()
     qpos = pos.to(torch.int32)
     koff = torch.zeros(B, dtype=torch.int32, device=dev)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # the op's layout [B, T, heads, D], as views
     stats = BlockStats.empty(B, H, D, dev).add(kt, pos, bs)
-    t_sel = bench(lambda: triton_select.select_indices(qt, stats, qpos, **cfg))
-    idx = triton_select.select_indices(qt, stats, qpos, **cfg)
-    t_sel_new = bench(lambda: tile.select_indices_fast(qt, stats, qpos, **cfg))
-    idx_new = tile.select_indices_fast(qt, stats, qpos, **cfg)
+    prec = spla_plan(qt, kt, params).select_prec  # the tile selection's precision on this device
+    t_sel = bench(lambda: select_indices(qt, stats, qpos, params, matmul=True))  # T queries: score matmuls
+    idx = select_indices(qt, stats, qpos, params, matmul=True)
+    t_sel_new = bench(lambda: select_indices_fast(qt, stats, qpos, params, prec=prec))
+    idx_new = select_indices_fast(qt, stats, qpos, params, prec=prec)
     same = (torch.sort(idx_new, -1).values == torch.sort(idx, -1).values).all(-1).float().mean().item()
     print(f"T{T} {kind} selection: old {t_sel:.2f} ms new {t_sel_new:.2f} ms (old/new {t_sel / t_sel_new:.2f}x), "
           f"same block set for {100 * same:.3f}% of (token, KV head)", flush=True)
-    phik = triton_parallel.key_features(k)
-    t_old = bench(lambda: triton_parallel.sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik))
-    ref = triton_parallel.sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik)
+    phik = key_features(k)
+    t_old = bench(lambda: sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik))
+    ref = sparse_forward(q, k, v, idx, qpos, koff, True, bs, phik=phik)
     qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
     g1, g2 = torch.randn(2, B, T, HQ, D, device=dev)
 
     def old_fb():
-        o, ot = triton_parallel.SparseAttention.apply(qg, kg, vg, idx, qpos, koff, True, bs, True)
+        o, ot = SparseAttention.apply(qg, kg, vg, idx, qpos, koff, True, bs, True)
         torch.autograd.backward([o, ot], [g1, g2])
 
     t_old_fb = bench(old_fb)
@@ -206,11 +197,10 @@ def data_case(T, kind, rows_list, B=1, HQ=32, H=8, D=128, bs=64):
         out.append(r)
     # the whole prefill call (selection, sparse kernel, residual term), old and new
     sbar = torch.zeros(B, H, D, D, device=dev)
-    with patched(False):
-        whole_old = bench(lambda: spla_triton(qt, kt, vt, pos, pos, stats, sbar, **cfg))
-    with patched(True):
-        whole_new = bench(lambda: spla_triton(qt, kt, vt, pos, pos, stats, sbar, **cfg))
-    print(f"T{T} {kind} whole call fwd: old {whole_old:.2f} new {whole_new:.2f} ms (rows {rows_list[-1]}, "
+    old, new = (spla_plan(qt, kt, params, form=form) for form in ("token", "tile"))
+    whole_old = bench(lambda: spla_attention(qt, kt, vt, pos, pos, stats, sbar, params, plan=old))
+    whole_new = bench(lambda: spla_attention(qt, kt, vt, pos, pos, stats, sbar, params, plan=new))
+    print(f"T{T} {kind} whole call fwd: old {whole_old:.2f} new {whole_new:.2f} ms (rows {new.tile_rows}, "
           f"old/new {whole_old / whole_new:.2f}x)", flush=True)
     return out
 

@@ -5,8 +5,9 @@ B1 H16 d128, fresh random data).
 
     python scripts/profile_kernels.py --op sse --T 32768 [--bwd] [--rows 25]
 
-ops: hla2, ahla (hla_chunked_triton), sse (sse_triton, N = 4, K = 1), gla-varlen (our varlen GLA on
-one segment per row), fla-gla, fla-simple-gla (fla-core, optional).
+ops: hla2, ahla (hla_triton: the chunked kernels), sse (sse_attention on the Triton kernels, N = 4,
+K = 1), gla-varlen (our varlen GLA on one segment per row), fla-gla, fla-simple-gla (fla-core,
+optional).
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import bench_sse  # noqa: E402
 
 def make(op: str, T: int, bwd: bool):
     """A no-argument callable running one call of `op` (forward, or forward and backward)."""
-    from subquadratic.kernels.hla.triton_chunk import hla_chunked_triton
-    from subquadratic.kernels.sse.triton_sse import sse_triton
+    from subquadratic.kernels.hla import hla_triton
+    from subquadratic.kernels.sse import sse_attention
 
-    if op in ("hla2", "ahla"):
-        return (bench_hla.fwdbwd_fn if bwd else bench_hla.fwd_fn)(hla_chunked_triton, T, variant=op)
+    if op in ("hla2", "ahla"):  # T > 1: the chunked kernels
+        return (bench_hla.fwdbwd_fn if bwd else bench_hla.fwd_fn)(hla_triton, T, variant=op)
     if op == "sse":
-        return bench_sse.sse_run(sse_triton, T, bwd, topk=bench_sse.TOPK)
+        return bench_sse.sse_run(lambda *a, **kw: sse_attention(*a, backend="triton", **kw), T, bwd,
+                                 topk=bench_sse.TOPK)
     if op == "gla-varlen":
         return bench_sse.gla_run(bench_sse.ours_gla, T, bwd)
     if op == "fla-gla":

@@ -59,8 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from subquadratic import SPLAConfig, SPLAForCausalLM
-    from subquadratic.modeling.base import CACHE_FIELD
+    from subquadratic import CACHE_FIELD, SPLAConfig, SPLAForCausalLM
 
     torch.manual_seed(0)
     dt = torch.bfloat16 if args.device == "cuda" else torch.float32

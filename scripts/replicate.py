@@ -38,8 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import subquadratic  # noqa: E402, F401  (registers the families)
-from subquadratic.adaptation import AdaptConfig, adapt, tokenize_and_pack  # noqa: E402
+from subquadratic.adaptation import AdaptConfig, adapt  # noqa: E402
 from subquadratic.conversion import convert  # noqa: E402
+from subquadratic.data import tokenize_and_pack  # noqa: E402
 from subquadratic.evaluation import MQARSettings, evaluate, markdown_table, mqar_compare  # noqa: E402
 from subquadratic.evaluation.report import plot_results  # noqa: E402
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .data import DTYPE_CHOICES
 from .families import convert_targets
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 EVAL_TASKS = ("ppl", "passkey", "niah", "mqar", "kl")  # evaluation.suite.TASKS, readable without torch
 
 
@@ -172,10 +172,44 @@ def _adapt(args) -> None:
         gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         save_every=args.save_every, save_total_limit=args.save_total_limit, keep_checkpoints=args.keep_checkpoints,
         resume=args.resume, overwrite=args.overwrite, text_field=args.text_field, text_unit=args.text_unit,
-        num_proc=args.num_proc, seed=args.seed, progress=not args.no_progress, eval_data=args.eval_data,
-        eval_seq_lens=args.eval_seq_len, eval_max_windows=args.eval_max_windows,
+        num_proc=args.num_proc, seed=args.seed, progress=not args.no_progress,
     )
-    print(f"wrote {adapt(cfg)}")
+    after_training = _adapt_card_evaluation(args) if args.eval_data else None
+    print(f"wrote {adapt(cfg, after_training=after_training)}")
+
+
+def _adapt_card_evaluation(args):
+    """`adapt --eval-data`: the hook that measures the adapted folder's perplexity (with --teacher, also
+    the teacher's and the KL to it) once training ends, and writes the table into its card."""
+    _check_eval_data(args)
+
+    def hook(out, device) -> None:
+        from .evaluation import evaluate, evaluate_conversion, load_model, write_card_evaluation
+
+        note = f"Measured by `subquadratic adapt --eval-data {args.eval_data}` at the end of the run."
+        if args.teacher:
+            results = evaluate_conversion(out, args.teacher, args.eval_data, seq_lens=args.eval_seq_len,
+                                          max_windows=args.eval_max_windows, device=str(device), name=out.name)
+        else:
+            model, tokenizer = load_model(out, device=str(device))
+            results = [evaluate(model, tokenizer, name=out.name, tasks=("ppl",), data=args.eval_data,
+                                seq_lens=args.eval_seq_len or [args.seq_len], max_windows=args.eval_max_windows)]
+        write_card_evaluation(out, results, note=note)
+
+    return hook
+
+
+def _check_eval_data(args) -> None:
+    """The --eval-* flags of convert and adapt, checked before any work."""
+    from pathlib import Path
+
+    from .data import DataError
+    from .evaluation import EvaluationError
+
+    if not Path(args.eval_data).expanduser().is_file():
+        raise DataError(f"--eval-data {args.eval_data} does not exist; give a .txt, .jsonl, .json or .parquet file")
+    if args.eval_max_windows < 1 or any(L < 2 for L in args.eval_seq_len or []):
+        raise EvaluationError("--eval-max-windows must be >= 1 and --eval-seq-len values >= 2")
 
 
 def _one_line(text: str) -> str:
@@ -226,15 +260,7 @@ def _convert(parser, args) -> None:
 
 def _card_evaluation(args):
     """`convert --eval-data`: the hook that evaluates the finished temporary folder and writes its card."""
-    from pathlib import Path
-
-    from .evaluation import EvaluationError
-
-    if not Path(args.eval_data).expanduser().is_file():
-        raise EvaluationError(f"--eval-data {args.eval_data} does not exist; give a .txt, .jsonl, .json or "
-                              ".parquet file")
-    if args.eval_max_windows < 1 or any(L < 2 for L in args.eval_seq_len or []):
-        raise EvaluationError("--eval-max-windows must be >= 1 and --eval-seq-len values >= 2")
+    _check_eval_data(args)
 
     def hook(folder, src_folder) -> None:
         from .evaluation import evaluate_conversion, markdown_table, write_card_evaluation
@@ -256,6 +282,7 @@ def _card_evaluation(args):
 def _eval(args) -> None:
     from pathlib import Path
 
+    from .data import DataError
     from .evaluation import (
         EvaluationError,
         evaluate,
@@ -276,7 +303,7 @@ def _eval(args) -> None:
         if not (Path(m).expanduser() / "config.json").is_file():
             raise EvaluationError(f"{m} is not a checkpoint folder (no config.json); give local folders")
     if args.data and not Path(args.data).expanduser().is_file():
-        raise EvaluationError(f"--data {args.data} does not exist; give a .txt, .jsonl, .json or .parquet file")
+        raise DataError(f"--data {args.data} does not exist; give a .txt, .jsonl, .json or .parquet file")
     if args.plot_dir:
         from .evaluation.report import require_matplotlib
 
@@ -340,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"subquadratic: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except ValueError as e:  # AdaptError, DataError: bad settings or data
-        from .adaptation import AdaptError, DataError
+        from .adaptation import AdaptError
+        from .data import DataError
 
         if not isinstance(e, AdaptError | DataError):
             raise

@@ -216,9 +216,9 @@ def test_static_cache_allocates_once_and_gives_one_token_steps_fixed_shapes(monk
     seen_shapes = []
     real = spla_module.spla_attention
 
-    def spy(q, k, v, q_pos, k_pos, stats, sbar, **kw):
+    def spy(q, k, v, q_pos, k_pos, stats, sbar, params, **kw):
         seen_shapes.append((q.shape[1], k.shape, k_pos.shape, stats.sum_k.shape, kw["new_kv"] is not None))
-        return real(q, k, v, q_pos, k_pos, stats, sbar, **kw)
+        return real(q, k, v, q_pos, k_pos, stats, sbar, params, **kw)
 
     monkeypatch.setattr(spla_module, "spla_attention", spy)
     model = tiny_spla(mixer_types=MIXED)

@@ -18,7 +18,7 @@ Runs under accelerate: `accelerate launch -m subquadratic adapt ...` with a mult
 configuration is the same command; on one process it runs as is, on CPU too. OUT is a loadable
 Hugging Face folder at the end; on the way, `OUT/checkpoints/step-N/` are loadable folders too, with
 the optimizer, scheduler and random states under `state/` for `resume`. The loss of every step goes
-to `OUT/adapt_log.jsonl`.
+to `OUT/adapt_log.jsonl`. The data (reading, packing, batches) is `subquadratic.data`'s.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,15 +37,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .data import IGNORE_INDEX, DataError, load_texts, tokenize_and_pack
+from ..cards import replace_section
+from ..data import IGNORE_INDEX, batches, load_texts, tokenize_and_pack, torch_dtype
 
 LOG_FILE = "adapt_log.jsonl"
 STATE_FILE = "trainer_state.json"
 TRAIN_CHOICES = ("full", "mixer", "new", "lora")
 LOSS_CHOICES = ("lm", "kl")
-PRECISION_CHOICES = ("no", "bf16", "fp16")
-#: the compute dtype of each --mixed-precision choice
-COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: the compute dtype (a `data.DTYPE_NAMES` name) of each --mixed-precision choice
+COMPUTE_DTYPES = {"no": "float32", "bf16": "bfloat16", "fp16": "float16"}
+PRECISION_CHOICES = tuple(COMPUTE_DTYPES)
 
 
 class AdaptError(ValueError):
@@ -87,10 +89,6 @@ class AdaptConfig:
     #: processes that tokenise the data (default: one)
     num_proc: int | None = None
     progress: bool = True
-    #: held-out text evaluated at the end (perplexity, and KL to the teacher) into the card's Evaluation
-    eval_data: str | None = None
-    eval_seq_lens: list[int] | None = None
-    eval_max_windows: int = 8
     #: stop (as an interruption would) after this many steps, leaving the last checkpoint: for tests
     stop_after: int | None = None
     extra: dict = field(default_factory=dict)
@@ -283,25 +281,6 @@ def _lr_lambda(stage1: int, total: int, warmup_ratio: float, stage1_lr: float, l
     return rate
 
 
-def batches(rows, batch_size: int, seed: int, skip: int, rank: int = 0, world: int = 1):
-    """Endless micro-batches: each epoch a fresh permutation (seeded by seed + epoch), one share per
-    process, the first `skip` micro-batches passed over (resuming)."""
-    per_epoch = len(rows) // (batch_size * world)
-    if per_epoch == 0:
-        raise DataError(f"{len(rows)} packed rows do not fill one batch of {batch_size} x {world} process(es); "
-                        "give more data, or lower --batch-size / --seq-len")
-    epoch = skip // per_epoch
-    n = epoch * per_epoch  # micro-batches before this epoch
-    while True:
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + epoch))
-        for i in range(per_epoch):
-            if n >= skip:
-                start = (i * world + rank) * batch_size
-                yield rows[order[start: start + batch_size]]
-            n += 1
-        epoch += 1
-
-
 def latest_checkpoint(out: Path) -> Path | None:
     done = [p for p in (out / "checkpoints").glob("step-*") if (p / STATE_FILE).is_file()]
     return max(done, key=lambda p: int(p.name.split("-")[1])) if done else None
@@ -333,7 +312,7 @@ def _fsdp_plugin(mixed_precision: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return FullyShardedDataParallelPlugin(mixed_precision_policy=MixedPrecisionPolicy(
-        param_dtype=COMPUTE_DTYPES[mixed_precision], reduce_dtype=torch.float32))
+        param_dtype=torch_dtype(COMPUTE_DTYPES[mixed_precision]), reduce_dtype=torch.float32))
 
 
 def _fsdp_launch() -> bool:
@@ -341,8 +320,12 @@ def _fsdp_launch() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
 
 
-def adapt(cfg: AdaptConfig) -> Path:
-    """Run the adaptation `cfg` describes; returns the output folder (a loadable model folder)."""
+def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None] | None = None) -> Path:
+    """Run the adaptation `cfg` describes; returns the output folder (a loadable model folder).
+
+    `after_training(out, device)` runs on the main process once `out` holds the final model and its
+    card, before the checkpoints are removed (`subquadratic adapt --eval-data` evaluates the model
+    there and writes the card's Evaluation section)."""
     from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.utils import DistributedType, set_seed
     from tqdm.auto import tqdm
@@ -367,12 +350,11 @@ def adapt(cfg: AdaptConfig) -> Path:
     with accelerator.main_process_first():  # the data first: its problems show before any model loads
         rows = tokenize_and_pack(load_texts(cfg.data, cfg.text_field, cfg.text_unit), tokenizer, cfg.seq_len,
                                  num_proc=cfg.num_proc)
-    if len(rows) < cfg.batch_size * accelerator.num_processes:
-        raise DataError(f"the data makes {len(rows)} packed rows of {cfg.seq_len} tokens, fewer than one batch of "
-                        f"{cfg.batch_size} x {accelerator.num_processes} process(es); give more data, or lower "
-                        "--batch-size / --seq-len")
+    step = json.loads((resume_from / STATE_FILE).read_text())["step"] if resume_from is not None else 0
+    stream = batches(rows, cfg.batch_size, cfg.seed, step * cfg.grad_accum,
+                     accelerator.process_index, accelerator.num_processes)
     student = _load_student(cfg.student)
-    compute = COMPUTE_DTYPES[cfg.mixed_precision]
+    compute = torch_dtype(COMPUTE_DTYPES[cfg.mixed_precision])
     teacher = _load_teacher(cfg.teacher, student, compute).to(accelerator.device) if cfg.teacher else None
     layers = converted_layers(student.config)
     stage1 = cfg.stage1_steps if cfg.stage1_steps is not None else (-(-cfg.max_steps // 4) if teacher and layers else 0)
@@ -405,10 +387,8 @@ def adapt(cfg: AdaptConfig) -> Path:
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP replaces the parameters with shards
     student_lm = trainee.student.get_base_model() if cfg.train == "lora" else trainee.student
 
-    step = 0
     if resume_from is not None:
         accelerator.load_state(str(resume_from / "state"))
-        step = json.loads((resume_from / STATE_FILE).read_text())["step"]
     log_path = out / LOG_FILE
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -416,8 +396,6 @@ def adapt(cfg: AdaptConfig) -> Path:
                 if json.loads(line)["step"] <= step]
         log_path.write_text("".join(line + "\n" for line in kept))
 
-    stream = batches(rows, cfg.batch_size, cfg.seed, step * cfg.grad_accum,
-                     accelerator.process_index, accelerator.num_processes)
     if stage1 and step < stage1:
         trainee.transfer = Transfer(teacher, student_lm, layers)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * accelerator.num_processes
@@ -472,8 +450,8 @@ def adapt(cfg: AdaptConfig) -> Path:
     save_model(accelerator, model, tokenizer, out, lora=cfg.train == "lora")
     if main:
         _write_card(out, cfg, stage1, step * tokens_per_step, last)
-        if cfg.eval_data:
-            _evaluate_into_card(out, cfg, accelerator.device)
+        if after_training is not None:
+            after_training(out, accelerator.device)
         if not cfg.keep_checkpoints:
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -567,22 +545,6 @@ def _checkpoint(accelerator, model, tokenizer, cfg: AdaptConfig, out: Path, step
     accelerator.wait_for_everyone()
 
 
-def _evaluate_into_card(out: Path, cfg: AdaptConfig, device) -> None:
-    """Perplexity of the adapted model (and of the teacher, with the KL to it) on `eval_data`, written
-    into the card's Evaluation section."""
-    from ..evaluation import evaluate, evaluate_conversion, load_model, write_card_evaluation
-
-    note = f"Measured by `subquadratic adapt --eval-data {cfg.eval_data}` at the end of the run."
-    if cfg.teacher:
-        results = evaluate_conversion(out, cfg.teacher, cfg.eval_data, seq_lens=cfg.eval_seq_lens,
-                                      max_windows=cfg.eval_max_windows, device=str(device), name=out.name)
-    else:
-        model, tokenizer = load_model(out, device=str(device))
-        results = [evaluate(model, tokenizer, name=out.name, tasks=("ppl",), data=cfg.eval_data,
-                            seq_lens=cfg.eval_seq_lens or [cfg.seq_len], max_windows=cfg.eval_max_windows)]
-    write_card_evaluation(out, results, note=note)
-
-
 def _write_card(out: Path, cfg: AdaptConfig, stage1: int, tokens: int, last: dict) -> None:
     """The student's card plus a section on this adaptation."""
     card = out / "README.md"
@@ -601,8 +563,6 @@ def _write_card(out: Path, cfg: AdaptConfig, stage1: int, tokens: int, last: dic
                "conversion it started from):\n\n| setting | value |\n| --- | --- |\n")
     section += "".join(f"| {k} | {v} |\n" for k, v in rows)
     section += f"\nThe loss of every step is in `{LOG_FILE}`.\n"
-    from ..evaluation.report import replace_section
-
     card.write_text(replace_section(text, "## Adaptation", section))
 
 

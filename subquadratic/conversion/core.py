@@ -33,8 +33,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ..data import DTYPE_CHOICES, torch_dtype
+
 SUPPORTED_SOURCES = ("llama", "mistral", "qwen2", "qwen3")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COPIED_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
@@ -362,8 +363,8 @@ def convert(
     `out` (the CLI evaluates it there and writes the card's evaluation); if it raises, nothing is left."""
     fam, options = _target(to, dict(options or {}))
     conv = fam.converter
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ConversionError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+    if dtype not in DTYPE_CHOICES:
+        raise ConversionError(f"unknown dtype {dtype!r}; use {', '.join(DTYPE_CHOICES)}")
     src_path = resolve_source(src)
     out_path = Path(out).expanduser()
     _prepare_out(src_path, out_path, overwrite)
@@ -375,7 +376,7 @@ def convert(
         config = keep_source_attention(conv.build_config(fields, options), source_layer_types(src_cfg))
     except ValueError as e:
         raise ConversionError(f"invalid settings: {e}") from None
-    cast = DTYPES.get(dtype)
+    cast = None if dtype == "auto" else torch_dtype(dtype)
     drop = {"lm_head.weight"} if fields.get("tie_word_embeddings") else set()
 
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,11 @@
 and multi-key needle retrieval (`retrieval`), multi-query associative recall and the from-scratch
 comparison at equal state size (`mqar`), next-token KL to a dense reference (`kl`), and the table,
 JSON, plots and model-card section (`report`). `suite.evaluate` runs the chosen tasks on one model;
-`subquadratic eval` is its command line. docs/evaluation.md defines every measure.
+`subquadratic eval` is its command line. docs/evaluation.md defines every measure. The held-out text
+(token stream, windows) is `subquadratic.data`'s.
 """
 
-from .data import EvaluationError, load_stream, load_texts, token_stream, windows
+from .errors import EvaluationError
 from .kl import next_token_kl
 from .mqar import MQARSettings, mqar_accuracy, mqar_batch, mqar_compare, mqar_eval
 from .ppl import perplexity
@@ -15,7 +16,6 @@ from .suite import TASKS, default_lengths, evaluate, evaluate_conversion, load_m
 
 __all__ = [
     "EvaluationError", "MQARSettings", "TASKS", "default_lengths", "evaluate", "evaluate_conversion",
-    "load_model", "load_stream", "load_texts", "markdown_table", "mqar_accuracy", "mqar_batch", "mqar_compare",
-    "mqar_eval", "next_token_kl", "niah", "passkey", "perplexity", "plot_results", "retrieval", "token_stream",
-    "windows", "write_card_evaluation", "write_json",
+    "load_model", "markdown_table", "mqar_accuracy", "mqar_batch", "mqar_compare", "mqar_eval", "next_token_kl",
+    "niah", "passkey", "perplexity", "plot_results", "retrieval", "write_card_evaluation", "write_json",
 ]

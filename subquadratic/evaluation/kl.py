@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from .data import EvaluationError
+from .errors import EvaluationError
 from .ppl import CHUNK, logits_of, window_means
 
 

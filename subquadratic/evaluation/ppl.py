@@ -9,12 +9,12 @@ tokens; perplexity = exp(NLL).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 
-from .data import windows
+from ..data import windows
 
 #: Positions whose log-softmax is taken at once (bounds the fp32 copy of large-vocabulary logits).
 CHUNK = 1024
@@ -27,11 +27,6 @@ def model_device(model) -> torch.device:
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
     """[B, L, V] logits of a forward over `ids` [B, L] without a cache, on the model's device."""
     return model(input_ids=ids.to(model_device(model)), use_cache=False).logits
-
-
-def batches(rows: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
-    for i in range(0, rows.shape[0], batch_size):
-        yield rows[i:i + batch_size]
 
 
 @torch.no_grad()
@@ -59,7 +54,7 @@ def window_means(
     for L in seq_lens:
         rows = windows(ids, L, max_windows)
         total, count = 0.0, 0
-        for batch in tqdm(list(batches(rows, batch_size)), desc=f"{desc} @ {L}", disable=not progress, leave=False):
+        for batch in tqdm(rows.split(batch_size), desc=f"{desc} @ {L}", disable=not progress, leave=False):
             values = per_token(batch)
             total += values.double().sum().item()
             count += values.numel()

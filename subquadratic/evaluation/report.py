@@ -11,6 +11,8 @@ import json
 import re
 from pathlib import Path
 
+from ..cards import replace_section
+
 #: (task, metric, column title) in table order.
 METRICS = (
     ("ppl", "ppl", "perplexity"),
@@ -80,7 +82,7 @@ def require_matplotlib():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from .data import EvaluationError
+        from .errors import EvaluationError
 
         raise EvaluationError("plots need matplotlib: pip install matplotlib (or pip install "
                               "'subquadratic[eval]'), or leave out --plot-dir") from None
@@ -136,18 +138,6 @@ def card_section(results: list[dict], note: str | None = None) -> str:
     ))
     lines += ["", markdown_table(results), ""]
     return "\n".join(lines)
-
-
-def replace_section(text: str, heading: str, section: str) -> str:
-    """`text` (a markdown card) with the section under the level-2 `heading` replaced by `section`, or
-    `section` appended when the card has none."""
-    start = re.search(rf"^{re.escape(heading)}[ \t]*$", text, flags=re.M)
-    if start is None:
-        return (text.rstrip("\n") + "\n\n" if text.strip() else "") + section
-    nxt = re.search(r"^## ", text[start.end():], flags=re.M)
-    end = start.end() + nxt.start() if nxt else len(text)
-    rest = text[end:]
-    return text[:start.start()] + section + ("\n" + rest if rest else "")
 
 
 def write_card_evaluation(model_dir: str | Path, results: dict | list[dict], note: str | None = None) -> Path:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .data import EvaluationError
+from .errors import EvaluationError
 from .ppl import model_device
 
 

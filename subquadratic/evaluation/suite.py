@@ -8,14 +8,14 @@ from pathlib import Path
 
 import torch
 
-from .data import EvaluationError, load_stream
+from ..data import DTYPE_CHOICES, load_stream, torch_dtype
+from .errors import EvaluationError
 from .kl import next_token_kl
 from .mqar import mqar_eval
 from .ppl import perplexity
 from .retrieval import min_length, niah, passkey
 
 TASKS = ("ppl", "passkey", "niah", "mqar", "kl")
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -38,14 +38,15 @@ def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "auto"):
     path = Path(path).expanduser()
     if not (path / "config.json").is_file():
         raise EvaluationError(f"{path} has no config.json; give a checkpoint folder")
-    if dtype not in DTYPES:
-        raise EvaluationError(f"unknown dtype {dtype!r}; use {', '.join(DTYPES)}")
+    if dtype not in DTYPE_CHOICES:
+        raise EvaluationError(f"unknown dtype {dtype!r}; use {', '.join(DTYPE_CHOICES)}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # no tokenizer files
         raise EvaluationError(f"{path} has no loadable tokenizer ({type(e).__name__}); save the tokenizer of "
                               "its source model into the folder (tokenizer.save_pretrained)") from None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(resolve_device(device)).eval()
+    weights = dtype if dtype == "auto" else torch_dtype(dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=weights).to(resolve_device(device)).eval()
     return model, tokenizer
 
 

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from subquadratic.adaptation import AdaptConfig, adapt, kl_to_teacher, pack_rows
-from subquadratic.adaptation.data import IGNORE_INDEX, load_texts
+from subquadratic.adaptation import AdaptConfig, adapt, kl_to_teacher
 from subquadratic.adaptation.train import converted_layers, new_parameter_names
+from subquadratic.data import DataError, load_texts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,13 +38,6 @@ def weights(folder):
     return out
 
 
-def test_pack_rows_restart_positions_and_ignore_each_first_label():
-    rows = pack_rows([[1, 2, 3], [4, 5, 6, 7, 8], [9]], seq_len=4)
-    assert rows["input_ids"] == [[1, 2, 3, 4], [5, 6, 7, 8]]  # the tail [9] does not fill a row
-    assert rows["position_ids"] == [[0, 1, 2, 0], [0, 1, 2, 3]]  # the second document continues as a piece
-    assert rows["labels"] == [[IGNORE_INDEX, 2, 3, IGNORE_INDEX], [IGNORE_INDEX, 6, 7, 8]]
-
-
 def test_load_texts_reads_files_folders_and_jsonl(tmp_path, corpus):
     files, _ = corpus
     (tmp_path / "a.jsonl").write_text('{"body": "first record"}\n{"body": "second"}\n')
@@ -52,7 +45,7 @@ def test_load_texts_reads_files_folders_and_jsonl(tmp_path, corpus):
     assert len(load_texts([str(files[0].parent)])) == len(files) + 1  # the folder: held-out file included
     ds = load_texts([str(tmp_path / "a.jsonl")], text_field="body")
     assert ds["text"] == ["first record", "second"]
-    with pytest.raises(ValueError, match="no column 'text'"):
+    with pytest.raises(DataError, match="no column 'text'"):
         load_texts([str(tmp_path / "a.jsonl")])
 
 
@@ -178,12 +171,27 @@ def test_cli_adapts_and_refuses_bad_input_in_one_line(tmp_path, corpus, converte
         (["adapt", student, "-o", tmp_path / "o4", "--data", *files, "--loss", "kl"], "--teacher"),
         (["adapt", student, "-o", tmp_path / "o5", "--data", *files, "--seq-len", 10**7], "fewer than"),
         (["adapt", student, "-o", tmp_path / "o6", "--data", *files, "--num-proc", 0], "--num-proc"),
+        (["adapt", student, "-o", tmp_path / "o7", "--data", *files, "--eval-data", tmp_path / "none.txt"],
+         "--eval-data"),
     ]
     for args, needle in bad:
         r = cli(*args)
         assert r.returncode == 2, (args, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert not (tmp_path / "o7").exists()  # a missing --eval-data stops the run before it trains
+
+
+def test_cli_adapt_without_teacher_measures_perplexity_at_the_training_length(tmp_path, corpus, converted):
+    out = tmp_path / "out"
+    r = cli("adapt", converted("hla"), "-o", out, "--data", *[str(f) for f in corpus[0]], "--max-steps", 1,
+            "--seq-len", 64, "--batch-size", 2, "--no-progress", "--eval-data", corpus[1], "--eval-max-windows", 2)
+    assert r.returncode == 0, r.stderr
+    card = (out / "README.md").read_text()
+    section = card[card.index("## Evaluation"):]
+    assert "Measured by `subquadratic adapt --eval-data" in section and "KL" not in section
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [(m.strip(), int(n)) for m, n, _ in rows] == [("out", 64)] and float(rows[0][2]) > 1
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from subquadratic.cli import main
-from subquadratic.evaluation import load_stream, perplexity
+from subquadratic.data import load_stream
+from subquadratic.evaluation import perplexity
 from subquadratic.evaluation.retrieval import min_length
 
 from ..test_cli import one_error_line, run_cli

@@ -8,7 +8,7 @@ from ...configuration.base import SubquadraticConfig
 
 
 class HLAConfig(SubquadraticConfig):
-    """HLA: masked second-order linear attention with a fixed-size state per layer (DESIGN.md "HLA").
+    """HLA: masked second-order linear attention with a fixed-size state per layer (docs/design.md "HLA").
 
     `hla_variant`: "hla2" (second order: S = sum k k^T, F = sum (S q) v^T) or "ahla" (asymmetric,
     linear attention applied twice). `decay_mode`: "data" (per-head gate

@@ -1,4 +1,4 @@
-"""HLA token mixer and model classes (DESIGN.md "HLA").
+"""HLA token mixer and model classes (docs/design.md "HLA").
 
 Per layer: q = W_q x (HQ heads), k = W_k x, v = W_v x (H heads, repeated to HQ), the source's
 optional qk-norm, then q and k L2-normalised and scaled, a per-head decay alpha_t (data-dependent

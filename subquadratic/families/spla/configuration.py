@@ -7,7 +7,7 @@ from ...configuration.base import SubquadraticConfig
 
 class SPLAConfig(SubquadraticConfig):
     """SPLA: exact softmax attention on the KV blocks a second-order Taylor score selects, plus a
-    residual linear-attention term for everything else (see DESIGN.md "SPLA").
+    residual linear-attention term for everything else (see docs/design.md "SPLA").
 
     Selection budget per query: `top_k_blocks` blocks of `block_size` keys, of which the first
     `num_sink_blocks` and the `num_local_blocks` most recent (the current partial block included)

@@ -1,4 +1,4 @@
-"""SPLA token mixer and model classes (DESIGN.md "SPLA").
+"""SPLA token mixer and model classes (docs/design.md "SPLA").
 
 o = o_sp + RMSNorm_gamma(o_rla), then W_o: o_sp is exact softmax attention over the selected KV
 blocks, o_rla the residual linear attention over everything else, obtained by subtraction. gamma
@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationMixin
 from transformers import initialization as init
 
-from ...kernels.spla import BlockStats, append_token, spla_attention
+from ...kernels.spla import BlockStats, SPLAParams, append_token, spla_attention
 from ...modeling.base import (
     AttentionBase,
     SequenceInfo,
@@ -101,9 +101,8 @@ class SPLAAttention(AttentionBase):
         # the op takes [B, T, H, D]: transposed views of q and of the [B, H, S, D] cache, no copies
         o_sp, o_rla, sbar = spla_attention(
             q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), seq.positions, seq.key_positions, stats, sbar,
-            backend=cfg.kernel_backend, k_offsets=seq.key_offsets, new_kv=new_kv, causal=seq.causal,
-            block_size=cfg.block_size, top_k_blocks=cfg.top_k_blocks, num_sink_blocks=cfg.num_sink_blocks,
-            num_local_blocks=cfg.num_local_blocks, selection=cfg.selection, use_rla=cfg.use_rla,
+            SPLAParams.from_config(cfg), backend=cfg.kernel_backend, k_offsets=seq.key_offsets, new_kv=new_kv,
+            causal=seq.causal,
         )
         if cache_layer is not None:
             cache_layer.set_sbar(sbar)

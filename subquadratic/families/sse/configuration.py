@@ -15,7 +15,7 @@ from ...configuration.base import SOFTMAX_MIXERS, SubquadraticConfig, hybrid_mix
 class SSEConfig(SubquadraticConfig):
     """SSE: a shared gated linear-attention state plus `sse_num_partitions` (N) partition states, of
     which a softmax router picks `sse_top_k` (K) per token for both writing and reading
-    (DESIGN.md "SSE and SSE-H").
+    (docs/design.md "SSE and SSE-H").
 
     `sse_base`: "gla" (per-key-dim decays, keys through a softmax over the head dim) or "gdn"
     (gated delta rule: per-head decays, L2-normalised q and k, a write strength beta).

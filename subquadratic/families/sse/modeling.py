@@ -1,4 +1,4 @@
-"""SSE token mixer and model classes (DESIGN.md "SSE and SSE-H").
+"""SSE token mixer and model classes (docs/design.md "SSE and SSE-H").
 
 Per layer (HQ heads of dim D for q, k and v, so a dense checkpoint converts by repeating its K/V
 heads): q1 = W_q x, k1 = W_k x, v = W_v x, q2 = q1 + B_q A_q x, k2 = k1 + B_k A_k x (B = 0 at

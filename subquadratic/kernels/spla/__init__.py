@@ -1,29 +1,44 @@
-"""SPLA attention (DESIGN.md "SPLA"): one op, `spla_attention`, the dispatch the model calls.
+"""SPLA attention (docs/design.md "SPLA"): one op, `spla_attention`, the dispatch the model calls.
 
 Layout: q [B, Tq, HQ, D] (the new tokens), k, v [B, S, H, D] (every cached token plus the new ones,
 new ones last; any strides with unit stride in D, so a [B, H, S, D] cache passes transposed views),
 logical positions q_pos [B, Tq], k_pos [B, S] (-1 at padding), block statistics (`BlockStats`, an
-internal structure of the op) and the residual state sbar [B, H, D, D].
+internal structure of the op), the residual state sbar [B, H, D, D] and the hyper-parameters
+(`SPLAParams`).
 
-Forms: `naive.spla_naive` (the definition, one unpadded sequence: the test oracle),
-`gather.spla_decode_gather` (the "torch" backend's decode step: reads only the selected blocks),
-`dense.spla_dense` (SDPA over every causal key: SPLA while every row fits its budget),
-`parallel.spla_parallel` (masked PyTorch, any device: backend "torch"), `select.select_blocks`
-(PyTorch selection); Triton (CUDA): `triton_select.select_indices`, `triton_parallel.spla_parallel_triton`
-(prefill / training, backward in `triton_parallel_bwd`) and `triton_decode.spla_decode_triton`
-(one token per row), both behind `spla_triton`. The Triton modules import Triton when first used.
-`append_token` writes new tokens into a static cache (keys, values, block sums) in place.
+The path of a call is decided once, by `plan.plan_spla` (an `SPLAPlan`: path, kernel form, splits,
+phi(k) precomputed or not, selection, launch settings), and executed here. Forms:
+`naive.spla_naive` (the definition, one unpadded sequence: the test oracle), `dense.spla_dense`
+(SDPA over every causal key: SPLA while every row fits its budget), `parallel.spla_parallel`
+(masked PyTorch, any device), `gather.spla_decode_gather` (the PyTorch decode step: reads only the
+selected blocks), `select.select_blocks` (PyTorch selection); Triton (CUDA):
+`triton_select.select_indices` and `triton_tile.select_indices_fast` (selection),
+`triton_parallel.spla_parallel_triton` (prefill / training: the per-token kernels, backward in
+`triton_parallel_bwd`, or the query-tile kernels of `triton_tile`) and
+`triton_decode.spla_decode_triton` (one token per row). The Triton modules import Triton when
+first used. `append_token` writes new tokens into a static cache (keys, values, block sums) in place.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..utils import resolve_backend, slot_offsets, triton_available
-from .dense import spla_dense, within_budget
+from ..utils import slot_offsets
+from .dense import spla_dense
 from .gather import spla_decode_gather
 from .naive import spla_naive
 from .parallel import spla_parallel
+from .plan import (
+    OFFSET_PATHS,
+    TRITON_HEAD_DIMS,
+    Launch,
+    SPLAParams,
+    SPLAPlan,
+    plan_append,
+    plan_spla,
+    triton_unsupported,
+    within_budget,
+)
 from .select import select_blocks
 from .stats import BlockStats, feature_map
 
@@ -32,14 +47,15 @@ _TRITON_EXPORTS = {
     "select_indices": "triton_select", "spla_parallel_triton": "triton_parallel", "sparse_forward": "triton_parallel",
     "key_features": "triton_parallel", "causal_linear_term": "triton_parallel", "SparseAttention": "triton_parallel",
     "queries_by_block": "triton_parallel_bwd", "spla_decode_triton": "triton_decode",
-    "append_token_triton": "triton_decode",
+    "append_token_triton": "triton_decode", "select_indices_fast": "triton_tile", "tile_shape": "triton_tile",
+    "tile_union": "triton_tile", "tile_sparse_forward": "triton_tile", "tile_sparse_attention": "triton_tile",
 }
 
 
 __all__ = [
-    "BlockStats", "TRITON_HEAD_DIMS", "append_token", "feature_map", "select_blocks", "spla_attention", "spla_dense",
-    "spla_decode_gather", "spla_naive", "spla_parallel", "within_budget", "spla_triton", "triton_unsupported",
-    *_TRITON_EXPORTS,
+    "BlockStats", "Launch", "SPLAParams", "SPLAPlan", "TRITON_HEAD_DIMS", "append_token", "feature_map", "plan_append",
+    "plan_spla", "select_blocks", "spla_attention", "spla_dense", "spla_decode_gather", "spla_naive", "spla_parallel",
+    "triton_unsupported", "within_budget", *_TRITON_EXPORTS,
 ]
 
 def __getattr__(name: str):
@@ -50,32 +66,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-#: Head dimensions the Triton kernels take; their block size must be at least 16 (tl.dot tiles).
-TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
-
-
-def triton_unsupported(head_dim: int, block_size: int, k_offsets: torch.Tensor | None) -> str | None:
-    """Why the Triton kernels cannot take these inputs, or None. `k_offsets` is `slot_offsets(k_pos)`:
-    None when a row has padding in the middle (its tokens not in consecutive slots)."""
-    if head_dim not in TRITON_HEAD_DIMS:
-        return f"head_dim {head_dim} is not one of {TRITON_HEAD_DIMS}"
-    if block_size < 16:
-        return f"block_size {block_size} < 16"
-    if k_offsets is None:
-        return "a row has padding in the middle (its tokens are not in consecutive cache slots)"
-    return None
-
-
 def append_token(K, V, stats: BlockStats, k, v, index, pos, block_size: int, *, backend: str = "auto") -> None:
     """Write new tokens k, v [B, H, T, D] into slots `index` [T] (long, on the device) of a static
     cache's K, V [B, H, S, D] and add the real ones (pos [B, T] >= 0) to its block sums `stats`, in
-    place and with no host synchronisation. One token per row on CUDA with Triton (backend "auto" or
-    "triton"): one launch (`triton_decode.append_token_triton`); otherwise index_copy_ and
-    `BlockStats.add_`, with the same sums."""
-    one_launch = (backend in ("auto", "triton") and k.is_cuda and k.shape[2] == 1 and triton_available()
-                  and k.shape[-1] in TRITON_HEAD_DIMS and stats.sum_k.dtype == torch.float32
-                  and K.stride(-1) == V.stride(-1) == stats.sum_k.stride(-1) == 1)
-    if one_launch:
+    place and with no host synchronisation, on the path `plan.plan_append` picks: one launch
+    (`triton_decode.append_token_triton`) or index_copy_ and `BlockStats.add_`, with the same sums."""
+    unit_stride = K.stride(-1) == V.stride(-1) == stats.sum_k.stride(-1) == 1
+    if plan_append(k.shape, k.device, stats.sum_k.dtype, unit_stride=unit_stride, backend=backend) == "triton":
         from .triton_decode import append_token_triton
 
         append_token_triton(K, V, stats, k, v, index, pos, block_size)
@@ -85,68 +82,47 @@ def append_token(K, V, stats: BlockStats, k, v, index, pos, block_size: int, *, 
     stats.add_(k.transpose(1, 2), pos, block_size)
 
 
-def _resolve_offsets(k_offsets, k_pos: torch.Tensor) -> torch.Tensor | None:
-    """`k_offsets` as given (a tensor, or a function returning one), else `slot_offsets(k_pos)`."""
-    k_offsets = k_offsets() if callable(k_offsets) else k_offsets
-    return slot_offsets(k_pos) if k_offsets is None else k_offsets
-
-
-def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, *, backend: str = "auto", k_offsets=None, new_kv=None,
-                   causal: bool = False, **kw):
+def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, params: SPLAParams, *, backend: str = "auto",
+                   k_offsets=None, new_kv=None, causal: bool = False, plan: SPLAPlan | None = None):
     """SPLA attention of the new tokens over the cache. Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D]
-    or None with use_rla=False, new sbar); keyword arguments as `parallel.spla_parallel`.
+    or None (inside the budget, or with use_rla=False), new sbar).
 
-    Inside the budget (S key slots, padding included, <= top_k_blocks x block_size, so every causal
-    block of every row is selected and the residual term is exactly zero), "auto" and "torch" take
-    `spla_dense`: softmax attention through SDPA, which also carries Sbar, so the switch to the
-    sparse path when a row outgrows the budget is seamless. S is a shape: no host sync decides it.
-
-    Beyond the budget the path is decided here and nowhere else (`utils.resolve_backend`): "auto"
-    takes the Triton kernels on CUDA when Triton is installed and the inputs suit them
-    (`triton_unsupported`: head dim, block size, no padding in the middle of a row), else the
-    PyTorch form; "torch" the PyTorch form; "triton" the kernels or a ValueError; "naive" a
-    ValueError (the definition serves tests only). On the Triton path, one token per row without
-    gradients (decode) takes the decode kernels, everything else the prefill / training kernels.
-    `k_offsets` [B] int32: the slot of each row's position 0 (`slot_offsets(k_pos)`), or a function
-    returning it (called only where needed; the model shares one result between its layers),
-    computed here when not given (one host sync). `new_kv`: the new tokens' keys and values
-    [B, Tq, H, D] where they are not the last Tq slots of k, v (a static cache's whole buffers, where
-    unused slots have position -1). `causal`: the caller knows every slot is a real token in
-    position order with the new tokens last (`SequenceInfo.causal`), so the dense path may skip the mask."""
-    if backend in ("auto", "torch") and within_budget(k.shape[1], kw["block_size"], kw["top_k_blocks"]):
+    The path is `plan`, else the one `plan.plan_spla` makes for these shapes, `backend` and whether
+    gradients are needed; a given plan must agree with the inputs on gradients. `k_offsets` [B]
+    int32: the slot of each row's position 0 (`slot_offsets(k_pos)`), or a function returning it
+    (the model shares one result between its layers); read here and nowhere else, only on the paths
+    that need it (`OFFSET_PATHS`; computed from k_pos when not given: one host sync). Where it is None
+    (a row with padding in the middle) a plan made here is made again for such rows (the PyTorch
+    form); a given plan raises. `new_kv`: the new tokens' keys and values [B, Tq, H, D] where they are
+    not the last Tq slots of k, v (a static cache's whole buffers, where unused slots have position
+    -1). `causal`: the caller knows every slot is a real token in position order with the new tokens
+    last (`SequenceInfo.causal`), so the dense path may skip the mask."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    given = plan is not None
+    if not given:
+        plan = plan_spla(q.shape, k.shape, q.dtype, q.device, params, backend=backend, grad=grad)
+    elif plan.grad != grad:
+        raise ValueError(f"the SPLA plan was made for grad={plan.grad}, these inputs have grad={grad} (gradients "
+                         f"enabled and an input requiring them); make the plan with plan_spla(..., grad={grad})")
+    koff = None
+    if plan.path in OFFSET_PATHS:
+        koff = k_offsets() if callable(k_offsets) else slot_offsets(k_pos) if k_offsets is None else k_offsets
+        if koff is None and given:
+            raise ValueError(f"the SPLA path {plan.path!r} needs each row's tokens in consecutive slots (padding only "
+                             "before or after them); let spla_attention plan such rows (the PyTorch form)")
+        if koff is None:
+            plan = plan_spla(q.shape, k.shape, q.dtype, q.device, params, backend=backend, grad=grad,
+                             consecutive=False)
+    if plan.path == "dense":
         return spla_dense(q, k, v, q_pos, k_pos, sbar, new_kv, causal=causal)
-    why = None
-    if q.is_cuda and backend in ("auto", "triton"):  # the offsets (a host sync) only where kernels may run
-        k_offsets = _resolve_offsets(k_offsets, k_pos)
-        why = triton_unsupported(q.shape[-1], kw["block_size"], k_offsets)
-    path = resolve_backend(backend, q.device, op="SPLA", has_triton=True, has_naive=False, unsupported=why)
-    if path == "torch":
-        if q.shape[1] == 1 and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
-            k_offsets = _resolve_offsets(k_offsets, k_pos)
-            if k_offsets is not None:  # a decode step: read only the selected blocks
-                return spla_decode_gather(q, k, v, q_pos, stats, sbar, k_offsets, new_kv=new_kv, **kw)
-        return spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, new_kv=new_kv, **kw)
-    return spla_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, new_kv=new_kv, **kw)
-
-
-def spla_triton(q, k, v, q_pos, k_pos, stats, sbar, *, k_offsets=None, num_splits: int | None = None, new_kv=None,
-                **kw):
-    """The Triton forms, on any device Triton runs on (CUDA; the CPU interpreter in tests), same
-    contract as `spla_attention`: one token per row without gradients (decode, fp32/bf16/fp16) takes
-    the decode kernels, everything else the prefill / training kernels (`num_splits`: split each
-    token's blocks over that many programs). Inputs the kernels cannot take raise a ValueError."""
-    if k_offsets is None:
-        k_offsets = slot_offsets(k_pos)
-    why = triton_unsupported(q.shape[-1], kw["block_size"], k_offsets)
-    if why is not None:
-        raise ValueError(f"the SPLA Triton kernels do not support these inputs: {why}; use spla_attention")
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if q.shape[1] == 1 and q.dtype != torch.float64 and num_splits is None and not needs_grad:
+    if plan.path == "torch":
+        return spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, params, new_kv=new_kv)
+    if plan.path == "torch_decode":
+        return spla_decode_gather(q, k, v, q_pos, stats, sbar, koff, params, new_kv=new_kv)
+    if plan.path == "triton_decode":
         from .triton_decode import spla_decode_triton
 
-        kw.pop("query_chunk", None)
-        return spla_decode_triton(q, k, v, q_pos, stats, sbar, k_offsets, new_kv=new_kv, **kw)
+        return spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, params, launch=plan.launch, new_kv=new_kv)
     from .triton_parallel import spla_parallel_triton
 
-    return spla_parallel_triton(q, k, v, q_pos, k_pos, stats, sbar, k_offsets=k_offsets, num_splits=num_splits,
-                                new_kv=new_kv, **kw)
+    return spla_parallel_triton(q, k, v, q_pos, k_pos, stats, sbar, koff, params, plan, new_kv=new_kv)

@@ -6,8 +6,8 @@ exactly zero. This path computes just that, without scoring or selecting, and st
 residual state Sbar (and the caller the block sums), so a row that later outgrows the budget
 continues on the sparse path with the same state it would have had there.
 
-Which path runs is decided by the dispatch from shapes alone (the number of key slots), so the
-decision needs no host synchronisation.
+Which path runs is decided by the plan (`plan.within_budget`) from shapes alone (the number of key
+slots), so the decision needs no host synchronisation.
 """
 
 from __future__ import annotations
@@ -17,12 +17,6 @@ import torch.nn.functional as F
 
 from ..utils import allowed_keys
 from .stats import new_tokens
-
-
-def within_budget(num_key_slots: int, block_size: int, top_k_blocks: int) -> bool:
-    """True when every row of a cache with `num_key_slots` slots (padding included) has at most
-    `top_k_blocks` blocks, i.e. every causal block of every query is selected."""
-    return num_key_slots <= top_k_blocks * block_size
 
 
 def spla_dense(

@@ -15,6 +15,7 @@ import math
 import torch
 
 from ..utils import acc_dtype
+from .plan import SPLAParams
 from .select import NEG, select_blocks
 from .stats import BlockStats, feature_map, new_tokens
 
@@ -22,8 +23,8 @@ from .stats import BlockStats, feature_map, new_tokens
 def gather_slots(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """x [B, H, S, D] (a view of a cache, whose slots are rows of D contiguous elements), slot
     [B, H, L] -> x[b, h, slot[b, h, l]] as [B, H, L, D]. Copies whole rows (index_select over the rows
-    of x's storage: about 10x faster on the CPU than `gather` with an index expanded over D), or
-    indexes x directly where its strides do not make rows."""
+    of x's storage: on the CPU far faster than `gather` with an index expanded over D, see
+    docs/benchmarks.md), or indexes x directly where its strides do not make rows."""
     B, H, S, D = x.shape
     sb, sh, ss, sd = x.stride()
     if sd == 1 and ss == D and sb % D == 0 and sh % D == 0:
@@ -45,19 +46,13 @@ def spla_decode_gather(
     stats: BlockStats,
     sbar: torch.Tensor,
     k_offsets: torch.Tensor,
+    params: SPLAParams,
     *,
-    block_size: int,
-    top_k_blocks: int,
-    num_sink_blocks: int,
-    num_local_blocks: int,
-    selection: str = "taylor",
-    use_rla: bool = True,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    query_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """q [B, 1, HQ, D] (one new token per row, already written into k, v [B, S, H, D]), q_pos [B, 1],
     `k_offsets` [B]: the slot of each row's position 0. Returns (o_sp, o_rla or None, new Sbar) as
-    `spla_parallel` does. `query_chunk` is accepted for a shared signature and unused."""
+    `spla_parallel` does."""
     B, Tq, HQ, D = q.shape
     if Tq != 1:
         raise ValueError(f"spla_decode_gather takes one token per row, got {Tq}")
@@ -65,10 +60,9 @@ def spla_decode_gather(
     G = HQ // H
     acc = acc_dtype(q)
     dev = q.device
-    sel = select_blocks(q, stats, q_pos, block_size=block_size, top_k_blocks=top_k_blocks,
-                        num_sink_blocks=num_sink_blocks, num_local_blocks=num_local_blocks,
-                        selection=selection)[:, :, 0]                     # [B, H, NB] bool
-    kk = min(top_k_blocks, sel.shape[-1])
+    block_size = params.block_size
+    sel = select_blocks(q, stats, q_pos, params)[:, :, 0]                 # [B, H, NB] bool
+    kk = min(params.top_k_blocks, sel.shape[-1])
     live, blocks = sel.to(torch.int8).topk(kk, dim=-1)                   # [B, H, kk]
     qp = q_pos[:, 0]                                                      # [B]
     pos = blocks[..., None] * block_size + torch.arange(block_size, device=dev)  # [B, H, kk, bs]
@@ -86,7 +80,7 @@ def spla_decode_gather(
     phik_new = feature_map(k_new[:, 0]) * (qp >= 0)[:, None, None]       # [B, H, D]
     sbar = sbar.to(acc) + torch.einsum("bhd,bhe->bhde", phik_new, v_new[:, 0].to(acc))
     o_rla = None
-    if use_rla:
+    if params.use_rla:
         phiq = feature_map(qf)                                            # [B, H, G, D]
         full = torch.einsum("bhgd,bhde->bhge", phiq, sbar)
         a_sel = torch.einsum("bhgd,bhld->bhgl", phiq, feature_map(kg) * ok[..., None])

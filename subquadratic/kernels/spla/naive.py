@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .plan import SPLAParams
 from .stats import feature_map
 
 
@@ -18,14 +19,11 @@ def spla_naive(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    block_size: int,
-    top_k_blocks: int,
-    num_sink_blocks: int,
-    num_local_blocks: int,
-    selection: str = "taylor",
+    params: SPLAParams,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, HQ, D], k, v: [T, H, D] of one unpadded sequence. Returns (o_sp, o_rla), both [T, HQ, D]."""
+    """q: [T, HQ, D], k, v: [T, H, D] of one unpadded sequence. Returns (o_sp, o_rla), both [T, HQ, D]
+    (o_rla whatever `params.use_rla` says)."""
+    block_size, top_k_blocks = params.block_size, params.top_k_blocks
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [heads, T, D] below
     HQ, T, D = q.shape
     H = k.shape[0]
@@ -34,7 +32,7 @@ def spla_naive(
     o_rla = torch.zeros_like(q)
     for t in range(T):
         cur = t // block_size
-        forced = {b for b in range(cur + 1) if b < num_sink_blocks or b > cur - num_local_blocks}
+        forced = {b for b in range(cur + 1) if b < params.num_sink_blocks or b > cur - params.num_local_blocks}
         cands = [b for b in range(cur) if b not in forced]
         free = top_k_blocks - len(forced)
         for h in range(H):
@@ -46,7 +44,7 @@ def spla_naive(
                     kb = k[h, b * block_size:(b + 1) * block_size]
                     mu = kb.mean(0)
                     s = qs @ mu
-                    if selection == "taylor":
+                    if params.selection == "taylor":
                         s2 = ((kb * kb).mean(0) - mu * mu).clamp(min=0)
                         s = s + torch.log1p(0.5 * (qs * qs) @ s2)
                     scores.append(s)

@@ -1,4 +1,4 @@
-"""Pure-PyTorch SPLA attention (DESIGN.md "SPLA"), the masked parallel form: runs anywhere, is the
+"""Pure-PyTorch SPLA attention (docs/design.md "SPLA"), the masked parallel form: runs anywhere, is the
 "torch" backend of `spla_attention` and the reference the Triton kernels are tested against.
 
 Layout: queries q [B, Tq, HQ, D] are the new tokens, keys/values k, v [B, S, H, D] are every cached
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils import acc_dtype
+from .plan import SPLAParams
 from .select import select_blocks
 from .stats import BlockStats, feature_map, new_tokens
 
@@ -36,15 +37,9 @@ def spla_parallel(
     k_pos: torch.Tensor,
     stats: BlockStats,
     sbar: torch.Tensor,
+    params: SPLAParams,
     *,
-    block_size: int,
-    top_k_blocks: int,
-    num_sink_blocks: int,
-    num_local_blocks: int,
-    selection: str = "taylor",
-    use_rla: bool = True,
     query_chunk: int | None = None,
-    k_offsets: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """SPLA for the new tokens as masked dense PyTorch (every cached key read, in query chunks).
@@ -52,8 +47,7 @@ def spla_parallel(
 
     q: [B, Tq, HQ, D] post-RoPE queries of the new tokens, which are the last Tq entries of
     k, v: [B, S, H, D]. `stats` must already include the new keys; `sbar` [B, H, D, D] covers the
-    S - Tq cached tokens only. Padded queries (q_pos < 0) return zeros. `k_offsets` is used by the
-    Triton path only (accepted here so both share one signature). Where the new tokens are not the
+    S - Tq cached tokens only. Padded queries (q_pos < 0) return zeros. Where the new tokens are not the
     last Tq slots (a static cache's whole buffers), `new_kv` holds their keys and values
     [B, Tq, H, D]: they feed Sbar and the causal linear term, and every slot is a candidate key.
     """
@@ -63,10 +57,8 @@ def spla_parallel(
     G = HQ // H
     P = S - Tq  # cached slots before the new tokens (when they are last)
     scale = 1.0 / math.sqrt(D)
-    sel_blocks = select_blocks(
-        q.transpose(1, 2), stats, q_pos, block_size=block_size, top_k_blocks=top_k_blocks,
-        num_sink_blocks=num_sink_blocks, num_local_blocks=num_local_blocks, selection=selection,
-    )  # [B, H, Tq, NB]
+    block_size, use_rla = params.block_size, params.use_rla
+    sel_blocks = select_blocks(q.transpose(1, 2), stats, q_pos, params)  # [B, H, Tq, NB]
     k_valid = k_pos >= 0
     k_blk = torch.where(k_valid, k_pos // block_size, 0)  # [B, S]
     if query_chunk is None:

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from .plan import SPLAParams
 from .stats import BlockStats
 
 NEG = -1e30  # finite "minus infinity": a fully masked row gives a finite softmax, zeroed later
@@ -16,20 +17,16 @@ def select_blocks(
     q: torch.Tensor,
     stats: BlockStats,
     q_pos: torch.Tensor,
-    *,
-    block_size: int,
-    top_k_blocks: int,
-    num_sink_blocks: int,
-    num_local_blocks: int,
-    selection: str = "taylor",
+    params: SPLAParams,
 ) -> torch.Tensor:
     """Selected blocks of the queries q [B, Tq, HQ, D], shared by each GQA group: bool [B, H, Tq, NB].
 
-    Forced: the first `num_sink_blocks` and the `num_local_blocks` most recent blocks (the query's own
+    Forced (`params`): the first `num_sink_blocks` and the `num_local_blocks` most recent blocks (the query's own
     partial block included). The rest of the budget goes to the complete past blocks with the highest
     group score sum_{h in group} softmax_b(score_h(b)), score = qs.mu + log(1 + qs^2.s2 / 2) ("taylor")
     or qs.mu ("mean"), qs = q / sqrt(D).
     """
+    block_size, top_k_blocks = params.block_size, params.top_k_blocks
     B, Tq, HQ, D = q.shape
     H = stats.sum_k.shape[1]
     G = HQ // H
@@ -38,7 +35,7 @@ def select_blocks(
     b = torch.arange(NB, device=dev)
     cur = torch.where(q_pos >= 0, q_pos // block_size, -1)[:, :, None]  # [B, Tq, 1]
     exists = b <= cur
-    forced = exists & ((b < num_sink_blocks) | (b > cur - num_local_blocks))
+    forced = exists & ((b < params.num_sink_blocks) | (b > cur - params.num_local_blocks))
     cand = exists & ~forced  # complete past blocks (b < cur) that are not forced
     free = top_k_blocks - forced.sum(-1)  # [B, Tq]
     with torch.no_grad():
@@ -46,7 +43,7 @@ def select_blocks(
         mu = stats.sum_k / cnt  # [B, H, NB, D]
         qs = q.detach().to(mu.dtype).transpose(1, 2).reshape(B, H, G, Tq, D) / math.sqrt(D)
         score = torch.einsum("bhgtd,bhnd->bhgtn", qs, mu)
-        if selection == "taylor":
+        if params.selection == "taylor":
             s2 = (stats.sum_k2 / cnt - mu * mu).clamp(min=0.0)
             score = score + torch.log1p(0.5 * torch.einsum("bhgtd,bhnd->bhgtn", qs * qs, s2))
         score = score.masked_fill(~cand[:, None, None], NEG)

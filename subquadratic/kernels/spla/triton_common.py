@@ -1,8 +1,9 @@
-"""Triton pieces shared by the SPLA kernels: the fp32-accumulating dot, the feature map (in the
-kernels, and `key_features` once per key on the host side), and the loop over a query's selected KV
-blocks (online softmax of the sparse branch plus the residual correction on the same tiles) that the
-per-token prefill (`triton_parallel`) and decode (`triton_decode`) kernels run; the query-tile
-kernels (`triton_tile`) use the dot and the feature map."""
+"""Triton pieces shared by the SPLA kernels: `mm`, the fp32-accumulating dot; `softmax_rows`, the
+feature map in the kernels (`key_features` once per key on the host side); `selected_blocks`, the
+loop over a query's selected KV blocks (online softmax of the sparse branch plus the residual
+correction on the same tiles) that the per-token prefill (`triton_parallel`) and decode
+(`triton_decode`) kernels run; the query-tile kernels (`triton_tile`) and the backward
+(`triton_parallel_bwd`) use the dot and the feature map; NEG, the finite "minus infinity"."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def key_features(k: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _mm(a, b, IEEE: tl.constexpr):
+def mm(a, b, IEEE: tl.constexpr):
     """a @ b with fp32 accumulation: exact fp32 ("ieee") for fp32 inputs, else on the tensor cores
     with `a` cast to b's dtype."""
     if IEEE:
@@ -31,7 +32,7 @@ def _mm(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _softmax_rows(x):
+def softmax_rows(x):
     """phi(x) = softmax over the last (head) dimension, in fp32."""
     xf = x.to(tl.float32)
     e = tl.exp(xf - tl.max(xf, 1)[:, None])
@@ -39,7 +40,7 @@ def _softmax_rows(x):
 
 
 @triton.jit
-def _selected_blocks(
+def selected_blocks(
     q, phiq, idx_base, first, count, NSEL, tpos, koff, k_base, v_base, p_base,
     stride_ks, stride_vs, stride_ps, scale,
     GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, USE_RLA: tl.constexpr, IEEE: tl.constexpr,
@@ -67,23 +68,23 @@ def _selected_blocks(
         slot = koff + pos
         k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kmask[:, None], other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kmask[:, None], other=0.0)
-        s = _mm(q, tl.trans(k), IEEE) * scale
+        s = mm(q, tl.trans(k), IEEE) * scale
         s = tl.where(kmask[None, :], s, NEG)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.where(kmask[None, :], tl.exp(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _mm(p, v, IEEE)
+        acc = acc * alpha[:, None] + mm(p, v, IEEE)
         m_i = m_new
         if USE_RLA:
             if RLA_FP32:  # decode: fp32 feature map, fp32 values
-                a = tl.where(kmask[None, :], _mm(phiq, tl.trans(_softmax_rows(k)), IEEE), 0.0)
-                ot += _mm(a, v.to(tl.float32), IEEE)
+                a = tl.where(kmask[None, :], mm(phiq, tl.trans(softmax_rows(k)), IEEE), 0.0)
+                ot += mm(a, v.to(tl.float32), IEEE)
             else:  # prefill: on the tensor cores in the inputs' dtype
                 if PRE_PHIK:
                     phik = tl.load(p_base + slot[:, None] * stride_ps + d[None, :], mask=kmask[:, None], other=0.0)
                 else:
-                    phik = _softmax_rows(k)
-                a = tl.where(kmask[None, :], _mm(phiq, tl.trans(phik.to(k.dtype)), IEEE), 0.0)
-                ot += _mm(a, v, IEEE)
+                    phik = softmax_rows(k)
+                a = tl.where(kmask[None, :], mm(phiq, tl.trans(phik.to(k.dtype)), IEEE), 0.0)
+                ot += mm(a, v, IEEE)
     return m_i, l_i, acc, ot, n_sel

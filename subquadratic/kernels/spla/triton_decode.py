@@ -10,15 +10,12 @@ import math
 import torch
 
 from ..utils import import_triton, new_output
+from .plan import Launch, SPLAParams
 from .stats import feature_map, new_tokens
-from .triton_common import NEG, _selected_blocks, _softmax_rows
+from .triton_common import NEG, selected_blocks, softmax_rows
 from .triton_select import select_indices
 
 triton, tl = import_triton()
-
-#: Selected blocks per decode program and the decode kernel's warps.
-DECODE_BLOCKS_PER_SPLIT = 3
-DECODE_WARPS = 4
 
 
 @triton.jit
@@ -53,8 +50,8 @@ def spla_decode_kernel(
         q = tl.load(q_row + d[None, :], mask=row_ok[:, None], other=0.0)
         phiq = q
         if USE_RLA:
-            phiq = _softmax_rows(q)
-        m_i, l_i, acc, ot, n_sel = _selected_blocks(
+            phiq = softmax_rows(q)
+        m_i, l_i, acc, ot, n_sel = selected_blocks(
             q, phiq, IDX + (b * H + h) * NSEL, sp * PER_SPLIT, PER_SPLIT, NSEL, tpos, koff, k_base, v_base, k_base,
             stride_ks, stride_vs, stride_ks, scale,
             GP=GP, D=D, BS=BS, USE_RLA=USE_RLA, IEEE=IEEE, PRE_PHIK=False, RLA_FP32=True,
@@ -130,10 +127,11 @@ def spla_decode_merge_kernel(
         tl.store(O_RLA + out, rla, mask=row_ok[:, None])
 
 
-def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_blocks, num_sink_blocks,
-                       num_local_blocks, selection="taylor", use_rla=True, new_kv=None):
+def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, params: SPLAParams, *, launch: Launch | None = None,
+                       new_kv=None):
     """SPLA of one new token per row in four launches: block scores, group top-k, the split decode
-    kernel (selected tiles in parallel with the Sbar read-out and update), and the merge.
+    kernel (selected tiles in parallel with the Sbar read-out and update), and the merge; `launch`
+    sets them (default `Launch()`).
 
     q [B, 1, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D: the cache's [B, H, S, D]
     buffers pass as transposed views), the new token at slot koff + q_pos (last in a growing cache;
@@ -146,10 +144,11 @@ def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_b
     GP = max(16, triton.next_power_of_2(G))
     dev = q.device
     qpos = q_pos.to(torch.int32).contiguous()
-    idx = select_indices(q, stats, qpos, block_size=block_size, top_k_blocks=top_k_blocks,
-                         num_sink_blocks=num_sink_blocks, num_local_blocks=num_local_blocks, selection=selection)
+    launch = Launch() if launch is None else launch
+    block_size, use_rla = params.block_size, params.use_rla
+    idx = select_indices(q, stats, qpos, params, launch=launch)
     nsel = idx.shape[-1]
-    per = min(nsel, DECODE_BLOCKS_PER_SPLIT)
+    per = min(nsel, launch.decode_blocks_per_split)
     nsplit = -(-nsel // per)
     m_part = new_output((nsplit, B * H * G), dev)
     l_part = new_output((nsplit, B * H * G), dev)
@@ -165,7 +164,7 @@ def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, *, block_size, top_k_b
         vv.stride(0), vv.stride(1), vv.stride(2),
         H, nsel, per, nsplit, 1.0 / math.sqrt(D),
         G=G, GP=GP, D=D, BS=block_size, DC=min(32, D), USE_RLA=use_rla, IEEE=q.dtype == torch.float32,
-        num_warps=DECODE_WARPS, num_stages=2,
+        num_warps=launch.decode_warps, num_stages=2,
     )
     o_sp = new_output((B, 1, HQ, D), dev, q.dtype)  # the merge writes [B, HQ, D] rows
     o_rla = new_output((B, 1, HQ, D), dev, q.dtype) if use_rla else o_sp

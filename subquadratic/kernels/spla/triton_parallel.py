@@ -1,15 +1,13 @@
-"""SPLA prefill and training with Triton (`spla_parallel_triton`). From TILE_MIN_TQ new tokens on, the
-query-tile kernels of `triton_tile` (one-launch selection `select_indices_fast`, then the union of a
-query tile's blocks loaded once per tile, forward and backward); below, and for the split-K call of
-a decode token, the per-token kernels of this module and `triton_select.select_indices`.
-`PREFILL_KERNEL` picks the form of the longer calls without gradients ("tile", the default, or
-"token"), `TRAIN_KERNEL` that of the calls with gradients ("token", the default, or "tile"): on the
-H200 at 32k the tile backward took 162 ms against 75 ms for the per-token one on iid random inputs,
-while the tile forward was never slower and faster where consecutive queries share blocks.
+"""SPLA prefill and training with Triton (`spla_parallel_triton`), which executes an `SPLAPlan`
+("triton" path): the selection the plan names (`select_indices_fast`, one launch per query tile, or
+`triton_select.select_indices`), then the sparse kernels of its form, the query-tile kernels of
+`triton_tile` ("tile": the union of a query tile's blocks loaded once per tile, forward and
+backward) or the per-token kernels of this module ("token", with split-K for a few tokens without
+gradients), then the residual term.
 
 The per-token form: `spla_sparse_kernel` runs one program per (query token,
 batch x KV head, split): the G query heads of the group are the rows of one tile (padded to at least
-16 for tl.dot), and the program loops over the token's selected KV blocks (`_selected_blocks`) doing
+16 for tl.dot), and the program loops over the token's selected KV blocks (`selected_blocks`) doing
 the online softmax of the sparse branch and, on the same K/V tiles, the correction
 otilde = sum_{selected j} (phi(q).phi(k_j)) v_j of the residual term. Unselected blocks are never
 read. Short query chunks split the selected blocks over several programs (split-K) and merge the
@@ -24,30 +22,17 @@ import math
 
 import torch
 
-from ..utils import acc_dtype, import_triton, new_output, slot_offsets
+from ..utils import acc_dtype, import_triton, new_output
+from .plan import SPLAParams, SPLAPlan
 from .stats import BlockStats, feature_map, new_tokens
-from .triton_common import _selected_blocks, _softmax_rows, key_features
+from .triton_common import key_features, selected_blocks, softmax_rows
 from .triton_parallel_bwd import sparse_backward
 from .triton_select import select_indices
 from .triton_tile import select_indices_fast, tile_sparse_attention
 
 triton, tl = import_triton()
 
-__all__ = ["PREFILL_KERNEL", "SparseAttention", "TILE_MIN_TQ", "TRAIN_KERNEL", "causal_linear_term", "key_features",
-           "sparse_forward", "spla_parallel_triton"]
-
-#: The kernels of calls with at least TILE_MIN_TQ new tokens: "tile" (query tiles over the union of
-#: their blocks, `triton_tile`) or "token" (one program per token, `spla_sparse_kernel`), for calls
-#: without gradients (PREFILL_KERNEL) and with them (TRAIN_KERNEL). Such calls select with
-#: `select_indices_fast` either way. Shorter calls always take the per-token kernels (with split-K
-#: for a few tokens).
-PREFILL_KERNEL = "tile"
-TRAIN_KERNEL = "token"
-TILE_MIN_TQ = 16
-
-#: Queries per call from which the feature map phi(k) is computed once per key before the sparse
-#: kernels instead of on every loaded tile (prefill and training recompute it per token otherwise).
-PHIK_PRECOMPUTE_MIN_TQ = 65
+__all__ = ["SparseAttention", "causal_linear_term", "key_features", "sparse_forward", "spla_parallel_triton"]
 
 
 @triton.jit
@@ -78,8 +63,8 @@ def spla_sparse_kernel(
     koff = tl.load(KOFF + b)
     phiq = q
     if USE_RLA:
-        phiq = _softmax_rows(q)
-    m_i, l_i, acc, ot, _ = _selected_blocks(
+        phiq = softmax_rows(q)
+    m_i, l_i, acc, ot, _ = selected_blocks(
         q, phiq, IDX + (b * T + t) * H * NSEL + h * NSEL, sp * PER_SPLIT, PER_SPLIT, NSEL, tpos, koff,
         K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh, PHIK + b * stride_pb + h * stride_ph,
         stride_ks, stride_vs, stride_ps, scale,
@@ -178,55 +163,37 @@ class SparseAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def spla_parallel_triton(
-    q, k, v, q_pos, k_pos, stats: BlockStats, sbar, *, block_size, top_k_blocks, num_sink_blocks,
-    num_local_blocks, selection="taylor", use_rla=True, query_chunk=None, num_splits=None, k_offsets=None,
-    new_kv=None,
-):
-    """SPLA of the new tokens with the Triton kernels, the contract of `parallel.spla_parallel`:
-    q [B, Tq, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D) with the new tokens last;
-    returns (o_sp [B, Tq, HQ, D], o_rla or None, new Sbar). Differentiable (Triton backward). For any
-    Tq; one decode token is faster through `triton_decode.spla_decode_triton`. Tq >= TILE_MIN_TQ takes
-    the query-tile kernels where PREFILL_KERNEL / TRAIN_KERNEL say "tile", shorter calls the per-token
-    kernels.
-    `num_splits` splits each token's blocks over that many programs (per-token kernels; default: by
-    the number of programs). `k_offsets` [B]:
-    slot of each row's position 0 (`slot_offsets(k_pos)`, computed here when not given); rows whose
-    real tokens do not sit in consecutive slots (padding in the middle) are refused with a ValueError:
-    `spla_attention` sends them to the PyTorch form. fp64 inputs (tests) run the kernels in fp32.
-    `new_kv`: as in `parallel.spla_parallel`."""
+def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, params: SPLAParams, plan: SPLAPlan,
+                         new_kv=None):
+    """SPLA of the new tokens with the Triton kernels the plan names, the contract of
+    `parallel.spla_parallel`: q [B, Tq, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D)
+    with the new tokens last; koff [B] int32: the slot of each row's position 0 (`slot_offsets`, not
+    None: each row's tokens in consecutive slots); returns (o_sp [B, Tq, HQ, D], o_rla or None, new
+    Sbar). Differentiable (Triton backward) when `plan.grad`. fp64 inputs (tests) run the kernels in
+    fp32. `new_kv`: as in `parallel.spla_parallel`."""
     B, Tq, HQ, D = q.shape
     H = k.shape[2]
     G = HQ // H
-    koff = slot_offsets(k_pos) if k_offsets is None else k_offsets
-    if koff is None:
-        raise ValueError("the SPLA Triton kernels need each row's tokens in consecutive slots (padding only "
-                         "before or after them); use spla_attention, which takes the PyTorch form for such rows")
-    kw = dict(block_size=block_size, top_k_blocks=top_k_blocks, num_sink_blocks=num_sink_blocks,
-              num_local_blocks=num_local_blocks, selection=selection)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    form = TRAIN_KERNEL if needs_grad else PREFILL_KERNEL
-    if form not in ("tile", "token"):
-        raise ValueError(f"PREFILL_KERNEL and TRAIN_KERNEL must be 'tile' or 'token', got {form!r}")
-    long_call = Tq >= TILE_MIN_TQ and num_splits is None
-    tile = form == "tile" and long_call
+    block_size, use_rla = params.block_size, params.use_rla
     qpos = q_pos.to(torch.int32).contiguous()  # no copy when the caller passes int32 positions
-    idx = (select_indices_fast if long_call else select_indices)(q, stats, qpos, **kw)  # [B, Tq, H, K]
+    if plan.select == "tile":
+        idx = select_indices_fast(q, stats, qpos, params, prec=plan.select_prec)  # [B, Tq, H, K]
+    else:
+        idx = select_indices(q, stats, qpos, params, matmul=plan.select == "matmul", launch=plan.launch)
     qv, kv_, vv = (x.transpose(1, 2) for x in (q, k, v))  # views [B, H, T, D]
     # kernel operands: unit stride in the head dimension; fp64 inputs (tests) run the kernels in fp32
     kq, kk, kv = (x if x.stride(-1) == 1 else x.contiguous() for x in (qv, kv_, vv))
     if q.dtype == torch.float64:
         kq, kk, kv = kq.float(), kk.float(), kv.float()
-    pre = use_rla and Tq >= PHIK_PRECOMPUTE_MIN_TQ
-    if tile:  # differentiable when needed; without gradients the forward alone
-        o_sp, otilde = tile_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre)
-    elif needs_grad:
+    pre = plan.precompute_phik
+    if plan.form == "tile":  # differentiable with plan.grad; without, the forward alone
+        o_sp, otilde = tile_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre, grad=plan.grad,
+                                             rows=plan.tile_rows)
+    elif plan.grad:
         o_sp, otilde = SparseAttention.apply(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre)
     else:
-        if num_splits is None:
-            num_splits = max(1, min(idx.shape[-1], 264 // max(1, B * H * Tq))) if Tq <= 8 else 1
-        o_sp, otilde, _ = sparse_forward(kq, kk, kv, idx, qpos, koff, use_rla, block_size, num_splits,
-                                         phik=key_features(kk) if pre else None)
+        o_sp, otilde, _ = sparse_forward(kq, kk, kv, idx, qpos, koff, use_rla, block_size, plan.splits,
+                                         phik=key_features(kk) if use_rla and pre else None)
     q_ok = (q_pos >= 0)[:, :, None, None]
     o_sp = o_sp * q_ok  # [B, Tq, HQ, D]
     out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype

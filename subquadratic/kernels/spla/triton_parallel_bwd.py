@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..utils import import_triton, new_output
-from .triton_common import _mm, _softmax_rows
+from .triton_common import mm, softmax_rows
 
 triton, tl = import_triton()
 
@@ -49,7 +49,7 @@ def spla_bwd_dq_kernel(
     do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
     dq = tl.zeros([GP, D], tl.float32)
     if USE_RLA:
-        phiq = _softmax_rows(q)
+        phiq = softmax_rows(q)
         dot_ = tl.load(DOT + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         dphiq = tl.zeros([GP, D], tl.float32)
     k_base = K + b * stride_kb + h * stride_kh
@@ -63,17 +63,17 @@ def spla_bwd_dq_kernel(
         slot = koff + pos
         k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kmask[:, None], other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kmask[:, None], other=0.0)
-        s = _mm(q, tl.trans(k), IEEE) * scale
+        s = mm(q, tl.trans(k), IEEE) * scale
         p = tl.where(kmask[None, :], tl.exp(s - lse[:, None]), 0.0)
-        ds = p * (_mm(do, tl.trans(v), IEEE) - delta[:, None])
-        dq += _mm(ds, k, IEEE)
+        ds = p * (mm(do, tl.trans(v), IEEE) - delta[:, None])
+        dq += mm(ds, k, IEEE)
         if USE_RLA:
             if PRE_PHIK:
                 phik = tl.load(p_base + slot[:, None] * stride_ps + d[None, :], mask=kmask[:, None], other=0.0)
             else:
-                phik = _softmax_rows(k)
-            da = tl.where(kmask[None, :], _mm(dot_, tl.trans(v), IEEE), 0.0)
-            dphiq += _mm(da, phik.to(k.dtype), IEEE)
+                phik = softmax_rows(k)
+            da = tl.where(kmask[None, :], mm(dot_, tl.trans(v), IEEE), 0.0)
+            dphiq += mm(da, phik.to(k.dtype), IEEE)
     dq = dq * scale
     if USE_RLA:  # softmax Jacobian: dx = phi * (dphi - <dphi, phi>)
         dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
@@ -111,7 +111,7 @@ def spla_bwd_dkv_kernel(
     dk = tl.zeros([BS, D], tl.float32)
     dv = tl.zeros([BS, D], tl.float32)
     if USE_RLA:
-        phik = _softmax_rows(k)
+        phik = softmax_rows(k)
         phik_lp = phik.to(k.dtype)
         dphik = tl.zeros([BS, D], tl.float32)
     r = tl.arange(0, R)
@@ -133,17 +133,17 @@ def spla_bwd_dkv_kernel(
         delta = tl.load(DELTA + row, mask=ok, other=0.0)
         do = tl.load(DO + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(v.dtype)
         causal = (pos[:, None] <= tpos[None, :]) & ok[None, :] & kv_ok[:, None]  # [BS, R]
-        p = tl.where(causal, tl.exp(_mm(k, tl.trans(q), IEEE) * scale - lse[None, :]), 0.0)
-        dv += _mm(p, do, IEEE)
-        ds = p * (_mm(v, tl.trans(do), IEEE) - delta[None, :])
-        dk += _mm(ds, q, IEEE)
+        p = tl.where(causal, tl.exp(mm(k, tl.trans(q), IEEE) * scale - lse[None, :]), 0.0)
+        dv += mm(p, do, IEEE)
+        ds = p * (mm(v, tl.trans(do), IEEE) - delta[None, :])
+        dk += mm(ds, q, IEEE)
         if USE_RLA:
-            phiq = _softmax_rows(q).to(k.dtype)
+            phiq = softmax_rows(q).to(k.dtype)
             dot_ = tl.load(DOT + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(v.dtype)
-            a = tl.where(causal, _mm(phik_lp, tl.trans(phiq), IEEE), 0.0)
-            dv += _mm(a, dot_, IEEE)
-            da = tl.where(causal, _mm(v, tl.trans(dot_), IEEE), 0.0)
-            dphik += _mm(da, phiq, IEEE)
+            a = tl.where(causal, mm(phik_lp, tl.trans(phiq), IEEE), 0.0)
+            dv += mm(a, dot_, IEEE)
+            da = tl.where(causal, mm(v, tl.trans(dot_), IEEE), 0.0)
+            dphik += mm(da, phiq, IEEE)
     dk = dk * scale
     if USE_RLA:
         dk += phik * (dphik - tl.sum(dphik * phik, 1)[:, None])

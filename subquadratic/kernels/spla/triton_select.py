@@ -10,27 +10,10 @@ import math
 import torch
 
 from ..utils import import_triton, new_output
+from .plan import Launch, SPLAParams
 from .triton_common import NEG
 
 triton, tl = import_triton()
-
-#: Launch settings: blocks per scoring program, dot precision (or elementwise fp32 sums) of the
-#: scores and that launch's warps.
-#: On the H200 at 128k, the fp32 "ieee" dot took 0.17 ms of a decode step, "tf32x3" 0.044 ms and
-#: elementwise sums 0.035 ms. The scoring kernel serves up to SCORE_KERNEL_MAX_TQ queries; beyond,
-#: every query would reload all block statistics (52 ms at 32k), so scores are fp32 matmuls.
-SCORE_BN = 16
-SCORE_PREC = "ieee"
-SCORE_DOT = False
-SCORE_WARPS = 4
-SCORE_KERNEL_MAX_TQ = 64
-#: Warps of the group top-k kernel up to 4096 blocks (8 beyond) and the blocks per step of its
-#: softmax passes (None: 4096 scores per step, e.g. 1024 blocks for groups of 4 heads). On the H200
-#: (B4 HQ32 H8 d128, 128k, the step as a CUDA graph) 128 blocks per step gave 0.089 ms, 512 0.081
-#: and 1024 0.079; 2 or 8 warps did not help.
-TOPK_WARPS = 4
-TOPK_BN: int | None = None
-
 
 @triton.jit
 def spla_score_kernel(
@@ -143,23 +126,27 @@ def spla_topk_kernel(
         tl.store(out + n_local + n_sink + r, -1)
 
 
-def select_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks, num_local_blocks,
-                   selection="taylor", max_scores: int = 1 << 27) -> torch.Tensor:
+def select_indices(q, stats, q_pos, params: SPLAParams, *, matmul: bool = False, launch: Launch | None = None,
+                   max_scores: int = 1 << 27) -> torch.Tensor:
     """The selected blocks of every query q [B, Tq, HQ, D] as int32 indices [B, Tq, H, local + sink +
     top_k] (-1 = none), over chunks of queries whose raw scores [B, chunk, HQ, NB] stay under
-    `max_scores` floats, with no host synchronisation: block scores (the scoring kernel for a few
-    queries; for more, fp32 matmuls, which reuse the statistics across queries), then the group
-    top-k kernel. The same selection as `select.select_blocks` (up to ties and fp32 rounding)."""
+    `max_scores` floats, with no host synchronisation: block scores (the scoring kernel, for a few
+    queries: each program reloads the block statistics; or with `matmul` fp32 matmuls, which share
+    them across queries), then the group top-k kernel; `launch` sets both launches (default
+    `Launch()`). The same selection as `select.select_blocks` (up to ties and fp32 rounding)."""
     q = q.transpose(1, 2)  # view [B, HQ, Tq, D]
     B, HQ, Tq, D = q.shape
     H, NB = stats.sum_k.shape[1], stats.num_blocks
     G = HQ // H
     GP = max(16, triton.next_power_of_2(G))
     dev = q.device
-    nsel = num_local_blocks + num_sink_blocks + top_k_blocks
-    taylor = selection == "taylor"
+    block_size, n_sink, n_local, top_k = (params.block_size, params.num_sink_blocks, params.num_local_blocks,
+                                          params.top_k_blocks)
+    nsel = params.num_selected
+    launch = Launch() if launch is None else launch
+    taylor = params.selection == "taylor"
     sum_k, sum_k2, count = (x.float() for x in (stats.sum_k, stats.sum_k2, stats.count))
-    if Tq > SCORE_KERNEL_MAX_TQ:  # per-block mean and variance once, then matmuls
+    if matmul:  # per-block mean and variance once, then matmuls
         cnt = count.clamp(min=1.0)[:, None, :, None]
         mu = sum_k / cnt
         s2 = (sum_k2 / cnt - mu * mu).clamp(min=0.0) if taylor else None
@@ -171,7 +158,7 @@ def select_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks
     for c0 in range(0, Tq, chunk):
         C = min(Tq, c0 + chunk) - c0
         qc, pc = q[:, :, c0:c0 + C], qpos[:, c0:c0 + C].contiguous()
-        if Tq > SCORE_KERNEL_MAX_TQ:
+        if matmul:
             qs = qc.float().reshape(B, H, G, C, D) / math.sqrt(D)
             sc = torch.matmul(qs, mu.transpose(-1, -2)[:, :, None])  # [B, H, G, C, NB]
             if taylor:
@@ -179,20 +166,20 @@ def select_indices(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks
             strides = (sc.stride(0), sc.stride(3), sc.stride(1), sc.stride(2))
         else:
             sc = new_output((B, C, H, G, NB), dev)
-            spla_score_kernel[(C, B * H, triton.cdiv(NB, SCORE_BN))](
+            spla_score_kernel[(C, B * H, triton.cdiv(NB, launch.score_bn))](
                 qc, sum_k, sum_k2, count, pc, sc, qc.stride(0), qc.stride(1), qc.stride(2),
                 sum_k.stride(0), sum_k.stride(1), count.stride(0),
-                C, H, NB, block_size, num_sink_blocks, num_local_blocks, 1.0 / math.sqrt(D),
-                G=G, GP=GP, D=D, BN=SCORE_BN, TAYLOR=taylor, PREC=SCORE_PREC, USE_DOT=SCORE_DOT,
-                num_warps=SCORE_WARPS,
+                C, H, NB, block_size, n_sink, n_local, 1.0 / math.sqrt(D),
+                G=G, GP=GP, D=D, BN=launch.score_bn, TAYLOR=taylor, PREC=launch.score_prec, USE_DOT=launch.score_dot,
+                num_warps=launch.score_warps,
             )
             strides = (sc.stride(0), sc.stride(1), sc.stride(2), sc.stride(3))
         idx = new_output((B, C, H, nsel), dev, torch.int32)
         GP_TOPK = max(2, triton.next_power_of_2(G))  # no tl.dot in the top-k: no padding to 16
         spla_topk_kernel[(C, B * H)](
-            sc, pc, new_output((B, C, H, NB), dev), idx, *strides, C, H, NB, block_size, num_sink_blocks,
-            num_local_blocks, top_k_blocks, nsel, G=G, GP=GP_TOPK, BN=TOPK_BN or max(128, 4096 // GP_TOPK),
-            NBP=max(16, triton.next_power_of_2(NB)), num_warps=TOPK_WARPS if NB <= 4096 else 8,
+            sc, pc, new_output((B, C, H, NB), dev), idx, *strides, C, H, NB, block_size, n_sink, n_local, top_k, nsel,
+            G=G, GP=GP_TOPK, BN=launch.topk_bn or max(128, 4096 // GP_TOPK), NBP=max(16, triton.next_power_of_2(NB)),
+            num_warps=launch.topk_warps if NB <= 4096 else 8,
         )
         if out is None:
             return idx

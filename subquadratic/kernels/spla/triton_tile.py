@@ -1,4 +1,4 @@
-"""Query-tile SPLA kernels for prefill and training (DESIGN.md "Kernels").
+"""Query-tile SPLA kernels for prefill and training (docs/design.md "Kernels").
 
 One program per (query tile of BM consecutive tokens, batch x KV head). The rows of a tile are
 (token, query head of the group): BM x GP rows, so tl.dot sees BM * GP rows instead of one token's
@@ -18,9 +18,9 @@ dk/dv per (key block, batch x KV head) over the query tiles whose union holds th
 (`tile_bwd_dkv_kernel`), from the union lists inverted by one device sort, so no atomics.
 
 Same contract and values as `triton_parallel.sparse_forward` / `triton_parallel.SparseAttention`, the
-per-token kernels, which `triton_parallel.spla_parallel_triton` keeps for decode and short query
-chunks (`TILE_MIN_TQ`, `PREFILL_KERNEL`). `select_indices_fast` is the one-launch selection of a
-query tile, same contract as `triton_select.select_indices`.
+per-token kernels; which of the two a call runs, and with how many rows per tile, is the plan's
+(`SPLAPlan.form`, `tile_rows`). `select_indices_fast` is the one-launch selection of a query tile,
+same contract as `triton_select.select_indices`.
 """
 
 from __future__ import annotations
@@ -30,16 +30,12 @@ import math
 import torch
 
 from ..utils import import_triton, new_output
-from .triton_common import NEG, _mm, _softmax_rows, key_features
+from .plan import SPLAParams
+from .triton_common import NEG, key_features, mm, softmax_rows
 
 triton, tl = import_triton()
 
-#: Rows (tokens x padded group heads) of one query tile, and its tokens at most (the per-entry
-#: token masks are int32 words). On the H200 at 32k (HQ32 H8 d128), 128 rows ran the forward
-#: faster (14.0 vs 16.2 ms) and 64 rows the forward+backward (86.6 vs 137 ms): without autograd
-#: the forward takes TILE_ROWS_INFERENCE.
-TILE_ROWS = 64
-TILE_ROWS_INFERENCE = 128
+#: Tokens of one query tile at most: the per-entry token masks are int32 words.
 TILE_MAX_TOKENS = 32
 
 
@@ -117,7 +113,7 @@ def tile_fwd_kernel(
     acc = tl.zeros([ROWS, D], tl.float32)
     ot = tl.zeros([ROWS, D], tl.float32)
     if USE_RLA:
-        phiq = _softmax_rows(q)
+        phiq = softmax_rows(q)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     p_base = PHIK + b * stride_pb + h * stride_ph
@@ -133,21 +129,21 @@ def tile_fwd_kernel(
         slot = koff + pos
         k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kload[:, None], other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kload[:, None], other=0.0)
-        s = _mm(q, tl.trans(k), IEEE) * scale
+        s = mm(q, tl.trans(k), IEEE) * scale
         s = tl.where(mask, s, NEG)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.where(mask, tl.exp(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _mm(p, v, IEEE)
+        acc = acc * alpha[:, None] + mm(p, v, IEEE)
         m_i = m_new
         if USE_RLA:
             if PRE_PHIK:
                 phik = tl.load(p_base + slot[:, None] * stride_ps + d[None, :], mask=kload[:, None], other=0.0)
             else:
-                phik = _softmax_rows(k)
-            a = tl.where(mask, _mm(phiq, tl.trans(phik.to(k.dtype)), IEEE), 0.0)
-            ot += _mm(a, v, IEEE)
+                phik = softmax_rows(k)
+            a = tl.where(mask, mm(phiq, tl.trans(phik.to(k.dtype)), IEEE), 0.0)
+            ot += mm(a, v, IEEE)
     HQ = H * G
     out_row = (b * T + t) * HQ + head
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -198,7 +194,7 @@ def tile_bwd_dq_kernel(
     do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(q.dtype)
     dq = tl.zeros([ROWS, D], tl.float32)
     if USE_RLA:
-        phiq = _softmax_rows(q)
+        phiq = softmax_rows(q)
         dot_ = tl.load(DOT + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(q.dtype)
         dphiq = tl.zeros([ROWS, D], tl.float32)
     k_base = K + b * stride_kb + h * stride_kh
@@ -216,17 +212,17 @@ def tile_bwd_dq_kernel(
         slot = koff + pos
         k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kload[:, None], other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kload[:, None], other=0.0)
-        s = _mm(q, tl.trans(k), IEEE) * scale
+        s = mm(q, tl.trans(k), IEEE) * scale
         p = tl.where(mask, tl.exp(s - lse[:, None]), 0.0)
-        ds = p * (_mm(do, tl.trans(v), IEEE) - delta[:, None])
-        dq += _mm(ds, k, IEEE)
+        ds = p * (mm(do, tl.trans(v), IEEE) - delta[:, None])
+        dq += mm(ds, k, IEEE)
         if USE_RLA:
             if PRE_PHIK:
                 phik = tl.load(p_base + slot[:, None] * stride_ps + d[None, :], mask=kload[:, None], other=0.0)
             else:
-                phik = _softmax_rows(k)
-            da = tl.where(mask, _mm(dot_, tl.trans(v), IEEE), 0.0)
-            dphiq += _mm(da, phik.to(k.dtype), IEEE)
+                phik = softmax_rows(k)
+            da = tl.where(mask, mm(dot_, tl.trans(v), IEEE), 0.0)
+            dphiq += mm(da, phik.to(k.dtype), IEEE)
     dq = dq * scale
     if USE_RLA:
         dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
@@ -265,7 +261,7 @@ def tile_bwd_dkv_kernel(
     dk = tl.zeros([BS, D], tl.float32)
     dv = tl.zeros([BS, D], tl.float32)
     if USE_RLA:
-        phik = _softmax_rows(k)
+        phik = softmax_rows(k)
         phik_lp = phik.to(k.dtype)
         dphik = tl.zeros([BS, D], tl.float32)
     ROWS: tl.constexpr = BM * GP
@@ -289,18 +285,18 @@ def tile_bwd_dkv_kernel(
         delta = tl.load(DELTA + row, mask=ok, other=0.0)
         do = tl.load(DO + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(v.dtype)
         causal = (pos[:, None] <= tpos[None, :]) & ok[None, :] & kv_ok[:, None]  # [BS, ROWS]
-        p = tl.where(causal, tl.exp(_mm(k, tl.trans(q), IEEE) * scale - lse[None, :]), 0.0)
-        dv += _mm(p, do, IEEE)
-        ds = p * (_mm(v, tl.trans(do), IEEE) - delta[None, :])
-        dk += _mm(ds, q, IEEE)
+        p = tl.where(causal, tl.exp(mm(k, tl.trans(q), IEEE) * scale - lse[None, :]), 0.0)
+        dv += mm(p, do, IEEE)
+        ds = p * (mm(v, tl.trans(do), IEEE) - delta[None, :])
+        dk += mm(ds, q, IEEE)
         if USE_RLA:
             phiq = tl.load(PHIQ + b * stride_fb + head[:, None] * stride_fh + t[:, None] * stride_ft + d[None, :],
                            mask=ok[:, None], other=0.0).to(k.dtype)
             dot_ = tl.load(DOT + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(v.dtype)
-            a = tl.where(causal, _mm(phik_lp, tl.trans(phiq), IEEE), 0.0)
-            dv += _mm(a, dot_, IEEE)
-            da = tl.where(causal, _mm(v, tl.trans(dot_), IEEE), 0.0)
-            dphik += _mm(da, phiq, IEEE)
+            a = tl.where(causal, mm(phik_lp, tl.trans(phiq), IEEE), 0.0)
+            dv += mm(a, dot_, IEEE)
+            da = tl.where(causal, mm(v, tl.trans(dot_), IEEE), 0.0)
+            dphik += mm(da, phiq, IEEE)
     dk = dk * scale
     if USE_RLA:
         dk += phik * (dphik - tl.sum(dphik * phik, 1)[:, None])
@@ -407,12 +403,12 @@ def tile_select_kernel(
             gsc = tl.where(nn[None, :] == best_i[:, None], -2.0, gsc)
 
 
-def select_indices_fast(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_blocks, num_local_blocks,
-                        selection="taylor", max_scores: int = 1 << 27, prec: str | None = None) -> torch.Tensor:
+def select_indices_fast(q, stats, q_pos, params: SPLAParams, *, prec: str = "ieee",
+                        max_scores: int = 1 << 27) -> torch.Tensor:
     """Same contract as `triton_select.select_indices` (q [B, Tq, HQ, D], stats with NB blocks, q_pos
     [B, Tq]): int32 indices [B, Tq, H, local + sink + top_k] (-1 = none), one launch per chunk of
     queries (chunks keep the scratch of group scores [B*H, chunk, NB] under `max_scores` floats),
-    no host synchronisation. Scores at `prec` ("tf32x3" on CUDA, "ieee" elsewhere)."""
+    no host synchronisation. Scores at `prec` ("ieee", or "tf32x3": the plan's choice on CUDA)."""
     q = q.transpose(1, 2)  # view [B, HQ, Tq, D]
     B, HQ, Tq, D = q.shape
     H, NB = stats.sum_k.shape[1], stats.num_blocks
@@ -422,12 +418,10 @@ def select_indices_fast(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_b
     while BM * GP < 16:
         BM *= 2
     dev = q.device
-    nsel = num_local_blocks + num_sink_blocks + top_k_blocks
-    if prec is None:
-        prec = "tf32x3" if dev.type == "cuda" else "ieee"
+    nsel = params.num_selected
     cnt = stats.count.float().clamp(min=1.0)[:, None, :, None]
     mu = (stats.sum_k.float() / cnt).contiguous()
-    s2 = (stats.sum_k2.float() / cnt - mu * mu).clamp(min=0.0).contiguous() if selection == "taylor" else mu
+    s2 = (stats.sum_k2.float() / cnt - mu * mu).clamp(min=0.0).contiguous() if params.selection == "taylor" else mu
     qpos = q_pos.to(torch.int32).contiguous()
     out = new_output((B, Tq, H, nsel), dev, torch.int32)
     chunk = max(BM, min(Tq, max_scores // max(1, B * H * max(1, NB))) // BM * BM)
@@ -439,17 +433,18 @@ def select_indices_fast(q, stats, q_pos, *, block_size, top_k_blocks, num_sink_b
         qc, pc, oc = q[:, :, c0:c0 + C], qpos[:, c0:c0 + C].contiguous(), out[:, c0:c0 + C]
         tile_select_kernel[(triton.cdiv(C, BM), B * H)](
             qc, mu, s2, pc, gs, oc, qc.stride(0), qc.stride(1), qc.stride(2), oc.stride(0), oc.stride(1),
-            C, H, NB, block_size, num_sink_blocks, num_local_blocks, top_k_blocks, nsel, 1.0 / math.sqrt(D),
-            G=G, GP=GP, BM=BM, D=D, BN=64 if D <= 64 else 32, NBP=NBP, TB=TB, TAYLOR=selection == "taylor",
+            C, H, NB, params.block_size, params.num_sink_blocks, params.num_local_blocks, params.top_k_blocks, nsel,
+            1.0 / math.sqrt(D), G=G, GP=GP, BM=BM, D=D, BN=64 if D <= 64 else 32, NBP=NBP, TB=TB,
+            TAYLOR=params.selection == "taylor",
             PREC=prec, num_warps=4,
         )
     return out
 
 
-def tile_shape(G: int, rows: int | None = None) -> tuple[int, int]:
-    """(GP, BM): the group padded to a power of two and the tokens of one query tile."""
+def tile_shape(G: int, rows: int) -> tuple[int, int]:
+    """(GP, BM): the group padded to a power of two and the tokens of a query tile of about `rows`
+    rows (tokens x GP)."""
     GP = triton.next_power_of_2(G)
-    rows = TILE_ROWS if rows is None else rows
     BM = max(1, min(TILE_MAX_TOKENS, rows // GP))
     while BM * GP < 16:
         BM *= 2
@@ -475,10 +470,11 @@ def tile_union(idx: torch.Tensor, num_blocks: int, BM: int):
     return union, bits, cnt, NU
 
 
-def tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=None, union=None, rows=None):
+def tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, *, rows: int, phik=None, union=None):
     """Same contract as `triton_parallel.sparse_forward` (q [B, HQ, Tq, D], k, v [B, H, S, D], idx
-    [B, Tq, H, K] int32, qpos [B, Tq] int32, koff [B] int32): returns o_sp (normalised), otilde (or
-    None) [B, Tq, HQ, D] fp32 and the log-sum-exp [B, Tq, HQ]; also the union lists (for the backward)."""
+    [B, Tq, H, K] int32, qpos [B, Tq] int32, koff [B] int32), over query tiles of about `rows` rows:
+    returns o_sp (normalised), otilde (or None) [B, Tq, HQ, D] fp32 and the log-sum-exp [B, Tq, HQ];
+    also the union lists (for the backward)."""
     B, HQ, Tq, D = q.shape
     H, S = k.shape[1], k.shape[2]
     G = HQ // H
@@ -528,12 +524,12 @@ class TileSparseAttention(torch.autograd.Function):
     selection (idx) carries no gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik=False):
+    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik, rows):
         phik = key_features(k) if use_rla and precompute_phik else None
-        o, ot, lse, union = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik)
+        o, ot, lse, union = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, rows=rows, phik=phik)
         ul, ub, uc, NU = union
         ctx.save_for_backward(q, k, v, qpos, koff, o, lse, phik, ul, ub, uc)
-        ctx.use_rla, ctx.block_size, ctx.NU = use_rla, block_size, NU
+        ctx.use_rla, ctx.block_size, ctx.NU, ctx.rows = use_rla, block_size, NU, rows
         return o, ot
 
     @staticmethod
@@ -543,7 +539,7 @@ class TileSparseAttention(torch.autograd.Function):
         B, HQ, Tq, D = q.shape
         H, S = k.shape[1], k.shape[2]
         G = HQ // H
-        GP, BM = tile_shape(G)
+        GP, BM = tile_shape(G, ctx.rows)
         dev = q.device
         do = torch.zeros_like(o) if do is None else do.float().contiguous()
         delta = (do * o).sum(-1).contiguous()
@@ -576,16 +572,16 @@ class TileSparseAttention(torch.autograd.Function):
             Tq, H, NB, S, scale, G=G, GP=GP, BM=BM, D=D, BS=bs, USE_RLA=use_rla, IEEE=ieee,
             num_warps=warps, num_stages=1,
         )
-        return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * 7
 
 
-def tile_sparse_attention(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik=False):
+def tile_sparse_attention(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik, *, grad: bool,
+                          rows: int):
     """The tile form of `triton_parallel.SparseAttention.apply` (same operands, q [B, HQ, Tq, D] and
-    k, v [B, H, S, D] views): (o_sp, otilde) [B, Tq, HQ, D] fp32, differentiable through
-    `TileSparseAttention`; without gradients the forward alone with TILE_ROWS_INFERENCE rows per tile."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return TileSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik)
+    k, v [B, H, S, D] views) over query tiles of about `rows` rows: (o_sp, otilde) [B, Tq, HQ, D]
+    fp32; with `grad` differentiable through `TileSparseAttention`, else the forward alone."""
+    if grad:
+        return TileSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik, rows)
     phik = key_features(k) if use_rla and precompute_phik else None
-    o, ot, _, _ = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik,
-                                      rows=TILE_ROWS_INFERENCE)
+    o, ot, _, _ = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, rows=rows, phik=phik)
     return o, ot

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from subquadratic.kernels.spla import BlockStats, spla_attention, spla_dense, spla_parallel, within_budget
+from subquadratic.kernels.spla import BlockStats, SPLAParams, spla_attention, spla_dense, spla_parallel, within_budget
 
-CFG = dict(block_size=8, top_k_blocks=5, num_sink_blocks=1, num_local_blocks=2)
+PARAMS = SPLAParams(block_size=8, top_k_blocks=5, num_sink_blocks=1, num_local_blocks=2)
 
 
 def inputs(seed, B=2, HQ=4, H=2, D=16, S=40, Tq=40, left_pad=3):
@@ -21,8 +21,8 @@ def inputs(seed, B=2, HQ=4, H=2, D=16, S=40, Tq=40, left_pad=3):
     k_pos = torch.arange(S).repeat(B, 1)
     k_pos[1, :left_pad] = -1
     k_pos[1, left_pad:] -= left_pad
-    stats = BlockStats.empty(B, H, D, "cpu", torch.float64, num_blocks=-(-S // CFG["block_size"]))
-    stats.add_(k.detach(), k_pos, CFG["block_size"])
+    stats = BlockStats.empty(B, H, D, "cpu", torch.float64, num_blocks=-(-S // PARAMS.block_size))
+    stats.add_(k.detach(), k_pos, PARAMS.block_size)
     sbar = 0.1 * torch.randn(B, H, D, D, generator=g, dtype=torch.float64)
     return q, k, v, k_pos[:, S - Tq:], k_pos, stats, sbar
 
@@ -30,8 +30,8 @@ def inputs(seed, B=2, HQ=4, H=2, D=16, S=40, Tq=40, left_pad=3):
 @pytest.mark.parametrize("S,Tq", [(40, 40), (40, 1), (33, 7), (12, 12)])
 def test_dense_equals_sparse_form_inside_the_budget(S, Tq):
     q, k, v, q_pos, k_pos, stats, sbar = inputs(S * 100 + Tq, S=S, Tq=Tq)
-    assert within_budget(S, CFG["block_size"], CFG["top_k_blocks"])
-    o_sp, o_rla, sbar_ref = spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, **CFG)
+    assert within_budget(S, PARAMS)
+    o_sp, o_rla, sbar_ref = spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, PARAMS)
     o_d, o_rla_d, sbar_d = spla_dense(q, k, v, q_pos, k_pos, sbar)
     assert o_rla_d is None and torch.count_nonzero(o_rla) == 0  # the sparse form's residual term is exactly 0
     torch.testing.assert_close(o_d, o_sp, rtol=0, atol=1e-12)
@@ -46,11 +46,11 @@ def test_dense_equals_sparse_form_inside_the_budget(S, Tq):
 def test_dispatch_switches_at_the_budget():
     """`spla_attention` takes the dense path exactly while S <= top_k_blocks x block_size and the
     sparse form beyond; both sides of the switch agree with the sparse form computed directly."""
-    budget = CFG["top_k_blocks"] * CFG["block_size"]
+    budget = PARAMS.top_k_blocks * PARAMS.block_size
     for S in (budget, budget + 1):
         q, k, v, q_pos, k_pos, stats, sbar = inputs(S, S=S, Tq=1)
-        got = spla_attention(q, k, v, q_pos, k_pos, stats, sbar, backend="torch", **CFG)
-        ref = spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, **CFG)
+        got = spla_attention(q, k, v, q_pos, k_pos, stats, sbar, PARAMS, backend="torch")
+        ref = spla_parallel(q, k, v, q_pos, k_pos, stats, sbar, PARAMS)
         assert (got[1] is None) == (S <= budget)
         torch.testing.assert_close(got[0], ref[0], rtol=0, atol=1e-12)
         torch.testing.assert_close(got[2], ref[2], rtol=0, atol=1e-12)

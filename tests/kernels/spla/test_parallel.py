@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from subquadratic.kernels.spla import BlockStats, spla_naive, spla_parallel
+from subquadratic.kernels.spla import BlockStats, SPLAParams, spla_naive, spla_parallel
 
 
-def naive(q, k, v, **cfg):
+def naive(q, k, v, params):
     """spla_naive of head-major q [HQ, T, D], k, v [H, T, D]; outputs head-major."""
-    return tuple(o.transpose(0, 1) for o in spla_naive(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), **cfg))
+    return tuple(o.transpose(0, 1) for o in spla_naive(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), params))
 
 
-def run_reference(q, k, v, pos_q=None, pos_k=None, query_chunk=None, **cfg):
+def run_reference(q, k, v, params, pos_q=None, pos_k=None, query_chunk=None):
     """q: [B, HQ, T, D], k, v: [B, H, S, D]; fresh cache (all tokens new)."""
     B, H, S, D = k.shape
     T = q.shape[2]
@@ -23,10 +23,10 @@ def run_reference(q, k, v, pos_q=None, pos_k=None, query_chunk=None, **cfg):
         pos_k = torch.arange(S).expand(B, S)
     if pos_q is None:
         pos_q = pos_k[:, S - T:]
-    stats = BlockStats.empty(B, H, D, q.device, q.dtype).add(k.transpose(1, 2), pos_k, cfg["block_size"])
+    stats = BlockStats.empty(B, H, D, q.device, q.dtype).add(k.transpose(1, 2), pos_k, params.block_size)
     sbar = torch.zeros(B, H, D, D, dtype=q.dtype)
     o_sp, o_rla, sbar = spla_parallel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos_q, pos_k, stats,
-                                      sbar, query_chunk=query_chunk, **cfg)
+                                      sbar, params, query_chunk=query_chunk)
     return o_sp.transpose(1, 2), None if o_rla is None else o_rla.transpose(1, 2), sbar
 
 
@@ -48,9 +48,9 @@ def test_reference_matches_bruteforce_fp64(case):
     q = torch.randn(HQ, T, D, dtype=torch.float64)
     k = torch.randn(H, T, D, dtype=torch.float64) * 1.5
     v = torch.randn(H, T, D, dtype=torch.float64)
-    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=sel)
-    want_sp, want_rla = naive(q, k, v, **cfg)
-    o_sp, o_rla, _ = run_reference(q[None], k[None], v[None], query_chunk=16, **cfg)
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=sel)
+    want_sp, want_rla = naive(q, k, v, params)
+    o_sp, o_rla, _ = run_reference(q[None], k[None], v[None], params, query_chunk=16)
     assert (o_sp[0] - want_sp).abs().max() < 1e-10
     assert (o_rla[0] - want_rla).abs().max() < 1e-10
     assert want_rla.abs().max() > 0.1  # the budget is exceeded: the residual term is exercised
@@ -59,14 +59,14 @@ def test_reference_matches_bruteforce_fp64(case):
 def test_gradients_match_bruteforce_fp64():
     torch.manual_seed(1)
     HQ, H, T, D = 4, 2, 40, 8
-    cfg = dict(block_size=8, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1, selection="taylor")
+    params = SPLAParams(block_size=8, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1, selection="taylor")
     q = torch.randn(HQ, T, D, dtype=torch.float64, requires_grad=True)
     k = torch.randn(H, T, D, dtype=torch.float64, requires_grad=True)
     v = torch.randn(H, T, D, dtype=torch.float64, requires_grad=True)
     w1, w2 = torch.randn(HQ, T, D, dtype=torch.float64), torch.randn(HQ, T, D, dtype=torch.float64)
-    a_sp, a_rla = naive(q, k, v, **cfg)
+    a_sp, a_rla = naive(q, k, v, params)
     ga = torch.autograd.grad((a_sp * w1).sum() + (a_rla * w2).sum(), (q, k, v))
-    b_sp, b_rla, _ = run_reference(q[None], k[None], v[None], query_chunk=8, **cfg)
+    b_sp, b_rla, _ = run_reference(q[None], k[None], v[None], params, query_chunk=8)
     gb = torch.autograd.grad((b_sp[0] * w1).sum() + (b_rla[0] * w2).sum(), (q, k, v))
     for x, y in zip(ga, gb, strict=True):
         assert x.abs().max() > 0
@@ -76,8 +76,8 @@ def test_gradients_match_bruteforce_fp64():
 def test_rla_is_exactly_zero_when_budget_covers_context():
     torch.manual_seed(2)
     q, k, v = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8)
-    cfg = dict(block_size=8, top_k_blocks=4, num_sink_blocks=1, num_local_blocks=2)
-    o_sp, o_rla, _ = run_reference(q, k, v, **cfg)
+    params = SPLAParams(block_size=8, top_k_blocks=4, num_sink_blocks=1, num_local_blocks=2)
+    o_sp, o_rla, _ = run_reference(q, k, v, params)
     assert torch.equal(o_rla, torch.zeros_like(o_rla))
     dense = torch.softmax((q.view(1, 2, 2, 32, 8) @ k[:, :, None].transpose(-1, -2)) / 8**0.5
                           + torch.full((32, 32), float("-inf")).triu(1), -1) @ v[:, :, None]
@@ -88,12 +88,12 @@ def test_left_padding_is_invisible():
     """A row with p padding slots in front gives the same outputs as the row alone."""
     torch.manual_seed(3)
     HQ, H, T, D, p = 4, 2, 45, 8, 11
-    cfg = dict(block_size=8, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1)
+    params = SPLAParams(block_size=8, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1)
     q, k, v = torch.randn(1, HQ, T, D), torch.randn(1, H, T, D), torch.randn(1, H, T, D)
-    alone = run_reference(q, k, v, **cfg)
+    alone = run_reference(q, k, v, params)
     pad = lambda x: torch.cat([torch.randn(1, x.shape[1], p, D) * 5, x], dim=2)  # noqa: E731
     pos = torch.cat([torch.full((1, p), -1), torch.arange(T)[None]], dim=1)
-    padded = run_reference(pad(q), pad(k), pad(v), pos_q=pos, pos_k=pos, **cfg)
+    padded = run_reference(pad(q), pad(k), pad(v), params, pos_q=pos, pos_k=pos)
     for a, b in zip(alone[:2], padded[:2], strict=True):
         assert (a - b[:, :, p:]).abs().max() < 1e-5
         assert torch.equal(b[:, :, :p], torch.zeros_like(b[:, :, :p]))
@@ -132,12 +132,12 @@ def test_decode_gather_equals_the_masked_form(case, use_rla):
         pos[row, pad:] = torch.arange(T - pad)
     stats = BlockStats.empty(B, H, D, "cpu", torch.float64).add(k, pos, bs)
     sbar = torch.randn(B, H, D, D, generator=g, dtype=torch.float64) * 0.1
-    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local,
-               selection=selection, use_rla=use_rla)
-    args = (q[:, -1:], k, v, pos[:, -1:], pos, stats, sbar)
-    want = spla_parallel(*args, **cfg)
-    got = spla_decode_gather(q[:, -1:], k, v, pos[:, -1:], stats, sbar, slot_offsets(pos), **cfg)
-    routed = spla_attention(*args, backend="torch", **cfg)
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local,
+                        selection=selection, use_rla=use_rla)
+    args = (q[:, -1:], k, v, pos[:, -1:], pos, stats, sbar, params)
+    want = spla_parallel(*args)
+    got = spla_decode_gather(q[:, -1:], k, v, pos[:, -1:], stats, sbar, slot_offsets(pos), params)
+    routed = spla_attention(*args, backend="torch")
     for a, b, c in zip(got, want, routed, strict=True):
         if b is None:
             assert a is None and c is None

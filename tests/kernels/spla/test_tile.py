@@ -1,10 +1,10 @@
-"""SPLA prefill kernels through the real dispatch (`spla_triton`; `spla_attention(backend="triton")` on
-CUDA) vs the fp64 PyTorch form (`spla_parallel`): values of o_sp, o_rla and Sbar and the gradients
-dq, dk, dv, for both forms of the longer calls (`triton_parallel.PREFILL_KERNEL`: "tile", the
-query-tile kernels of `triton_tile`, and "token", the per-token kernels), poisoned outputs; the
-one-launch tile selection (`select_indices_fast`) against `select_blocks`; the union lists of a
-tile. GQA groups 1..8 (16 on CUDA), left and right padding, cached prefixes, budgets smaller than
-the context. On CPU under TRITON_INTERPRET=1 at small shapes."""
+"""SPLA prefill kernels through the real dispatch (`spla_attention` with the Triton plan of the
+inputs, `test_triton.spla_triton`) vs the fp64 PyTorch form (`spla_parallel`): values of o_sp,
+o_rla and Sbar and the gradients dq, dk, dv, for both forms of the longer calls (`SPLAPlan.form`:
+"tile", the query-tile kernels of `triton_tile`, and "token", the per-token kernels), poisoned
+outputs; the one-launch tile selection (`select_indices_fast`) against `select_blocks`; the union
+lists of a tile. GQA groups 1..8 (16 on CUDA), left and right padding, cached prefixes, budgets
+smaller than the context. On CPU under TRITON_INTERPRET=1 at small shapes."""
 
 from __future__ import annotations
 
@@ -13,55 +13,36 @@ import torch
 
 # tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported
 pytest.importorskip("triton")
-from subquadratic.kernels import utils  # noqa: E402
 from subquadratic.kernels.spla import (  # noqa: E402
     BlockStats,
+    SPLAParams,
     select_blocks,
-    spla_attention,
+    select_indices_fast,
     spla_parallel,
-    spla_triton,
+    tile_union,
     triton_parallel,
-    triton_tile,
 )
 
-from .test_triton import make  # noqa: E402  (the same random inputs as the per-token kernel tests)
+# the same random inputs and Triton plans as the per-token kernel tests
+from .test_triton import make, spla_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every kernel output starts as NaN (or -1 for indices): anything left unwritten fails the test."""
-    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
-
-
 @pytest.fixture
-def prefill_kernel(monkeypatch):
-    """Set triton_parallel.PREFILL_KERNEL and TRAIN_KERNEL and count the calls of each form (the
-    per-token form runs `sparse_forward`, with or without gradients)."""
+def kernel_calls(monkeypatch):
+    """Count the calls of each sparse form the executor runs (the per-token form runs
+    `sparse_forward`, with or without gradients)."""
     calls = {"tile": 0, "token": 0}
+    for form, fn_name in (("tile", "tile_sparse_attention"), ("token", "sparse_forward")):
+        fn = getattr(triton_parallel, fn_name)
 
-    def set_kernel(name):
-        monkeypatch.setattr(triton_parallel, "PREFILL_KERNEL", name)
-        monkeypatch.setattr(triton_parallel, "TRAIN_KERNEL", name)
-        for form, fn_name in (("tile", "tile_sparse_attention"), ("token", "sparse_forward")):
-            fn = getattr(triton_parallel, fn_name)
+        def spy(*a, _fn=fn, _form=form, **kw):
+            calls[_form] += 1
+            return _fn(*a, **kw)
 
-            def spy(*a, _fn=fn, _form=form, **kw):
-                calls[_form] += 1
-                return _fn(*a, **kw)
-
-            monkeypatch.setattr(triton_parallel, fn_name, spy)
-        return calls
-
-    return set_kernel
-
-
-def triton_path(*args, **kw):
-    """The Triton forms as the model reaches them: the dispatch on CUDA, `spla_triton` elsewhere."""
-    if DEV == "cuda":
-        return spla_attention(*args, backend="triton", **kw)
-    return spla_triton(*args, **kw)
+        monkeypatch.setattr(triton_parallel, fn_name, spy)
+    return calls
 
 
 def rel(a, b):
@@ -80,18 +61,16 @@ CASES = [  # B, HQ, H, S, D, block, top_k, sink, local, use_rla, pad, cached pre
 ]
 
 
-def run_case(case, grad, kernel, set_kernel, monkeypatch, precompute_phik=False):
-    calls = set_kernel(kernel)
-    monkeypatch.setattr(triton_parallel, "PHIK_PRECOMPUTE_MIN_TQ", 1 if precompute_phik else 1 << 30)
+def run_case(case, grad, kernel, calls, precompute_phik=False):
     B, HQ, H, S, D, bs, top, sink, local, use_rla, pad, prefix = case
     q, k, v, pos, stats, sbar = make(B, HQ, H, S, D, bs, pad, seed=sum(case[:5]))
     q, qpos = q[:, prefix:], pos[:, prefix:]
-    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, use_rla=use_rla)
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, use_rla=use_rla)
     stats64 = BlockStats(*(x.double() for x in (stats.sum_k, stats.sum_k2, stats.count)))
     ins = [x.detach().double().requires_grad_(grad) for x in (q, k, v)]
-    want = spla_parallel(*ins, qpos, pos, stats64, sbar.double(), **cfg)
+    want = spla_parallel(*ins, qpos, pos, stats64, sbar.double(), params)
     outs = [x.detach().requires_grad_(grad) for x in (q, k, v)]
-    got = triton_path(*outs, qpos, pos, stats, sbar, **cfg)
+    got = spla_triton(*outs, qpos, pos, stats, sbar, params, form=kernel, precompute_phik=precompute_phik)
     assert calls[kernel] == 1 and calls["tile" if kernel == "token" else "token"] == 0, calls
     for name, a, b in zip(["o_sp", "o_rla", "sbar"], got, want, strict=True):
         if b is None:
@@ -112,41 +91,41 @@ def run_case(case, grad, kernel, set_kernel, monkeypatch, precompute_phik=False)
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_tile_forward_matches_reference(case, prefill_kernel, monkeypatch):
-    run_case(case, False, "tile", prefill_kernel, monkeypatch)
+def test_tile_forward_matches_reference(case, kernel_calls):
+    run_case(case, False, "tile", kernel_calls)
 
 
 @pytest.mark.parametrize("case", CASES[::2] + CASES[1::4])
-def test_tile_backward_matches_reference(case, prefill_kernel, monkeypatch):
-    run_case(case, True, "tile", prefill_kernel, monkeypatch, precompute_phik=case[3] == 1)
+def test_tile_backward_matches_reference(case, kernel_calls):
+    run_case(case, True, "tile", kernel_calls, precompute_phik=case[3] == 1)
 
 
 @pytest.mark.parametrize("case", CASES[6:])
 @pytest.mark.parametrize("grad", [False, True])
-def test_token_kernels_match_reference(case, grad, prefill_kernel, monkeypatch):
-    """PREFILL_KERNEL = "token": the per-token kernels on the same calls."""
-    run_case(case, grad, "token", prefill_kernel, monkeypatch)
+def test_token_kernels_match_reference(case, grad, kernel_calls):
+    """form="token": the per-token kernels on the same calls."""
+    run_case(case, grad, "token", kernel_calls)
 
 
-def test_short_calls_take_the_per_token_kernels(prefill_kernel, monkeypatch):
-    monkeypatch.setattr(triton_parallel, "TILE_MIN_TQ", 16)
-    calls = prefill_kernel("tile")
+def test_short_calls_take_the_per_token_kernels(kernel_calls):
+    """The plan's own choice without gradients: the tile kernels from 16 new tokens, the per-token
+    kernels below."""
     q, k, v, pos, stats, sbar = make(1, 4, 2, 50, 16, 16, seed=5)
-    cfg = dict(block_size=16, top_k_blocks=2, num_sink_blocks=1, num_local_blocks=1)
+    params = SPLAParams(block_size=16, top_k_blocks=2, num_sink_blocks=1, num_local_blocks=1)
     for tq in (15, 16):
         want = spla_parallel(q[:, -tq:].double(), k.double(), v.double(), pos[:, -tq:], pos,
                              BlockStats(*(x.double() for x in (stats.sum_k, stats.sum_k2, stats.count))),
-                             sbar.double(), **cfg)
-        got = triton_path(q[:, -tq:], k, v, pos[:, -tq:], pos, stats, sbar, **cfg)
+                             sbar.double(), params)
+        got = spla_triton(q[:, -tq:], k, v, pos[:, -tq:], pos, stats, sbar, params)
         assert rel(got[0], want[0]) <= 1e-4 and rel(got[1], want[1]) <= 1e-4
-    assert calls == {"tile": 1, "token": 1}
+    assert kernel_calls == {"tile": 1, "token": 1}
 
 
 def test_union_lists_are_the_union_of_the_selection():
     g = torch.Generator().manual_seed(3)
     B, T, H, K, NB, BM = 2, 45, 3, 5, 12, 8
     idx = torch.randint(-1, NB, (B, T, H, K), generator=g, dtype=torch.int32).to(DEV)
-    ul, ub, uc, NU = triton_tile.tile_union(idx, NB, BM)
+    ul, ub, uc, NU = tile_union(idx, NB, BM)
     for bh in range(B * H):
         b, h = divmod(bh, H)
         for tile in range(ul.shape[1]):
@@ -167,10 +146,11 @@ def test_select_indices_fast_selects_the_reference_blocks(case, selection, max_s
     """The one-launch tile selection vs select_blocks, whole or in query chunks."""
     B, HQ, H, T, D, bs, top, sink, local, pad = case
     q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=T + D)
-    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=selection)
-    want = select_blocks(q, stats, pos, **cfg)  # [B, H, T, NB]
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local,
+                        selection=selection)
+    want = select_blocks(q, stats, pos, params)  # [B, H, T, NB]
     kw = {} if max_scores is None else dict(max_scores=max_scores * B * H * stats.num_blocks)
-    idx = triton_tile.select_indices_fast(q, stats, pos, **cfg, **kw).long()  # [B, T, H, K]
+    idx = select_indices_fast(q, stats, pos, params, **kw).long()  # [B, T, H, K]
     got = torch.zeros(B, T, H, want.shape[-1] + 1, dtype=torch.bool, device=DEV)
     got.scatter_(-1, torch.where(idx >= 0, idx, want.shape[-1]), True)
     assert torch.equal(got[..., :-1].permute(0, 2, 1, 3), want)
@@ -181,19 +161,18 @@ def test_select_indices_fast_selects_the_reference_blocks(case, selection, max_s
 @pytest.mark.skipif(DEV != "cuda", reason="real shapes on the GPU")
 @pytest.mark.parametrize("kernel", ["tile", "token"])
 @pytest.mark.parametrize("G,D", [(1, 64), (4, 128), (8, 64), (16, 128)])
-def test_bf16_real_shapes_on_gpu(G, D, kernel, prefill_kernel):
+def test_bf16_real_shapes_on_gpu(G, D, kernel, kernel_calls):
     """bf16 values and gradients at 2k tokens through the dispatch vs the fp64 PyTorch form."""
-    calls = prefill_kernel(kernel)
     B, H, S, bs = 1, 2, 2048, 64
     q, k, v, pos, stats, sbar = make(B, H * G, H, S, D, bs, seed=G, dtype=torch.bfloat16)
     stats = BlockStats.empty(B, H, D, DEV).add(k.float(), pos, bs)
     stats64 = BlockStats(*(x.double() for x in (stats.sum_k, stats.sum_k2, stats.count)))
-    cfg = dict(block_size=bs, top_k_blocks=8, num_sink_blocks=1, num_local_blocks=2)
+    params = SPLAParams(block_size=bs, top_k_blocks=8, num_sink_blocks=1, num_local_blocks=2)
     ins = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want = spla_parallel(*ins, pos, pos, stats64, sbar.double(), **cfg)
+    want = spla_parallel(*ins, pos, pos, stats64, sbar.double(), params)
     outs = [x.detach().requires_grad_() for x in (q, k, v)]
-    got = spla_attention(*outs, pos, pos, stats, sbar, backend="triton", **cfg)
-    assert calls[kernel] == 1
+    got = spla_triton(*outs, pos, pos, stats, sbar, params, form=kernel)
+    assert kernel_calls[kernel] == 1
     for a, b in zip(got, want, strict=True):
         assert rel(a, b) <= 1e-2
     g = [torch.randn_like(x) for x in want[:2]]

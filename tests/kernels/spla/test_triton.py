@@ -1,8 +1,8 @@
-"""SPLA Triton kernels (`spla_triton` and the forms behind it) vs the PyTorch form `spla_parallel`:
-values of prefill and split-K decode, and the
-gradients of the backward kernels, GQA groups 1..16, left and right padding, with and without the
-residual term. On CPU it runs under
-TRITON_INTERPRET=1 at small shapes; on CUDA at the shapes given."""
+"""SPLA Triton kernels (the "triton" and "triton_decode" plans of `spla_attention`) vs the PyTorch
+form `spla_parallel`: values of prefill and split-K decode, and the gradients of the backward
+kernels, GQA groups 1..16, left and right padding, with and without the residual term, poisoned
+outputs (tests/kernels/conftest.py). On CPU it runs under TRITON_INTERPRET=1 at small shapes (the
+plans made for a CUDA device, run on CPU tensors); on CUDA at the shapes given."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import torch
 
 # tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported
 pytest.importorskip("triton")
-from subquadratic.kernels import utils  # noqa: E402
 from subquadratic.kernels.spla import (  # noqa: E402
     BlockStats,
+    Launch,
+    SPLAParams,
+    append_token_triton,
+    plan_spla,
+    queries_by_block,
     select_blocks,
+    select_indices,
     spla_attention,
     spla_parallel,
-    spla_triton,
-    triton_decode,
-    triton_parallel,
-    triton_parallel_bwd,
-    triton_select,
     triton_unsupported,
 )
 from subquadratic.kernels.utils import slot_offsets  # noqa: E402
@@ -29,10 +29,16 @@ from subquadratic.kernels.utils import slot_offsets  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every kernel output starts as NaN (or -1 for indices): anything left unwritten fails the test."""
-    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
+def triton_plan(q, k, v, params, **fields):
+    """The plan of `spla_attention(backend="triton")` on CUDA for these inputs, with `fields` set; the
+    device is data, so on the CPU the same plan runs the kernels in the interpreter."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return plan_spla(q.shape, k.shape, q.dtype, "cuda", params, backend="triton", grad=grad, **fields)
+
+
+def spla_triton(q, k, v, q_pos, k_pos, stats, sbar, params, **fields):
+    """SPLA through the Triton kernels of `triton_plan(..., **fields)`."""
+    return spla_attention(q, k, v, q_pos, k_pos, stats, sbar, params, plan=triton_plan(q, k, v, params, **fields))
 
 
 def make(B, HQ, H, T, D, bs, pad=0, seed=0, dtype=torch.float32):
@@ -64,12 +70,12 @@ CASES = [  # B, HQ, H, T, D, block, top_k, sink, local, use_rla, pad
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_prefill_and_decode_match_reference(case, monkeypatch):
+def test_prefill_and_decode_match_reference(case):
     B, HQ, H, T, D, bs, top, sink, local, use_rla, pad = case
     q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=sum(case[:5]))
-    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, use_rla=use_rla)
-    want = spla_parallel(q, k, v, pos, pos, stats, sbar, **cfg)
-    got = spla_triton(q, k, v, pos, pos, stats, sbar, **cfg)
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, use_rla=use_rla)
+    want = spla_parallel(q, k, v, pos, pos, stats, sbar, params)
+    got = spla_triton(q, k, v, pos, pos, stats, sbar, params)
     for a, b in zip(got, want, strict=True):
         if b is None:
             assert a is None
@@ -79,28 +85,27 @@ def test_prefill_and_decode_match_reference(case, monkeypatch):
     if top * bs >= T:
         assert torch.equal(got[1], torch.zeros_like(got[1]))
     # one decode step: the fused decode kernels, and the general kernel with the blocks split in two
-    want = spla_parallel(q[:, -1:], k, v, pos[:, -1:], pos, stats, sbar, **cfg)
-    for split in (None, 2):
-        got = spla_triton(q[:, -1:], k, v, pos[:, -1:], pos, stats, sbar, num_splits=split, **cfg)
+    want = spla_parallel(q[:, -1:], k, v, pos[:, -1:], pos, stats, sbar, params)
+    for fields in ({}, dict(path="triton", splits=2)):
+        got = spla_triton(q[:, -1:], k, v, pos[:, -1:], pos, stats, sbar, params, **fields)
         for a, b in zip(got, want, strict=True):
             if b is not None:
-                assert rel(a, b) <= 1e-4 or (a - b).abs().max() <= 1e-5, split
+                assert rel(a, b) <= 1e-4 or (a - b).abs().max() <= 1e-5, fields
     # the decode launches in other settings: scores as one dot, one block or all blocks per program
     for dot, per in ((True, 1), (False, 64)):
-        monkeypatch.setattr(triton_select, "SCORE_DOT", dot)
-        monkeypatch.setattr(triton_decode, "DECODE_BLOCKS_PER_SPLIT", per)
-        got = spla_triton(q[:, -1:], k, v, pos[:, -1:], pos, stats, sbar, **cfg)
+        launch = Launch(score_dot=dot, decode_blocks_per_split=per)
+        got = spla_triton(q[:, -1:], k, v, pos[:, -1:], pos, stats, sbar, params, launch=launch)
         for a, b in zip(got, want, strict=True):
             if b is not None:
                 assert rel(a, b) <= 1e-4 or (a - b).abs().max() <= 1e-5, (dot, per)
 
 
-def forward_backward(fn, q, k, v, pos, stats, sbar, grads, dtype, **cfg):
+def forward_backward(fn, q, k, v, pos, stats, sbar, grads, dtype, params, **fields):
     """Values and input gradients of sum(o_sp * g_sp) + sum(o_rla * g_rla) in `dtype`."""
     q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
     stats = BlockStats(*(x.to(torch.float64 if dtype == torch.float64 else torch.float32)
                          for x in (stats.sum_k, stats.sum_k2, stats.count)))
-    o_sp, o_rla, _ = fn(q, k, v, pos, pos, stats, sbar.to(stats.sum_k.dtype), **cfg)
+    o_sp, o_rla, _ = fn(q, k, v, pos, pos, stats, sbar.to(stats.sum_k.dtype), params, **fields)
     loss = (o_sp.double() * grads[0]).sum()
     if o_rla is not None:
         loss = loss + (o_rla.double() * grads[1]).sum()
@@ -110,17 +115,17 @@ def forward_backward(fn, q, k, v, pos, stats, sbar, grads, dtype, **cfg):
 
 @pytest.mark.parametrize("precompute_phik", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_backward_matches_reference(case, precompute_phik, monkeypatch):
+def test_backward_matches_reference(case, precompute_phik):
     """dq, dk, dv of the Triton backward (fp32 inputs) against the fp64 reference's autograd, with
     phi(k) from the loaded tiles or precomputed once per key."""
-    monkeypatch.setattr(triton_parallel, "PHIK_PRECOMPUTE_MIN_TQ", 1 if precompute_phik else 1 << 30)
     B, HQ, H, T, D, bs, top, sink, local, use_rla, pad = case
     q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=sum(case[:5]) + 1)
-    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, use_rla=use_rla)
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, use_rla=use_rla)
     g = torch.Generator().manual_seed(T)
     grads = [torch.randn(B, T, HQ, D, generator=g, dtype=torch.float64).to(DEV) for _ in range(2)]
-    want = forward_backward(spla_parallel, q, k, v, pos, stats, sbar, grads, torch.float64, **cfg)
-    got = forward_backward(spla_triton, q, k, v, pos, stats, sbar, grads, torch.float32, **cfg)
+    want = forward_backward(spla_parallel, q, k, v, pos, stats, sbar, grads, torch.float64, params)
+    got = forward_backward(spla_triton, q, k, v, pos, stats, sbar, grads, torch.float32, params,
+                           precompute_phik=precompute_phik)
     for name, a, b in zip(["o_sp", "o_rla", "dq", "dk", "dv"], got, want, strict=True):
         if b is None:
             assert a is None
@@ -136,7 +141,7 @@ def test_backward_matches_reference(case, precompute_phik, monkeypatch):
 def test_queries_by_block_inverts_the_selection():
     g = torch.Generator().manual_seed(3)
     idx = torch.randint(-1, 6, (2, 9, 3, 4), generator=g).to(DEV, torch.int32)
-    toks, off = triton_parallel_bwd.queries_by_block(idx, 6)
+    toks, off = queries_by_block(idx, 6)
     assert off.shape == (2 * 3 * 6 + 1,) and off[-1] == (idx >= 0).sum()
     for b in range(2):
         for h in range(3):
@@ -151,22 +156,19 @@ def test_queries_by_block_inverts_the_selection():
 @pytest.mark.parametrize("case", [(2, 4, 2, 90, 16, 16, 4, 1, 2, 7), (1, 3, 1, 64, 32, 16, 3, 0, 1, 0)])
 @pytest.mark.parametrize("setting", [("tf32x3", True, None, True), ("ieee", False, 40, True), (None, None, 40, False)])
 @pytest.mark.parametrize("topk_bn", [128, 2])
-def test_selection_kernels_select_the_reference_blocks(case, selection, setting, topk_bn, monkeypatch):
+def test_selection_kernels_select_the_reference_blocks(case, selection, setting, topk_bn):
     """Scores (scoring kernel as one dot or elementwise sums, or matmuls) + group top-k kernel (its
     softmax passes over all blocks at once or in steps of 2), whole or in query chunks, vs the
     PyTorch select_blocks."""
     B, HQ, H, T, D, bs, top, sink, local, pad = case
     prec, use_dot, max_scores, use_kernel = setting
-    monkeypatch.setattr(triton_select, "SCORE_KERNEL_MAX_TQ", T if use_kernel else 0)
-    monkeypatch.setattr(triton_select, "TOPK_BN", topk_bn)
-    if prec is not None:
-        monkeypatch.setattr(triton_select, "SCORE_PREC", prec)
-        monkeypatch.setattr(triton_select, "SCORE_DOT", use_dot)
+    launch = Launch(topk_bn=topk_bn) if prec is None else Launch(topk_bn=topk_bn, score_prec=prec, score_dot=use_dot)
     q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, pad, seed=T + D)
-    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=selection)
-    want = select_blocks(q, stats, pos, **cfg)  # [B, H, T, NB]
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local,
+                        selection=selection)
+    want = select_blocks(q, stats, pos, params)  # [B, H, T, NB]
     kw = {} if max_scores is None else dict(max_scores=max_scores * B * HQ)  # chunks of 40 queries
-    idx = triton_select.select_indices(q, stats, pos, **cfg, **kw).long()  # [B, T, H, K]
+    idx = select_indices(q, stats, pos, params, matmul=not use_kernel, launch=launch, **kw).long()  # [B, T, H, K]
     got = torch.zeros(B, T, H, want.shape[-1] + 1, dtype=torch.bool, device=DEV)
     got.scatter_(-1, torch.where(idx >= 0, idx, want.shape[-1]), True)
     assert torch.equal(got[..., :-1].permute(0, 2, 1, 3), want)
@@ -182,30 +184,30 @@ def test_slot_offsets():
 
 
 def test_dispatch_sends_unsupported_inputs_to_the_pytorch_form():
-    """Padding in the middle of a row, head dims and block sizes the kernels do not take: the
-    dispatch decides ("auto" -> the PyTorch form, "triton" -> an error); the Triton forms refuse."""
+    """Padding in the middle of a row, head dims and block sizes the kernels do not take: the plan
+    decides ("auto" -> the PyTorch form, "triton" -> an error); a given Triton plan refuses such rows."""
     q, k, v, pos, stats, sbar = make(1, 2, 1, 40, 16, 16)
     pos = pos.clone()
     pos[0, 10:15] = -1
     pos[0, 15:] = torch.arange(10, 35, device=DEV)
     assert slot_offsets(pos) is None
-    assert "middle" in triton_unsupported(16, 16, slot_offsets(pos))
-    assert "head_dim" in triton_unsupported(24, 16, torch.zeros(1))
-    assert "block_size" in triton_unsupported(16, 8, torch.zeros(1))
-    assert triton_unsupported(64, 64, torch.zeros(1)) is None
-    cfg = dict(block_size=16, top_k_blocks=2, num_sink_blocks=1, num_local_blocks=1)
+    assert "middle" in triton_unsupported(16, 16, consecutive=False)
+    assert "head_dim" in triton_unsupported(24, 16)
+    assert "block_size" in triton_unsupported(16, 8)
+    assert triton_unsupported(64, 64) is None
+    params = SPLAParams(block_size=16, top_k_blocks=2, num_sink_blocks=1, num_local_blocks=1)
     stats = BlockStats.empty(1, 1, 16, DEV).add(k, pos, 16)
-    want = spla_parallel(q, k, v, pos, pos, stats, sbar, **cfg)
-    got = spla_attention(q, k, v, pos, pos, stats, sbar, backend="auto", **cfg)
+    want = spla_parallel(q, k, v, pos, pos, stats, sbar, params)
+    got = spla_attention(q, k, v, pos, pos, stats, sbar, params, backend="auto")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    with pytest.raises(ValueError, match="middle"):
-        spla_triton(q, k, v, pos, pos, stats, sbar, **cfg)
     with pytest.raises(ValueError, match="consecutive"):
-        triton_parallel.spla_parallel_triton(q, k, v, pos, pos, stats, sbar, **cfg)
+        spla_triton(q, k, v, pos, pos, stats, sbar, params)
+    with pytest.raises(ValueError, match="middle"):
+        plan_spla(q.shape, k.shape, q.dtype, "cuda", params, backend="triton", consecutive=False)
     with pytest.raises(ValueError):  # off CUDA, or padding in the middle on CUDA
-        spla_attention(q, k, v, pos, pos, stats, sbar, backend="triton", **cfg)
+        spla_attention(q, k, v, pos, pos, stats, sbar, params, backend="triton")
     with pytest.raises(ValueError, match="naive"):
-        spla_attention(q, k, v, pos, pos, stats, sbar, backend="naive", **cfg)
+        spla_attention(q, k, v, pos, pos, stats, sbar, params, backend="naive")
 
 
 def stats_upto(k, pos, t, bs):
@@ -219,18 +221,18 @@ def stats_upto(k, pos, t, bs):
 def test_bf16_real_shapes_on_gpu(G, D):
     H, T = 2, 4096
     q, k, v, pos, stats, sbar = make(1, H * G, H, T, D, 64, seed=G + D, dtype=torch.bfloat16)
-    cfg = dict(block_size=64, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2)
+    params = SPLAParams(block_size=64, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2)
     stats64 = BlockStats(*(x.double() for x in (stats.sum_k, stats.sum_k2, stats.count)))
-    want = spla_parallel(q.double(), k.double(), v.double(), pos, pos, stats64, sbar.double(), **cfg)
-    got = spla_triton(q, k, v, pos, pos, stats, sbar, **cfg)
+    want = spla_parallel(q.double(), k.double(), v.double(), pos, pos, stats64, sbar.double(), params)
+    got = spla_triton(q, k, v, pos, pos, stats, sbar, params)
     assert rel(got[0], want[0]) <= 1e-2 and rel(got[1], want[1]) <= 1e-2
     for b in range(1, 4):  # decode rows at several depths
         t = T - 1 - 997 * b
         sel = slice(t, t + 1)
         want = spla_parallel(q[:, sel].double(), k[:, :t + 1].double(), v[:, :t + 1].double(),
-                             pos[:, sel], pos[:, :t + 1], stats_upto(k, pos, t, 64), sbar.double(), **cfg)
+                             pos[:, sel], pos[:, :t + 1], stats_upto(k, pos, t, 64), sbar.double(), params)
         got = spla_triton(q[:, sel], k[:, :t + 1], v[:, :t + 1], pos[:, sel], pos[:, :t + 1],
-                          stats_upto(k, pos, t, 64), sbar, **cfg)
+                          stats_upto(k, pos, t, 64), sbar, params)
         assert rel(got[0], want[0]) <= 1e-2 and rel(got[1], want[1]) <= 1e-2
         assert (got[2] - want[2]).abs().max() <= 1e-3
 
@@ -262,11 +264,11 @@ def test_model_on_gpu_uses_kernel_and_matches_reference():
 def test_bf16_backward_real_shapes_on_gpu(G, D):
     H, T, B = 2, 2048, 2
     q, k, v, pos, stats, sbar = make(B, H * G, H, T, D, 64, pad=100, seed=G * D, dtype=torch.bfloat16)
-    cfg = dict(block_size=64, top_k_blocks=8, num_sink_blocks=1, num_local_blocks=2)
+    params = SPLAParams(block_size=64, top_k_blocks=8, num_sink_blocks=1, num_local_blocks=2)
     g = torch.Generator().manual_seed(G)
     grads = [torch.randn(B, T, H * G, D, generator=g, dtype=torch.float64).to(DEV) for _ in range(2)]
-    want = forward_backward(spla_parallel, q, k, v, pos, stats, sbar, grads, torch.float64, **cfg)
-    got = forward_backward(spla_triton, q, k, v, pos, stats, sbar, grads, torch.bfloat16, **cfg)
+    want = forward_backward(spla_parallel, q, k, v, pos, stats, sbar, grads, torch.float64, params)
+    got = forward_backward(spla_triton, q, k, v, pos, stats, sbar, grads, torch.bfloat16, params)
     for name, a, b in zip(["o_sp", "o_rla", "dq", "dk", "dv"], got, want, strict=True):
         assert rel(a, b) <= 1e-2, (name, rel(a, b))
 
@@ -310,7 +312,7 @@ def test_append_token_one_launch_equals_index_copy_and_block_sums(dtype):
     slot, pos = torch.tensor([29], device=DEV), torch.tensor([[29], [-1], [21]], device=DEV)
     want = [x.clone() for x in (K, V, stats.sum_k, stats.sum_k2, stats.count)]
     append_token(*want[:2], BlockStats(*want[2:]), k, v, slot, pos, bs, backend="torch")
-    one_launch = append_token if DEV == "cuda" else triton_decode.append_token_triton  # CPU: the interpreter
+    one_launch = append_token if DEV == "cuda" else append_token_triton  # CPU: the interpreter
     one_launch(K, V, stats, k, v, slot, pos, bs)
     got = (K, V, stats.sum_k, stats.sum_k2, stats.count)
     for name, a, b in zip(("K", "V", "sum_k", "sum_k2", "count"), got, want, strict=True):

@@ -1,0 +1,102 @@
+"""Shared pieces of the whole-model benchmark scripts (run as `python scripts/<name>.py`, which puts this
+folder on sys.path): the Llama-3.2-1B shapes, a dense Llama with random weights built on a device, the
+converted checkpoints loaded back, and synchronised wall-clock timing. No network and no downloads:
+the weights are random (speed does not depend on them), built with Transformers' own classes."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+#: Llama-3.2-1B shapes (its rope scaling left out: plain RoPE, theta 500000, long enough positions).
+LLAMA_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)
+#: --quick runs: six layers so that SSE-H keeps one softmax layer (every sixth).
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)
+PAD = 0
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def timed(fn, device: torch.device) -> tuple[float, object]:
+    """(seconds, result) of fn(), synchronised before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    res = fn()
+    sync(device)
+    return time.perf_counter() - t0, res
+
+
+def dense_model(shape: dict, max_positions: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A Llama with random weights (Transformers' own initialisation), built on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**shape, max_position_embeddings=max_positions, rope_theta=500000.0, pad_token_id=PAD,
+                      bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype).eval()
+    assert model.config._attn_implementation == "sdpa"
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def load_converted(folder: Path, device: torch.device, dtype: torch.dtype):
+    """A converted checkpoint loaded as a user would, on `device`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    import subquadratic  # noqa: F401  (registers the model types)
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def versions(device: torch.device) -> dict:
+    """Date, device and library versions of a run (and the commit when run inside a git checkout)."""
+    import datetime
+    import subprocess
+
+    import transformers
+
+    out = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, transformers=transformers.__version__,
+               device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["commit"] = None
+    return out

@@ -1,0 +1,198 @@
+"""Whole-model speed where a user waits (BENCHMARKS.md M1, M2): time to first token and a training step
+of a 1B-class Llama with random bf16 weights (Llama-3.2-1B shapes) against its SPLA, SSE-H and HLA
+conversions made by the package's converter with the defaults, every row a ratio to the dense model
+measured in the same run, with the peak GPU memory of each call.
+
+  python scripts/bench_model.py [--lengths 4096,16384,32768,131072] [--train-lengths 8192,32768]
+                                [--families spla,sse-h,hla] [--repeats 3] [--out r.json]
+  python scripts/bench_model.py --quick    # tiny model on CPU (PyTorch forms): a smoke run
+
+Measures, each warm (one untimed call of the same shape first, so kernels are compiled and autotuned):
+  ttft:  one `model(ids, use_cache=True, logits_to_keep=1)` call on B x T random token ids, no gradients:
+         what a user waits for before the first generated token (the prompt's prefill in one call);
+  train: one training step's forward and backward, `model(ids, labels=ids).loss.backward()`, with the
+         weights in the run's dtype and gradients for every parameter (no optimizer step).
+The time of a call is the median of --repeats synchronised wall-clock runs; the ratio is dense time over
+ours (above 1: ours is faster). Peak memory is torch.cuda.max_memory_allocated over the timed runs. A
+call that fails (out of memory, say) is recorded with its error and the run goes on. The table is
+printed at the end as Markdown and, with --out, written as JSON after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+from _models import LLAMA_1B, TINY, dense_model, free, load_converted, log, timed, versions
+
+TARGETS = {  # (measure, family) -> {length: target ratio}, from BENCHMARKS.md M1 / M2
+    ("ttft", "spla"): {16384: 1.0, 32768: 1.3, 131072: 2.5},
+    ("ttft", "sse-h"): {4096: 1.0, 32768: 1.5, 131072: 2.0},
+    ("ttft", "hla"): {4096: 1.0, 131072: 4.0},
+    ("train", "spla"): {8192: 1.0, 32768: 1.3},
+    ("train", "sse-h"): {8192: 1.0},
+    ("train", "hla"): {8192: 1.0},
+}
+
+
+def ttft_call(model, ids: torch.Tensor):
+    def run():
+        with torch.no_grad():
+            return model(ids, use_cache=True, logits_to_keep=1).logits
+    return run
+
+
+def train_call(model, ids: torch.Tensor):
+    def run():
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        return float(loss.detach())
+    return run
+
+
+def measure(fn, device: torch.device, repeats: int) -> dict:
+    """Median seconds of `repeats` timed calls after one untimed call, and the peak memory of the timed ones."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = [timed(fn, device)[0] for _ in range(repeats)]
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return dict(s=statistics.median(times), runs=times, peak_bytes=peak)
+
+
+def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: int, results: dict, emit) -> None:
+    """Every (measure, length) of `measures` on one model, into results[name, measure, length]."""
+    for what, lengths in measures.items():
+        if what == "train":
+            model.train()
+        for T in lengths:
+            log(f"{name}: {what} at {T} tokens")
+            fn = (train_call if what == "train" else ttft_call)(model, prompts[T])
+            try:
+                res = measure(fn, device, repeats)
+            except Exception as e:  # noqa: BLE001 (out of memory, say: record it and go on)
+                log(f"  failed:\n{traceback.format_exc()}")
+                res = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            finally:
+                for p in model.parameters():
+                    p.grad = None
+                free(device)
+            results[name, what, T] = res
+            if "s" in res:
+                log(f"  {res['s'] * 1000:.1f} ms, peak {fmt_bytes(res['peak_bytes'])}")
+            emit()
+        model.eval()
+
+
+def fmt_bytes(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def rows_of(results: dict, families: list[str], measures: dict) -> list[dict]:
+    rows = []
+    for what, lengths in measures.items():
+        for T in lengths:
+            dense = results.get(("dense", what, T), {})
+            for fam in families:
+                ours = results.get((fam, what, T))
+                if ours is None:
+                    continue
+                ratio = dense["s"] / ours["s"] if "s" in dense and "s" in ours else math.nan
+                target = TARGETS.get((what, fam), {}).get(T)
+                rows.append(dict(id="M1" if what == "ttft" else "M2", measure=what, T=T, family=fam,
+                                 dense_ms=dense.get("s", math.nan) * 1000, ours_ms=ours.get("s", math.nan) * 1000,
+                                 ratio=ratio, target=target, met=None if target is None else ratio >= target,
+                                 dense_peak=dense.get("peak_bytes"), ours_peak=ours.get("peak_bytes"),
+                                 error=ours.get("error") or dense.get("error")))
+    return rows
+
+
+def markdown(rows: list[dict], batch: int) -> str:
+    lines = [f"| id | measure (B{batch}) | T | family | dense ms | ours ms | ratio | target | peak GiB dense / ours |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        target = "" if r["target"] is None else f">= {r['target']}x ({'met' if r['met'] else 'missed'})"
+        what = {"ttft": "time to first token", "train": "training step"}[r["measure"]]
+        if r["error"]:
+            target = f"{target} error: {r['error']}".strip()
+        lines.append(f"| {r['id']} | {what} | {r['T']} | {r['family']} | {r['dense_ms']:.1f} | {r['ours_ms']:.1f} | "
+                     f"{r['ratio']:.2f}x | {target} | {fmt_bytes(r['dense_peak'])} / {fmt_bytes(r['ours_peak'])} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", default=None, help="comma list of prompt lengths for time to first token "
+                                                    "(default 4096,16384,32768,131072)")
+    ap.add_argument("--train-lengths", default=None, help="comma list of row lengths of the training step "
+                                                          "(default 8192,32768; empty: none)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--families", default="spla,sse-h,hla", help="conversions to measure beside the dense model")
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls per measure (median)")
+    ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--quick", action="store_true", help="tiny model on CPU, short lengths (smoke run)")
+    args = ap.parse_args()
+
+    from subquadratic.conversion import convert
+
+    if args.quick:
+        device, dtype, shape = torch.device("cpu"), torch.float32, TINY
+        lengths, train_lengths = [128, 320], [128]
+        options = {"spla": dict(block_size=16, top_k_blocks=4)}  # a budget below the lengths: selection at work
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_model.py needs a CUDA GPU; use --quick for a CPU smoke run")
+        device, dtype, shape = torch.device("cuda"), torch.bfloat16, LLAMA_1B
+        lengths, train_lengths = [4096, 16384, 32768, 131072], [8192, 32768]
+        options = {}  # the defaults of every family
+    lengths = [int(x) for x in args.lengths.split(",") if x] if args.lengths is not None else lengths
+    if args.train_lengths is not None:
+        train_lengths = [int(x) for x in args.train_lengths.split(",") if x]
+    families = [f for f in args.families.split(",") if f]
+    measures = {k: v for k, v in (("ttft", lengths), ("train", train_lengths)) if v}
+    max_pos = -(-max([*lengths, *train_lengths, 1024]) // 1024) * 1024
+    meta = dict(versions(device), batch=args.batch, dtype=str(dtype), model=shape, families=families,
+                lengths=lengths, train_lengths=train_lengths, repeats=args.repeats, quick=args.quick,
+                options=options)
+    print(json.dumps(meta), flush=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = {T: torch.randint(1, shape["vocab_size"], (args.batch, T), generator=g).to(device)
+               for T in sorted({*lengths, *train_lengths})}
+    results: dict = {}
+
+    def emit() -> None:
+        if args.out:
+            rows = rows_of(results, families, measures)
+            Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str) + "\n")
+
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        work = Path(tmp)
+        log("building the dense model and converting it")
+        dense = dense_model(shape, max_pos, device, dtype)
+        dense.save_pretrained(work / "dense")
+        for fam in families:
+            convert(str(work / "dense"), str(work / fam), fam, options=options.get(fam, {}), progress=False)
+        run_model("dense", dense, measures, prompts, device, args.repeats, results, emit)
+        del dense
+        free(device)
+        for fam in families:
+            model = load_converted(work / fam, device, dtype)
+            run_model(fam, model, measures, prompts, device, args.repeats, results, emit)
+            del model
+            free(device)
+    rows = rows_of(results, families, measures)
+    emit()
+    print(markdown(rows, args.batch), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,6 @@
+"""The error of a bad evaluation setting (task, length, device, dtype, reference model); data that
+cannot be used raises `subquadratic.data.DataError`."""
+
+
+class EvaluationError(Exception):
+    """A problem with the user's input to an evaluation: printed as one line, exit code 2."""
