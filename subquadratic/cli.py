@@ -2,8 +2,9 @@
 transfer, then fine-tuning or distillation), `eval` models, `push` a folder to the Hub, `demo` the
 embedded default.
 
-Each family's `convert` options come from its registration (`registry.Family.options`) and are
-spelled `--<family prefix>-<option>` (`--spla-top-k-blocks`, `--sse-top-k`, `--hla-softmax-every`).
+Each family's `convert` options come from its declaration (`registry.Family.options`) and are
+spelled `--<family prefix>-<option>` (`--spla-top-k-blocks`, `--sse-top-k`, `--hla-softmax-every`);
+`--to` takes a family's name or one of its convert presets (`sse-h`).
 Every failure is one line on stderr naming the problem and what to do, with exit status 2; torch and
 the model code are imported only once a command runs, so `--help` answers at once.
 """
@@ -29,12 +30,15 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="subquadratic", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="{convert,adapt,eval,push,demo}")
-    flags = convert_targets()
-    targets = sorted(flags)
+    families = convert_targets()
+    p.target_family = {t: name for name, (_, presets) in families.items() for t in (name, *presets)}
+    targets = sorted(p.target_family)
     c = sub.add_parser("convert", help="convert a dense Llama/Mistral/Qwen2/Qwen3 checkpoint")
     c.add_argument("src", help="source checkpoint folder (safetensors) or Hub id (org/name)")
     c.add_argument("out", help="output folder (written atomically: complete or absent)")
-    c.add_argument("--to", required=True, choices=targets, help="target family")
+    presets = sorted(set(targets) - set(families))
+    c.add_argument("--to", required=True, choices=targets,
+                   help="target family" + (f", or a convert preset of one ({', '.join(presets)})" if presets else ""))
     c.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="dtype of the written weights: auto keeps the source's, or cast floating-point "
                         "weights to float32, bfloat16 or float16 (default auto)")
@@ -53,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--eval-device", default="cpu", help="device of --eval-data: cpu, cuda, cuda:N or auto "
                                                         "(default cpu)")
     p.family_dests = {}
-    for name, options in flags.items():
-        group = c.add_argument_group(f"{name} options (--to {name})")
+    for name, (options, presets) in families.items():
+        said = "".join(f"; --to {p}: " + ", ".join(f"{k}={v}" for k, v in kw.items()) for p, kw in presets.items())
+        group = c.add_argument_group(f"{name} options (--to {name}{said})")
         p.family_dests[name] = []
         for flag, kw in options.items():
             kw = dict(kw)
@@ -238,7 +243,7 @@ def _convert(parser, args) -> None:
             value = getattr(args, dest)
             if value is None:
                 continue
-            if fam != args.to:
+            if fam != parser.target_family[args.to]:
                 raise ConversionError(f"{flag} is an option of --to {fam}, not --to {args.to}")
             options[option] = value
     if args.private and not args.push_to_hub:
@@ -339,9 +344,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from .conversion import ConversionError  # imports torch: only once a command runs
     from .evaluation import EvaluationError
-    from .families import register_builtin
-
-    register_builtin()
 
     try:
         if args.command == "convert":

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from subquadratic.families.spla.modeling import SPLALayer
 from subquadratic.kernels.spla import BlockStats
 from subquadratic.modeling import cache as cache_module
 from subquadratic.modeling.base import CACHE_FIELD
 from subquadratic.modeling.cache import GrowingBuffer
-from subquadratic.modeling.spla import SPLALayer
 
 from .models.spla.tiny import tiny_spla
 
@@ -211,7 +211,7 @@ def test_unpadded_steps_skip_the_mask_and_equal_the_masked_path(monkeypatch):
 def test_static_cache_allocates_once_and_gives_one_token_steps_fixed_shapes(monkeypatch):
     """Every buffer is allocated for max_length at the first tokens; one-token steps see the whole
     buffers (the same shapes at every step, unused slots at position -1) and write in place."""
-    from subquadratic.modeling import spla as spla_module
+    from subquadratic.families.spla import modeling as spla_module
 
     seen_shapes = []
     real = spla_module.spla_attention
@@ -287,20 +287,37 @@ def test_generate_with_cache_implementation_static_builds_the_static_cache(monke
 
 
 def test_fused_chains_equal_the_modules_they_stand_for(monkeypatch):
-    """The captured step's fused elementwise chains (here run eagerly: compiling needs the GPU path)
-    give the unfused step's logits; a chain whose compile fails warns and runs eagerly."""
+    """Inside `compiled_step` every elementwise chain of the step runs its fused form (here eagerly:
+    compiling needs the GPU path) and gives the plain modules' logits; outside it none runs; a chain
+    whose compile fails warns and runs eagerly."""
     from subquadratic.modeling import fused
 
-    for name in ("rms_norm", "add_rms_norm", "rope", "add_head_norm", "silu_mul"):
-        monkeypatch.setattr(getattr(fused, name), "compiled", False)
-    model = tiny_spla(mixer_types=MIXED)
+    chains = ("rms_norm", "add_rms_norm", "rope", "add_head_norm", "silu_mul")
+    calls = dict.fromkeys(chains, 0)
+    for name in chains:
+        chain = getattr(fused, name)
+
+        def counted(*args, _name=name, _fn=chain.fn):
+            calls[_name] += 1
+            return _fn(*args)
+
+        monkeypatch.setattr(chain, "compiled", False)
+        monkeypatch.setattr(chain, "fn", counted)
+    model = tiny_spla(mixer_types=MIXED, block_size=4, top_k_blocks=3)  # budget 12 tokens: the residual term runs
     ids = torch.randint(1, 128, (2, 30))
     got = {}
     for fuse_step in (False, True):
         cache = model.new_cache(max_length=30)
         _, cache = run(model, ids[:, :20], cache=cache, start=0)
-        cache.fuse_step = fuse_step  # what the captured step sets
-        got[fuse_step], _ = run(model, ids, cache=cache, start=20)
+        calls.update(dict.fromkeys(chains, 0))
+        with fused.compiled_step(fuse_step):  # what the captured step enters
+            got[fuse_step], _ = run(model, ids, cache=cache, start=20)
+        steps, layers = 10, len(MIXED)
+        # per step and layer: the input norm, the residual add + norm, RoPE, the MLP gate; the SPLA layer's
+        # head norm; the final norm
+        want = dict(rms_norm=(layers + 1) * steps, add_rms_norm=layers * steps, rope=layers * steps,
+                    add_head_norm=steps, silu_mul=layers * steps)
+        assert calls == (want if fuse_step else dict.fromkeys(chains, 0))
     torch.testing.assert_close(got[True], got[False], rtol=0, atol=1e-5)
 
     def broken(fn, **kw):

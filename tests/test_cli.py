@@ -45,7 +45,7 @@ def test_help_is_fast_lists_every_family_and_imports_no_torch():
 
 
 @pytest.mark.parametrize(("argv", "expect"), [
-    (["convert", "a", "b", "--to", "spla2"], "invalid choice: 'spla2' (choose from 'hla', 'spla', 'sse-h')"),
+    (["convert", "a", "b", "--to", "spla2"], "invalid choice: 'spla2' (choose from 'hla', 'spla', 'sse', 'sse-h')"),
     (["convert", "a", "b"], "required: --to"),
     (["convert", "a", "b", "--to", "spla", "--spla-block-size", "x"], "invalid int value: 'x'"),
     (["nope"], "invalid choice: 'nope'"),
@@ -71,7 +71,7 @@ def _no_leftovers(folder: Path) -> list[str]:
 
 @pytest.mark.parametrize(("extra", "expect"), [
     (["--spla-block-size", "3"], "block_size must be a power of two"),
-    (["--sse-top-k", "2"], "--sse-top-k is an option of --to sse-h, not --to spla"),
+    (["--sse-top-k", "2"], "--sse-top-k is an option of --to sse, not --to spla"),
     (["--private"], "--private applies to --push-to-hub"),
 ])
 def test_conversion_errors_are_one_line_and_write_nothing(dense_checkpoint, tmp_path, capsys, extra, expect):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from subquadratic import HLAForCausalLM
-from subquadratic.configuration.hla import tiny_hla_config
+from subquadratic.families.hla.configuration import tiny_hla_config
 from subquadratic.modeling import fused
 from subquadratic.modeling.base import CACHE_FIELD
 

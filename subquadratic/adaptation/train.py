@@ -120,13 +120,13 @@ class AdaptConfig:
 
 def _check_student_folder(path: str) -> None:
     """The student folder holds a model of a registered family (read from config.json alone)."""
-    from ..registry import FAMILIES
+    from ..registry import families
 
     config = Path(path).expanduser() / "config.json"
     if not config.is_file():
         raise AdaptError(f"{path} has no config.json; give a folder written by subquadratic convert (or adapt)")
     model_type = json.loads(config.read_text()).get("model_type")
-    if model_type not in {f.model_type for f in FAMILIES.values()}:
+    if model_type not in {f.model_type for f in families()}:
         raise AdaptError(f"{path} is a {model_type} model, not a converted one; convert it first "
                          "(subquadratic convert SRC OUT --to spla|hla|sse-h)")
 

@@ -1,8 +1,6 @@
-"""Model configurations (one module per family, shared fields in `base`)."""
+"""Model configuration shared by every family (`base`); each family's own config class lives in its
+folder (`subquadratic/families/<family>/configuration.py`)."""
 
 from .base import SubquadraticConfig
-from .hla import HLAConfig
-from .spla import SPLAConfig
-from .sse import SSEConfig
 
-__all__ = ["SubquadraticConfig", "SPLAConfig", "HLAConfig", "SSEConfig"]
+__all__ = ["SubquadraticConfig"]

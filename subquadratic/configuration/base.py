@@ -13,7 +13,7 @@ from typing import ClassVar
 from transformers import PreTrainedConfig
 
 from ..kernels.utils import BACKENDS as KERNEL_BACKENDS
-from ..registry import MIXERS
+from ..registry import mixers
 
 #: Values of the per-family backend fields of older configs (`<family>_backend`), as kernel_backend.
 _LEGACY_BACKENDS = {"reference": "torch", "varlen": "torch", "masked": "torch", "recurrent": "naive"}
@@ -24,7 +24,7 @@ SOFTMAX_MIXERS = ("full_attention", "sliding_attention")
 
 def known_mixers() -> tuple[str, ...]:
     """Every mixer name `mixer_types` may use: the softmax ones and those of registered families."""
-    return tuple(dict.fromkeys((*SOFTMAX_MIXERS, *sorted(MIXERS))))
+    return tuple(dict.fromkeys((*SOFTMAX_MIXERS, *sorted(mixers()))))
 
 
 def hybrid_mixer_types(

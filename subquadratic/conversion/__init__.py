@@ -1,5 +1,5 @@
-"""Checkpoint conversion: the shared streaming converter (`core`) and one module per target family
-(its `Converter`, named in the family's registration)."""
+"""Checkpoint conversion: the shared streaming converter (`core`); each family's `Converter` lives in
+its folder (`subquadratic/families/<family>/conversion.py`) and is named in its registration."""
 
 from .core import SUPPORTED_SOURCES, ConversionError, Converter, convert, fresh_mixer_tensors, push_to_hub
 

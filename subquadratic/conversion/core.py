@@ -41,7 +41,6 @@ COPIED_FILES = (
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
     "chat_template.json",
 )
-CARDS_DIR = Path(__file__).resolve().parent.parent / "model_cards"
 
 
 class ConversionError(Exception):
@@ -71,17 +70,43 @@ class Converter:
         return fresh_mixer_tensors(config, self.from_source, self.seed)
 
 
-def _family(to: str):
-    from ..registry import FAMILIES
+def _target(to: str, options: dict):
+    """(family, options) of `convert --to to`: a convert preset's options under the given ones; an
+    option the family does not declare is refused."""
+    from ..registry import convert_target
 
-    fam = FAMILIES.get(to)
-    if fam is None or fam.converter is None:
-        known = sorted(n for n, f in FAMILIES.items() if f.converter is not None)
-        raise ConversionError(f"unknown target {to!r}; available: {', '.join(known)}")
-    return fam
+    try:
+        fam, preset = convert_target(to)
+    except KeyError as e:
+        raise ConversionError(e.args[0]) from None
+    unknown = sorted(set(options) - fam.option_names())
+    if unknown:
+        raise ConversionError(f"unknown option(s) {', '.join(unknown)} for --to {to}; the {fam.name} options are: "
+                              f"{', '.join(sorted(fam.option_names())) or 'none'}")
+    given = {k: v for k, v in options.items() if v is not None}
+    if any(k in given for k in LAYOUT_OPTIONS):  # a layout given replaces the preset's
+        preset = {k: v for k, v in preset.items() if k not in LAYOUT_OPTIONS}
+    return fam, {**preset, **given}
 
 
 # --- helpers for families -------------------------------------------------------------------
+
+#: The options that choose the layers a hybrid keeps softmax attention in, one or the other (a
+#: family that declares them builds its config with `hybrid_config`).
+LAYOUT_OPTIONS = ("softmax_every", "softmax_layers")
+
+
+def hybrid_config(config_class: type, fields: dict, options: dict, mixer: str, prefix: str):
+    """The config of a hybrid conversion: softmax attention where the options `softmax_every` /
+    `softmax_layers` (spelled `--{prefix}-softmax-every`, ...) say (`hybrid_mixer_types`; neither:
+    no softmax layer), `mixer` in every other layer; every other option is a `config_class` field."""
+    from ..configuration.base import hybrid_mixer_types
+
+    mixers = hybrid_mixer_types(
+        fields["num_hidden_layers"], mixer, options.get("softmax_every"), options.get("softmax_layers"),
+        every_name=f"--{prefix}-softmax-every", layers_name=f"--{prefix}-softmax-layers",
+    )
+    return config_class(**fields, mixer_types=mixers, **{k: v for k, v in options.items() if k not in LAYOUT_OPTIONS})
 
 
 def fresh_mixer_tensors(config, from_source: re.Pattern = SOURCE_PARAMS, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -90,7 +115,7 @@ def fresh_mixer_tensors(config, from_source: re.Pattern = SOURCE_PARAMS, seed: i
     the meta device and materialised uninitialised; parameters whose names match `from_source` come
     from the dense checkpoint and are skipped."""
     from ..configuration.base import SOFTMAX_MIXERS
-    from ..registry import MIXERS
+    from ..registry import mixer
 
     out: dict[str, torch.Tensor] = {}
     with torch.random.fork_rng(devices=[]):
@@ -99,7 +124,7 @@ def fresh_mixer_tensors(config, from_source: re.Pattern = SOURCE_PARAMS, seed: i
             if kind in SOFTMAX_MIXERS:
                 continue
             with torch.device("meta"):
-                layer = MIXERS[kind](config, i)
+                layer = mixer(kind)(config, i)
             layer.to_empty(device="cpu")
             layer.reset_mixer_parameters()
             for n, p in layer.named_parameters():
@@ -314,8 +339,8 @@ def _prepare_out(src: Path, out: Path, overwrite: bool) -> None:
 
 
 def render_card(template: str | Path, values: dict) -> str:
-    """The card template (a name under model_cards/, or a path) with its {{key}} fields filled in."""
-    text = (CARDS_DIR / template).read_text()  # an absolute path replaces CARDS_DIR
+    """The card template (a file, `Family.card`) with its {{key}} fields filled in."""
+    text = Path(template).read_text()
     for k, v in values.items():
         text = text.replace("{{" + k + "}}", str(v))
     return text
@@ -331,15 +356,15 @@ def convert(
     progress: bool = True,
     before_finish: Callable[[Path, Path], None] | None = None,
 ) -> Path:
-    """Convert the dense checkpoint `src` into family `to` at `out`; returns the output folder.
+    """Convert the dense checkpoint `src` at `out` into `to` (a family, or one of its convert presets:
+    `registry.convert_target`), with the family's `options`; returns the output folder.
 
     `before_finish(folder, src_folder)` runs on the complete temporary folder before it is renamed to
     `out` (the CLI evaluates it there and writes the card's evaluation); if it raises, nothing is left."""
-    fam = _family(to)
+    fam, options = _target(to, dict(options or {}))
     conv = fam.converter
     if dtype not in DTYPE_CHOICES:
         raise ConversionError(f"unknown dtype {dtype!r}; use {', '.join(DTYPE_CHOICES)}")
-    options = dict(options or {})
     src_path = resolve_source(src)
     out_path = Path(out).expanduser()
     _prepare_out(src_path, out_path, overwrite)

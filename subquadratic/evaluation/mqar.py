@@ -127,8 +127,8 @@ MQAR_MODELS = ("sse", "gla", "hla")
 
 def mqar_config(name: str, s: MQARSettings):
     """The config of contender `name` ("sse", "gla", "hla") at the shapes of `s`, equal state size."""
-    from ..configuration.hla import HLAConfig
-    from ..configuration.sse import SSEConfig
+    from ..families.hla.configuration import HLAConfig
+    from ..families.sse.configuration import SSEConfig
 
     wide = s.num_heads * (s.sse_partitions + 1)
     if wide % 2:
@@ -206,9 +206,6 @@ def mqar_compare(
     same for every contender (see the module doc)."""
     from transformers import AutoModelForCausalLM
 
-    from .. import families
-
-    families.register_builtin()
     s = settings or MQARSettings()
     test_g = torch.Generator().manual_seed(seed + 1)
     test = mqar_batch(s.test_examples, s.seq_len, s.num_kv_pairs, s.vocab_size, generator=test_g)

@@ -35,9 +35,6 @@ def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "auto"):
     """(model in eval mode on `device`, tokenizer) of a local checkpoint folder, dense or ours."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..families import register_builtin
-
-    register_builtin()
     path = Path(path).expanduser()
     if not (path / "config.json").is_file():
         raise EvaluationError(f"{path} has no config.json; give a checkpoint folder")

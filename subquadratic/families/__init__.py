@@ -1,10 +1,26 @@
-"""The built-in families, each declared once in its module: the light part the command line reads
-(`NAME`, `OPTION_PREFIX`, `OPTIONS`; no torch needed) and `family()`, the full declaration.
+"""The built-in families, one folder each (`families/<name>/`, the name being the model type).
 
-`register_builtin()` registers them (`registry.register_family`); `import subquadratic` calls it.
+Each folder's `__init__.py` is the family's declaration: a light part the command line reads
+without importing torch (`NAME`, `OPTIONS`, `CARD` and, where the family has some, `CONVERT_PRESETS`)
+and two functions that import the family's modules: `config_class()` (`configuration.py` alone) and
+`family()`, the full `registry.Family` (also `modeling.py` and `conversion.py`).
+
+`import subquadratic` calls `install()`, which registers the built-ins once, when first needed,
+without importing torch itself:
+  - the registry runs `register_builtin` at its first read (`registry.load_with`), so config
+    validation, the decoder, `convert` and the CLI's commands find the built-in mixers and families,
+    and AutoModel / AutoModelForCausalLM their classes (`register_family`). Every config checks its
+    `mixer_types` against the registry when it is made, so the model classes are registered before
+    Transformers looks for the class of a config: `from_pretrained(folder)` reads the config first;
+  - AutoConfig must know the model types before any config is made: it learns them when
+    Transformers imports `transformers.models.auto.configuration_auto` (at once if it already has),
+    through a post-import hook (wrapt) that imports the configuration modules only (the hook may run
+    while Transformers' modeling code, or ours, is still being imported).
+So `import subquadratic` then `AutoModelForCausalLM.from_pretrained(folder)` works in either import
+order, while `subquadratic --help` imports neither torch nor Transformers.
 """
 
-from ..registry import FAMILIES, cli_flags, register_family
+from ..registry import cli_flags, families, load_with, register_family
 from . import hla, spla, sse
 
 BUILTIN = (spla, sse, hla)
@@ -12,14 +28,36 @@ BUILTIN = (spla, sse, hla)
 
 def register_builtin() -> None:
     """Register every built-in family not registered yet (imports torch and the model code)."""
+    registered = {f.name for f in families(load=False)}
     for module in BUILTIN:
-        if module.NAME not in FAMILIES:
-            register_family(module.family())
+        if module.NAME not in registered:
+            family = module.family()
+            if family.name != module.NAME:
+                raise RuntimeError(f"{module.__name__} declares NAME {module.NAME!r} but its config's model_type is "
+                                   f"{family.name!r}; make them equal")
+            register_family(family)
 
 
-def convert_targets() -> dict[str, dict[str, dict]]:
-    """Family name -> its `convert` flags (`--prefix-key` -> argparse keyword arguments) for every
-    family `convert` can target: the built-ins, registered or not, and the registered ones."""
-    out = {m.NAME: cli_flags(m.OPTION_PREFIX, m.OPTIONS) for m in BUILTIN}
-    out.update({f.name: f.cli_options() for f in FAMILIES.values() if f.converter is not None})
+def _auto_configs(configuration_auto) -> None:
+    """Post-import hook of `transformers.models.auto.configuration_auto`: AutoConfig learns the
+    built-in model types."""
+    for module in BUILTIN:
+        configuration_auto.AutoConfig.register(module.NAME, module.config_class(), exist_ok=True)
+
+
+def install() -> None:
+    """Register the built-in families lazily (see the module docstring); `import subquadratic` calls it."""
+    import wrapt
+
+    load_with(register_builtin)
+    wrapt.register_post_import_hook(_auto_configs, "transformers.models.auto.configuration_auto")
+
+
+def convert_targets() -> dict[str, tuple[dict[str, dict], dict[str, dict]]]:
+    """Family name -> (its `convert` flags: `--prefix-key` -> argparse keyword arguments, its convert
+    presets) for every family `convert` can target: the built-ins, registered or not (from their
+    light declarations), and those registered so far (read without loading any)."""
+    out = {m.NAME: (cli_flags(m.NAME, m.OPTIONS), getattr(m, "CONVERT_PRESETS", {})) for m in BUILTIN}
+    for f in families(lambda f: f.converter is not None, load=False):
+        out[f.name] = (f.cli_options(), f.convert_presets)
     return out

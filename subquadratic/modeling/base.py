@@ -2,7 +2,7 @@
 residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head.
 
 Families only add token mixers (declared with `registry.register_family`); `config.mixer_types[i]`
-picks layer i's mixer from `registry.MIXERS`. A mixer subclasses `AttentionBase` (q/k/v/o
+picks layer i's mixer from the registry (`registry.mixer`). A mixer subclasses `AttentionBase` (q/k/v/o
 projections, qk-norm, RoPE), names the cache layer it keeps (`cache_layer_cls`) and initialises the
 parameters a dense checkpoint lacks in `reset_mixer_parameters`. Transformers supplies rotary
 embeddings, RMSNorm, the SwiGLU MLP, the attention functions, weight loading and generation.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
@@ -20,20 +19,14 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-)
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, eager_attention_forward
 
 from ..configuration.base import SubquadraticConfig
 from ..kernels.utils import allowed_keys, slot_offsets
-from ..registry import MIXERS, register_mixer
+from ..registry import mixer, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, all_real, positions_from_mask
 from .cuda_graph import decode_step, replays_decode
-from .fused import add_rms_norm, rms_norm, rope, silu_mul
+from .fused import MLP, HeadNorm, RMSNorm, apply_rope
 from .packing import find_documents, positions_from_cu_seqlens
 
 #: Name of the cache field in model outputs and of the forward argument generate() passes:
@@ -57,8 +50,6 @@ class SequenceInfo:
     #: Whether each row's real tokens are known to sit in consecutive slots (a static cache checks
     #: it at prefill), so `key_offsets` needs no check (no host sync).
     consecutive: bool = False
-    #: Whether the step runs the fused elementwise chains (`fused.py`): inside a captured step only.
-    fused: bool = False
     #: Whether every key slot holds a real token in position order and the new tokens are the last
     #: T slots (no padding anywhere, a growing cache or none): a query then sees exactly the slots up
     #: to its own, so the mixers may call SDPA with is_causal (T = S) or without a mask (T = 1)
@@ -78,21 +69,6 @@ def decay_spread(n: int, alpha_min: float, alpha_max: float) -> torch.Tensor:
     """1 - alpha of n initial decay rates alpha, spread geometrically from 1 - alpha_min to 1 - alpha_max
     (float64; n == 1 gives 1 - alpha_min). HLA spreads them over heads, SSE over key channels."""
     return torch.linspace(math.log(1.0 - alpha_min), math.log(1.0 - alpha_max), n, dtype=torch.float64).exp()
-
-
-class HeadNorm(nn.Module):
-    """RMSNorm over the head dimension with a per-head weight [heads, dim] (x: [B, heads, T, dim])."""
-
-    def __init__(self, num_heads: int, dim: int, eps: float = 1e-6, init_value: float = 1.0) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.full((num_heads, dim), float(init_value)))
-        self.eps = eps
-        self.init_value = init_value
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()[:, None, :]).to(x.dtype)
 
 
 class AttentionBase(nn.Module):
@@ -127,7 +103,7 @@ class AttentionBase(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
-        if config.qk_norm:
+        if config.qk_norm:  # the plain module: a captured step fuses the decoder's norms only
             self.q_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
             self.k_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
 
@@ -143,17 +119,15 @@ class AttentionBase(nn.Module):
         return q, k, v
 
     def project(
-        self, x: torch.Tensor, position_embeddings=None, heads_first: bool = True, fused: bool = False
+        self, x: torch.Tensor, position_embeddings=None, heads_first: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, hidden] -> q [B, T, HQ, D], k, v [B, T, H, D] with the source's qk-norm, and RoPE
-        when `position_embeddings` (cos, sin) are given; `heads_first` returns them as [B, heads, T, D].
-        `fused`: RoPE through its compiled form (`fused.rope`, inside a captured step)."""
+        when `position_embeddings` (cos, sin) are given; `heads_first` returns them as [B, heads, T, D]."""
         q, k, v = self.qkv(x)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if position_embeddings is not None:
-            cos, sin = position_embeddings
-            q, k = (rope if fused else partial(apply_rotary_pos_emb, unsqueeze_dim=2))(q, k, cos, sin)
+            q, k = apply_rope(q, k, *position_embeddings)
         if heads_first:
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return q, k, v
@@ -212,33 +186,15 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: SubquadraticConfig, layer_idx: int) -> None:
         super().__init__()
         self.mixer_type = config.mixer_types[layer_idx]
-        if self.mixer_type not in MIXERS:
-            raise ValueError(
-                f"mixer {self.mixer_type!r} is not available; import the family that provides it "
-                f"(available: {', '.join(sorted(MIXERS))})"
-            )
-        self.self_attn = MIXERS[self.mixer_type](config, layer_idx)  # registry.MIXERS
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = mixer(self.mixer_type)(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings=None, seq=None, cache_layer=None, **kwargs):
-        residual = hidden_states
-        n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        fused = seq is not None and seq.fused  # inside a captured step: the elementwise chains fused (fused.py)
-        if fused:
-            h, aux = self.self_attn(rms_norm(hidden_states, n1.weight, n1.variance_epsilon),
-                                    position_embeddings, seq, cache_layer)
-            hidden_states, x = add_rms_norm(residual, h, n2.weight, n2.variance_epsilon)
-        else:
-            h, aux = self.self_attn(n1(hidden_states), position_embeddings, seq, cache_layer)
-            hidden_states = residual + h
-            x = n2(hidden_states)
-        if fused and self.mlp.config.hidden_act == "silu":
-            mlp = self.mlp
-            return hidden_states + mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x))), aux
-        hidden_states = hidden_states + self.mlp(x)
-        return hidden_states, aux
+        h, aux = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, seq, cache_layer)
+        hidden_states, x = self.post_attention_layernorm.add_and_norm(hidden_states, h)  # residual add, norm
+        return hidden_states + self.mlp(x), aux
 
 
 @dataclass
@@ -315,7 +271,7 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         attentions = cfg.output_attentions if output_attentions is None else output_attentions
         ret = cfg.return_dict if return_dict is None else return_dict
         if attentions:
-            lacking = sorted({t for t in cfg.mixer_types if not MIXERS[t].computes_attention_weights})
+            lacking = sorted({t for t in cfg.mixer_types if not mixer(t).computes_attention_weights})
             if lacking:
                 raise ValueError(
                     f"output_attentions is not available: the {', '.join(map(repr, lacking))} layers do not form "
@@ -328,7 +284,7 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         (allocated once for that many tokens; on CUDA, with `cuda_graph`, one-token steps of the
         causal LM replay one captured CUDA graph of the whole model step, whose elementwise chains
         torch.compile fuses where `fuse`)."""
-        kinds = [MIXERS[t] for t in self.config.mixer_types]
+        kinds = [mixer(t) for t in self.config.mixer_types]
         return SubquadraticCache(
             [cls.cache_layer_cls() for cls in kinds],
             track_key_positions=any(cls.needs_key_positions for cls in kinds),
@@ -358,7 +314,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(SubquadraticDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -425,8 +381,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         causal = cache.all_real if cache is not None else all_real(full_valid if attention_mask is not None else None)
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos, causal=causal,
                            attentions={} if output_attentions else None,
-                           consecutive=cache is not None and cache.static is not None,
-                           fused=cache is not None and cache.fuse_step)
+                           consecutive=cache is not None and cache.static is not None)
 
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, cache,
                                                          output_hidden_states)
@@ -452,7 +407,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
                 aux_total = aux if aux_total is None else aux_total + aux
             if output_hidden_states:
                 all_hidden += (restore(hidden),)
-        hidden = rms_norm(hidden, self.norm.weight, self.norm.variance_epsilon) if seq.fused else self.norm(hidden)
+        hidden = self.norm(hidden)
         if output_hidden_states:
             all_hidden = all_hidden[:-1] + (restore(hidden),)
         return hidden, all_hidden, aux_total

@@ -309,7 +309,6 @@ class SubquadraticCache(Cache):
             layer.reset()
         self.cuda_graph = cuda_graph
         self.fuse = fuse
-        self.fuse_step = False  # set by cuda_graph.DecodeGraph while it runs and records a step
         self.decode_graph = None  # cuda_graph.DecodeGraph, once captured
         self._reset_positions()
 

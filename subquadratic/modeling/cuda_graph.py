@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .fused import compiled_step
+
 
 class DecodeGraph:
     """The captured one-token step of `model` on `cache`: the input ids [B, 1] are copied into a
@@ -57,11 +59,8 @@ class DecodeGraph:
         return self.logits.clone()
 
     def _warm_up_and_capture(self) -> torch.Tensor:
-        self.cache.fuse_step = self.cache.fuse
-        try:
+        with compiled_step(self.cache.fuse):  # the elementwise chains compiled (fused.py), where asked
             return self._run_and_record()
-        finally:
-            self.cache.fuse_step = False
 
     def _run_and_record(self) -> torch.Tensor:
         side = torch.cuda.Stream(device=self.ids.device)

@@ -1,20 +1,42 @@
-"""The elementwise chains of a captured one-token step (RMSNorm, residual add + RMSNorm, RoPE, the
-SwiGLU gate, SPLA's residual head norm), each fused into one kernel by torch.compile (Inductor).
+"""The decoder's elementwise modules (RMSNorm and the residual add before it, RoPE, the SwiGLU MLP,
+the per-head norm) with their fused forms: inside a captured one-token step each chain runs as one
+kernel compiled by torch.compile (Inductor), everywhere else as the plain modules.
 
 Eagerly each chain is a handful of tiny kernels; at one token per row a CUDA graph of the whole
-model still pays for every kernel node, so these chains, not the matmuls, set the step's time.
-The functions compute what the modules they stand for compute (LlamaRMSNorm, `apply_rotary_pos_emb`,
+model still pays for every kernel node, so these chains, not the matmuls, set the step's time. The
+fused forms compute what the modules compute (LlamaRMSNorm, LlamaMLP, `apply_rotary_pos_emb`,
 `HeadNorm`) and take the weights as arguments, so one compiled graph serves every layer. They run
-only inside the captured step (`cuda_graph.DecodeGraph` sets `cache.fuse_step` while it warms up
-and records); a function that fails to compile warns once and runs eagerly from then on.
+only inside `compiled_step()`, which `cuda_graph.DecodeGraph` enters while it warms up and records a
+step of a cache built with `fuse=True`; the layer code calls the modules and never asks which form
+runs. A chain that fails to compile warns once and runs eagerly from then on.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+
+
+class _Step:
+    """Whether the running step is a captured one (set by `compiled_step` alone; a class attribute,
+    not a context variable, so that torch.compile and torch.export trace the modules that read it)."""
+
+    compiled = False
+
+
+@contextmanager
+def compiled_step(enabled: bool = True) -> Iterator[None]:
+    """Run the modules of this file in their fused forms inside the block (with `enabled`)."""
+    before, _Step.compiled = _Step.compiled, enabled
+    try:
+        yield
+    finally:
+        _Step.compiled = before
 
 
 class Compiled:
@@ -55,11 +77,16 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
 
 
-def _add_head_norm(o: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """o + HeadNorm(x) for x [B, heads, T, dim] and a per-head weight [heads, dim]."""
+def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HeadNorm(x) for x [B, heads, T, dim] and a per-head weight [heads, dim]."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return o + (xf * weight.float()[:, None, :]).to(x.dtype)
+    return (xf * weight.float()[:, None, :]).to(x.dtype)
+
+
+def _add_head_norm(o: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """o + HeadNorm(x)."""
+    return o + _head_norm(x, weight, eps)
 
 
 def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -72,3 +99,55 @@ silu_mul = Compiled(_silu_mul)
 add_rms_norm = Compiled(_add_rms_norm)
 rope = Compiled(_rope)
 add_head_norm = Compiled(_add_head_norm)
+
+
+class RMSNorm(LlamaRMSNorm):
+    """LlamaRMSNorm (x: [..., dim]), fused inside a captured step; `add_and_norm` also does the
+    residual add before it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _Step.compiled:
+            return rms_norm(x, self.weight, self.variance_epsilon)
+        return super().forward(x)
+
+    def add_and_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, this norm of x + h): a residual add and the norm after it."""
+        if _Step.compiled:
+            return add_rms_norm(x, h, self.weight, self.variance_epsilon)
+        y = x + h
+        return y, super().forward(y)
+
+
+class MLP(LlamaMLP):
+    """LlamaMLP (SwiGLU: down(act(gate(x)) * up(x))); inside a captured step with hidden_act "silu",
+    act(gate) * up runs as one kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _Step.compiled and self.config.hidden_act == "silu":
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return super().forward(x)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RoPE of q [B, T, HQ, D] and k [B, T, H, D] (cos, sin [B, T, D]), fused inside a captured step."""
+    return (rope if _Step.compiled else _rope)(q, k, cos, sin)
+
+
+class HeadNorm(nn.Module):
+    """RMSNorm over the head dimension with a per-head weight [heads, dim] (x: [B, heads, T, dim]);
+    `add` (o + this norm of x) is fused inside a captured step."""
+
+    def __init__(self, num_heads: int, dim: int, eps: float = 1e-6, init_value: float = 1.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((num_heads, dim), float(init_value)))
+        self.eps = eps
+        self.init_value = init_value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _head_norm(x, self.weight, self.eps)
+
+    def add(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o + this norm of x (o, x: [B, heads, T, dim])."""
+        if _Step.compiled:
+            return add_head_norm(o, x, self.weight, self.eps)
+        return o + self(x)

@@ -3,10 +3,11 @@ package is not installed.
 
 Transformers' remote-code loader only follows flat, same-folder relative imports (`from .x import`),
 so the modules a family's classes live in, and every module of the package they import, are copied
-as flat files (`subquadratic/modeling/spla.py` -> `modeling_spla.py`, `subquadratic/registry.py` ->
-`registry.py`) with their imports rewritten to match. Package modules import each other relatively;
-a family declared outside the package may import the package absolutely (`from subquadratic.x
-import y`). A generated entry module, `family_<model_type>.py`, imports the family's classes and
+as flat files named by their dotted path (`subquadratic/families/spla/modeling.py` ->
+`families_spla_modeling.py`, `subquadratic/registry.py` -> `registry.py`; two modules that would
+share a name are refused) with their imports rewritten to match. Package modules import each other
+relatively; a family declared outside the package may import the package absolutely (`from
+subquadratic.x import y`). A generated entry module, `family_<model_type>.py`, imports the family's classes and
 registers its mixers; config.json's `auto_map` points at it. Everything comes from the family's
 registration (`registry.Family`).
 """
@@ -46,9 +47,12 @@ def bundle_sources(family: Family) -> dict[str, str]:
     classes = [family.config_class, family.model_class, family.causal_lm_class, *family.mixers.values()]
     todo = sorted({cls.__module__ for cls in classes})
     out: dict[str, str] = {}
+    origin: dict[str, str] = {}  # flat file name -> the module it holds
     while todo:
         module = todo.pop()
         name = flat_name(module) + ".py"
+        if origin.setdefault(name, module) != module:
+            raise ValueError(f"modules {origin[name]} and {module} both flatten to {name}; rename one of them")
         if name in out:
             continue
         path, is_pkg = _source(module)
@@ -73,7 +77,10 @@ def bundle_sources(family: Family) -> dict[str, str]:
                 line = f"{indent}from .{flat_name(target)} import{tail}"
             lines.append(line)
         out[name] = "\n".join(lines) + "\n"
-    out[f"family_{family.model_type}.py"] = _entry_module(family)
+    entry = f"family_{family.model_type}.py"
+    if entry in out:
+        raise ValueError(f"module {origin[entry]} flattens to {entry}, the name of the remote-code entry module")
+    out[entry] = _entry_module(family)
     return out
 
 

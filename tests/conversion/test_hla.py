@@ -18,7 +18,7 @@ def rand_ids(B, T, seed=1):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_convert_dense_to_hla(kind, dense_checkpoint, tmp_path):
     from subquadratic.cli import main
-    from subquadratic.modeling.hla import initial_decay_logits
+    from subquadratic.families.hla.modeling import initial_decay_logits
 
     dense, src = dense_checkpoint(kind)
     convert = ["convert", str(src), "--to", "hla", "--no-progress"]

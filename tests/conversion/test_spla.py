@@ -21,7 +21,7 @@ def test_logits_equal_dense_while_budget_covers_context(kind, dense_checkpoint, 
     assert tree_digest(src) == before  # the source is never touched
     assert len(list(out.glob("model-*.safetensors"))) > 1  # streamed shard by shard
     files = {p.name for p in out.iterdir()}
-    assert {"config.json", "README.md", "generation_config.json", "modeling_spla.py"} <= files
+    assert {"config.json", "README.md", "generation_config.json", "families_spla_modeling.py"} <= files
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "spla" and cfg["auto_map"]["AutoModelForCausalLM"] == "family_spla.SPLAForCausalLM"
     model = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -45,7 +45,9 @@ def test_dtype_option_and_untouched_gamma(dense_checkpoint, tmp_path):
     _, src = dense_checkpoint("qwen3")
     assert convert(src, tmp_path / "o", "--dtype", "bfloat16") == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "o")
-    assert model.dtype == torch.bfloat16
+    assert model.dtype == torch.bfloat16 and model.config.use_rla
+    assert convert(src, tmp_path / "spa", "--spla-no-rla") == 0  # the SPA ablation, declared with the options
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "spa").config.use_rla is False
     gammas = [p for n, p in model.named_parameters() if "rla_norm" in n]
     assert len(gammas) == 2 and all(torch.equal(g, torch.zeros_like(g)) for g in gammas)
 

@@ -1,5 +1,6 @@
-"""`subquadratic convert --to sse-h`: every source weight lands where it should, softmax layers equal the
-source's, the window branch and the layer list options, one-line errors, and real SmolLM2 weights."""
+"""`subquadratic convert --to sse` and `--to sse-h` (its preset): every source weight lands where it
+should, softmax layers equal the source's, the window branch and the layer list options, one-line
+errors, and real SmolLM2 weights."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from transformers import (
 )
 
 from subquadratic.cli import main as cli_main
-from subquadratic.conversion.sse import new_tensors
+from subquadratic.families.sse.conversion import new_tensors
 from subquadratic.modeling.base import CACHE_FIELD, SequenceInfo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -193,3 +194,32 @@ def test_convert_smollm2_real_weights(tmp_path):
         ids = tokens(1, 24)
         assert torch.isfinite(m(ids).logits).all()
     assert m.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 27)
+
+
+@pytest.mark.parametrize(("to", "options", "softmax"), [
+    ("sse", {}, []),  # the family's own name: pure SSE
+    ("sse-h", {}, [5, 11]),  # the preset: every 6th layer keeps softmax attention
+    ("sse-h", {"softmax_layers": "1"}, [1]),  # a layout given replaces the preset's
+    ("sse-h", {"softmax_every": 4, "sse_top_k": 2}, [3, 7, 11]),
+])
+def test_sse_h_is_a_preset_of_the_sse_family(dense_checkpoint, tmp_path, to, options, softmax):
+    from subquadratic.conversion import convert
+
+    _, src = dense_checkpoint("llama", num_hidden_layers=12)
+    out = convert(str(src), str(tmp_path / "out"), to, options=options, progress=False)
+    m = AutoModelForCausalLM.from_pretrained(out)
+    assert m.config.model_type == "sse" and m.config.softmax_layers == softmax
+    assert m.config.sse_top_k == options.get("sse_top_k", 1)
+    card = (out / "README.md").read_text()
+    assert f"converted to {'SSE-H' if softmax else 'SSE'} (" in card
+
+
+def test_unknown_option_is_refused(dense_checkpoint, tmp_path):
+    from subquadratic.conversion import ConversionError, convert
+
+    _, src = dense_checkpoint("llama")
+    with pytest.raises(ConversionError, match="unknown option.s. block_size for --to sse-h; the sse options are: "):
+        convert(str(src), str(tmp_path / "out"), "sse-h", options={"block_size": 8}, progress=False)
+    with pytest.raises(ConversionError, match="unknown target 'sse_h'; available: hla, spla, sse, sse-h"):
+        convert(str(src), str(tmp_path / "out"), "sse_h", progress=False)
+    assert not (tmp_path / "out").exists()

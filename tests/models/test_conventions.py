@@ -22,8 +22,8 @@ from subquadratic import (
     SSEConfig,
     SSEForCausalLM,
 )
-from subquadratic.configuration.hla import TINY_PRESETS as HLA_PRESETS
-from subquadratic.configuration.sse import PRESETS as SSE_PRESETS
+from subquadratic.families.hla.configuration import TINY_PRESETS as HLA_PRESETS
+from subquadratic.families.sse.configuration import PRESETS as SSE_PRESETS
 from subquadratic.modeling.base import CACHE_FIELD
 
 pytestmark = pytest.mark.usefixtures("one_thread")

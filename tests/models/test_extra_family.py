@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from subquadratic.cli import main
 from subquadratic.conversion import Converter, convert
-from subquadratic.registry import FAMILIES, MIXERS, Family, get_family, register_family
+from subquadratic.registry import Family, get_family, mixer, register_family, unregister_family
 
 from .swa_family import LocalSoftmax, SWAConfig, SWAForCausalLM, SWAModel
 
@@ -24,7 +24,6 @@ def family(tmp_path_factory):
     card = tmp_path_factory.mktemp("card") / "swa.md"
     card.write_text(CARD)
     fam = register_family(Family(
-        name="swa-test",
         config_class=SWAConfig,
         model_class=SWAModel,
         causal_lm_class=SWAForCausalLM,
@@ -40,12 +39,13 @@ def family(tmp_path_factory):
                               num_attention_heads=4, num_key_value_heads=2, window=6)},
     ))
     yield fam
-    FAMILIES.pop(fam.name)
-    MIXERS.pop("local_softmax")
+    unregister_family(fam.name)
+    with pytest.raises(KeyError, match="local_softmax.*is not available"):
+        mixer("local_softmax")
 
 
 def test_registration_reaches_config_validation_and_auto_classes(family):
-    assert get_family("swa-test") is family and MIXERS["local_softmax"] is LocalSoftmax
+    assert get_family("swa_test") is family and mixer("local_softmax") is LocalSoftmax
     assert AutoConfig.for_model("swa_test").__class__ is SWAConfig
     with pytest.raises(ValueError, match="local_softmax"):  # the error lists the registered mixers
         SWAConfig(mixer_types=["nope"] * 4)
@@ -58,7 +58,7 @@ def test_convert_save_load_remote_code_and_generate(family, dense_checkpoint, tm
     dense, src = dense_checkpoint("llama")
     x = torch.randint(1, 128, (1, 20))
     # a window covering the context: exactly the dense model
-    out = convert(str(src), str(tmp_path / "wide"), "swa-test", options={"window": 64}, progress=False)
+    out = convert(str(src), str(tmp_path / "wide"), "swa_test", options={"window": 64}, progress=False)
     assert "window: 64 tokens" in (out / "README.md").read_text()
     wide = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(wide) is SWAForCausalLM and wide.config.mixer_types == ["local_softmax"] * 2
@@ -67,7 +67,7 @@ def test_convert_save_load_remote_code_and_generate(family, dense_checkpoint, tm
 
     # the CLI spells the family's option --swa-window; a window of 6 changes the model
     narrow_dir = tmp_path / "narrow"
-    assert main(["convert", str(src), str(narrow_dir), "--to", "swa-test", "--swa-window", "6", "--no-progress"]) == 0
+    assert main(["convert", str(src), str(narrow_dir), "--to", "swa_test", "--swa-window", "6", "--no-progress"]) == 0
     narrow = AutoModelForCausalLM.from_pretrained(narrow_dir).eval()
     with torch.no_grad():
         want = narrow(x).logits

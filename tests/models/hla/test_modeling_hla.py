@@ -12,12 +12,12 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import subquadratic  # noqa: F401  (registers the Auto classes)
 from subquadratic import HLAConfig, HLAForCausalLM
-from subquadratic.configuration.hla import tiny_hla_config
+from subquadratic.families.hla import modeling as hla_modeling
+from subquadratic.families.hla.configuration import tiny_hla_config
+from subquadratic.families.hla.modeling import HLAAttention
 from subquadratic.kernels.hla import hla_attention, hla_chunked, hla_naive, hla_recurrent
-from subquadratic.modeling import hla as hla_modeling
 from subquadratic.modeling.base import SequenceInfo
 from subquadratic.modeling.cache import RecurrentLayer, positions_from_mask
-from subquadratic.modeling.hla import HLAAttention
 
 from ..common import ModelTester, ModelTesterMixin
 

@@ -9,12 +9,12 @@ import torch
 
 import subquadratic  # noqa: F401  (registers the model types)
 from subquadratic import SSEConfig, SSEForCausalLM
-from subquadratic.configuration.sse import PRESETS, sse_config, sse_h_mixer_types
+from subquadratic.families.sse import modeling as sse_modeling
+from subquadratic.families.sse.configuration import PRESETS, sse_config, sse_h_mixer_types
+from subquadratic.families.sse.modeling import SSEAttention, SSELayer
 from subquadratic.kernels.sse import SSEState, router_topk, sse_attention, sse_masked
 from subquadratic.kernels.utils import resolve_backend
-from subquadratic.modeling import sse as sse_modeling
 from subquadratic.modeling.base import CACHE_FIELD, SequenceInfo
-from subquadratic.modeling.sse import SSEAttention, SSELayer
 
 from ..common import ModelTester, ModelTesterMixin
 

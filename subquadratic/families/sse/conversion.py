@@ -1,4 +1,5 @@
-"""Dense -> SSE-H: softmax layers keep the source attention; the other layers become SSE layers.
+"""Dense -> SSE / SSE-H: softmax layers (none, or those the layout options or the `sse-h` preset
+name) keep the source attention; the other layers become SSE layers.
 
 Conversion table (layer i, names under model.layers.{i}.self_attn):
 
@@ -23,12 +24,10 @@ from collections.abc import Iterable
 
 import torch
 
-from ..configuration.base import SOFTMAX_MIXERS, hybrid_mixer_types
-from ..configuration.sse import SSEConfig
-from .core import Converter, fresh_mixer_tensors, softmax_layer_notes
+from ...configuration.base import SOFTMAX_MIXERS
+from ...conversion.core import Converter, fresh_mixer_tensors, hybrid_config, softmax_layer_notes
+from .configuration import SSEConfig
 
-#: Options passed straight to SSEConfig.
-CONFIG_OPTIONS = ("sse_num_partitions", "sse_top_k", "sse_sliding_window", "sse_base", "sse_key_topk", "sse_lora_rank")
 SEED = 0
 _ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(.+)$")
 #: Parameters of an SSE layer that the dense source provides (everything else is new).
@@ -36,15 +35,9 @@ _FROM_SOURCE = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm|swa)\.")
 
 
 def build_config(fields: dict, options: dict) -> SSEConfig:
-    every, layers = options.get("softmax_every"), options.get("softmax_layers")
-    if every is None and layers is None:
-        every = 6  # the paper's SSE-H: five SSE layers, then one softmax layer
-    mixers = hybrid_mixer_types(
-        fields["num_hidden_layers"], "sse", every, layers,
-        every_name="--sse-softmax-every", layers_name="--sse-softmax-layers",
-    )
-    extra = {k: v for k, v in options.items() if k in CONFIG_OPTIONS and v is not None}
-    return SSEConfig(**fields, mixer_types=mixers, **extra)
+    """The layout options choose the softmax layers (none by default: pure SSE; the `sse-h` preset:
+    every 6th); every other option (`OPTIONS` of the declaration) is an SSEConfig field."""
+    return hybrid_config(SSEConfig, fields, options, "sse", "sse")
 
 
 def _is_sse(config: SSEConfig, layer: int) -> bool:
@@ -71,6 +64,7 @@ def new_tensors(config: SSEConfig) -> dict[str, torch.Tensor]:
 def card_notes(config: SSEConfig) -> dict[str, str]:
     soft = config.softmax_layers
     return {
+        "name": "SSE-H" if soft else "SSE",
         "partitions": str(config.sse_num_partitions),
         "top_k": str(config.sse_top_k),
         "sse_base": config.sse_base,

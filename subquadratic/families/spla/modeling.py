@@ -12,17 +12,16 @@ import torch
 from transformers import GenerationMixin
 from transformers import initialization as init
 
-from ..configuration.spla import SPLAConfig
-from ..kernels.spla import BlockStats, SPLAParams, append_token, spla_attention
-from .base import (
+from ...kernels.spla import BlockStats, SPLAParams, append_token, spla_attention
+from ...modeling.base import (
     AttentionBase,
-    HeadNorm,
     SequenceInfo,
     SubquadraticForCausalLM,
     SubquadraticModel,
 )
-from .cache import StateLayer
-from .fused import add_head_norm
+from ...modeling.cache import StateLayer
+from ...modeling.fused import HeadNorm
+from .configuration import SPLAConfig
 
 
 class SPLALayer(StateLayer):
@@ -85,7 +84,7 @@ class SPLAAttention(AttentionBase):
 
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
         cfg = self.config
-        q, k, v = self.project(hidden_states, position_embeddings, fused=seq.fused)
+        q, k, v = self.project(hidden_states, position_embeddings)
         new_kv = None
         if cache_layer is not None:
             K, V, stats, sbar = cache_layer.update(k, v, seq.positions, cfg.block_size, cfg.kernel_backend)
@@ -108,10 +107,8 @@ class SPLAAttention(AttentionBase):
         if cache_layer is not None:
             cache_layer.set_sbar(sbar)
         o = o_sp.transpose(1, 2)  # [B, HQ, T, D]
-        if o_rla is not None and seq.fused:  # inside a captured step (fused.py)
-            o = add_head_norm(o, o_rla.transpose(1, 2), self.rla_norm.weight, self.rla_norm.eps)
-        elif o_rla is not None:
-            o = o + self.rla_norm(o_rla.transpose(1, 2))
+        if o_rla is not None:
+            o = self.rla_norm.add(o, o_rla.transpose(1, 2))  # o + RMSNorm_gamma(o_rla)
         return self.output(o), None
 
 

@@ -4,14 +4,13 @@ dense model while the budget covers the context."""
 
 from __future__ import annotations
 
-from ..configuration.spla import SPLAConfig
-from .core import Converter
-
-OPTIONS = ("block_size", "top_k_blocks", "num_sink_blocks", "num_local_blocks", "selection", "use_rla")
+from ...conversion.core import Converter
+from .configuration import SPLAConfig
 
 
 def build_config(fields: dict, options: dict) -> SPLAConfig:
-    return SPLAConfig(**fields, **{k: v for k, v in options.items() if k in OPTIONS and v is not None})
+    """Every option (`OPTIONS` of the declaration) is an SPLAConfig field."""
+    return SPLAConfig(**fields, **options)
 
 
 def _blocks(n: int, what: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from .base import SOFTMAX_MIXERS, SubquadraticConfig, hybrid_mixer_types
+from ...configuration.base import SOFTMAX_MIXERS, SubquadraticConfig, hybrid_mixer_types
 
 
 class SSEConfig(SubquadraticConfig):

@@ -26,10 +26,9 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from ..configuration.sse import SSEConfig
-from ..kernels.sse import SSEState, router_topk, sse_attention, sse_aux_loss
-from ..kernels.utils import acc_dtype
-from .base import (
+from ...kernels.sse import SSEState, router_topk, sse_attention, sse_aux_loss
+from ...kernels.utils import acc_dtype
+from ...modeling.base import (
     AttentionBase,
     SequenceInfo,
     SoftmaxAttention,
@@ -37,7 +36,8 @@ from .base import (
     SubquadraticModel,
     decay_spread,
 )
-from .cache import RecurrentLayer
+from ...modeling.cache import RecurrentLayer
+from .configuration import SSEConfig
 
 
 class SSELayer(RecurrentLayer):

@@ -1,10 +1,20 @@
-"""HLA (`hla`): second-order Higher-order Linear Attention, declared once."""
+"""HLA (`hla`): second-order Higher-order Linear Attention, declared once.
 
-from ..registry import Family
+The light part (`NAME`, `OPTIONS`, `CARD`; no torch needed: the command line reads it), then
+`config_class()` (the configuration module alone) and `family()`, the full declaration
+(`registry.Family`), which import the folder's modules: `configuration.py` (HLAConfig, tiny
+presets), `modeling.py` (the mixer, its cache layer, the model classes), `conversion.py` (the
+Converter); `card.md` is the model card template.
+"""
 
+from pathlib import Path
+
+from ...registry import Family
+
+#: The family's one name: its model type and `convert --to` target.
 NAME = "hla"
-OPTION_PREFIX = "hla"
-#: `convert` options (`--hla-<key>`), readable without importing the model code.
+CARD = Path(__file__).with_name("card.md")
+#: `convert` options (`--hla-<key>`; `dest`: the HLAConfig field each one sets, but for the layout).
 OPTIONS: dict[str, dict] = {
     "softmax-layers": dict(help="comma list of the layers that keep softmax attention"),
     "softmax-every": dict(type=int, help="every K-th layer keeps softmax attention (default: none, pure HLA)"),
@@ -16,21 +26,26 @@ OPTIONS: dict[str, dict] = {
 }
 
 
+def config_class() -> type:
+    """The config class alone (what AutoConfig needs; imports no model code)."""
+    from .configuration import HLAConfig
+
+    return HLAConfig
+
+
 def family() -> Family:
     """The full declaration (imports the configuration, model and converter modules)."""
-    from ..configuration.hla import TINY_PRESETS, HLAConfig
-    from ..conversion.hla import CONVERTER
-    from ..modeling.hla import HLAAttention, HLAForCausalLM, HLAModel
+    from .configuration import TINY_PRESETS, HLAConfig
+    from .conversion import CONVERTER
+    from .modeling import HLAAttention, HLAForCausalLM, HLAModel
 
     return Family(
-        name=NAME,
         config_class=HLAConfig,
         model_class=HLAModel,
         causal_lm_class=HLAForCausalLM,
         mixers={"hla": HLAAttention},  # cache layer: HLALayer
         converter=CONVERTER,
-        card="hla.md",
+        card=CARD,
         presets=TINY_PRESETS,
         options=OPTIONS,
-        option_prefix=OPTION_PREFIX,
     )

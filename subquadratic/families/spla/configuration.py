@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import SubquadraticConfig
+from ...configuration.base import SubquadraticConfig
 
 
 class SPLAConfig(SubquadraticConfig):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from .base import SubquadraticConfig
+from ...configuration.base import SubquadraticConfig
 
 
 class HLAConfig(SubquadraticConfig):

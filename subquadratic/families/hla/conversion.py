@@ -16,21 +16,15 @@ says so). The new parameters come from `HLAAttention.reset_mixer_parameters` und
 
 from __future__ import annotations
 
-from ..configuration.base import SOFTMAX_MIXERS, hybrid_mixer_types
-from ..configuration.hla import HLAConfig
-from .core import Converter, softmax_layer_notes
-
-#: Options passed straight to HLAConfig.
-CONFIG_OPTIONS = ("hla_variant", "decay_mode", "hla_chunk_size", "hla_normalize", "hla_rope")
+from ...configuration.base import SOFTMAX_MIXERS
+from ...conversion.core import Converter, hybrid_config, softmax_layer_notes
+from .configuration import HLAConfig
 
 
 def build_config(fields: dict, options: dict) -> HLAConfig:
-    mixers = hybrid_mixer_types(
-        fields["num_hidden_layers"], "hla", options.get("softmax_every"), options.get("softmax_layers"),
-        every_name="--hla-softmax-every", layers_name="--hla-softmax-layers",
-    )
-    extra = {k: v for k, v in options.items() if k in CONFIG_OPTIONS and v is not None}
-    return HLAConfig(**fields, mixer_types=mixers, **extra)
+    """The layout options choose the softmax layers (none by default: pure HLA); every other option
+    (`OPTIONS` of the declaration) is an HLAConfig field."""
+    return hybrid_config(HLAConfig, fields, options, "hla", "hla")
 
 
 def card_notes(config: HLAConfig) -> dict[str, str]:

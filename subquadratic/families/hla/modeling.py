@@ -20,10 +20,17 @@ from torch import nn
 from transformers import GenerationMixin
 from transformers import initialization as init
 
-from ..configuration.hla import HLAConfig
-from ..kernels.hla import HLAState, hla_attention
-from .base import AttentionBase, HeadNorm, SequenceInfo, SubquadraticForCausalLM, SubquadraticModel, decay_spread
-from .cache import RecurrentLayer
+from ...kernels.hla import HLAState, hla_attention
+from ...modeling.base import (
+    AttentionBase,
+    SequenceInfo,
+    SubquadraticForCausalLM,
+    SubquadraticModel,
+    decay_spread,
+)
+from ...modeling.cache import RecurrentLayer
+from ...modeling.fused import HeadNorm
+from .configuration import HLAConfig
 
 
 class HLALayer(RecurrentLayer):
