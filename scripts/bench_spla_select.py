@@ -146,7 +146,7 @@ def sweep(T: int = 32768, D: int = 128) -> list[dict]:
     cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
     rows = []
     settings = [(m, r, bn, w, s) for m in ("insert", "bitonic") for r in (64, 128) for bn in (32, 64)
-                for w in (4, 8) for s in (1, 2)]
+                for w in (4, 8) for s in (2,)]
     for m, rr, bn, w, s in settings if DEV == "cuda" else settings[:2]:
         kw = dict(merge=m, rows=rr, block_chunk=bn, num_warps=w, num_stages=s)
         try:

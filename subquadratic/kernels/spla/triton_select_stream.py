@@ -3,21 +3,24 @@ scores on the tensor cores in 16-bit operands with fp32 accumulation, the per-he
 normaliser and the group top-k kept in registers while the blocks stream by, so no [tokens, blocks]
 tensor ever reaches memory. Same contract and output layout as `triton_tile.select_indices_fast`.
 
-One program per (query tile, batch x KV head). Its rows are (token, query head of the group): BM
-tokens x GP heads (the group padded to a power of two; rows default 128, as a flash tile). The
-blocks stream in chunks of BN from the first non-sink block to the tile's last candidate:
+One program per (query tile, batch x KV head), the tiles with the most blocks launched first. Its
+rows are (token, query head of the group): BM tokens x GP heads (the group padded to a power of two;
+128 rows by default, as a flash tile). The blocks stream in chunks of BN (64):
 
   pass 1 (groups of 2 or more heads): per row the online softmax statistics (running max and sum)
     of the scores over the row's candidate blocks;
-  pass 2: the scores again, each head's softmax probability, the group sum per (token, block), and
-    a running top-KP per token: the chunk's best KP (`tl.topk` on packed int32 keys) merged into the
-    running list by one bitonic merge, skipped when no token of the tile beats its current KP-th.
+  pass 2, from the most recent blocks back: the scores again, each head's softmax probability, the
+    group sum per (token, block), and a running top-KP per token (KP: the free budget padded to a
+    power of two). A chunk joins it only where some token of the tile has a key above its current
+    KP-th: by default one arg-max per new entry, as many rounds as the most new entries of a token
+    ("insert"; the count falls as the list fills, ~K ln(NB / K) per token over a sweep of random
+    scores); or the chunk's best KP by `tl.topk` and one bitonic merge ("bitonic", a fixed cost).
 
 A group of one head needs no normaliser (its softmax ranks as its scores): one pass. The Taylor
-score enters as a product, exp(qs.mu) (1 + qs^2.s2 / 2), so no logarithm is taken in the two-pass
-form. Keys: the order-preserving int32 image of the fp32 group score with its low IB bits
-(IB = bits of NB) replaced by the block id, so a key sorts by score, then by lower block id; scores
-closer than 2^(IB - 23) relative (2.4e-4 at 2048 blocks) may rank by block id instead.
+score enters as a product, exp(qs.mu) (1 + qs^2.s2 / 2), so the two-pass form takes no logarithm.
+Keys: the order-preserving int32 image of the fp32 group score with its low IB bits (IB = bits of
+NB) replaced by the block id, so keys are distinct per token and sort by score, then by lower block
+id; scores closer than 2^(IB - 23) relative (2.4e-4 at 2048 blocks) may rank by block id instead.
 
 Work at B1 HQ32 H8 d128, 64-token blocks, T = 32k (NB = 512; x16 at 128k), counted from shapes:
   candidate (token, head, block) triples: HQ T^2 / (2 bs) = 2.7e8 (4.3e9 at 128k)
@@ -26,18 +29,22 @@ Work at B1 HQ32 H8 d128, 64-token blocks, T = 32k (NB = 512; x16 at 128k), count
     partly masked last chunk of each tile add about BN / 2 blocks per row (12% at 32k)
   exp2: one per triple and pass, 5.4e8 (8.6e9), 1/32 of flash's; log: none (one log2 per triple
     instead of the two exp2 for a group of one head)
-  top-k: per (token, KV head) and chunk of 64 blocks, tl.topk to 16 (10 bitonic stages over 64
-    keys, then 32 + 16 keys through 4 stages each) plus one merge (flip + 4 stages over 16):
-    about 16 compare-exchanges per (token, KV head, block), 6.7e7 x 16 = 1.1e9 (1.7e10), against
-    the 16 arg-max sweeps over every block of the iterative top-k (16 x 1.3e8)
+  top-k, per (token, KV head, block) of the sweep (6.7e7; 1.1e9): "insert" takes one round per new
+    entry of the tile's busiest token, each ~6 int32 ops per key of the chunk plus two row
+    reductions; a token takes about K (1 + ln(NB / K)) new entries over its sweep of random scores
+    (71 at 512 blocks, 94 at 2048), so ~12 rounds per chunk of 64 at 32k and ~6 at 128k: ~70 (~36)
+    ops per key, 4.8e9 (3.9e10); "bitonic": ~16 compare-exchanges (~80 ops) per key at any
+    length, 5.4e9 (8.6e10); the iterative top-k of `select_indices_fast`: 16 arg-max sweeps over
+    all NB blocks of every token, ~2 x 16 x 5 = 160 ops per causal key
   bytes: HBM reads q once (T HQ d 2 = 268 MB; 1.07 GB), writes the indices (20 MB) and reads the
     block statistics (2 MB in bf16); from L2 each tile reads its causal statistics twice
     (2 x 2 NB/2 d 2 bytes per tile: 2.1 GB at 32k with 32-token tiles), one 2d-vector per 128 rows
     x 4d flops, flash's intensity
-  floors on an H200 (989 TFLOP/s dense bf16, about 4.2e12 exp2/s, 4.8 TB/s): the tensor cores
-    0.28 ms (4.5 ms), the exp2 units 0.13 ms (2.1 ms), the bytes 0.06 ms (0.23 ms); at flash's
-    own efficiency (14.6 ms for 8.8e12 flops) the two passes take 0.46 ms, the target being 10%
-    of that forward (1.46 ms at 32k, ~23 ms at 128k).
+  floors on an H200 (989 TFLOP/s dense bf16, about 4.2e12 exp2/s, ~1.7e13 int32 op/s, 4.8 TB/s):
+    the tensor cores 0.28 ms (4.5 ms), the exp2 units 0.13 ms (2.1 ms), the top-k's int32 work
+    0.28 ms (2.3 ms), the bytes 0.06 ms (0.23 ms); at flash's own efficiency (14.6 ms for 8.8e12
+    flops) the two passes take 0.46 ms, the target being 10% of that forward (1.46 ms at 32k,
+    ~23 ms at 128k).
 """
 
 from __future__ import annotations
@@ -105,7 +112,7 @@ def _block_scores(q, q2, mu_base, s2_base, n, NB, scale, D: tl.constexpr, TAYLOR
 def stream_select_kernel(
     Q, MU, S2, QPOS, IDX,
     stride_qb, stride_qt, stride_qh,
-    T, H, NB, block_size, n_sink, n_local, top_k, NSEL, scale,
+    B, T, H, NB, block_size, n_sink, n_local, top_k, NSEL, scale,
     G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
     KP: tl.constexpr, IB: tl.constexpr, TAYLOR: tl.constexpr, FREE: tl.constexpr, PREC: tl.constexpr,
     CLAMP16: tl.constexpr, EMU_BF16: tl.constexpr, BITONIC: tl.constexpr,
@@ -114,9 +121,10 @@ def stream_select_kernel(
     [B, T, H, NSEL] (contiguous, -1 = none): the local blocks (current first), the sinks, then up
     to `top_k - forced` candidates by descending group score. Q [B, T, HQ, D] (unit stride in D),
     MU, S2 [B*H, NB, D] (the block means and s2 / (2 D), in the operand dtype), QPOS [B, T] int32."""
-    ntiles = tl.num_programs(0)
-    tile = ntiles - 1 - tl.program_id(0)  # the tiles with the most blocks start first
-    bh = tl.program_id(1)
+    pid = tl.program_id(0)
+    BH = B * H
+    tile = tl.num_programs(0) // BH - 1 - pid // BH  # the tiles with the most blocks start first
+    bh = pid % BH
     b = bh // H
     h = bh % H
     ROWS: tl.constexpr = BM * GP
@@ -132,7 +140,8 @@ def stream_select_kernel(
     tpm = tl.load(QPOS + b * T + tt, mask=tok, other=-1)
     curm = tl.where(tpm >= 0, tpm // block_size, -1)  # [BM] each token's current block
     if FREE:
-        qf = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :],
+        q_base = Q + b.to(tl.int64) * stride_qb
+        qf = tl.load(q_base + t[:, None] * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :],
                      mask=row_ok[:, None], other=0.0).to(tl.float32)
         qq = qf * qf
         if CLAMP16:
@@ -313,9 +322,9 @@ def select_indices_stream(
     IB = max(1, (max(1, stats.num_blocks) - 1).bit_length())
     if IB > 22:
         raise ValueError(f"{stats.num_blocks} blocks exceed the 2^22 the packed top-k keys index")
-    stream_select_kernel[(triton.cdiv(Tq, BM), B * H)](
+    stream_select_kernel[(B * H * triton.cdiv(Tq, BM),)](
         q, mu, s2, qpos, out, q.stride(0), q.stride(1), q.stride(2),
-        Tq, H, stats.num_blocks, block_size, num_sink_blocks, num_local_blocks, top_k_blocks, nsel,
+        B, Tq, H, stats.num_blocks, block_size, num_sink_blocks, num_local_blocks, top_k_blocks, nsel,
         math.log2(math.e) / math.sqrt(D),
         G=G, GP=GP, BM=BM, D=D, BN=BN, KP=KP, IB=IB, TAYLOR=taylor, FREE=nfree > 0, PREC=prec,
         CLAMP16=dtype == torch.float16, EMU_BF16=emulate, BITONIC=merge == "bitonic",

@@ -7,6 +7,7 @@ TRITON_INTERPRET=1 at small shapes; the real shapes behind the gpu marker."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,17 +95,20 @@ CASES = [  # B, HQ, H, T, D, block, top_k, sink, local, pad, strided q
     (1, 8, 1, 100, 64, 16, 6, 1, 2, 0, True),  # G = 8
     (1, 16, 1, 90, 16, 16, 5, 0, 1, 0, False),  # G = 16
     (1, 4, 1, 80, 16, 16, 3, 1, 2, 0, False),  # budget = forced: no free slot
+    (1, 4, 2, 100, 128, 16, 5, 1, 2, 0, False),  # d128
+    (1, 2, 1, 80, 256, 16, 4, 1, 1, 0, False),  # d256 (64-row tiles)
 ]
 
 
+@pytest.mark.parametrize("selection", ["taylor", "mean"])
 @pytest.mark.parametrize("precision", ["ieee", "bf16"])
 @pytest.mark.parametrize("case", CASES)
-def test_same_blocks_as_reference_where_the_ranking_is_clear(case, precision):
+def test_same_blocks_as_reference_where_the_ranking_is_clear(case, precision, selection):
     """Exact sets on every row whose fp64 ranking has a margin above the operands' rounding (most
     rows of these inputs), the forced columns exactly, and free blocks in descending group score."""
     B, HQ, H, T, D, bs, top, sink, local, pad, strided = case
     q, stats, pos = make(B, HQ, H, T, D, bs, pad, seed=T + D + HQ, strided=strided)
-    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local)
+    cfg = dict(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=selection)
     idx = triton_select_stream.select_indices_stream(q, stats, pos, precision=precision, **cfg)  # [B, T, H, K]
     check_layout(idx, pos, cfg, stats.num_blocks)
     prob, forced, want = exact(q, stats, pos, cfg)
@@ -138,8 +142,8 @@ def test_all_precisions_on_separated_scores(selection):
 @pytest.mark.parametrize("G", [1, 4])
 def test_recall_on_iid_random_inputs(G):
     """bf16 operands on iid random keys (block means all near 0, so the group scores of a row are
-    close together: the hard case for rounding). The recall figures measured here (4096 tokens,
-    d64, 64 blocks, 64-token blocks) are block recall ~0.97 and mass recall > 0.9995."""
+    close together: the hard case for rounding). Measured on these inputs: block recall 0.9992 (G=1)
+    and 0.9988 (G=4), mass recall 0.9999998; one free block lost per row would give < 0.9."""
     B, H, T, D, bs = 1, 2, 1024, 32, 16
     q, stats, pos = make(B, H * G, H, T, D, bs, seed=G, spread=0.0, dtype=torch.bfloat16)
     q = q / 2  # unit-variance queries, as the benchmark's
@@ -148,7 +152,7 @@ def test_recall_on_iid_random_inputs(G):
     check_layout(idx, pos, cfg, stats.num_blocks)
     r = selection_recall(q, stats, pos, idx, **cfg)
     assert r["valid"] and r["forced_exact"]
-    assert r["blocks"] >= 0.9 and r["mass"] >= 0.998, r
+    assert r["blocks"] >= 0.99 and r["mass"] >= 0.99999, r
 
 
 def test_bitonic_merge_gives_the_same_indices():
@@ -204,8 +208,10 @@ def test_clear_errors():
 
 def test_bench_script_quick_mode():
     """The benchmark's CPU smoke run completes and prints its summary table."""
-    script = Path(__file__).resolve().parents[3] / "scripts" / "bench_spla_select.py"
-    res = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=900)
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run([sys.executable, str(root / "scripts" / "bench_spla_select.py"), "--quick"],
+                         capture_output=True, text=True, cwd=root, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "summary" in res.stdout and "stream" in res.stdout
 
@@ -231,4 +237,4 @@ def test_real_shapes_on_gpu(G, D):
     idx = triton_select_stream.select_indices_stream(q / 2, stats, pos, **cfg)
     check_layout(idx, pos, cfg, stats.num_blocks)
     r = selection_recall(q / 2, stats, pos, idx, **cfg)
-    assert r["valid"] and r["forced_exact"] and r["blocks"] >= 0.9 and r["mass"] >= 0.998, r
+    assert r["valid"] and r["forced_exact"] and r["blocks"] >= 0.99 and r["mass"] >= 0.99999, r
