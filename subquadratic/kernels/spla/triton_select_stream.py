@@ -114,8 +114,8 @@ def stream_select_kernel(
     stride_qb, stride_qt, stride_qh,
     B, T, H, NB, block_size, n_sink, n_local, top_k, NSEL, scale,
     G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-    KP: tl.constexpr, IB: tl.constexpr, TAYLOR: tl.constexpr, FREE: tl.constexpr, PREC: tl.constexpr,
-    CLAMP16: tl.constexpr, EMU_BF16: tl.constexpr, BITONIC: tl.constexpr,
+    KP: tl.constexpr, NFP: tl.constexpr, IB: tl.constexpr, TAYLOR: tl.constexpr, FREE: tl.constexpr,
+    PREC: tl.constexpr, CLAMP16: tl.constexpr, EMU_BF16: tl.constexpr, BITONIC: tl.constexpr,
 ):
     """Selection of one query tile (BM tokens x the GP padded heads of KV head h) into IDX
     [B, T, H, NSEL] (contiguous, -1 = none): the local blocks (current first), the sinks, then up
@@ -204,16 +204,13 @@ def stream_select_kernel(
                 top = tl.where(kk[None, :] == j, best[:, None], top)
                 rest = tl.where(rest == best[:, None], EMPTY, rest)
     out = IDX + ((b * T + tt) * H + h) * NSEL  # [BM]
-    n_forced = tl.zeros([BM], tl.int32)
-    for i in range(0, n_local):  # the current block and the ones before it
-        blk = curm - i
-        tl.store(out + i, tl.where(blk >= 0, blk, -1), mask=tok)
-        n_forced += tl.where(blk >= 0, 1, 0)
-    for i in range(0, n_sink):  # sinks not already local
-        sok = i <= curm - n_local
-        tl.store(out + n_local + i, tl.where(sok, i, -1), mask=tok)
-        n_forced += tl.where(sok, 1, 0)
-    free = top_k - n_forced
+    jf = tl.arange(0, NFP)[None, :]  # forced slots: the local blocks (current first), then the sinks
+    nf = n_local + n_sink
+    is_local = jf < n_local
+    fblk = tl.where(is_local, curm[:, None] - jf, jf - n_local)
+    fok = tl.where(is_local, fblk >= 0, fblk <= curm[:, None] - n_local) & (jf < nf)  # sinks not already local
+    tl.store(out[:, None] + jf, tl.where(fok, fblk, -1), mask=tok[:, None] & (jf < nf))
+    free = top_k - tl.sum(fok.to(tl.int32), 1)  # [BM]
     kk = tl.arange(0, KP)
     base = out[:, None] + n_local + n_sink + kk[None, :]
     if FREE:
@@ -326,8 +323,9 @@ def select_indices_stream(
         q, mu, s2, qpos, out, q.stride(0), q.stride(1), q.stride(2),
         B, Tq, H, stats.num_blocks, block_size, num_sink_blocks, num_local_blocks, top_k_blocks, nsel,
         math.log2(math.e) / math.sqrt(D),
-        G=G, GP=GP, BM=BM, D=D, BN=BN, KP=KP, IB=IB, TAYLOR=taylor, FREE=nfree > 0, PREC=prec,
-        CLAMP16=dtype == torch.float16, EMU_BF16=emulate, BITONIC=merge == "bitonic",
+        G=G, GP=GP, BM=BM, D=D, BN=BN, KP=KP, NFP=max(2, triton.next_power_of_2(nsel - top_k_blocks)), IB=IB,
+        TAYLOR=taylor, FREE=nfree > 0, PREC=prec, CLAMP16=dtype == torch.float16, EMU_BF16=emulate,
+        BITONIC=merge == "bitonic",
         num_warps=num_warps or (8 if BM * GP * D >= 128 * 128 else 4), num_stages=num_stages or 2,
     )
     return out
