@@ -160,7 +160,10 @@ def sweep(T: int = 32768, D: int = 128) -> list[dict]:
 
 
 def fmt(x, spec: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+    """x in `spec` ("9.3f"), or "-" as wide where it is missing or NaN."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return format("-", ">" + spec.split(".")[0])
+    return format(x, spec)
 
 
 def table(rows: list[dict]) -> str:
