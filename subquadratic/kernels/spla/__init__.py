@@ -12,7 +12,8 @@ phi(k) precomputed or not, selection, launch settings), and executed here. Forms
 (SDPA over every causal key: SPLA while every row fits its budget), `parallel.spla_parallel`
 (masked PyTorch, any device), `gather.spla_decode_gather` (the PyTorch decode step: reads only the
 selected blocks), `select.select_blocks` (PyTorch selection); Triton (CUDA):
-`triton_select.select_indices` and `triton_tile.select_indices_fast` (selection),
+`triton_select.select_indices`, `triton_tile.select_indices_fast` and
+`triton_select_stream.select_indices_stream` (selection; `recall.selection_recall` measures one),
 `triton_parallel.spla_parallel_triton` (prefill / training: the per-token kernels, backward in
 `triton_parallel_bwd`, or the query-tile kernels of `triton_tile`) and
 `triton_decode.spla_decode_triton` (one token per row). The Triton modules import Triton when
@@ -39,6 +40,7 @@ from .plan import (
     triton_unsupported,
     within_budget,
 )
+from .recall import selection_recall
 from .select import select_blocks
 from .stats import BlockStats, feature_map
 
@@ -49,12 +51,14 @@ _TRITON_EXPORTS = {
     "queries_by_block": "triton_parallel_bwd", "spla_decode_triton": "triton_decode",
     "append_token_triton": "triton_decode", "select_indices_fast": "triton_tile", "tile_shape": "triton_tile",
     "tile_union": "triton_tile", "tile_sparse_forward": "triton_tile", "tile_sparse_attention": "triton_tile",
+    "select_indices_stream": "triton_select_stream",
 }
 
 
 __all__ = [
     "BlockStats", "Launch", "SPLAParams", "SPLAPlan", "TRITON_HEAD_DIMS", "append_token", "feature_map", "plan_append",
-    "plan_spla", "select_blocks", "spla_attention", "spla_dense", "spla_decode_gather", "spla_naive", "spla_parallel",
+    "plan_spla", "select_blocks", "selection_recall", "spla_attention", "spla_dense", "spla_decode_gather",
+    "spla_naive", "spla_parallel",
     "triton_unsupported", "within_budget", *_TRITON_EXPORTS,
 ]
 
