@@ -3,7 +3,7 @@ variable-length chunked forms). Used by SSE (`kernels/sse`) as one of its bases.
 
 from __future__ import annotations
 
-from .chunk import gla_chunked, gla_varlen
+from .chunk import gla_chunk_terms, gla_chunked, gla_varlen
 from .recurrent import gla_recurrent, gla_step
 
-__all__ = ["gla_chunked", "gla_recurrent", "gla_step", "gla_varlen"]
+__all__ = ["gla_chunk_terms", "gla_chunked", "gla_recurrent", "gla_step", "gla_varlen"]

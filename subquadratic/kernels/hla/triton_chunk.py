@@ -37,7 +37,9 @@ import os
 import torch
 from torch import Tensor
 
-from ..hla import TRITON_DTYPES as DTYPES  # the input dtypes the kernels take (fp64: the PyTorch forms)
+from ..triton_utils import TRITON_DTYPES as DTYPES
+from ..triton_utils import block_size as _p2
+from ..triton_utils import dot_precision as _prec
 from ..utils import import_triton, new_output
 from .recurrent import HLAState, check_inputs, clamp_signed, init_state
 
@@ -88,14 +90,6 @@ def _launch(kernel, grid, args, fixed: dict, warps: int, stages: int = 2):
         kernel[grid](*args)
     else:
         kernel.fn[grid](*args, **fixed, num_warps=warps, num_stages=stages)
-
-
-def _prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _p2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
 
 
 @_autotune("h")

@@ -15,8 +15,8 @@ import torch.nn.functional as Fn
 pytest.importorskip("triton")
 from subquadratic.kernels import utils  # noqa: E402
 from subquadratic.kernels.gla import gla_recurrent, gla_varlen  # noqa: E402
+from subquadratic.kernels.gla.triton_chunk import gla_varlen_triton  # noqa: E402
 from subquadratic.kernels.sse import SSEState, router_topk, sse_attention, sse_recurrent, sse_varlen  # noqa: E402
-from subquadratic.kernels.sse.triton_gla import gla_varlen_triton  # noqa: E402
 from subquadratic.kernels.sse.triton_sse import sse_decode_triton, sse_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..triton_utils import block_size as _bs
+from ..triton_utils import dot_precision
 from ..utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -47,14 +49,6 @@ BV_O = 64
 WARPS = 4
 WARPS_WIDE = 8  # kernels holding several [chunk, K] fp32 tiles (_fwd_o, _bwd_dv, _bwd_inter)
 BC = 16  # sub-chunk
-
-
-def _prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _p2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
 
 
 # ---------------------------------------------------------------------------
@@ -417,9 +411,9 @@ def _states(k, v, gc, h0, cu, ccu, NS, C, state_dtype):
     S = cu.numel() - 1
     h = torch.empty((NS, H, K, V), device=k.device, dtype=state_dtype)
     ht = new_output((S, H, K, V), k.device)
-    BK, BV = min(BK_H, _p2(K)), min(BV_H, _p2(V))
+    BK, BV = min(BK_H, _bs(K)), min(BV_H, _bs(V))
     _fwd_h[(triton.cdiv(K, BK), triton.cdiv(V, BV), S * H)](
-        k, v, gc, h, h0, ht, cu, ccu, H, K, V, C, h0 is not None, _prec(k.dtype), BK, BV, num_warps=WARPS)
+        k, v, gc, h, h0, ht, cu, ccu, H, K, V, C, h0 is not None, dot_precision(k.dtype), BK, BV, num_warps=WARPS)
     return h, ht
 
 
@@ -431,16 +425,16 @@ class GLAVarlen(torch.autograd.Function):
         C = chunk_size
         S = cu.numel() - 1
         ccu, s_bos, s_n, NS = _slots(cu, M, C)
-        BK = _p2(K)
+        BK = _bs(K)
         gc = torch.empty_like(g)
         _cumsum[(NS, H)](g, gc, s_bos, s_n, H, K, C, BK, num_warps=WARPS)
         sdt = torch.float32 if q.dtype == torch.float32 else q.dtype
         h, ht = _states(k, v, gc, h0, cu, ccu, NS, C, sdt)
         A = torch.empty((NS, H, C, C), device=q.device, dtype=torch.float32)
-        _fwd_A[(NS, C // BC, H)](q, k, gc, A, s_bos, s_n, H, K, C, BC, BK, _prec(q.dtype), num_warps=WARPS)
+        _fwd_A[(NS, C // BC, H)](q, k, gc, A, s_bos, s_n, H, K, C, BC, BK, dot_precision(q.dtype), num_warps=WARPS)
         o = new_output((M, H, V), q.device, out_dtype)
-        BV = min(BV_O, _p2(V))
-        _fwd_o[(triton.cdiv(V, BV), NS, H)](q, v, gc, h, A, o, s_bos, s_n, H, K, V, C, BK, _prec(q.dtype), BV,
+        BV = min(BV_O, _bs(V))
+        _fwd_o[(triton.cdiv(V, BV), NS, H)](q, v, gc, h, A, o, s_bos, s_n, H, K, V, C, BK, dot_precision(q.dtype), BV,
                                            num_warps=WARPS_WIDE)
         ctx.save_for_backward(q, k, v, gc, h0, cu, A, ccu, s_bos, s_n)
         ctx.C, ctx.NS, ctx.S = C, NS, S
@@ -453,8 +447,8 @@ class GLAVarlen(torch.autograd.Function):
         C, NS, S = ctx.C, ctx.NS, ctx.S
         M, H, K = q.shape
         V = v.shape[-1]
-        prec = _prec(q.dtype)
-        BK = _p2(K)
+        prec = dot_precision(q.dtype)
+        BK = _bs(K)
         sdt = torch.float32 if q.dtype == torch.float32 else q.dtype
         do = torch.zeros_like(v) if do is None else do.to(v.dtype).contiguous()
         if dht is not None:
@@ -462,10 +456,10 @@ class GLAVarlen(torch.autograd.Function):
         h, _ = _states(k, v, gc, h0, cu, ccu, NS, C, sdt)
         dh = torch.empty((NS, H, K, V), device=q.device, dtype=sdt)
         dh0 = new_output((S, H, K, V), q.device)
-        BKh, BVh = min(BK_H, _p2(K)), min(BV_H, _p2(V))
+        BKh, BVh = min(BK_H, _bs(K)), min(BV_H, _bs(V))
         _bwd_dh[(triton.cdiv(K, BKh), triton.cdiv(V, BVh), S * H)](
             q, do, gc, dh, dht, dh0, cu, ccu, H, K, V, C, dht is not None, prec, BKh, BVh, num_warps=WARPS)
-        BV = min(BV_O, _p2(V))
+        BV = min(BV_O, _bs(V))
         dA = torch.empty((NS, H, C, C), device=q.device, dtype=torch.float32)
         _bwd_dA[(NS, H)](v, do, dA, s_bos, s_n, H, V, C, BV, prec, num_warps=WARPS)
         dv = new_output(v.shape, v.device, v.dtype)
