@@ -1,479 +1,267 @@
-"""Triton variable-length chunked GLA (per-key-dim decay): forward and backward.
+"""Chunked linear attention on Triton, forward and backward: one kernel family for every decay kind.
 
-    S_t = diag(exp g_t) S_{t-1} + k_t^T v_t,   o_t = q_t S_t      (per segment, from its initial state)
+    S_t = decay_t S_{t-1} + k_t^T v_t,    o_t = q_t S_t                  (per sequence, from S_0)
 
-Layout: packed tokens q, k, g: [M, H, K], v: [M, H, V]; `cu_seqlens` [S + 1] (int, on the device)
-cuts them into S segments (empty ones allowed; their state passes through). Initial states
-[S, H, K, V] in, final states [S, H, K, V] (fp32) out. Same contract and values as `gla_varlen`.
+decay_t: none (SPLA's causal linear term), exp(g_t) per (token, KV head) (HLA's two stages, "simple
+GLA"), or diag(exp g_t) per key dim (GLA, SSE's branches). `chunk_linear_attention` is the op
+(dense [B, T, heads, dim] or packed variable-length [M, heads, dim] with cu_seqlens; GQA: query
+head j reads KV head j // G); `gla_varlen_triton` keeps SSE's varlen GLA contract on it.
 
-No host synchronisation: every grid comes from shapes only.
-- Per-segment kernels (`_fwd_h` chunk states, `_bwd_dh` their gradients) run one program per
-  (K block, V block, segment x head) and walk that segment's chunks (a loop bound read on the device).
-- Per-chunk kernels run on a fixed number of chunk slots, NS = M // C + S (an upper bound of
-  sum_s ceil(len_s / C)); slot j holds chunk j of the segment-major chunk list, or nothing (a slot
-  with 0 valid tokens, whose programs store nothing). `_slots` builds the slot table with device ops.
-
-Numerics. gc = in-chunk cumulative sum of g (<= 0, non-increasing). Every exp() below has an
-exponent <= 0: inter-chunk terms use exp(gc_t) and exp(gc_last - gc_s); the intra-chunk scores are
-split into sub-chunks of BC = 16 tokens: for query sub-chunk i and key sub-chunk j < i,
-A_ij = (q_i exp(gc_i - gc_n)) (k_j exp(gc_n - gc_j))^T with gc_n at the first row of sub-chunk i;
-inside a diagonal sub-chunk the decays exp(gc_t - gc_s), s <= t, are formed pairwise per key dim
-(a loop over the 16 keys). Decays of log alpha ~ -5 per token over a 64-token chunk stay finite:
-each factor underflows to 0 where the true product is negligible, nothing overflows.
-Operands of every dot are cleaned with tl.where at invalid rows (no 0 * inf).
-
-Forward kernels: `_cumsum` (gc), `_fwd_h`, `_fwd_A` (intra-chunk scores, one program per
-sub-chunk row), `_fwd_o`. Backward: `_fwd_h` again, `_bwd_dh`, `_bwd_dA` (do v^T), `_bwd_dv`,
-`_bwd_intra` (intra-chunk dq, dk per sub-chunk), `_bwd_inter` (inter-chunk dq, dk; dg as the
-in-chunk reverse cumulative sum of q dq - k dk plus the chunk-end terms).
-Dots run on the tensor cores in the input dtype with fp32 accumulation, exact fp32 ("ieee") for
-fp32 inputs.
+Kernels, chunk C (a power of two >= 16, 64 at most with per-key decay; 64 is the fast one):
+  `chunk_cumsum`   the in-chunk cumulative sum gc of the log decays (here);
+  `triton_chunk_h` `chunk_fwd_h` the state walk (the state before every chunk, the final state) and
+                   its backward `chunk_bwd_dh`;
+  `triton_chunk_o` `chunk_fwd_o` o = (q decay) h_c + A v, and its backward `chunk_bwd_dv`,
+                   `chunk_bwd_dqk` (dq, dk and the decays' gradient); per-key decay adds the
+                   intra-chunk scores by sub-chunks (`intra_fwd`, `intra_bwd_dA`, `intra_bwd`).
+Forward: cumsum, walk, (intra,) output; backward: walk again (h is recomputed, not kept), reverse
+walk, (intra,) dv, dq/dk/dg. Dense inputs need no chunk table; variable-length ones a device-side
+table of fixed size (`chunk_table`): no host synchronisation on any path, every grid from shapes.
+The states h are stored in the input dtype (fp32 for fp32 inputs) and accumulated in fp32; the
+dots take the input dtype with fp32 accumulation (`precision` for fp32 operands: "ieee" exact,
+"tf32" on the tensor cores; `triton_utils.dot_precision`). On the GPU every kernel but the
+per-key intra ones is autotuned once per (K, V, chunk, G, decay kind, precision).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from ..triton_utils import block_size as _bs
-from ..triton_utils import dot_precision
+from ..triton_utils import TRITON_DTYPES, block_size, dot_precision, launch
 from ..utils import import_triton, new_output
+from .triton_chunk_h import chunk_bounds, chunk_bwd_dh, chunk_fwd_h
+from .triton_chunk_o import BC, chunk_bwd_dqk, chunk_bwd_dv, chunk_fwd_o, intra_bwd, intra_bwd_dA, intra_fwd
 
 triton, tl = import_triton()
 
-#: Block sizes along V for the per-segment state kernels and the output kernels; K is kept whole
-#: (head dims up to 128). Warps per kernel.
+#: Launch settings under the interpreter (on the GPU the kernels are autotuned): blocks along K / V
+#: of the walks, along V of the output and backward kernels; warps.
 BK_H = 64
 BV_H = 64
 BV_O = 64
+BV_DQK = 64
 WARPS = 4
-WARPS_WIDE = 8  # kernels holding several [chunk, K] fp32 tiles (_fwd_o, _bwd_dv, _bwd_inter)
-BC = 16  # sub-chunk
+WARPS_WIDE = 8  # kernels holding several [chunk, K] fp32 tiles
 
-
-# ---------------------------------------------------------------------------
-# forward
-# ---------------------------------------------------------------------------
+DECAY_KINDS = ("none", "head", "key")
 
 
 @triton.jit
-def _cumsum(g, gc, s_bos, s_n, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def chunk_cumsum(
+    g, gc, s_bos, s_n, T, NT,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """gc = in-chunk cumulative sum of g [M, H, K] (K = 1: one decay per token and head); one
+    program per (chunk, head)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, n = tl.load(s_bos + i_c), tl.load(s_n + i_c)
+    bos, n = chunk_bounds(s_bos, s_n, i_c, T, NT, BT, IS_VARLEN)
     o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
     m = (o_t < n)[:, None] & (o_k < K)[None, :]
-    off = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+    off = ((bos + o_t).to(tl.int64) * H + i_h)[:, None] * K + o_k[None, :]
     b_g = tl.load(g + off, mask=m, other=0.0)
     tl.store(gc + off, tl.cumsum(b_g, 0), mask=m)
 
 
-@triton.jit
-def _fwd_h(
-    k, v, gc, h, h0, ht, cu, ccu,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    USE_H0: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-):
-    """One program per (K block, V block, segment x head): the state before every chunk of the
-    segment into h [NS, H, K, V] and the final state into ht [S, H, K, V]."""
-    i_k, i_v, i_sh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_s, i_h = i_sh // H, i_sh % H
-    bos, eos = tl.load(cu + i_s), tl.load(cu + i_s + 1)
-    c0 = tl.load(ccu + i_s)
-    NT = tl.cdiv(eos - bos, BT)
-    o_t = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    off_kv = o_k[:, None] * V + o_v[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_h += tl.load(h0 + i_sh * K * V + off_kv, mask=m_kv, other=0.0)
-    for i_t in range(0, NT):
-        tl.store(h + ((c0 + i_t) * H + i_h) * K * V + off_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
-        tok = bos + i_t * BT + o_t
-        m_t = tok < eos
-        last = tl.minimum(bos + i_t * BT + BT, eos) - 1
-        b_k = tl.load(k + (tok * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_v = tl.load(v + (tok * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_g = tl.load(gc + (tok * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.0)
-        b_kd = tl.where(m_t[:, None], b_k.to(tl.float32) * tl.exp(b_gl[None, :] - b_g), 0.0).to(b_k.dtype)
-        b_h = b_h * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=PREC)
-    tl.store(ht + i_sh * K * V + off_kv, b_h, mask=m_kv)
+@dataclass(frozen=True)
+class Chunks:
+    """Where the chunks are: C tokens each, NC of them (slots) over N sequences; dense: N = B
+    sequences of T tokens (NT chunks each); varlen: cu [N + 1], ccu [N + 1] (first chunk of each
+    sequence), and per chunk slot its first token `bos` and valid tokens `n` [NC] (0: unused)."""
+
+    C: int
+    N: int
+    NC: int
+    T: int = 0
+    NT: int = 0
+    cu: Tensor | None = None
+    ccu: Tensor | None = None
+    bos: Tensor | None = None
+    n: Tensor | None = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu is not None
+
+    def seq_args(self) -> tuple:
+        return self.cu, self.ccu, self.T, self.NT
+
+    def chunk_args(self) -> tuple:
+        return self.bos, self.n, self.T, self.NT
 
 
-@triton.jit
-def _fwd_A(
-    q, k, gc, A, s_bos, s_n,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """One program per (chunk slot, query sub-chunk i, head): rows i*BC.. of the intra-chunk
-    scores A [NS, H, BT, BT] (fp32; entries above the diagonal are not written)."""
-    i_c, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, n = tl.load(s_bos + i_c), tl.load(s_n + i_c)
-    o_c, o_k = tl.arange(0, BC), tl.arange(0, BK)
-    m_k = o_k < K
-    r_i = i_i * BC + o_c
-    m_i = r_i < n
-    m_ik = m_i[:, None] & m_k[None, :]
-    off_i = ((bos + r_i) * H + i_h)[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + off_i, mask=m_ik, other=0.0).to(tl.float32)
-    b_g = tl.load(gc + off_i, mask=m_ik, other=0.0)
-    b_gn = tl.load(gc + ((bos + i_i * BC) * H + i_h) * K + o_k, mask=m_k & ((o_k * 0 + i_i * BC) < n), other=0.0)
-    b_qg = tl.where(m_ik, b_q * tl.exp(b_g - b_gn[None, :]), 0.0).to(q.dtype.element_ty)
-    a_base = A + (i_c * H + i_h) * BT * BT
-    for j in range(0, i_i):
-        r_j = j * BC + o_c
-        off_j = ((bos + r_j) * H + i_h)[:, None] * K + o_k[None, :]
-        m_jk = (r_j < n)[:, None] & m_k[None, :]
-        b_k = tl.load(k + off_j, mask=m_jk, other=0.0).to(tl.float32)
-        b_gj = tl.load(gc + off_j, mask=m_jk, other=0.0)
-        b_kg = tl.where(m_jk, b_k * tl.exp(b_gn[None, :] - b_gj), 0.0).to(k.dtype.element_ty)
-        b_A = tl.dot(b_qg, tl.trans(b_kg), input_precision=PREC)
-        tl.store(a_base + r_i[:, None] * BT + r_j[None, :], b_A)
-    # diagonal block: exp(gc_t - gc_s) per key dim, s <= t, one key at a time
-    b_A = tl.zeros([BC, BC], dtype=tl.float32)
-    for j in range(0, BC):
-        s = i_i * BC + j
-        m_s = (o_k * 0 + s) < n
-        b_ks = tl.load(k + ((bos + s) * H + i_h) * K + o_k, mask=m_k & m_s, other=0.0).to(tl.float32)
-        b_gs = tl.load(gc + ((bos + s) * H + i_h) * K + o_k, mask=m_k & m_s, other=0.0)
-        keep = (o_c >= j)[:, None] & m_ik & m_s[None, :]
-        b_e = tl.exp(tl.where(keep, b_g - b_gs[None, :], 0.0))
-        col = tl.sum(tl.where(keep, b_q * b_ks[None, :] * b_e, 0.0), 1)
-        b_A = tl.where(o_c[None, :] == j, col[:, None], b_A)
-    tl.store(a_base + r_i[:, None] * BT + r_i[None, :], b_A)
-
-
-@triton.jit
-def _fwd_o(
-    q, v, gc, h, A, o, s_bos, s_n,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, BV: tl.constexpr,
-):
-    """One program per (V block, chunk slot, head): o = (q exp(gc)) h + A v."""
-    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, n = tl.load(s_bos + i_c), tl.load(s_n + i_c)
-    o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_t, m_k, m_v = o_t < n, o_k < K, o_v < V
-    m_tk = m_t[:, None] & m_k[None, :]
-    m_tv = m_t[:, None] & m_v[None, :]
-    row = (bos + o_t) * H + i_h
-    b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_g = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_qg = tl.where(m_tk, b_q.to(tl.float32) * tl.exp(b_g), 0.0).to(b_q.dtype)
-    b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_h = tl.load(h + (i_c * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=m_k[:, None] & m_v[None, :] & (o_k * 0 < n)[:, None], other=0.0)
-    causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    b_A = tl.load(A + (i_c * H + i_h) * BT * BT + o_t[:, None] * BT + o_t[None, :], mask=causal, other=0.0)
-    b_o = tl.dot(b_qg, b_h.to(b_q.dtype), input_precision=PREC)
-    b_o += tl.dot(b_A.to(b_v.dtype), b_v, input_precision=PREC)
-    tl.store(o + row[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-
-
-# ---------------------------------------------------------------------------
-# backward
-# ---------------------------------------------------------------------------
-
-
-@triton.jit
-def _bwd_dh(
-    q, do, gc, dh, dht, dh0, cu, ccu,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    USE_DHT: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-):
-    """Backwards over a segment's chunks: dh [NS, H, K, V] = gradient of the state at the end of
-    each chunk, from the final state's gradient dht; the initial state's gradient into dh0."""
-    i_k, i_v, i_sh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_s, i_h = i_sh // H, i_sh % H
-    bos, eos = tl.load(cu + i_s), tl.load(cu + i_s + 1)
-    c0 = tl.load(ccu + i_s)
-    NT = tl.cdiv(eos - bos, BT)
-    o_t = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    off_kv = o_k[:, None] * V + o_v[None, :]
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_dh += tl.load(dht + i_sh * K * V + off_kv, mask=m_kv, other=0.0)
-    for j in range(0, NT):
-        i_t = NT - 1 - j
-        tl.store(dh + ((c0 + i_t) * H + i_h) * K * V + off_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
-        tok = bos + i_t * BT + o_t
-        m_t = tok < eos
-        last = tl.minimum(bos + i_t * BT + BT, eos) - 1
-        b_q = tl.load(q + (tok * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_do = tl.load(do + (tok * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                       other=0.0)
-        b_g = tl.load(gc + (tok * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.0)
-        b_qg = tl.where(m_t[:, None], b_q.to(tl.float32) * tl.exp(b_g), 0.0).to(b_q.dtype)
-        b_dh = b_dh * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(b_q.dtype), input_precision=PREC)
-    tl.store(dh0 + i_sh * K * V + off_kv, b_dh, mask=m_kv)
-
-
-@triton.jit
-def _bwd_dA(
-    v, do, dA, s_bos, s_n,
-    H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-):
-    """dA[t, s] = do_t . v_s for s <= t (0 elsewhere), fp32 [NS, H, BT, BT]."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, n = tl.load(s_bos + i_c), tl.load(s_n + i_c)
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n
-    row = (bos + o_t) * H + i_h
-    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(b_v.dtype)
-        b_dA += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-    b_dA = tl.where(o_t[:, None] >= o_t[None, :], b_dA, 0.0)
-    tl.store(dA + (i_c * H + i_h) * BT * BT + o_t[:, None] * BT + o_t[None, :], b_dA)
-
-
-@triton.jit
-def _bwd_dv(
-    k, gc, A, do, dh, dv, s_bos, s_n,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, BV: tl.constexpr,
-):
-    """dv_s = sum_{t >= s} A_ts do_t + (k_s exp(gc_last - gc_s)) dh."""
-    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, n = tl.load(s_bos + i_c), tl.load(s_n + i_c)
-    o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_t, m_k, m_v = o_t < n, o_k < K, o_v < V
-    m_tk = m_t[:, None] & m_k[None, :]
-    m_tv = m_t[:, None] & m_v[None, :]
-    row = (bos + o_t) * H + i_h
-    last = bos + tl.maximum(n, 1) - 1
-    b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_g = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k & (o_k * 0 < n), other=0.0)
-    b_kd = tl.where(m_tk, b_k.to(tl.float32) * tl.exp(b_gl[None, :] - b_g), 0.0).to(b_k.dtype)
-    b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(b_k.dtype)
-    b_dh = tl.load(dh + (i_c * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                   mask=m_k[:, None] & m_v[None, :] & (o_k * 0 < n)[:, None], other=0.0).to(b_k.dtype)
-    # A^T [s, t]
-    causal = (o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    b_At = tl.load(A + (i_c * H + i_h) * BT * BT + o_t[None, :] * BT + o_t[:, None], mask=causal, other=0.0)
-    b_dv = tl.dot(b_At.to(b_k.dtype), b_do, input_precision=PREC) + tl.dot(b_kd, b_dh, input_precision=PREC)
-    tl.store(dv + row[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
-
-
-@triton.jit
-def _bwd_intra(
-    q, k, gc, dA, dq, dk, s_bos, s_n,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    NC: tl.constexpr, PREC: tl.constexpr,
-):
-    """Intra-chunk parts of dq, dk (fp32) for the rows of sub-chunk i:
-    dq_t = sum_{s <= t} dA_ts k_s exp(gc_t - gc_s),  dk_s = sum_{t >= s} dA_ts q_t exp(gc_t - gc_s)."""
-    i_c, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, n = tl.load(s_bos + i_c), tl.load(s_n + i_c)
-    o_c, o_k = tl.arange(0, BC), tl.arange(0, BK)
-    m_k = o_k < K
-    r_i = i_i * BC + o_c
-    m_i = r_i < n
-    m_ik = m_i[:, None] & m_k[None, :]
-    off_i = ((bos + r_i) * H + i_h)[:, None] * K + o_k[None, :]
-    b_g = tl.load(gc + off_i, mask=m_ik, other=0.0)
-    dA_base = dA + (i_c * H + i_h) * BT * BT
-    # reference points: first row of sub-chunk i (for dq), its last valid row (for dk)
-    b_gn = tl.load(gc + ((bos + i_i * BC) * H + i_h) * K + o_k, mask=m_k & ((o_k * 0 + i_i * BC) < n), other=0.0)
-    r_last = tl.maximum(tl.minimum(i_i * BC + BC, n) - 1, 0)
-    b_gr = tl.load(gc + ((bos + r_last) * H + i_h) * K + o_k, mask=m_k & (o_k * 0 < n), other=0.0)
-    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
-    for j in range(0, i_i):
-        r_j = j * BC + o_c
-        off_j = ((bos + r_j) * H + i_h)[:, None] * K + o_k[None, :]
-        m_jk = (r_j < n)[:, None] & m_k[None, :]
-        b_kj = tl.load(k + off_j, mask=m_jk, other=0.0).to(tl.float32)
-        b_gj = tl.load(gc + off_j, mask=m_jk, other=0.0)
-        b_kg = tl.where(m_jk, b_kj * tl.exp(b_gn[None, :] - b_gj), 0.0).to(k.dtype.element_ty)
-        b_dAij = tl.load(dA_base + r_i[:, None] * BT + r_j[None, :]).to(k.dtype.element_ty)
-        b_dq += tl.dot(b_dAij, b_kg, input_precision=PREC)
-    b_dq = tl.where(m_ik, b_dq * tl.exp(b_g - b_gn[None, :]), 0.0)
-    b_dk = tl.zeros([BC, BK], dtype=tl.float32)
-    for j in range(i_i + 1, NC):
-        r_j = j * BC + o_c
-        off_j = ((bos + r_j) * H + i_h)[:, None] * K + o_k[None, :]
-        m_jk = (r_j < n)[:, None] & m_k[None, :]
-        b_qj = tl.load(q + off_j, mask=m_jk, other=0.0).to(tl.float32)
-        b_gj = tl.load(gc + off_j, mask=m_jk, other=0.0)
-        b_qg = tl.where(m_jk, b_qj * tl.exp(b_gj - b_gr[None, :]), 0.0).to(q.dtype.element_ty)
-        b_dAji = tl.load(dA_base + r_j[None, :] * BT + r_i[:, None]).to(q.dtype.element_ty)  # [s in i, t in j]
-        b_dk += tl.dot(b_dAji, b_qg, input_precision=PREC)
-    b_dk = tl.where(m_ik, b_dk * tl.exp(b_gr[None, :] - b_g), 0.0)
-    # diagonal block, one row j at a time: j as the key (for dq) and as the query (for dk)
-    for j in range(0, BC):
-        r = i_i * BC + j
-        m_r = (o_k * 0 + r) < n
-        m_rc = (o_c * 0 + r) < n
-        off_r = ((bos + r) * H + i_h) * K + o_k
-        b_kr = tl.load(k + off_r, mask=m_k & m_r, other=0.0).to(tl.float32)
-        b_qr = tl.load(q + off_r, mask=m_k & m_r, other=0.0).to(tl.float32)
-        b_gr_ = tl.load(gc + off_r, mask=m_k & m_r, other=0.0)
-        col = tl.load(dA_base + r_i * BT + r, mask=m_i & m_rc, other=0.0)     # dA[t in i, s = r]
-        rw = tl.load(dA_base + r * BT + r_i, mask=m_i & m_rc, other=0.0)      # dA[t = r, s in i]
-        keep_q = (o_c >= j)[:, None] & m_ik & m_r[None, :]                             # t >= s = r
-        e_q = tl.exp(tl.where(keep_q, b_g - b_gr_[None, :], 0.0))
-        b_dq += tl.where(keep_q, col[:, None] * b_kr[None, :] * e_q, 0.0)
-        keep_k = (o_c <= j)[:, None] & m_ik & m_r[None, :]                             # s <= t = r
-        e_k = tl.exp(tl.where(keep_k, b_gr_[None, :] - b_g, 0.0))
-        b_dk += tl.where(keep_k, rw[:, None] * b_qr[None, :] * e_k, 0.0)
-    tl.store(dq + off_i, b_dq, mask=m_ik)
-    tl.store(dk + off_i, b_dk, mask=m_ik)
-
-
-@triton.jit
-def _bwd_inter(
-    q, k, v, gc, h, do, dh, dq_in, dk_in, dq, dk, dg, s_bos, s_n,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, BV: tl.constexpr,
-):
-    """Adds the inter-chunk parts to dq, dk and forms dg = revcumsum(q dq - k dk) + chunk-end terms."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, n = tl.load(s_bos + i_c), tl.load(s_n + i_c)
-    o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    m_t, m_k = o_t < n, o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    row = (bos + o_t) * H + i_h
-    off = row[:, None] * K + o_k[None, :]
-    last = bos + tl.maximum(n, 1) - 1
-    b_q = tl.load(q + off, mask=m_tk, other=0.0)
-    b_k = tl.load(k + off, mask=m_tk, other=0.0)
-    b_g = tl.load(gc + off, mask=m_tk, other=0.0)
-    b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k & (o_k * 0 < n), other=0.0)
-    b_dqi = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dki = tl.zeros([BT, BK], dtype=tl.float32)
-    b_hdh = tl.zeros([BK], dtype=tl.float32)
-    hbase = (i_c * H + i_h) * K * V
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        m_kv = m_k[:, None] & m_v[None, :] & (o_k * 0 < n)[:, None]
-        b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(b_q.dtype)
-        b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(b_q.dtype)
-        b_h = tl.load(h + hbase + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-        b_dh = tl.load(dh + hbase + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
-        b_dqi += tl.dot(b_do, tl.trans(b_h.to(b_q.dtype)), input_precision=PREC)
-        b_dki += tl.dot(b_v, tl.trans(b_dh.to(b_q.dtype)), input_precision=PREC)
-    b_dq = tl.load(dq_in + off, mask=m_tk, other=0.0) + tl.where(m_tk, b_dqi * tl.exp(b_g), 0.0)
-    b_dkx = tl.where(m_tk, b_dki * tl.exp(b_gl[None, :] - b_g), 0.0)
-    b_dk = tl.load(dk_in + off, mask=m_tk, other=0.0) + b_dkx
-    qf, kf = b_q.to(tl.float32), b_k.to(tl.float32)
-    b_x = b_hdh * tl.exp(b_gl) + tl.sum(kf * b_dkx, 0)
-    b_dgam = tl.where(m_tk, qf * b_dq - kf * b_dk, 0.0)
-    b_dg = tl.sum(b_dgam, 0)[None, :] - tl.cumsum(b_dgam, 0) + b_dgam + b_x[None, :]
-    tl.store(dq + off, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + off, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    tl.store(dg + off, b_dg, mask=m_tk)
-
-
-# ---------------------------------------------------------------------------
-# host side
-# ---------------------------------------------------------------------------
-
-
-def _slots(cu: Tensor, M: int, C: int):
-    """Device-side chunk table. Returns (chunk offsets per segment ccu [S + 1], slot token starts
-    [NS], slot valid-token counts [NS] (0 for unused slots), NS)."""
-    S = cu.numel() - 1
-    NS = M // C + S
+def chunk_table(cu: Tensor, M: int, C: int) -> Chunks:
+    """The chunk table of packed sequences cut by cu [N + 1] (int32, on the device) over M tokens,
+    with device ops only: NC = M // C + N chunk slots (an upper bound of sum_s ceil(len_s / C));
+    slot j holds chunk j of the sequence-major chunk list, or nothing (0 valid tokens)."""
+    N = cu.numel() - 1
+    NC = M // C + N
     lens = cu[1:] - cu[:-1]
     nch = (lens + C - 1) // C
     ccu = torch.cat([nch.new_zeros(1), nch.cumsum(0)])
-    j = torch.arange(NS, device=cu.device, dtype=ccu.dtype)
-    seg = torch.searchsorted(ccu[1:].contiguous(), j, right=True).clamp_(max=max(S - 1, 0))
-    it = j - ccu[seg]
-    bos = cu[seg] + it * C
+    j = torch.arange(NC, device=cu.device, dtype=ccu.dtype)
+    seg = torch.searchsorted(ccu[1:].contiguous(), j, right=True).clamp_(max=max(N - 1, 0))
+    bos = cu[seg] + (j - ccu[seg]) * C
     n = (cu[seg + 1] - bos).clamp(0, C)
     n = torch.where(j < ccu[-1], n, torch.zeros_like(n))
     i32 = torch.int32
-    return ccu.to(i32), bos.to(i32).contiguous(), n.to(i32).contiguous(), NS
+    return Chunks(C, N, NC, cu=cu, ccu=ccu.to(i32), bos=bos.to(i32).contiguous(), n=n.to(i32).contiguous())
 
 
-def _states(k, v, gc, h0, cu, ccu, NS, C, state_dtype):
+def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final):
+    """The state before every chunk h [NC, H, K, V] (input dtype, fp32 for fp32) and the final
+    states [N, H, K, V] fp32 (None unless `want_final`)."""
     M, H, K = k.shape
     V = v.shape[-1]
-    S = cu.numel() - 1
-    h = torch.empty((NS, H, K, V), device=k.device, dtype=state_dtype)
-    ht = new_output((S, H, K, V), k.device)
-    BK, BV = min(BK_H, _bs(K)), min(BV_H, _bs(V))
-    _fwd_h[(triton.cdiv(K, BK), triton.cdiv(V, BV), S * H)](
-        k, v, gc, h, h0, ht, cu, ccu, H, K, V, C, h0 is not None, dot_precision(k.dtype), BK, BV, num_warps=WARPS)
+    h = new_output((ch.NC, H, K, V), k.device, k.dtype)
+    ht = new_output((ch.N, H, K, V), k.device) if want_final else None
+    launch(chunk_fwd_h, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), ch.N * H),
+           (k, v, gc, h, h0, ht, *ch.seq_args(), H, G, K, V, ch.C, decay, ch.varlen, h0 is not None, want_final,
+            prec), {"BK": min(BK_H, block_size(K)), "BV": min(BV_H, block_size(V))}, WARPS)
     return h, ht
 
 
-class GLAVarlen(torch.autograd.Function):
+class ChunkLinearAttention(torch.autograd.Function):
+    """o, S_T = the op on packed tokens: q [M, HQ, K], k [M, H, K], v [M, H, V] of one dtype, g
+    None / [M, H] / [M, H, K] fp32 log decays, h0 [N, H, K, V] fp32 or None; o in `out_dtype`,
+    S_T [N, H, K, V] fp32 (None unless `want_final`)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, cu, chunk_size, out_dtype):
-        M, H, K = q.shape
-        V = v.shape[-1]
-        C = chunk_size
-        S = cu.numel() - 1
-        ccu, s_bos, s_n, NS = _slots(cu, M, C)
-        BK = _bs(K)
-        gc = torch.empty_like(g)
-        _cumsum[(NS, H)](g, gc, s_bos, s_n, H, K, C, BK, num_warps=WARPS)
-        sdt = torch.float32 if q.dtype == torch.float32 else q.dtype
-        h, ht = _states(k, v, gc, h0, cu, ccu, NS, C, sdt)
-        A = torch.empty((NS, H, C, C), device=q.device, dtype=torch.float32)
-        _fwd_A[(NS, C // BC, H)](q, k, gc, A, s_bos, s_n, H, K, C, BC, BK, dot_precision(q.dtype), num_warps=WARPS)
-        o = new_output((M, H, V), q.device, out_dtype)
-        BV = min(BV_O, _bs(V))
-        _fwd_o[(triton.cdiv(V, BV), NS, H)](q, v, gc, h, A, o, s_bos, s_n, H, K, V, C, BK, dot_precision(q.dtype), BV,
-                                           num_warps=WARPS_WIDE)
-        ctx.save_for_backward(q, k, v, gc, h0, cu, A, ccu, s_bos, s_n)
-        ctx.C, ctx.NS, ctx.S = C, NS, S
+    def forward(ctx, q, k, v, g, h0, ch: Chunks, prec, out_dtype, want_final):
+        M, HQ, K = q.shape
+        H, V = k.shape[1], v.shape[-1]
+        G = HQ // H
+        decay = 0 if g is None else (1 if g.dim() == 2 else 2)
+        C, BK = ch.C, block_size(K)
+        gc = None
+        if decay:
+            Kg = 1 if decay == 1 else K
+            gc = new_output(g.shape, g.device)
+            chunk_cumsum[(ch.NC, H)](g, gc, *ch.chunk_args(), H, Kg, C, block_size(Kg, 1), ch.varlen,
+                                     num_warps=WARPS)
+        h, ht = _walk(k, v, gc, h0, ch, G, decay, prec, want_final)
+        A = None
+        if decay == 2:
+            A = new_output((ch.NC, H, C, C), q.device)
+            intra_fwd[(ch.NC, C // BC, H)](q, k, gc, A, *ch.chunk_args(), H, K, C, BC, BK, ch.varlen, prec,
+                                           num_warps=WARPS)
+        o = new_output((M, HQ, V), q.device, out_dtype)
+        launch(chunk_fwd_o, lambda m: (triton.cdiv(V, m["BV"]), ch.NC, H),
+               (q, k, v, gc, h, A, o, *ch.chunk_args(), H, G, K, V, C, decay, ch.varlen, prec, BK),
+               {"BV": min(BV_O, block_size(V))}, WARPS_WIDE)
+        ctx.save_for_backward(q, k, v, gc, h0, A)
+        ctx.ch, ctx.prec, ctx.decay = ch, prec, decay
         ctx.set_materialize_grads(False)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gc, h0, cu, A, ccu, s_bos, s_n = ctx.saved_tensors
-        C, NS, S = ctx.C, ctx.NS, ctx.S
-        M, H, K = q.shape
-        V = v.shape[-1]
-        prec = dot_precision(q.dtype)
-        BK = _bs(K)
-        sdt = torch.float32 if q.dtype == torch.float32 else q.dtype
-        do = torch.zeros_like(v) if do is None else do.to(v.dtype).contiguous()
-        if dht is not None:
-            dht = dht.float().contiguous()
-        h, _ = _states(k, v, gc, h0, cu, ccu, NS, C, sdt)
-        dh = torch.empty((NS, H, K, V), device=q.device, dtype=sdt)
-        dh0 = new_output((S, H, K, V), q.device)
-        BKh, BVh = min(BK_H, _bs(K)), min(BV_H, _bs(V))
-        _bwd_dh[(triton.cdiv(K, BKh), triton.cdiv(V, BVh), S * H)](
-            q, do, gc, dh, dht, dh0, cu, ccu, H, K, V, C, dht is not None, prec, BKh, BVh, num_warps=WARPS)
-        BV = min(BV_O, _bs(V))
-        dA = torch.empty((NS, H, C, C), device=q.device, dtype=torch.float32)
-        _bwd_dA[(NS, H)](v, do, dA, s_bos, s_n, H, V, C, BV, prec, num_warps=WARPS)
-        dv = new_output(v.shape, v.device, v.dtype)
-        _bwd_dv[(triton.cdiv(V, BV), NS, H)](k, gc, A, do, dh, dv, s_bos, s_n, H, K, V, C, BK, prec, BV,
-                                            num_warps=WARPS_WIDE)
-        dq_in = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-        dk_in = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-        _bwd_intra[(NS, C // BC, H)](q, k, gc, dA, dq_in, dk_in, s_bos, s_n, H, K, C, BC, BK, C // BC, prec,
-                                     num_warps=WARPS)
-        dq, dk = new_output(q.shape, q.device, q.dtype), new_output(k.shape, k.device, k.dtype)
-        dg = new_output(q.shape, q.device)
-        _bwd_inter[(NS, H)](q, k, v, gc, h, do, dh, dq_in, dk_in, dq, dk, dg, s_bos, s_n, H, K, V, C, BK, prec, BV,
-                            num_warps=WARPS_WIDE)
-        return dq, dk, dv, dg, (dh0 if h0 is not None else None), None, None, None
+        q, k, v, gc, h0, A = ctx.saved_tensors
+        ch, prec, decay = ctx.ch, ctx.prec, ctx.decay
+        M, HQ, K = q.shape
+        H, V = k.shape[1], v.shape[-1]
+        G, C, BK = HQ // H, ch.C, block_size(K)
+        dev = q.device
+        do = q.new_zeros(M, HQ, V) if do is None else do.to(q.dtype).contiguous()
+        dht = None if dht is None else dht.float().contiguous()
+        h, _ = _walk(k, v, gc, h0, ch, G, decay, prec, False)
+        dh = new_output(h.shape, dev, h.dtype)
+        dh0 = new_output(h0.shape, dev) if h0 is not None and ctx.needs_input_grad[4] else None
+        launch(chunk_bwd_dh, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), ch.N * H),
+               (q, do, gc, dh, dht, dh0, *ch.seq_args(), H, G, K, V, C, decay, ch.varlen, dht is not None,
+                dh0 is not None, prec), {"BK": min(BK_H, block_size(K)), "BV": min(BV_H, block_size(V))}, WARPS)
+        dq_in = dk_in = None
+        if decay == 2:
+            dA = new_output((ch.NC, H, C, C), dev)
+            intra_bwd_dA[(ch.NC, H)](v, do, dA, *ch.chunk_args(), H, V, C, min(BV_O, block_size(V)), ch.varlen,
+                                     prec, num_warps=WARPS)
+            dq_in, dk_in = new_output(q.shape, dev), new_output(k.shape, dev)
+            intra_bwd[(ch.NC, C // BC, H)](q, k, gc, dA, dq_in, dk_in, *ch.chunk_args(), H, K, C, BC, BK, C // BC,
+                                           ch.varlen, prec, num_warps=WARPS)
+        dv = new_output(v.shape, dev, v.dtype)
+        launch(chunk_bwd_dv, lambda m: (triton.cdiv(V, m["BV"]), ch.NC, H),
+               (q, k, gc, A, do, dh, dv, *ch.chunk_args(), H, G, K, V, C, decay, ch.varlen, prec, BK),
+               {"BV": min(BV_O, block_size(V))}, WARPS_WIDE)
+        dq, dk = new_output(q.shape, dev, q.dtype), new_output(k.shape, dev, k.dtype)
+        dg = new_output(gc.shape, dev) if decay else None
+        launch(chunk_bwd_dqk, (ch.NC, H),
+               (q, k, v, gc, h, do, dh, dq_in, dk_in, dq, dk, dg, *ch.chunk_args(), H, G, K, V, C, decay,
+                ch.varlen, prec, BK), {"BV": min(BV_DQK, block_size(V))}, WARPS_WIDE)
+        return dq, dk, dv, dg, dh0, None, None, None, None
+
+
+def chunk_linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None = None,
+    *,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    chunk_size: int = 64,
+    precision: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    output_final_state: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked linear attention S_t = decay_t S_{t-1} + k_t^T v_t, o_t = q_t S_t on the Triton
+    kernels (module docstring); differentiable in q, k, v, g and the initial state; no host
+    synchronisation.
+
+    Dense: q [B, T, HQ, K], k [B, T, H, K], v [B, T, H, V]; packed: q [M, HQ, K], k [M, H, K],
+    v [M, H, V] with cu_seqlens [N + 1] (int, on the device; empty sequences keep their state).
+    HQ = G * H: query head j reads the state of KV head j // G (computed once per KV head).
+    g: None (no decay), [.., H] (one log decay <= 0 per token and KV head) or [.., H, K] (one per
+    key dim; G = 1). initial_state: [N, H, K, V] (N = B or the number of sequences), None = 0.
+    q's dtype (fp32 / bf16 / fp16) is the compute dtype (k, v are cast to it); `precision`: the
+    dots' input precision for fp32 ("ieee" or "tf32"; None: "ieee"). chunk_size: a power of two
+    >= 16 (<= 64 with per-key decay). Returns (o [.., HQ, V] in `out_dtype` (default q's dtype),
+    final states [N, H, K, V] fp32, or None without `output_final_state`)."""
+    dense = cu_seqlens is None
+    if q.dim() != (4 if dense else 3) or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"q, k, v must be [B, T, heads, dim] (or [M, heads, dim] with cu_seqlens); got "
+                         f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if q.dtype not in TRITON_DTYPES:
+        raise ValueError(f"the chunked linear-attention kernels take {TRITON_DTYPES} inputs, got {q.dtype}")
+    *lead, HQ, K = q.shape
+    H, V = k.shape[-2], v.shape[-1]
+    if list(k.shape) != [*lead, H, K] or list(v.shape[:-1]) != [*lead, H] or HQ % H:
+        raise ValueError(f"k must be [{', '.join(map(str, lead))}, H, {K}] and v [.., H, V] with H dividing "
+                         f"HQ = {HQ}; got {list(k.shape)}, {list(v.shape)}")
+    kind = "none" if g is None else ("head" if g.dim() == q.dim() - 1 else "key")
+    if g is not None and list(g.shape) != [*lead, H] + ([K] if kind == "key" else []):
+        raise ValueError(f"g must be [.., H] (per-head decay) or [.., H, K] (per-key decay) of k's tokens and "
+                         f"heads; got {list(g.shape)} for k {list(k.shape)}")
+    if kind == "key" and HQ != H:
+        raise ValueError(f"per-key decay takes as many query heads as KV heads; got HQ = {HQ}, H = {H}")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1) or (kind == "key" and chunk_size > 64):
+        raise ValueError(f"chunk_size must be a power of two >= 16 (at most 64 with per-key decay); got {chunk_size}")
+    if K > 256:
+        raise ValueError(f"key head dims up to 256 are supported; got {K}")
+    dt = q.dtype
+    prec = dot_precision(dt, precision)
+    q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
+    g = None if g is None else g.float().contiguous()
+    M = q.shape[0] * (q.shape[1] if dense else 1)
+    if dense:
+        B, T = lead
+        ch = Chunks(chunk_size, B, B * triton.cdiv(T, chunk_size), T=T, NT=triton.cdiv(T, chunk_size))
+    else:
+        ch = chunk_table(cu_seqlens.to(torch.int32).contiguous(), M, chunk_size)
+    if initial_state is not None:
+        if initial_state.shape != (ch.N, H, K, V):
+            raise ValueError(f"initial_state must be [N={ch.N}, H={H}, K={K}, V={V}]; got "
+                             f"{list(initial_state.shape)}")
+        initial_state = initial_state.float().contiguous()
+    if M == 0:  # nothing to attend: every state passes through
+        o = v.new_zeros(*lead, HQ, V, dtype=out_dtype or dt)
+        st = initial_state.clone() if initial_state is not None else q.new_zeros(ch.N, H, K, V, dtype=torch.float32)
+        return o, st if output_final_state else None
+    flat = (lambda x: x.reshape(M, *x.shape[2:])) if dense else (lambda x: x)  # noqa: E731
+    o, st = ChunkLinearAttention.apply(flat(q), flat(k), flat(v), None if g is None else flat(g), initial_state, ch,
+                                       prec, out_dtype or dt, output_final_state)
+    return o.view(*lead, HQ, V), st
 
 
 def gla_varlen_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, cu_seqlens: Tensor,
@@ -483,23 +271,13 @@ def gla_varlen_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, cu_seqlens:
     `gla_varlen` (differentiable in q, k, v, g and the initial states; no host synchronisation).
 
     q, k, g: [M, H, K], v: [M, H, V] (q's dtype is the compute dtype of the dots: bf16 / fp16 /
-    fp32), cu_seqlens: [S + 1] on the device, initial_state: [S, H, K, V]. K, V <= 128; chunk_size
-    a power of two, 16..64. Returns (o [M, H, V] in `out_dtype` (default q's dtype), final states
-    [S, H, K, V] fp32)."""
-    M, H, K = q.shape
-    V = v.shape[-1]
+    fp32, exact for fp32), cu_seqlens: [S + 1] on the device, initial_state: [S, H, K, V]. K <= 128,
+    V <= 256; chunk_size 16, 32 or 64. Returns (o [M, H, V] in `out_dtype` (default q's dtype),
+    final states [S, H, K, V] fp32)."""
+    K, V = q.shape[-1], v.shape[-1]
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
     if K > 128 or V > 256:
         raise ValueError(f"head dims up to K = 128, V = 256 are supported; got K = {K}, V = {V}")
-    dt = q.dtype
-    S = cu_seqlens.numel() - 1
-    q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
-    g = g.float().contiguous()
-    cu = cu_seqlens.to(torch.int32).contiguous()
-    h0 = None
-    if initial_state is not None:
-        if initial_state.shape != (S, H, K, V):
-            raise ValueError(f"initial_state must be [S={S}, H={H}, K={K}, V={V}]; got {list(initial_state.shape)}")
-        h0 = initial_state.float().contiguous()
-    return GLAVarlen.apply(q, k, v, g, h0, cu, chunk_size, out_dtype or dt)
+    return chunk_linear_attention(q, k, v, g, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                  chunk_size=chunk_size, out_dtype=out_dtype)
