@@ -26,14 +26,14 @@ AUTOTUNE = os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 def dot_precision(dtype: torch.dtype, precision: str | None = None) -> str:
-    """`input_precision` of the dots for operands of `dtype`: `precision` when given (one of
-    PRECISIONS), else exact fp32 ("ieee") for fp32 operands and "tf32" otherwise (where it has no
-    effect: bf16 / fp16 dots accumulate in fp32 on the tensor cores)."""
-    if precision is not None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS} or None (by dtype); got {precision!r}")
-        return precision
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """`input_precision` of the dots for operands of `dtype`. fp32: `precision` (one of PRECISIONS),
+    exact ("ieee") when None. bf16 / fp16 operands always run on the tensor cores with fp32
+    accumulation: "tf32" whatever was asked (the setting has no effect on them)."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS} or None (by dtype); got {precision!r}")
+    if dtype != torch.float32:
+        return "tf32"
+    return precision or "ieee"
 
 
 def block_size(n: int, lo: int = 16) -> int:

@@ -139,7 +139,7 @@ class ChunkLinearAttention(torch.autograd.Function):
         if decay:
             Kg = 1 if decay == 1 else K
             gc = new_output(g.shape, g.device)
-            chunk_cumsum[(ch.NC, H)](g, gc, *ch.chunk_args(), H, Kg, C, block_size(Kg, 1), ch.varlen,
+            chunk_cumsum[(ch.NC, H)](g, gc, *ch.chunk_args(), H, Kg, C, block_size(Kg), ch.varlen,
                                      num_warps=WARPS)
         h, ht = _walk(k, v, gc, h0, ch, G, decay, prec, want_final)
         A = None

@@ -184,7 +184,8 @@ def chunk_bwd_dqk(
     b_dk = b_dkh
     if DECAY == 2:
         b_dk += tl.load(dk_in + off, mask=m_tk, other=0.0)
-    b_qdq = tl.zeros([BT, BK], dtype=tl.float32)  # sum over the query heads of q * dq
+    b_qdq = tl.zeros([BT, BK], dtype=tl.float32)  # q * dq (DECAY 2, G = 1)
+    b_qdq_t = tl.zeros([BT], dtype=tl.float32)  # sum over the query heads and key dims of q * dq (DECAY 1)
     for i_g in range(0, G):
         row_q = tok * (H * G) + i_h * G + i_g
         off_q = row_q[:, None] * K + o_k[None, :]
@@ -215,20 +216,24 @@ def chunk_bwd_dqk(
             b_dq += tl.dot(b_dsc, b_k, input_precision=PREC)
             b_dk += tl.dot(tl.trans(b_dsc), b_q, input_precision=PREC)
         tl.store(dq + off_q, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        if DECAY != 0:
+        if DECAY == 1:
+            b_qdq_t += tl.sum(b_q.to(tl.float32) * b_dq, 1)
+        elif DECAY == 2:
             b_qdq += b_q.to(tl.float32) * b_dq
     tl.store(dk + off, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    if DECAY != 0:
+    # the log decays' gradient: in-chunk reverse cumulative sum of d/d gc plus the chunk-end term
+    if DECAY == 1:
         kf = b_k.to(tl.float32)
-        b_dgam = tl.where(m_tk, b_qdq - kf * b_dk, 0.0)           # d/d gc_t, per key dim
-        b_x = b_hdh * tl.exp(b_gl) + tl.sum(kf * b_dkh, 0)         # the chunk-end term, per key dim
-        if DECAY == 1:
-            b_dgt = tl.sum(b_dgam, 1)
-            b_dg = tl.sum(b_dgt, 0) - tl.cumsum(b_dgt, 0) + b_dgt + tl.sum(b_x, 0)
-            tl.store(dg + row, b_dg, mask=m_t)
-        else:
-            b_dg = tl.sum(b_dgam, 0)[None, :] - tl.cumsum(b_dgam, 0) + b_dgam + b_x[None, :]
-            tl.store(dg + off, b_dg, mask=m_tk)
+        b_dgt = tl.where(m_t, b_qdq_t - tl.sum(kf * b_dk, 1), 0.0)
+        b_x = tl.sum(b_hdh, 0) * tl.exp(b_gl) + tl.sum(tl.sum(kf * b_dkh, 1), 0)
+        b_dg = tl.sum(b_dgt, 0) - tl.cumsum(b_dgt, 0) + b_dgt + b_x
+        tl.store(dg + row, b_dg, mask=m_t)
+    elif DECAY == 2:
+        kf = b_k.to(tl.float32)
+        b_dgam = tl.where(m_tk, b_qdq - kf * b_dk, 0.0)
+        b_x = b_hdh * tl.exp(b_gl) + tl.sum(kf * b_dkh, 0)
+        b_dg = tl.sum(b_dgam, 0)[None, :] - tl.cumsum(b_dgam, 0) + b_dgam + b_x[None, :]
+        tl.store(dg + off, b_dg, mask=m_tk)
 
 
 # ---------------------------------------------------------------------------
