@@ -61,6 +61,70 @@ def chunk_bounds(s_bos, s_n, i_c, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constex
     return bos, n
 
 
+@triton.jit
+def chunk_rows(s_bos, s_n, i_c, i_h, T, NT, H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Chunk i_c of the chunk list for KV head i_h: (valid tokens n, row index tok * H + i_h of its
+    BT token slots [BT] (int64), which are valid [BT], the row of its last valid token)."""
+    bos, n = chunk_bounds(s_bos, s_n, i_c, T, NT, BT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    row = (bos + o_t).to(tl.int64) * H + i_h
+    return n, row, o_t < n, (bos + tl.maximum(n, 1) - 1).to(tl.int64) * H + i_h
+
+
+@triton.jit
+def load_decays(gc, row, row_last, m_t, n, o_k, K: tl.constexpr, DECAY: tl.constexpr):
+    """The in-chunk cumulative log decays of rows [BT] and of the chunk's last row (read where the
+    chunk has n > 0 tokens): DECAY 1 [BT] and a scalar, DECAY 2 [BT, BK] and [BK]; 0 past K and at
+    invalid rows."""
+    if DECAY == 1:
+        b_g = tl.load(gc + row, mask=m_t, other=0.0)
+        b_gl = tl.load(gc + row_last, mask=n > 0, other=0.0)
+    else:
+        m_k = o_k < K
+        b_g = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_gl = tl.load(gc + row_last * K + o_k, mask=m_k & (o_k * 0 < n), other=0.0)
+    return b_g, b_gl
+
+
+@triton.jit
+def load_state(h, i_c, i_h, n, o_k, o_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """The [BK, BV] tile (o_k, o_v) of the state h[i_c, i_h] [NC, H, K, V]; 0 for an empty chunk slot
+    (whose state the walk never wrote)."""
+    m = (o_k < K)[:, None] & (o_v < V)[None, :] & (o_k * 0 < n)[:, None]
+    return tl.load(h + (i_c * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def walk_program(cu, ccu, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """What a walk program (K block, V block, sequence x KV head) covers: (sequence x head i_nh, KV
+    head, first and end token, first chunk, chunks, key offsets [BK], value offsets [BV], the mask
+    and offsets of its [BK, BV] state tile)."""
+    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos, c0 = seq_bounds(cu, ccu, i_nh // H, T, NT, IS_VARLEN)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    return i_nh, i_nh % H, bos, eos, c0, tl.cdiv(eos - bos, BT), o_k, o_v, m_kv, o_k[:, None] * V + o_v[None, :]
+
+
+@triton.jit
+def walk_chunk(gc, bos, eos, i_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+               DECAY: tl.constexpr):
+    """Chunk i_t of a walk's sequence: (its token rows [BT] (int64), which are valid [BT], the
+    decays of `load_decays`, or zeros without decay)."""
+    tok = (bos + i_t * BT + tl.arange(0, BT)).to(tl.int64)
+    m_t = tok < eos
+    row = tok * H + i_h
+    if DECAY != 0:
+        last = (tl.minimum(bos + i_t * BT + BT, eos) - 1).to(tl.int64)
+        b_g, b_gl = load_decays(gc, row, last * H + i_h, m_t, eos - bos, o_k, K, DECAY)
+    else:
+        b_g = tl.zeros([BT], dtype=tl.float32)
+        b_gl = b_g
+    return row, m_t, b_g, b_gl
+
+
 @autotune(CONFIGS, KEY)
 @triton.jit
 def chunk_fwd_h(
@@ -69,36 +133,22 @@ def chunk_fwd_h(
     DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
     PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, eos, c0 = seq_bounds(cu, ccu, i_n, T, NT, IS_VARLEN)
-    nt = tl.cdiv(eos - bos, BT)
-    o_t = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_nh, i_h, bos, eos, c0, nt, o_k, o_v, m_kv, off_kv = walk_program(cu, ccu, T, NT, H, K, V, BT, BK, BV,
+                                                                       IS_VARLEN)
     m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    off_kv = o_k[:, None] * V + o_v[None, :]
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     for i_t in range(0, nt):
         tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + off_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
-        tok = (bos + i_t * BT + o_t).to(tl.int64)
-        m_t = tok < eos
+        row, m_t, b_g, b_gl = walk_chunk(gc, bos, eos, i_t, i_h, o_k, H, K, BT, DECAY)
         m_tk = m_t[:, None] & m_k[None, :]
-        last = tl.minimum(bos + i_t * BT + BT, eos) - 1
-        row = tok * H + i_h
         b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
         b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        if DECAY == 1:
-            b_g = tl.load(gc + row, mask=m_t, other=0.0)
-            b_gl = tl.load(gc + last.to(tl.int64) * H + i_h)
+        if DECAY == 1:  # k decayed to the chunk end, the state across the chunk
             b_k = tl.where(m_tk, b_k.to(tl.float32) * tl.exp(b_gl - b_g)[:, None], 0.0).to(b_k.dtype)
             b_h *= tl.exp(b_gl)
         elif DECAY == 2:
-            b_g = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-            b_gl = tl.load(gc + (last.to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.0)
             b_k = tl.where(m_tk, b_k.to(tl.float32) * tl.exp(b_gl[None, :] - b_g), 0.0).to(b_k.dtype)
             b_h *= tl.exp(b_gl)[:, None]
         b_h += tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=PREC)
@@ -114,16 +164,9 @@ def chunk_bwd_dh(
     DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
     PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, eos, c0 = seq_bounds(cu, ccu, i_n, T, NT, IS_VARLEN)
-    nt = tl.cdiv(eos - bos, BT)
-    o_t = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_nh, i_h, bos, eos, c0, nt, o_k, o_v, m_kv, off_kv = walk_program(cu, ccu, T, NT, H, K, V, BT, BK, BV,
+                                                                       IS_VARLEN)
     m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    off_kv = o_k[:, None] * V + o_v[None, :]
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
@@ -131,23 +174,20 @@ def chunk_bwd_dh(
         i_t = nt - 1 - j
         tl.store(dh + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + off_kv, b_dh.to(dh.dtype.element_ty),
                  mask=m_kv)
-        tok = (bos + i_t * BT + o_t).to(tl.int64)
-        m_t = tok < eos
+        row, m_t, b_g, b_gl = walk_chunk(gc, bos, eos, i_t, i_h, o_k, H, K, BT, DECAY)
         m_tk = m_t[:, None] & m_k[None, :]
-        last = tl.minimum(bos + i_t * BT + BT, eos) - 1
-        row = tok * H + i_h
-        if DECAY == 1:
-            b_e = tl.exp(tl.load(gc + row, mask=m_t, other=0.0))[:, None]
-            b_dh *= tl.exp(tl.load(gc + last.to(tl.int64) * H + i_h))
+        if DECAY == 1:  # q decayed from the chunk start, the gradient across the chunk
+            b_e = tl.exp(b_g)[:, None]
+            b_dh *= tl.exp(b_gl)
         elif DECAY == 2:
-            b_e = tl.exp(tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0))
-            b_dh *= tl.exp(tl.load(gc + (last.to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.0))[:, None]
+            b_e = tl.exp(b_g)
+            b_dh *= tl.exp(b_gl)[:, None]
         for i_g in range(0, G):  # the query heads of this KV head
-            row_q = tok * (H * G) + i_h * G + i_g
+            row_q = (row - i_h) * G + i_h * G + i_g
             b_q = tl.load(q + row_q[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
             b_do = tl.load(do + row_q[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
             if DECAY != 0:
-                b_q = tl.where(m_tk, b_q.to(tl.float32) * b_e, 0.0).to(b_do.dtype)
-            b_dh += tl.dot(tl.trans(b_q.to(b_do.dtype)), b_do, input_precision=PREC)
+                b_q = tl.where(m_tk, b_q.to(tl.float32) * b_e, 0.0).to(b_q.dtype)
+            b_dh += tl.dot(tl.trans(b_q), b_do.to(b_q.dtype), input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + off_kv, b_dh, mask=m_kv)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ..triton_utils import autotune
 from ..utils import import_triton
-from .triton_chunk_h import chunk_bounds
+from .triton_chunk_h import chunk_bounds, chunk_rows, load_decays, load_state
 
 triton, tl = import_triton()
 
@@ -45,28 +45,25 @@ def chunk_fwd_o(
     DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, n = chunk_bounds(s_bos, s_n, i_c, T, NT, BT, IS_VARLEN)
+    n, row, m_t, row_last = chunk_rows(s_bos, s_n, i_c, i_h, T, NT, H, BT, IS_VARLEN)
     o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_t, m_k, m_v = o_t < n, o_k < K, o_v < V
-    m_tk = m_t[:, None] & m_k[None, :]
-    m_tv = m_t[:, None] & m_v[None, :]
-    tok = (bos + o_t).to(tl.int64)
-    row = tok * H + i_h
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
     b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_h = tl.load(h + (i_c * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=m_k[:, None] & m_v[None, :] & (o_k * 0 < n)[:, None], other=0.0).to(b_k.dtype)
+    b_h = load_state(h, i_c, i_h, n, o_k, o_v, H, K, V).to(b_k.dtype)
     causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    if DECAY == 1:
-        b_g = tl.load(gc + row, mask=m_t, other=0.0)
+    if DECAY != 0:
+        b_g, b_gl = load_decays(gc, row, row_last, m_t, n, o_k, K, DECAY)
+    if DECAY == 1:  # q decayed from the chunk start; the intra-chunk decays
         b_eq = tl.exp(b_g)[:, None]
         b_M = tl.where(causal, tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
     elif DECAY == 2:
-        b_eq = tl.exp(tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0))
+        b_eq = tl.exp(b_g)
     for i_g in range(0, G):
         hq = i_h * G + i_g
-        row_q = tok * (H * G) + hq
+        row_q = (row - i_h) * G + hq
         b_q = tl.load(q + row_q[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
         if DECAY == 2:
             b_qg = tl.where(m_tk, b_q.to(tl.float32) * b_eq, 0.0).to(b_q.dtype)
@@ -93,34 +90,26 @@ def chunk_bwd_dv(
     DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, n = chunk_bounds(s_bos, s_n, i_c, T, NT, BT, IS_VARLEN)
+    n, row, m_t, row_last = chunk_rows(s_bos, s_n, i_c, i_h, T, NT, H, BT, IS_VARLEN)
     o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_t, m_k, m_v = o_t < n, o_k < K, o_v < V
-    m_tk = m_t[:, None] & m_k[None, :]
-    m_tv = m_t[:, None] & m_v[None, :]
-    tok = (bos + o_t).to(tl.int64)
-    row = tok * H + i_h
-    last = (bos + tl.maximum(n, 1) - 1).to(tl.int64)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
     b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_dh = tl.load(dh + (i_c * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :],
-                   mask=m_k[:, None] & m_v[None, :] & (o_k * 0 < n)[:, None], other=0.0).to(b_k.dtype)
+    b_dh = load_state(dh, i_c, i_h, n, o_k, o_v, H, K, V).to(b_k.dtype)
     upper = (o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :]  # [s, t]: key s, query t >= s
+    b_kd = b_k  # k decayed to the chunk end
+    if DECAY != 0:
+        b_g, b_gl = load_decays(gc, row, row_last, m_t, n, o_k, K, DECAY)
     if DECAY == 1:
-        b_g = tl.load(gc + row, mask=m_t, other=0.0)
-        b_gl = tl.load(gc + last * H + i_h, mask=n > 0, other=0.0)
         b_kd = tl.where(m_tk, b_k.to(tl.float32) * tl.exp(b_gl - b_g)[:, None], 0.0).to(b_k.dtype)
         b_Mt = tl.where(upper, tl.exp(tl.where(upper, b_g[None, :] - b_g[:, None], 0.0)), 0.0)
     elif DECAY == 2:
-        b_g = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k & (o_k * 0 < n), other=0.0)
         b_kd = tl.where(m_tk, b_k.to(tl.float32) * tl.exp(b_gl[None, :] - b_g), 0.0).to(b_k.dtype)
-    else:
-        b_kd = b_k
     b_dv = tl.dot(b_kd, b_dh, input_precision=PREC)
     for i_g in range(0, G):
         hq = i_h * G + i_g
-        row_q = tok * (H * G) + hq
+        row_q = (row - i_h) * G + hq
         b_do = tl.load(do + row_q[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(b_k.dtype)
         if DECAY == 2:  # A^T [s, t]
             b_At = tl.load(A + (i_c * H * G + hq).to(tl.int64) * BT * BT + o_t[None, :] * BT + o_t[:, None],
@@ -144,26 +133,20 @@ def chunk_bwd_dqk(
     DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, n = chunk_bounds(s_bos, s_n, i_c, T, NT, BT, IS_VARLEN)
+    n, row, m_t, row_last = chunk_rows(s_bos, s_n, i_c, i_h, T, NT, H, BT, IS_VARLEN)
     o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    m_t, m_k = o_t < n, o_k < K
+    m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    tok = (bos + o_t).to(tl.int64)
-    row = tok * H + i_h
     off = row[:, None] * K + o_k[None, :]
-    last = (bos + tl.maximum(n, 1) - 1).to(tl.int64)
-    hbase = (i_c * H + i_h).to(tl.int64) * K * V
     b_k = tl.load(k + off, mask=m_tk, other=0.0)
     causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    if DECAY != 0:
+        b_g, b_gl = load_decays(gc, row, row_last, m_t, n, o_k, K, DECAY)
     if DECAY == 1:
-        b_g = tl.load(gc + row, mask=m_t, other=0.0)
-        b_gl = tl.load(gc + last * H + i_h, mask=n > 0, other=0.0)
         b_M = tl.where(causal, tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
         b_eq = tl.exp(b_g)[:, None]
         b_ek = tl.where(m_t, tl.exp(b_gl - b_g), 0.0)[:, None]
     elif DECAY == 2:
-        b_g = tl.load(gc + off, mask=m_tk, other=0.0)
-        b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k & (o_k * 0 < n), other=0.0)
         b_eq = tl.exp(b_g)
         b_ek = tl.where(m_tk, tl.exp(b_gl[None, :] - b_g), 0.0)
     # the state's gradient in dk (v_s dh^T, decayed to the chunk end) and <h, dh> per key dim
@@ -171,13 +154,11 @@ def chunk_bwd_dqk(
     b_hdh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_kv = m_k[:, None] & m_v[None, :] & (o_k * 0 < n)[:, None]
-        b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_dh = tl.load(dh + hbase + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & (o_v < V)[None, :], other=0.0)
+        b_dh = load_state(dh, i_c, i_h, n, o_k, o_v, H, K, V)
         b_dkh += tl.dot(b_v.to(b_k.dtype), tl.trans(b_dh.to(b_k.dtype)), input_precision=PREC)
         if DECAY != 0:
-            b_h = tl.load(h + hbase + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+            b_h = load_state(h, i_c, i_h, n, o_k, o_v, H, K, V)
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
     if DECAY != 0:
         b_dkh = b_dkh * b_ek
@@ -187,7 +168,7 @@ def chunk_bwd_dqk(
     b_qdq = tl.zeros([BT, BK], dtype=tl.float32)  # q * dq (DECAY 2, G = 1)
     b_qdq_t = tl.zeros([BT], dtype=tl.float32)  # sum over the query heads and key dims of q * dq (DECAY 1)
     for i_g in range(0, G):
-        row_q = tok * (H * G) + i_h * G + i_g
+        row_q = (row - i_h) * G + i_h * G + i_g
         off_q = row_q[:, None] * K + o_k[None, :]
         b_q = tl.load(q + off_q, mask=m_tk, other=0.0)
         b_dqh = tl.zeros([BT, BK], dtype=tl.float32)
@@ -197,8 +178,7 @@ def chunk_bwd_dqk(
             m_v = o_v < V
             m_tv = m_t[:, None] & m_v[None, :]
             b_do = tl.load(do + row_q[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(b_q.dtype)
-            b_h = tl.load(h + hbase + o_k[:, None] * V + o_v[None, :],
-                          mask=m_k[:, None] & m_v[None, :] & (o_k * 0 < n)[:, None], other=0.0)
+            b_h = load_state(h, i_c, i_h, n, o_k, o_v, H, K, V)
             b_dqh += tl.dot(b_do, tl.trans(b_h.to(b_q.dtype)), input_precision=PREC)
             if DECAY != 2:
                 b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(b_q.dtype)
