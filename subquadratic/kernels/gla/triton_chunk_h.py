@@ -18,7 +18,9 @@ the state across the chunk.
 
 Sequences: packed tokens [M, heads, dim]; dense inputs (IS_VARLEN False) are B sequences of T
 tokens (chunk c = (b, c % NT)), varlen ones are cut by `cu` [N + 1] with `ccu` [N + 1] the first
-chunk of each sequence (`seq_bounds`, `chunk_bounds`: no host synchronisation either way).
+chunk of each sequence (`seq_bounds`, `chunk_bounds`: no host synchronisation either way). The jit
+helpers here (`chunk_rows`, `load_decays`, `load_state`, `walk_program`, `walk_chunk`) are the
+pieces the walks and the output kernels of `triton_chunk_o.py` share.
 """
 
 from __future__ import annotations
