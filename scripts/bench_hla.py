@@ -28,8 +28,9 @@ import torch.nn.functional as Fn
 import triton
 from _bench import bench, crossover
 
+from subquadratic.kernels.gla.triton_chunk import chunk_linear_attention
 from subquadratic.kernels.hla import hla_recurrent
-from subquadratic.kernels.hla.triton_chunk import hla_chunked_triton, linear_attention
+from subquadratic.kernels.hla.triton_chunk import hla_chunked_triton
 from subquadratic.kernels.hla.triton_fused_recurrent import hla_recurrent_triton
 
 
@@ -64,53 +65,6 @@ def fwdbwd_fn(fn, T, **kw):
     return run
 
 
-def breakdown(T, B=1, H=16, D=128):
-    """Per-kernel times of one linear-attention stage (B1 H16 d128) under a few launch settings."""
-    from subquadratic.kernels.hla import triton_chunk as tc
-
-    q, k, v, la = inputs(T, B, H, D)
-    do = torch.randn_like(v)
-    C = 64
-    g, N = tc._local_cumsum(la, C)
-    h, _ = tc._states(k, v, g, None, N, C, True, q.dtype)
-    o = torch.empty_like(v)
-    dh = torch.empty_like(h)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dg = torch.empty(B, H, N * C, device="cuda")
-    K = V = D
-    res = {}
-
-    def t(name, fn):
-        try:
-            res[name] = bench(fn)
-        except Exception as e:
-            res[name] = float("nan")
-            print(f"{name}: {e!r}", file=sys.stderr)
-        print(f"  {name:40} {res[name]:.4f} ms", flush=True)
-
-    print(f"breakdown T={T}:")
-    t("local_cumsum", lambda: tc._local_cumsum(la, C))
-    for kern, args in (
-        ("fwd_h", (k, v, g, h, None, None, T, H, K, V, N, C, False, False, "tf32")),
-        ("fwd_o", (q, k, v, g, h, o, T, H, K, V, N, C, 128, "tf32")),
-        ("bwd_dh", (q, do, g, dh, None, None, T, H, K, V, N, C, False, False, "tf32")),
-        ("bwd_dqkv", (q, k, v, g, h, do, dh, dq, dk, dv, dg, T, H, K, V, N, C, 128, "tf32")),
-    ):
-        kernel = getattr(tc, "_" + kern)
-        kind = {"fwd_h": "h", "bwd_dh": "h", "fwd_o": "o", "bwd_dqkv": "dqkv"}[kern]
-        for bk, bv, w, s in tc._CONFIGS[kind]:
-            meta = {"BV": bv} if bk is None else {"BK": bk, "BV": bv}
-            if kind == "h":
-                grid = (K // bk, V // bv, B * H)
-            elif kind == "o":
-                grid = (V // bv, N, B * H)
-            else:
-                grid = (N, B * H)
-            t(f"{kern} BK{bk} BV{bv} w{w} s{s}", lambda kernel=kernel, grid=grid, args=args, meta=meta, w=w, s=s:
-              kernel.fn[grid](*args, **meta, num_warps=w, num_stages=s))
-    return res
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -118,7 +72,6 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=64, help="chunk of our kernels (a power of two >= 16)")
     ap.add_argument("--crossover", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768],
                     help="lengths at which hla2 is timed against SDPA flash (none: skip)")
-    ap.add_argument("--breakdown", action="store_true", help="per-kernel times and launch settings of one stage")
     args = ap.parse_args()
     try:
         from fla.ops.gla import chunk_gla
@@ -133,7 +86,7 @@ def main() -> None:
         return chunk_gla(q, k, v, g=la[..., None].expand_as(k))
 
     def la_stage(q, k, v, la, chunk_size=64):
-        return linear_attention(q, k, v, la, chunk_size=chunk_size)
+        return chunk_linear_attention(q, k, v, la, chunk_size=chunk_size)
 
     main_cases = [  # id, what, peer, ours, kwargs of ours, backward
         ("P4", "hla2 fwd", simple_gla, hla_chunked_triton, {}, False),
@@ -194,8 +147,6 @@ def main() -> None:
         def hla2(T, bwd):
             return (fwdbwd_fn if bwd else fwd_fn)(hla_chunked_triton, T, chunk_size=args.chunk)
         rows += crossover("hla2", hla2, args.crossover)
-    if args.breakdown:
-        breakdown(T0)
     for _, what, peer, ours, kw, bwd in extra_cases:
         o = measure(ours, T0, bwd, **kw)
         p = peer_t.get(peer, float("nan"))

@@ -128,12 +128,12 @@ def breakdown(Tq, S, B, HQ=32, H=8, D=128, bs=64, top=16) -> dict[str, float]:
     idx = select_indices(q, stats, qpos, params, matmul=many)
     G = HQ // H
     qh = q.transpose(1, 2)  # [B, HQ, Tq, D] view, the sparse kernels' operand
-    phiq = feature_map(qh).reshape(B, H, G, Tq, D)
+    phiq_t = feature_map(q).to(dt)  # [B, Tq, HQ, D]
     out = {
         "slot_offsets": bench(lambda: slot_offsets(pos)),
         "selection (scores + group top-k kernel)": bench(lambda: select_indices(q, stats, qpos, params, matmul=many)),
-        "causal linear term": bench(lambda: causal_linear_term(
-            phiq, feature_map(k[:, :, S - Tq:]), v[:, :, S - Tq:].float(), sbar, qpos >= 0, chunk=min(64, Tq))),
+        "causal linear term": bench(lambda: causal_linear_term(  # as the Triton path calls it: phi in q's dtype
+            phiq_t, feature_map(kt[:, S - Tq:]).to(dt), vt[:, S - Tq:], sbar, qpos >= 0, "ieee")),
         "whole call": bench(lambda: spla_attention(q, kt, vt, qpos, pos, stats, sbar, params, plan=plan,
                                                    k_offsets=koff)),
     }

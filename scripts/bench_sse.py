@@ -22,8 +22,8 @@ import torch.nn.functional as Fn
 import triton
 from _bench import bench, crossover
 
+from subquadratic.kernels.gla.triton_chunk import gla_varlen_triton
 from subquadratic.kernels.sse import SSEState, router_topk, sse_recurrent, sse_varlen
-from subquadratic.kernels.sse.triton_gla import gla_varlen_triton
 from subquadratic.kernels.sse.triton_sse import sse_decode_triton, sse_triton
 
 N_PARTS, TOPK = 4, 1

@@ -3,7 +3,7 @@ variable-length chunked forms). Used by SSE (`kernels/sse`) as one of its bases.
 
 from __future__ import annotations
 
-from .chunk import gdn_chunked, gdn_varlen
+from .chunk import gdn_chunk_terms, gdn_chunked, gdn_varlen
 from .recurrent import gdn_recurrent, gdn_step
 
-__all__ = ["gdn_chunked", "gdn_recurrent", "gdn_step", "gdn_varlen"]
+__all__ = ["gdn_chunk_terms", "gdn_chunked", "gdn_recurrent", "gdn_step", "gdn_varlen"]

@@ -19,8 +19,10 @@ from torch import Tensor
 from ..linear_common import check_dense, dense, suffix_sum, varlen
 
 
-def _gdn_chunk_terms(q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, beta: Tensor):
-    """q, k: [Nc, H, C, Dk], v: [Nc, H, C, Dv], log_alpha, beta: [Nc, H, C]."""
+def gdn_chunk_terms(q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, beta: Tensor):
+    """The chunk terms (trans, inject, out) of the gated delta rule for `linear_common`'s carry
+    (SSE's fixed-shape segments use them too). q, k: [Nc, H, C, Dk], v: [Nc, H, C, Dv],
+    log_alpha, beta: [Nc, H, C]."""
     C = q.shape[2]
     b = log_alpha.cumsum(2)                               # [Nc, H, C]
     b_last = b[:, :, -1]                                  # [Nc, H]
@@ -55,7 +57,7 @@ def gdn_varlen(q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, beta: Tensor,
                chunk_size: int = 64) -> tuple[Tensor, Tensor]:
     """Chunked gated delta rule over packed variable-length segments.
     q, k: [M, H, Dk], v: [M, H, Dv], log_alpha, beta: [M, H]; otherwise as `gla_varlen`."""
-    return varlen(_gdn_chunk_terms, q, k, v, (log_alpha, beta), cu_seqlens, initial_state,
+    return varlen(gdn_chunk_terms, q, k, v, (log_alpha, beta), cu_seqlens, initial_state,
                    chunk_size)
 
 
@@ -64,4 +66,4 @@ def gdn_chunked(q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, beta: Tensor
     """Chunked (WY / UT-transform) gated delta rule, equal to `gdn_recurrent` up to
     rounding. q, k: [B, T, H, Dk], v: [B, T, H, Dv], log_alpha, beta: [B, T, H]."""
     check_dense(q, k, v, log_alpha, beta, state, "log_alpha", per_key=False)
-    return dense(_gdn_chunk_terms, q, k, v, (log_alpha, beta), state, chunk_size)
+    return dense(gdn_chunk_terms, q, k, v, (log_alpha, beta), state, chunk_size)

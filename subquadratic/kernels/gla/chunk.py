@@ -62,8 +62,9 @@ def _gla_intra_scores(q: Tensor, k: Tensor, g: Tensor, c: int) -> Tensor:
     return A.reshape(Nc, H, C, C)
 
 
-def _gla_chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor):
-    """q, k, g: [Nc, H, C, Dk], v: [Nc, H, C, Dv]."""
+def gla_chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor):
+    """The chunk terms (trans, inject, out) of GLA for `linear_common`'s carry (SSE's fixed-shape
+    segments use them too). q, k, g: [Nc, H, C, Dk], v: [Nc, H, C, Dv]."""
     C = q.shape[2]
     b = g.cumsum(2)                                       # [Nc, H, C, Dk], <= 0
     c = _SUB_CHUNK if C % _SUB_CHUNK == 0 else C
@@ -90,7 +91,7 @@ def gla_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, cu_seqlens: Tensor
     (empty segments allowed: their state passes through); initial_state:
     [S, H, Dk, Dv]. Returns (o [M, H, Dv] in q.dtype, final states [S, H, Dk, Dv]).
     """
-    return varlen(_gla_chunk_terms, q, k, v, (g,), cu_seqlens, initial_state, chunk_size)
+    return varlen(gla_chunk_terms, q, k, v, (g,), cu_seqlens, initial_state, chunk_size)
 
 
 def gla_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, state: Tensor | None = None,
@@ -98,4 +99,4 @@ def gla_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, state: Tensor | None
     """Chunked GLA, equal to `gla_recurrent` up to rounding (any T, any chunk_size).
     q, k, g: [B, T, H, Dk], v: [B, T, H, Dv], state: [B, H, Dk, Dv]."""
     check_dense(q, k, v, g, None, state, "g", per_key=True)
-    return dense(_gla_chunk_terms, q, k, v, (g,), state, chunk_size)
+    return dense(gla_chunk_terms, q, k, v, (g,), state, chunk_size)

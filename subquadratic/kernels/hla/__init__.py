@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..triton_utils import TRITON_DTYPES
 from ..utils import resolve_backend
 from .chunk import hla_chunked
 from .naive import hla_naive
@@ -21,11 +22,6 @@ from .recurrent import HLAState, clamp_signed, hla_recurrent
 
 __all__ = ["HLAState", "clamp_signed", "hla_attention", "hla_chunked", "hla_naive", "hla_recurrent", "hla_triton",
            "triton_unsupported"]
-
-#: Input dtypes the Triton kernels take (the same as `triton_chunk.DTYPES`, kept here so that the
-#: dispatch does not import Triton).
-TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 def _needs_grad(q, k, v, log_alpha, state) -> bool:
     tensors = [q, k, v, log_alpha] + ([] if state is None else [x for x in vars(state).values() if x is not None])

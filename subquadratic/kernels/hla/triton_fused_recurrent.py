@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..triton_utils import TRITON_DTYPES as DTYPES
+from ..triton_utils import block_size
 from ..utils import import_triton, new_output
 from .recurrent import HLAState, check_inputs, init_state
-from .triton_chunk import DTYPES, _p2
 
 triton, tl = import_triton()
 
@@ -145,7 +146,7 @@ def hla_recurrent_triton(
     S0, F0 = st.S.contiguous(), st.F.contiguous()
     o = new((B, T, H, Dv), q.device, q.dtype)
     S1, F1 = new(S0.shape, q.device), new(F0.shape, q.device)
-    BK, BV = _p2(D, 1), min(BV_DECODE, _p2(Dv, 1))
+    BK, BV = block_size(D, 1), min(BV_DECODE, block_size(Dv, 1))
     grid = (triton.cdiv(Dv, BV), B * H)
     E0 = st.eta.contiguous() if normalize else None
     E1 = new(E0.shape, q.device) if normalize else None

@@ -11,9 +11,9 @@ batch x KV head, split): the G query heads of the group are the rows of one tile
 the online softmax of the sparse branch and, on the same K/V tiles, the correction
 otilde = sum_{selected j} (phi(q).phi(k_j)) v_j of the residual term. Unselected blocks are never
 read. Short query chunks split the selected blocks over several programs (split-K) and merge the
-partial softmax states afterwards. The global causal linear term phi(q)^T Sbar_t is chunked PyTorch
-matmuls (`causal_linear_term`), differentiated by autograd; the sparse branch's backward is
-`triton_parallel_bwd`.
+partial softmax states afterwards. The global causal linear term phi(q)^T Sbar_t runs on the chunked
+linear-attention kernels of `kernels/gla` (`causal_linear_term`, forward and backward); the sparse
+branch's backward is `triton_parallel_bwd`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from ..gla.triton_chunk import chunk_linear_attention
 from ..utils import acc_dtype, import_triton, new_output
 from .plan import SPLAParams, SPLAPlan
 from .stats import BlockStats, feature_map, new_tokens
@@ -79,28 +80,15 @@ def spla_sparse_kernel(
         tl.store(O_TIL + out_row[:, None] * D + d[None, :], ot, mask=row_ok[:, None])
 
 
-def causal_linear_term(phiq, phik, v, sbar, valid, chunk: int = 64):
-    """phi(q_t)^T (Sbar + sum_{new j <= t} phi(k_j) v_j^T) for the new tokens, chunked; returns (o, new Sbar).
-    phiq: [B, H, G, T, D], phik, v: [B, H, T, D] (fp32), valid: [B, T]."""
-    B, H, G, T, D = phiq.shape
-    phik = phik * valid[:, None, :, None]
-    n = -(-T // chunk)
-    pad = n * chunk - T
-    if pad:
-        phiq = torch.nn.functional.pad(phiq, (0, 0, 0, pad))
-        phik = torch.nn.functional.pad(phik, (0, 0, 0, pad))
-        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
-    qc = phiq.view(B, H, G, n, chunk, D)
-    kc = phik.view(B, H, n, chunk, D)
-    vc = v.view(B, H, n, chunk, D)
-    kv = torch.einsum("bhncd,bhnce->bhnde", kc, vc)  # per-chunk sums
-    states = torch.cumsum(kv, dim=2) - kv + sbar[:, :, None]  # state before each chunk
-    inter = torch.einsum("bhgncd,bhnde->bhgnce", qc, states)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
-    a = torch.einsum("bhgncd,bhnsd->bhgncs", qc, kc) * causal
-    intra = torch.einsum("bhgncs,bhnse->bhgnce", a, vc)
-    o = (inter + intra).reshape(B, H, G, n * chunk, D)[..., :T, :]
-    return o, sbar + kv.sum(2)
+def causal_linear_term(phiq, phik, v, sbar, valid, precision=None):
+    """phi(q_t)^T (Sbar + sum_{new j <= t} phi(k_j) v_j^T) for the new tokens on the chunked kernels of
+    `kernels/gla` (the chunk states once per KV head, read by its G query heads); returns (o [B, T, HQ, D]
+    fp32, new Sbar). phiq: [B, T, HQ, D], phik, v: [B, T, H, D] of one dtype (fp64 runs in fp32), valid:
+    [B, T] (padding writes nothing); `precision` for fp32: "tf32" (default) or "ieee"."""
+    dt = torch.float32 if phiq.dtype == torch.float64 else phiq.dtype
+    o, s = chunk_linear_attention(phiq.to(dt), phik.to(dt) * valid[..., None, None], v.to(dt), initial_state=sbar,
+                                  precision=precision or "tf32", out_dtype=torch.float32)
+    return o, s.to(sbar.dtype)
 
 
 def sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1, phik=None):
@@ -198,16 +186,15 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     o_sp = o_sp * q_ok  # [B, Tq, HQ, D]
     out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
     acc = acc_dtype(sbar)
-    k_new, v_new = (x.transpose(1, 2) for x in new_tokens(k, v, Tq, new_kv))  # [B, H, Tq, D]
+    k_tok, v_tok = new_tokens(k, v, Tq, new_kv)  # [B, Tq, H, D]
     if not use_rla:
+        k_new, v_new = (x.transpose(1, 2) for x in (k_tok, v_tok))  # [B, H, Tq, D]
         kv_new = torch.einsum("bhsd,bhse->bhde", feature_map(k_new).to(acc) * (q_pos >= 0)[:, None, :, None],
                               v_new.to(acc))
         return o_sp.to(out_dtype), None, sbar + kv_new
-    phiq = feature_map(qv).to(acc).reshape(B, H, G, Tq, D)
-    o_lin, sbar_new = causal_linear_term(
-        phiq, feature_map(k_new).to(acc), v_new.to(acc), sbar.to(acc), q_pos >= 0, chunk=min(64, Tq),
-    )
-    o_rla = o_lin.reshape(B, HQ, Tq, D).transpose(1, 2) - otilde.to(acc)  # [B, Tq, HQ, D]
+    o_lin, sbar_new = causal_linear_term(  # the kernels' dtype: q's (fp32 exact, as the sparse kernels)
+        feature_map(q).to(kq.dtype), feature_map(k_tok).to(kq.dtype), v_tok, sbar.to(acc), q_pos >= 0, "ieee")
+    o_rla = o_lin - otilde.to(acc)  # [B, Tq, HQ, D]
     # every causal key selected -> the residual term is exactly zero (not a cancellation)
     start = idx.long() * block_size  # [B, Tq, H, K]
     tp = q_pos[:, :, None, None].long()

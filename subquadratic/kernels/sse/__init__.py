@@ -5,9 +5,9 @@ Forms: `recurrent.sse_recurrent` (the serial oracle and the decode step: only th
 partitions are read and written), `masked.sse_masked` ((N+1)-heads form, a second reference),
 `varlen.sse_varlen` (sorted variable-length form); `router.py` holds the router (`router_topk`) and
 the load-balancing loss (`sse_aux_loss`). Triton (CUDA, GLA base): `triton_sse.sse_triton` (the
-sorted variable-length form on the varlen chunked GLA kernels of `triton_gla.py`, fixed shapes, no
-host synchronisation) and `triton_sse.sse_decode_triton` (one token, only the selected partitions
-read and written). Model code calls one dispatch function, `sse_attention`.
+sorted variable-length form on the varlen chunked GLA kernels of `gla/triton_chunk.py`, fixed
+shapes, no host synchronisation) and `triton_sse.sse_decode_triton` (one token, only the selected
+partitions read and written). Model code calls one dispatch function, `sse_attention`.
 """
 
 from __future__ import annotations

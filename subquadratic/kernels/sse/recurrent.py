@@ -48,10 +48,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..gated_delta import gdn_chunked, gdn_step, gdn_varlen
-from ..gated_delta.chunk import _gdn_chunk_terms
-from ..gla import gla_chunked, gla_step, gla_varlen
-from ..gla.chunk import _gla_chunk_terms
+from ..gated_delta import gdn_chunk_terms, gdn_chunked, gdn_step, gdn_varlen
+from ..gla import gla_chunk_terms, gla_chunked, gla_step, gla_varlen
 from ..utils import acc_dtype
 
 
@@ -81,8 +79,8 @@ class _Base:
 
 
 _BASES = {
-    "gla": _Base(gla_step, gla_chunked, gla_varlen, _gla_chunk_terms, per_key_decay=True, needs_beta=False),
-    "gdn": _Base(gdn_step, gdn_chunked, gdn_varlen, _gdn_chunk_terms, per_key_decay=False, needs_beta=True),
+    "gla": _Base(gla_step, gla_chunked, gla_varlen, gla_chunk_terms, per_key_decay=True, needs_beta=False),
+    "gdn": _Base(gdn_step, gdn_chunked, gdn_varlen, gdn_chunk_terms, per_key_decay=False, needs_beta=True),
 }
 
 

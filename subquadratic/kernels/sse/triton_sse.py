@@ -9,7 +9,7 @@
    cu[b * N + i] + (number of earlier selected tokens of that segment), an exclusive cumulative sum
    of `sel` along time. Rows left over (tokens with fewer than `topk` selections, i.e. padding) form
    one trailing "trash" segment with zero key, query and decay: it reads and writes nothing.
-2. Two calls of the varlen GLA op (`triton_gla.gla_varlen_triton`): the B shared segments (a plain
+2. Two calls of the varlen GLA op (`gla.triton_chunk.gla_varlen_triton`): the B shared segments (a plain
    GLA over each row on (q1, k1, v, g1), read where they are) and the B * N partition segments on
    the gathered (p q2, p k2, v, g2) plus the trash segment; initial states are the SSE states,
    final states come back as the new ones (a partition with no token keeps its state exactly).
@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..gla.triton_chunk import gla_varlen_triton
 from ..utils import import_triton, new_output
 from .recurrent import SSEState, setup
-from .triton_gla import gla_varlen_triton
 
 triton, tl = import_triton()
 

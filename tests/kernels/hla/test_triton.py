@@ -14,6 +14,7 @@ import torch.nn.functional as Fn
 
 # tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported
 pytest.importorskip("triton")
+from subquadratic.kernels.gla import triton_chunk as gla_triton_chunk  # noqa: E402
 from subquadratic.kernels.hla import (  # noqa: E402
     HLAState,
     hla_attention,
@@ -106,8 +107,8 @@ CASES = [  # variant, normalize, with_state, D, Dv, small blocks
 @pytest.mark.parametrize("variant,normalize,with_state,D,Dv,small", CASES)
 def test_chunked_values_and_grads(monkeypatch, kernel_calls, variant, normalize, with_state, D, Dv, small):
     if small:  # several K and V blocks per head in every kernel
-        for name in ("BK_H", "BV_H", "BV_O", "BV_DQKV"):
-            monkeypatch.setattr(triton_chunk, name, 16)
+        for name in ("BK_H", "BV_H", "BV_O", "BV_DQK"):
+            monkeypatch.setattr(gla_triton_chunk, name, 16)
     inputs, st = make(2, 40, 2, D, Dv, variant=variant, normalize=normalize, with_state=with_state,
                       positive=normalize, seed=D + 3 * normalize + 7 * (variant == "ahla"))
     kw = {"chunk_size": 16, "variant": variant, "normalize": normalize}

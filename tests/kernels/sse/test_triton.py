@@ -1,8 +1,7 @@
-"""SSE Triton kernels vs the fp64 PyTorch oracles: the varlen chunked GLA op (values and gradients
-of q, k, v, g and the initial states, empty segments, T not a multiple of the chunk, strong decays),
-the SSE op (`sse_triton` vs `sse_recurrent`, K = 1 and 2, padded tokens, gradients through the
-router probs, gates and states) and the decode kernel (vs `sse_recurrent`, untouched partitions
-bit-identical). Kernel outputs start as NaN, so anything left unwritten fails. On CPU it runs
+"""SSE Triton kernels vs the fp64 PyTorch oracles: the SSE op (`sse_triton` vs `sse_recurrent`, K = 1
+and 2, padded tokens, gradients through the router probs, gates and states; the varlen GLA kernels
+it calls have their tests in tests/kernels/gla) and the decode kernel (vs `sse_recurrent`,
+untouched partitions bit-identical). Kernel outputs start as NaN, so anything left unwritten fails. On CPU it runs
 under TRITON_INTERPRET=1 at small shapes; on CUDA the `gpu` tests run bf16 at real shapes."""
 
 from __future__ import annotations
@@ -13,9 +12,7 @@ import torch.nn.functional as Fn
 
 # tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported
 pytest.importorskip("triton")
-from subquadratic.kernels.gla import gla_recurrent, gla_varlen  # noqa: E402
 from subquadratic.kernels.sse import SSEState, router_topk, sse_attention, sse_recurrent, sse_varlen  # noqa: E402
-from subquadratic.kernels.sse.triton_gla import gla_varlen_triton  # noqa: E402
 from subquadratic.kernels.sse.triton_sse import sse_decode_triton, sse_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,59 +29,6 @@ def randn(gen, *shape):
 def loss_of(outs):
     g = torch.Generator().manual_seed(123)
     return sum((y.double() * torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device)).sum() for y in outs)
-
-
-# ---------------------------------------------------------------------------
-# varlen GLA
-# ---------------------------------------------------------------------------
-
-
-def gla_inputs(lens, H, K, V, shift, seed):
-    gen = torch.Generator().manual_seed(seed)
-    M, S = sum(lens), len(lens)
-    q, k, v = randn(gen, M, H, K), randn(gen, M, H, K) / K**0.5, randn(gen, M, H, V)
-    g = Fn.logsigmoid(randn(gen, M, H, K) + shift)   # shift -5: log alpha ~ -5 per token
-    h0 = randn(gen, S, H, K, V)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    return (q, k, v, g, h0), cu
-
-
-def gla_oracle(q, k, v, g, h0, cu):
-    os, hs = [], []
-    for s in range(cu.numel() - 1):
-        a, b = int(cu[s]), int(cu[s + 1])
-        hs0 = None if h0 is None else h0[s:s + 1]
-        o, h = gla_recurrent(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b], hs0)
-        os.append(o[0])
-        hs.append(h)
-    return torch.cat(os), torch.cat(hs)
-
-
-def run_gla(fn, inputs, dtype, with_state):
-    xs = [x.detach().to(DEV, dtype).clone().requires_grad_() for x in inputs]
-    if not with_state:
-        xs[4] = None
-    o, h = fn(*xs)
-    loss_of([o, h]).backward()
-    return [o, h], [x.grad for x in xs if x is not None]
-
-
-@pytest.mark.parametrize("lens,chunk,shift,with_state", [
-    ([0, 37, 5, 16, 0], 16, 1.0, True),     # empty segments, one sub-chunk per chunk
-    ([45, 0, 33, 7], 32, -5.0, True),       # two sub-chunks, strong decay
-    ([21, 3], 32, 0.0, False),              # zero initial states
-])
-def test_gla_varlen_values_and_grads(lens, chunk, shift, with_state):
-    inputs, cu = gla_inputs(lens, 2, 16, 32, shift, seed=len(lens) + chunk)
-    ref_o, ref_g = run_gla(lambda *x: gla_oracle(*x, cu), inputs, torch.float64, with_state)
-    cud = cu.to(DEV)
-    got_o, got_g = run_gla(lambda q, k, v, g, h0: gla_varlen_triton(q, k, v, g, cu_seqlens=cud, initial_state=h0,
-                                                                    chunk_size=chunk),
-                           inputs, torch.float32, with_state)
-    for i, (a, b) in enumerate(zip(got_o, ref_o, strict=True)):
-        assert torch.isfinite(a).all() and rel(a, b) <= 1e-4, f"output {i}: {rel(a, b):.2e}"
-    for i, (a, b) in enumerate(zip(got_g, ref_g, strict=True)):
-        assert torch.isfinite(a).all() and rel(a, b) <= 1e-4, f"grad {i}: {rel(a, b):.2e}"
 
 
 # ---------------------------------------------------------------------------
@@ -175,29 +119,6 @@ def test_decode_matches_recurrence(inplace):
 # ---------------------------------------------------------------------------
 # GPU: real shapes in bf16
 # ---------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
-@pytest.mark.parametrize("D", [64, 128])
-def test_gpu_gla_varlen_bf16(D):
-    """bf16 varlen GLA at T ~ 4096 (five segments, one empty) against the fp32 PyTorch chunked form
-    on the same bf16-rounded inputs; values and gradients within 1e-2."""
-    lens = [1500, 0, 2048, 77, 471]
-    inputs, cu = gla_inputs(lens, 4, D, D, 3.0, seed=D)
-    q, k, v, g, h0 = inputs
-    q, k = Fn.normalize(q, dim=-1), Fn.normalize(k, dim=-1)
-    inputs = [q.bfloat16(), k.bfloat16(), v.bfloat16(), g.float(), h0.float()]
-    cud = cu.to(DEV)
-    ref_o, ref_g = run_gla(lambda q, k, v, g, h0: gla_varlen(q, k, v, g, cu_seqlens=cud, initial_state=h0),
-                           [x.float() for x in inputs], torch.float32, True)
-    xs = [x.detach().to(DEV).clone().requires_grad_() for x in inputs]
-    o, h = gla_varlen_triton(*xs[:4], cu_seqlens=cud, initial_state=xs[4], chunk_size=64)
-    loss_of([o, h]).backward()
-    for i, (a, b) in enumerate(zip([o, h], ref_o, strict=True)):
-        assert rel(a, b) <= 1e-2, f"output {i}: {rel(a, b):.2e}"
-    for i, (a, b) in enumerate(zip([x.grad for x in xs], ref_g, strict=True)):
-        assert rel(a, b) <= 1e-2, f"grad {i}: {rel(a, b):.2e}"
 
 
 @pytest.mark.gpu

@@ -1,0 +1,283 @@
+"""Chunked linear attention on Triton, forward and backward: one kernel family for every decay kind.
+
+    S_t = decay_t S_{t-1} + k_t^T v_t,    o_t = q_t S_t                  (per sequence, from S_0)
+
+decay_t: none (SPLA's causal linear term), exp(g_t) per (token, KV head) (HLA's two stages, "simple
+GLA"), or diag(exp g_t) per key dim (GLA, SSE's branches). `chunk_linear_attention` is the op
+(dense [B, T, heads, dim] or packed variable-length [M, heads, dim] with cu_seqlens; GQA: query
+head j reads KV head j // G); `gla_varlen_triton` keeps SSE's varlen GLA contract on it.
+
+Kernels, chunk C (a power of two >= 16, 64 at most with per-key decay; 64 is the fast one):
+  `chunk_cumsum`   the in-chunk cumulative sum gc of the log decays (here);
+  `triton_chunk_h` `chunk_fwd_h` the state walk (the state before every chunk, the final state) and
+                   its backward `chunk_bwd_dh`;
+  `triton_chunk_o` `chunk_fwd_o` o = (q decay) h_c + A v, and its backward `chunk_bwd_dv`,
+                   `chunk_bwd_dqk` (dq, dk and the decays' gradient); per-key decay adds the
+                   intra-chunk scores by sub-chunks (`intra_fwd`, `intra_bwd_dA`, `intra_bwd`).
+Forward: cumsum, walk, (intra,) output; backward: walk again (h is recomputed, not kept), reverse
+walk, (intra,) dv, dq/dk/dg. Dense inputs need no chunk table; variable-length ones a device-side
+table of fixed size (`chunk_table`): no host synchronisation on any path, every grid from shapes.
+The states h are stored in the input dtype (fp32 for fp32 inputs) and accumulated in fp32; the
+dots take the input dtype with fp32 accumulation (`precision` for fp32 operands: "ieee" exact,
+"tf32" on the tensor cores; `triton_utils.dot_precision`). On the GPU every kernel but the
+per-key intra ones is autotuned once per (K, V, chunk, G, decay kind, precision).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..triton_utils import TRITON_DTYPES, block_size, dot_precision, launch
+from ..utils import import_triton, new_output
+from .triton_chunk_h import chunk_bounds, chunk_bwd_dh, chunk_fwd_h
+from .triton_chunk_o import BC, chunk_bwd_dqk, chunk_bwd_dv, chunk_fwd_o, intra_bwd, intra_bwd_dA, intra_fwd
+
+triton, tl = import_triton()
+
+#: Launch settings under the interpreter (on the GPU the kernels are autotuned): blocks along K / V
+#: of the walks, along V of the output and backward kernels; warps.
+BK_H = 64
+BV_H = 64
+BV_O = 64
+BV_DQK = 64
+WARPS = 4
+WARPS_WIDE = 8  # kernels holding several [chunk, K] fp32 tiles
+
+DECAY_KINDS = ("none", "head", "key")
+
+
+@triton.jit
+def chunk_cumsum(
+    g, gc, s_bos, s_n, T, NT,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """gc = in-chunk cumulative sum of g [M, H, K] (K = 1: one decay per token and head); one
+    program per (chunk, head)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, n = chunk_bounds(s_bos, s_n, i_c, T, NT, BT, IS_VARLEN)
+    o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    m = (o_t < n)[:, None] & (o_k < K)[None, :]
+    off = ((bos + o_t).to(tl.int64) * H + i_h)[:, None] * K + o_k[None, :]
+    b_g = tl.load(g + off, mask=m, other=0.0)
+    tl.store(gc + off, tl.cumsum(b_g, 0), mask=m)
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Where the chunks are: C tokens each, NC of them (slots) over N sequences; dense: N = B
+    sequences of T tokens (NT chunks each); varlen: cu [N + 1], ccu [N + 1] (first chunk of each
+    sequence), and per chunk slot its first token `bos` and valid tokens `n` [NC] (0: unused)."""
+
+    C: int
+    N: int
+    NC: int
+    T: int = 0
+    NT: int = 0
+    cu: Tensor | None = None
+    ccu: Tensor | None = None
+    bos: Tensor | None = None
+    n: Tensor | None = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu is not None
+
+    def seq_args(self) -> tuple:
+        return self.cu, self.ccu, self.T, self.NT
+
+    def chunk_args(self) -> tuple:
+        return self.bos, self.n, self.T, self.NT
+
+
+def chunk_table(cu: Tensor, M: int, C: int) -> Chunks:
+    """The chunk table of packed sequences cut by cu [N + 1] (int32, on the device) over M tokens,
+    with device ops only: NC = M // C + N chunk slots (an upper bound of sum_s ceil(len_s / C));
+    slot j holds chunk j of the sequence-major chunk list, or nothing (0 valid tokens)."""
+    N = cu.numel() - 1
+    NC = M // C + N
+    lens = cu[1:] - cu[:-1]
+    nch = (lens + C - 1) // C
+    ccu = torch.cat([nch.new_zeros(1), nch.cumsum(0)])
+    j = torch.arange(NC, device=cu.device, dtype=ccu.dtype)
+    seg = torch.searchsorted(ccu[1:].contiguous(), j, right=True).clamp_(max=max(N - 1, 0))
+    bos = cu[seg] + (j - ccu[seg]) * C
+    n = (cu[seg + 1] - bos).clamp(0, C)
+    n = torch.where(j < ccu[-1], n, torch.zeros_like(n))
+    i32 = torch.int32
+    return Chunks(C, N, NC, cu=cu, ccu=ccu.to(i32), bos=bos.to(i32).contiguous(), n=n.to(i32).contiguous())
+
+
+def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final):
+    """The state before every chunk h [NC, H, K, V] (input dtype, fp32 for fp32) and the final
+    states [N, H, K, V] fp32 (None unless `want_final`)."""
+    M, H, K = k.shape
+    V = v.shape[-1]
+    h = new_output((ch.NC, H, K, V), k.device, k.dtype)
+    ht = new_output((ch.N, H, K, V), k.device) if want_final else None
+    launch(chunk_fwd_h, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), ch.N * H),
+           (k, v, gc, h, h0, ht, *ch.seq_args(), H, G, K, V, ch.C, decay, ch.varlen, h0 is not None, want_final,
+            prec), {"BK": min(BK_H, block_size(K)), "BV": min(BV_H, block_size(V))}, WARPS)
+    return h, ht
+
+
+class ChunkLinearAttention(torch.autograd.Function):
+    """o, S_T = the op on packed tokens: q [M, HQ, K], k [M, H, K], v [M, H, V] of one dtype, g
+    None / [M, H] / [M, H, K] fp32 log decays, h0 [N, H, K, V] fp32 or None; o in `out_dtype`,
+    S_T [N, H, K, V] fp32 (None unless `want_final`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, h0, ch: Chunks, prec, out_dtype, want_final):
+        M, HQ, K = q.shape
+        H, V = k.shape[1], v.shape[-1]
+        G = HQ // H
+        decay = 0 if g is None else (1 if g.dim() == 2 else 2)
+        C, BK = ch.C, block_size(K)
+        gc = None
+        if decay:
+            Kg = 1 if decay == 1 else K
+            gc = new_output(g.shape, g.device)
+            chunk_cumsum[(ch.NC, H)](g, gc, *ch.chunk_args(), H, Kg, C, block_size(Kg), ch.varlen,
+                                     num_warps=WARPS)
+        h, ht = _walk(k, v, gc, h0, ch, G, decay, prec, want_final)
+        A = None
+        if decay == 2:
+            A = new_output((ch.NC, H, C, C), q.device)
+            intra_fwd[(ch.NC, C // BC, H)](q, k, gc, A, *ch.chunk_args(), H, K, C, BC, BK, ch.varlen, prec,
+                                           num_warps=WARPS)
+        o = new_output((M, HQ, V), q.device, out_dtype)
+        launch(chunk_fwd_o, lambda m: (triton.cdiv(V, m["BV"]), ch.NC, H),
+               (q, k, v, gc, h, A, o, *ch.chunk_args(), H, G, K, V, C, decay, ch.varlen, prec, BK),
+               {"BV": min(BV_O, block_size(V))}, WARPS_WIDE)
+        ctx.save_for_backward(q, k, v, gc, h0, A)
+        ctx.ch, ctx.prec, ctx.decay = ch, prec, decay
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, gc, h0, A = ctx.saved_tensors
+        ch, prec, decay = ctx.ch, ctx.prec, ctx.decay
+        M, HQ, K = q.shape
+        H, V = k.shape[1], v.shape[-1]
+        G, C, BK = HQ // H, ch.C, block_size(K)
+        dev = q.device
+        do = q.new_zeros(M, HQ, V) if do is None else do.to(q.dtype).contiguous()
+        dht = None if dht is None else dht.float().contiguous()
+        h, _ = _walk(k, v, gc, h0, ch, G, decay, prec, False)
+        dh = new_output(h.shape, dev, h.dtype)
+        dh0 = new_output(h0.shape, dev) if h0 is not None and ctx.needs_input_grad[4] else None
+        launch(chunk_bwd_dh, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), ch.N * H),
+               (q, do, gc, dh, dht, dh0, *ch.seq_args(), H, G, K, V, C, decay, ch.varlen, dht is not None,
+                dh0 is not None, prec), {"BK": min(BK_H, block_size(K)), "BV": min(BV_H, block_size(V))}, WARPS)
+        dq_in = dk_in = None
+        if decay == 2:
+            dA = new_output((ch.NC, H, C, C), dev)
+            intra_bwd_dA[(ch.NC, H)](v, do, dA, *ch.chunk_args(), H, V, C, min(BV_O, block_size(V)), ch.varlen,
+                                     prec, num_warps=WARPS)
+            dq_in, dk_in = new_output(q.shape, dev), new_output(k.shape, dev)
+            intra_bwd[(ch.NC, C // BC, H)](q, k, gc, dA, dq_in, dk_in, *ch.chunk_args(), H, K, C, BC, BK, C // BC,
+                                           ch.varlen, prec, num_warps=WARPS)
+        dv = new_output(v.shape, dev, v.dtype)
+        launch(chunk_bwd_dv, lambda m: (triton.cdiv(V, m["BV"]), ch.NC, H),
+               (q, k, gc, A, do, dh, dv, *ch.chunk_args(), H, G, K, V, C, decay, ch.varlen, prec, BK),
+               {"BV": min(BV_O, block_size(V))}, WARPS_WIDE)
+        dq, dk = new_output(q.shape, dev, q.dtype), new_output(k.shape, dev, k.dtype)
+        dg = new_output(gc.shape, dev) if decay else None
+        launch(chunk_bwd_dqk, (ch.NC, H),
+               (q, k, v, gc, h, do, dh, dq_in, dk_in, dq, dk, dg, *ch.chunk_args(), H, G, K, V, C, decay,
+                ch.varlen, prec, BK), {"BV": min(BV_DQK, block_size(V))}, WARPS_WIDE)
+        return dq, dk, dv, dg, dh0, None, None, None, None
+
+
+def chunk_linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None = None,
+    *,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    chunk_size: int = 64,
+    precision: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    output_final_state: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked linear attention S_t = decay_t S_{t-1} + k_t^T v_t, o_t = q_t S_t on the Triton
+    kernels (module docstring); differentiable in q, k, v, g and the initial state; no host
+    synchronisation.
+
+    Dense: q [B, T, HQ, K], k [B, T, H, K], v [B, T, H, V]; packed: q [M, HQ, K], k [M, H, K],
+    v [M, H, V] with cu_seqlens [N + 1] (int, on the device; empty sequences keep their state).
+    HQ = G * H: query head j reads the state of KV head j // G (computed once per KV head).
+    g: None (no decay), [.., H] (one log decay <= 0 per token and KV head) or [.., H, K] (one per
+    key dim; G = 1). initial_state: [N, H, K, V] (N = B or the number of sequences), None = 0.
+    q's dtype (fp32 / bf16 / fp16) is the compute dtype (k, v are cast to it); `precision`: the
+    dots' input precision for fp32 ("ieee" or "tf32"; None: "ieee"). chunk_size: a power of two
+    >= 16 (<= 64 with per-key decay). Returns (o [.., HQ, V] in `out_dtype` (default q's dtype),
+    final states [N, H, K, V] fp32, or None without `output_final_state`)."""
+    dense = cu_seqlens is None
+    if q.dim() != (4 if dense else 3) or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"q, k, v must be [B, T, heads, dim] (or [M, heads, dim] with cu_seqlens); got "
+                         f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if q.dtype not in TRITON_DTYPES:
+        raise ValueError(f"the chunked linear-attention kernels take {TRITON_DTYPES} inputs, got {q.dtype}")
+    *lead, HQ, K = q.shape
+    H, V = k.shape[-2], v.shape[-1]
+    if list(k.shape) != [*lead, H, K] or list(v.shape[:-1]) != [*lead, H] or HQ % H:
+        raise ValueError(f"k must be [{', '.join(map(str, lead))}, H, {K}] and v [.., H, V] with H dividing "
+                         f"HQ = {HQ}; got {list(k.shape)}, {list(v.shape)}")
+    kind = "none" if g is None else ("head" if g.dim() == q.dim() - 1 else "key")
+    if g is not None and list(g.shape) != [*lead, H] + ([K] if kind == "key" else []):
+        raise ValueError(f"g must be [.., H] (per-head decay) or [.., H, K] (per-key decay) of k's tokens and "
+                         f"heads; got {list(g.shape)} for k {list(k.shape)}")
+    if kind == "key" and HQ != H:
+        raise ValueError(f"per-key decay takes as many query heads as KV heads; got HQ = {HQ}, H = {H}")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1) or (kind == "key" and chunk_size > 64):
+        raise ValueError(f"chunk_size must be a power of two >= 16 (at most 64 with per-key decay); got {chunk_size}")
+    if K > 256:
+        raise ValueError(f"key head dims up to 256 are supported; got {K}")
+    dt = q.dtype
+    prec = dot_precision(dt, precision)
+    q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
+    g = None if g is None else g.float().contiguous()
+    M = q.shape[0] * (q.shape[1] if dense else 1)
+    if dense:
+        B, T = lead
+        ch = Chunks(chunk_size, B, B * triton.cdiv(T, chunk_size), T=T, NT=triton.cdiv(T, chunk_size))
+    else:
+        ch = chunk_table(cu_seqlens.to(torch.int32).contiguous(), M, chunk_size)
+    if initial_state is not None:
+        if initial_state.shape != (ch.N, H, K, V):
+            raise ValueError(f"initial_state must be [N={ch.N}, H={H}, K={K}, V={V}]; got "
+                             f"{list(initial_state.shape)}")
+        initial_state = initial_state.float().contiguous()
+    if M == 0:  # nothing to attend: every state passes through
+        o = v.new_zeros(*lead, HQ, V, dtype=out_dtype or dt)
+        st = initial_state.clone() if initial_state is not None else q.new_zeros(ch.N, H, K, V, dtype=torch.float32)
+        return o, st if output_final_state else None
+    flat = (lambda x: x.reshape(M, *x.shape[2:])) if dense else (lambda x: x)  # noqa: E731
+    o, st = ChunkLinearAttention.apply(flat(q), flat(k), flat(v), None if g is None else flat(g), initial_state, ch,
+                                       prec, out_dtype or dt, output_final_state)
+    return o.view(*lead, HQ, V), st
+
+
+def gla_varlen_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, cu_seqlens: Tensor,
+                      initial_state: Tensor | None = None, chunk_size: int = 64,
+                      out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """Chunked GLA over packed variable-length segments on the Triton kernels, same contract as
+    `gla_varlen` (differentiable in q, k, v, g and the initial states; no host synchronisation).
+
+    q, k, g: [M, H, K], v: [M, H, V] (q's dtype is the compute dtype of the dots: bf16 / fp16 /
+    fp32, exact for fp32), cu_seqlens: [S + 1] on the device, initial_state: [S, H, K, V]. K <= 128,
+    V <= 256; chunk_size 16, 32 or 64. Returns (o [M, H, V] in `out_dtype` (default q's dtype),
+    final states [S, H, K, V] fp32)."""
+    K, V = q.shape[-1], v.shape[-1]
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+    if K > 128 or V > 256:
+        raise ValueError(f"head dims up to K = 128, V = 256 are supported; got K = {K}, V = {V}")
+    return chunk_linear_attention(q, k, v, g, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                  chunk_size=chunk_size, out_dtype=out_dtype)

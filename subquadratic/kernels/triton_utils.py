@@ -1,0 +1,71 @@
+"""Helpers shared by the Triton kernel modules: the input dtypes the kernels take, the input
+precision of their dots, block sizes, and autotuned launches.
+
+Importable without Triton (the dispatch functions read `TRITON_DTYPES`); the functions that need
+Triton import it when called.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .utils import import_triton
+
+#: Input dtypes the Triton kernels take (fp64 stays on the PyTorch forms).
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: `input_precision` values of tl.dot a caller may ask for: "ieee" (exact fp32) or "tf32" (fp32
+#: operands on the tensor cores; bf16 / fp16 operands always run there with fp32 accumulation).
+PRECISIONS = ("ieee", "tf32")
+
+#: Autotuning runs on the GPU only; the CPU interpreter launches with the fixed settings.
+AUTOTUNE = os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def dot_precision(dtype: torch.dtype, precision: str | None = None) -> str:
+    """`input_precision` of the dots for operands of `dtype`. fp32: `precision` (one of PRECISIONS),
+    exact ("ieee") when None. bf16 / fp16 operands always run on the tensor cores with fp32
+    accumulation: "tf32" whatever was asked (the setting has no effect on them)."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS} or None (by dtype); got {precision!r}")
+    if dtype != torch.float32:
+        return "tf32"
+    return precision or "ieee"
+
+
+def block_size(n: int, lo: int = 16) -> int:
+    """The smallest power of two >= n and >= lo (a tile dimension covering n; tl.dot wants >= 16)."""
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def autotune(configs: Sequence[tuple[int | None, int, int, int]], key: list[str]) -> Callable:
+    """triton.autotune over (BK, BV, warps, stages) settings (BK None: the kernel has no BK),
+    block sizes clamped to the padded head dims K and V of the call (duplicates dropped)."""
+    triton, _ = import_triton()
+
+    def prune(configs, nargs, **kw):
+        K, V = block_size(nargs["K"]), block_size(nargs["V"])
+        out, seen = [], set()
+        for c in configs:
+            kwargs = {n: min(b, K if n == "BK" else V) for n, b in c.kwargs.items()}
+            sig = (tuple(sorted(kwargs.items())), c.num_warps, c.num_stages)
+            if sig not in seen:
+                seen.add(sig)
+                out.append(triton.Config(kwargs, num_warps=c.num_warps, num_stages=c.num_stages))
+        return out
+
+    configs = [triton.Config({"BV": bv} if bk is None else {"BK": bk, "BV": bv}, num_warps=w, num_stages=st)
+               for bk, bv, w, st in configs]
+    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune})
+
+
+def launch(kernel, grid, args: tuple, fixed: dict, warps: int, stages: int = 2, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs) for a kernel made with `autotune`: autotuned on the GPU, with
+    the `fixed` block sizes, `warps` and `stages` under the interpreter (AUTOTUNE off)."""
+    if AUTOTUNE:
+        kernel[grid](*args, **kwargs)
+    else:
+        kernel.fn[grid](*args, **kwargs, **fixed, num_warps=warps, num_stages=stages)

@@ -1,0 +1,273 @@
+"""The chunked linear-attention Triton kernels (`gla.triton_chunk`) vs the fp64 serial recurrence:
+every decay kind (none, per head, per key dim), dense and packed variable-length inputs (empty
+sequences, lengths not a multiple of the chunk), GQA groups, initial and final states, several K / V
+blocks per head, values and gradients of q, k, v, the decays and the initial state (the loss reads
+the final state too). Kernel outputs start as NaN, so anything left unwritten fails. On CPU it runs
+under TRITON_INTERPRET=1 at small shapes; on CUDA the `gpu` tests run bf16 at real shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as Fn
+
+# tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported
+pytest.importorskip("triton")
+from subquadratic.kernels.gla import gla_chunked, gla_recurrent, gla_varlen  # noqa: E402
+from subquadratic.kernels.gla import triton_chunk as tc  # noqa: E402
+from subquadratic.kernels.gla.triton_chunk import chunk_linear_attention, gla_varlen_triton  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(x, ref):
+    return ((x.double().cpu() - ref.double().cpu()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def loss_of(outs):
+    g = torch.Generator().manual_seed(123)
+    return sum((y.double() * torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device)).sum()
+               for y in outs if y is not None)
+
+
+def make(lead, HQ, H, K, V, kind, N, seed, shift=2.0):
+    """Fresh fp64 inputs: q [*lead, HQ, K], k [*lead, H, K], v [*lead, H, V], the decays of `kind`
+    (log sigmoid, shift -5: strong decay) and initial states [N, H, K, V]."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(*lead, HQ, K), r(*lead, H, K) / K**0.5, r(*lead, H, V)
+    g = {"none": None, "head": Fn.logsigmoid(r(*lead, H) + shift),
+         "key": Fn.logsigmoid(r(*lead, H, K) + shift)}[kind]
+    return [q, k, v, g, r(N, H, K, V)]
+
+
+def oracle(q, k, v, g, h0, cu=None):
+    """The serial recurrence in fp64 (`gla_recurrent`): each KV head's k, v, decay and state repeated
+    over its G query heads; packed inputs one sequence at a time. Returns (o, final states)."""
+    G = q.shape[-2] // k.shape[-2]
+    g = torch.zeros_like(k) if g is None else (g[..., None].expand_as(k) if g.dim() < k.dim() else g)
+    rep = lambda x: x.repeat_interleave(G, dim=-2)  # noqa: E731  (heads dim of [.., H, D])
+    k, v, g = rep(k), rep(v), rep(g)
+    h0 = None if h0 is None else h0.repeat_interleave(G, dim=1)
+    if cu is None:
+        o, S = gla_recurrent(q, k, v, g, h0)
+        return o, S[:, ::G]
+    os, Ss = [], []
+    for s in range(cu.numel() - 1):
+        a, b = int(cu[s]), int(cu[s + 1])
+        o, S = gla_recurrent(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b],
+                             None if h0 is None else h0[s:s + 1])
+        os.append(o[0])
+        Ss.append(S[:, ::G])
+    return torch.cat(os), torch.cat(Ss)
+
+
+def run(fn, inputs, dtype, with_state):
+    """Outputs and input gradients of loss_of(fn(...)) for the inputs cast to `dtype` on DEV (the
+    decays and states stay fp32 for the kernels)."""
+    hi = dtype == torch.float64
+    xs = [None if x is None else x.detach().to(DEV, dtype if i < 3 or hi else torch.float32).clone().requires_grad_()
+          for i, x in enumerate(inputs)]
+    if not with_state:
+        xs[4] = None
+    outs = fn(*xs)
+    loss_of(outs).backward()
+    return list(outs), [x.grad for x in xs if x is not None]
+
+
+def check(got, want, tol):
+    (got_o, got_g), (ref_o, ref_g) = got, want
+    for i, (a, b) in enumerate(zip(got_o, ref_o, strict=True)):
+        assert torch.isfinite(a).all() and rel(a, b) <= tol, f"output {i}: {rel(a, b):.2e}"
+    for i, (a, b) in enumerate(zip(got_g, ref_g, strict=True)):
+        assert torch.isfinite(a).all() and rel(a, b) <= tol, f"grad {i}: {rel(a, b):.2e}"
+
+
+DENSE = [  # kind, G, with_state, B, T, chunk
+    ("none", 1, True, 2, 37, 16),
+    ("none", 2, True, 1, 40, 16),
+    ("none", 4, False, 2, 21, 16),
+    ("head", 1, True, 2, 37, 16),
+    ("head", 2, True, 1, 70, 32),
+    ("head", 4, True, 1, 20, 16),
+    ("key", 1, True, 2, 37, 16),
+    ("key", 1, False, 1, 70, 64),
+    ("none", 1, True, 1, 130, 128),
+]
+
+
+@pytest.mark.parametrize("kind,G,with_state,B,T,chunk", DENSE)
+def test_dense_values_and_grads(kind, G, with_state, B, T, chunk):
+    H, K, V = 2, 16, 32
+    inputs = make((B, T), H * G, H, K, V, kind, B, seed=T + 7 * G + chunk)
+    want = run(oracle, inputs, torch.float64, with_state)
+    got = run(lambda q, k, v, g, h0: chunk_linear_attention(q, k, v, g, initial_state=h0, chunk_size=chunk),
+              inputs, torch.float32, with_state)
+    check(got, want, 1e-4)
+
+
+@pytest.mark.parametrize("kind,G,lens,chunk,shift,with_state", [
+    ("key", 1, [0, 37, 5, 16, 0], 16, 1.0, True),    # empty sequences, one sub-chunk per chunk
+    ("key", 1, [45, 0, 33, 7], 32, -5.0, True),      # two sub-chunks, strong decay
+    ("key", 1, [21, 3], 32, 0.0, False),             # zero initial states
+    ("head", 2, [0, 37, 5, 16, 0], 16, -5.0, True),
+    ("none", 2, [19, 0, 40], 16, 0.0, True),
+])
+def test_varlen_values_and_grads(kind, G, lens, chunk, shift, with_state):
+    H = 2
+    inputs = make((sum(lens),), H * G, H, 16, 32, kind, len(lens), seed=len(lens) + chunk, shift=shift)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    want = run(lambda *x: oracle(*x, cu), inputs, torch.float64, with_state)
+    cud = cu.to(DEV)
+    got = run(lambda q, k, v, g, h0: chunk_linear_attention(q, k, v, g, initial_state=h0, cu_seqlens=cud,
+                                                            chunk_size=chunk), inputs, torch.float32, with_state)
+    check(got, want, 1e-4)
+    if kind == "key":  # SSE's entry point: the same values
+        with torch.no_grad():
+            xs = [x.float().to(DEV) for x in inputs]
+            o, h = gla_varlen_triton(*xs[:4], cu_seqlens=cud, initial_state=xs[4] if with_state else None,
+                                     chunk_size=chunk)
+        assert rel(o, want[0][0]) <= 1e-4 and rel(h, want[0][1]) <= 1e-4
+
+
+@pytest.mark.parametrize("kind,G", [("none", 2), ("head", 1), ("key", 1)])
+def test_several_blocks_per_head(monkeypatch, kind, G):
+    """K = 32, V = 48 in blocks of 16: several K and V blocks in the walks, several V blocks in the
+    output and backward kernels."""
+    for name in ("BK_H", "BV_H", "BV_O", "BV_DQK"):
+        monkeypatch.setattr(tc, name, 16)
+    H = 2
+    inputs = make((1, 40), H * G, H, 32, 48, kind, 1, seed=3)
+    want = run(oracle, inputs, torch.float64, True)
+    got = run(lambda q, k, v, g, h0: chunk_linear_attention(q, k, v, g, initial_state=h0, chunk_size=16),
+              inputs, torch.float32, True)
+    check(got, want, 1e-4)
+
+
+def test_without_final_state_and_without_gradients():
+    """output_final_state=False returns None and the gradients through o alone; forward under
+    no_grad gives the same o."""
+    inputs = make((2, 30), 4, 2, 16, 16, "head", 2, seed=11)
+    want_o, _ = oracle(*inputs)
+    xs = [x.float().to(DEV).requires_grad_() for x in inputs]
+    o, st = chunk_linear_attention(*xs[:4], initial_state=xs[4], chunk_size=16, output_final_state=False)
+    assert st is None and rel(o, want_o) <= 1e-4
+    loss_of([o]).backward()
+    ref = [x.detach().clone().requires_grad_() for x in inputs]
+    loss_of([oracle(*ref)[0]]).backward()
+    for a, b in zip(xs, ref, strict=True):
+        assert rel(a.grad, b.grad) <= 1e-4
+    with torch.no_grad():
+        o2, _ = chunk_linear_attention(*xs[:4], initial_state=xs[4], chunk_size=16)
+    assert torch.equal(o2, o.detach())
+
+
+def test_empty_inputs_pass_the_state_through():
+    q, k, v, g, h0 = (x.float().to(DEV) for x in make((0,), 2, 2, 16, 16, "key", 3, seed=1))
+    o, st = chunk_linear_attention(q, k, v, g, initial_state=h0, cu_seqlens=torch.zeros(4, dtype=torch.int32,
+                                                                                     device=DEV))
+    assert o.shape == (0, 2, 16) and torch.equal(st, h0)
+
+
+def test_inputs_the_kernels_refuse_are_named():
+    q, k, v, g, _ = (x.float() for x in make((1, 8), 4, 2, 16, 16, "key", 1, seed=0))
+    with pytest.raises(ValueError, match="per-key decay takes as many query heads"):
+        chunk_linear_attention(q, k, v, g)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_linear_attention(q, k, v, None, chunk_size=24)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_linear_attention(q[:, :, :2], k, v, g, chunk_size=128)
+    with pytest.raises(ValueError, match="inputs, got torch.float64"):
+        chunk_linear_attention(q.double(), k, v)
+    with pytest.raises(ValueError, match="g must be"):
+        chunk_linear_attention(q, k, v, g[..., :3])
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_linear_attention(q, k, v, initial_state=torch.zeros(2, 2, 16, 16))
+    with pytest.raises(ValueError, match="precision"):
+        chunk_linear_attention(q, k, v, precision="fp32")
+
+
+# ---------------------------------------------------------------------------
+# GPU: real shapes in bf16
+# ---------------------------------------------------------------------------
+
+
+def torch_reference(q, k, v, g, h0, cu=None):
+    """The PyTorch chunked forms (gla_chunked / gla_varlen) with GQA by repetition: a fast exact
+    reference at real lengths."""
+    G = q.shape[-2] // k.shape[-2]
+    g = torch.zeros_like(k) if g is None else (g[..., None].expand_as(k) if g.dim() < k.dim() else g)
+    rep = lambda x: x.repeat_interleave(G, dim=-2)  # noqa: E731
+    h0 = h0.repeat_interleave(G, dim=1)
+    if cu is None:
+        o, S = gla_chunked(q, rep(k), rep(v), rep(g), h0)
+    else:
+        o, S = gla_varlen(q, rep(k), rep(v), rep(g), cu_seqlens=cu, initial_state=h0)
+    return o, S[:, ::G]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind,G", [("none", 1), ("none", 4), ("head", 1), ("head", 4), ("key", 1)])
+def test_gpu_dense_bf16(kind, G, D):
+    """bf16 at B2 T = 4096 (not a multiple of the chunk: 4096 - 37) against the PyTorch chunked form
+    in fp64 on the same bf16-rounded inputs, q and k L2-normalised; values and gradients within
+    1e-2; no host synchronisation."""
+    B, T, H = 2, 4096 - 37, 2
+    q, k, v, g, h0 = make((B, T), H * G, H, D, D, kind, B, seed=D + G, shift=3.0)
+    q, k = Fn.normalize(q, dim=-1), Fn.normalize(k, dim=-1)
+    inputs = [q.bfloat16(), k.bfloat16(), v.bfloat16(), g, h0]
+    want = run(torch_reference, [None if x is None else x.double() for x in inputs], torch.float64, True)
+    xs = [None if x is None else x.detach().to(DEV, torch.float32 if i >= 3 else torch.bfloat16).requires_grad_()
+          for i, x in enumerate(inputs)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = chunk_linear_attention(*xs[:4], initial_state=xs[4])
+        loss = loss_of(outs)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check((list(outs), [x.grad for x in xs if x is not None]), want, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", ["key", "head"])
+def test_gpu_varlen_bf16(kind, D):
+    """bf16 packed sequences (five, one empty, ~4k tokens) against the fp64 PyTorch varlen form on
+    the same bf16-rounded inputs; values and gradients within 1e-2; no host synchronisation."""
+    lens = [1500, 0, 2048, 77, 471]
+    q, k, v, g, h0 = make((sum(lens),), 4, 4, D, D, kind, len(lens), seed=D, shift=3.0)
+    q, k = Fn.normalize(q, dim=-1), Fn.normalize(k, dim=-1)
+    inputs = [q.bfloat16(), k.bfloat16(), v.bfloat16(), g, h0]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+    want = run(lambda *x: torch_reference(*x, cu), [x.double() for x in inputs], torch.float64, True)
+    xs = [x.detach().to(DEV, torch.float32 if i >= 3 else torch.bfloat16).requires_grad_()
+          for i, x in enumerate(inputs)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = chunk_linear_attention(*xs[:4], initial_state=xs[4], cu_seqlens=cu)
+        loss_of(outs).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check((list(outs), [x.grad for x in xs]), want, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+def test_gpu_fp32_precision_reaches_the_dots():
+    """fp32 inputs: "ieee" matches the fp64 reference to 1e-5, "tf32" to 1e-2 and measurably less
+    well (the argument reaches the tensor cores)."""
+    q, k, v, g, h0 = make((1, 2048), 8, 2, 128, 128, "head", 1, seed=5, shift=3.0)
+    q, k = Fn.normalize(q, dim=-1), Fn.normalize(k, dim=-1)
+    dev = [x.to(DEV) for x in (q, k, v, g, h0)]
+    want, _ = torch_reference(*dev)
+    errs = {}
+    for prec in ("ieee", "tf32"):
+        o, _ = chunk_linear_attention(*(x.float() for x in dev[:4]), initial_state=dev[4].float(), precision=prec)
+        errs[prec] = rel(o, want)
+    assert errs["ieee"] <= 1e-5 and errs["tf32"] <= 1e-2 and errs["tf32"] > 4 * errs["ieee"], errs

@@ -1,0 +1,114 @@
+"""SPLA's causal linear term on the chunked kernels of `kernels/gla`
+(`triton_parallel.causal_linear_term`) vs its definition summed serially in fp64:
+o_t = phi(q_t)^T (Sbar + sum_{valid j <= t} phi(k_j) v_j^T) and the new Sbar; values and the
+gradients of phi(q), phi(k), v and Sbar, GQA groups 1, 2 and 4, left and right padding, lengths
+not a multiple of the chunk. Kernel outputs start as NaN. On CPU it runs under TRITON_INTERPRET=1
+at small shapes; on CUDA the `gpu` tests run bf16 (and fp32 on TF32) at real shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported
+pytest.importorskip("triton")
+from subquadratic.kernels.spla.triton_parallel import causal_linear_term  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a, b):
+    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm().clamp(min=1e-30)).item()
+
+
+def definition(phiq, phik, v, sbar, valid):
+    """The serial sum in the inputs' dtype: phiq [B, T, HQ, D], phik, v [B, T, H, D], valid [B, T]."""
+    B, T, HQ, D = phiq.shape
+    H = phik.shape[2]
+    S = sbar.clone()  # [B, H, D, D]
+    outs = []
+    for t in range(T):
+        S = S + valid[:, t, None, None, None] * phik[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhgd,bhde->bhge", phiq[:, t].view(B, H, HQ // H, D), S).reshape(B, HQ, D))
+    return torch.stack(outs, 1), S
+
+
+def make(B, T, HQ, H, D, pad, seed):
+    gen = torch.Generator().manual_seed(seed)
+    phiq = torch.softmax(torch.randn(B, T, HQ, D, generator=gen, dtype=torch.float64) * 2, -1)
+    phik = torch.softmax(torch.randn(B, T, H, D, generator=gen, dtype=torch.float64) * 2, -1)
+    v = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64)
+    sbar = torch.randn(B, H, D, D, generator=gen, dtype=torch.float64) * 0.1
+    valid = torch.ones(B, T, dtype=torch.bool)
+    if pad > 0:
+        valid[-1, :pad] = False  # left padding of the last row
+    elif pad < 0:
+        valid[-1, pad:] = False  # right padding
+    return [phiq, phik, v, sbar], valid
+
+
+def values_and_grads(fn, inputs, valid, dtype):
+    xs = [x.detach().to(DEV, torch.float32 if i == 3 and dtype != torch.float64 else dtype).clone().requires_grad_()
+          for i, x in enumerate(inputs)]
+    o, s = fn(*xs, valid.to(DEV))
+    g = torch.Generator().manual_seed(7)
+    loss = sum((y.double() * torch.randn(y.shape, generator=g, dtype=torch.float64).to(DEV)).sum() for y in (o, s))
+    loss.backward()
+    return [o, s] + [x.grad for x in xs]
+
+
+@pytest.mark.parametrize("B,T,G,pad", [(2, 37, 1, 5), (1, 70, 2, 0), (2, 45, 4, -9), (1, 16, 2, 3)])
+def test_matches_the_serial_definition(B, T, G, pad):
+    H, D = 2, 16
+    inputs, valid = make(B, T, H * G, H, D, pad, seed=T + G)
+    want = values_and_grads(definition, inputs, valid, torch.float64)
+    got = values_and_grads(lambda *a: causal_linear_term(*a, precision="ieee"), inputs, valid, torch.float32)
+    for name, a, b in zip(["o", "Sbar", "d phi(q)", "d phi(k)", "dv", "d Sbar"], got, want, strict=True):
+        assert torch.isfinite(a).all() and rel(a, b) <= 1e-5, (name, rel(a, b))
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+    if pad:  # padded keys write nothing: their phi(k) and v get no gradient
+        pads = slice(0, pad) if pad > 0 else slice(T + pad, T)
+        assert torch.equal(got[3][-1, pads], torch.zeros_like(got[3][-1, pads]))
+        assert torch.equal(got[4][-1, pads], torch.zeros_like(got[4][-1, pads]))
+
+
+def test_fp64_inputs_run_in_fp32_and_keep_the_state_dtype():
+    inputs, valid = make(1, 20, 4, 2, 16, 0, seed=1)
+    o, s = causal_linear_term(*(x.to(DEV) for x in inputs), valid.to(DEV), precision="ieee")
+    want_o, want_s = definition(*inputs, valid)
+    assert s.dtype == torch.float64 and rel(o, want_o) <= 1e-5 and rel(s, want_s) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("G", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_real_shapes(G, dtype):
+    """B2 T = 4096 - 21, H2 d128, right padding: bf16 operands, or fp32 on TF32 (the default), within
+    1e-2 of the fp64 definition (evaluated in chunks here) on the same rounded inputs."""
+    B, T, H, D = 2, 4096 - 21, 2, 128
+    inputs, valid = make(B, T, H * G, H, D, -100, seed=G)
+    inputs = [x.to(dtype).double() if i < 3 else x for i, x in enumerate(inputs)]
+    want = values_and_grads(chunked_definition, inputs, valid, torch.float64)
+    got = values_and_grads(causal_linear_term, inputs, valid, dtype)
+    for name, a, b in zip(["o", "Sbar", "d phi(q)", "d phi(k)", "dv", "d Sbar"], got, want, strict=True):
+        assert rel(a, b) <= 1e-2, (name, rel(a, b))
+
+
+def chunked_definition(phiq, phik, v, sbar, valid, C=256):
+    """The definition by blocks of C tokens (fp64, exact up to rounding): the serial loop is too
+    slow at real lengths."""
+    B, T, HQ, D = phiq.shape
+    H = phik.shape[2]
+    phik = phik * valid[..., None, None]
+    S, outs = sbar, []
+    causal = torch.ones(C, C, dtype=torch.bool, device=phiq.device).tril()
+    for a in range(0, T, C):
+        q = phiq[:, a:a + C].reshape(B, -1, H, HQ // H, D)
+        k, vv = phik[:, a:a + C], v[:, a:a + C]
+        n = k.shape[1]
+        inter = torch.einsum("bthgd,bhde->bthge", q, S)
+        A = torch.einsum("bthgd,bshd->bhgts", q, k) * causal[:n, :n]
+        outs.append((inter + torch.einsum("bhgts,bshe->bthge", A, vv)).reshape(B, n, HQ, D))
+        S = S + torch.einsum("bshd,bshe->bhde", k, vv)
+    return torch.cat(outs, 1), S
