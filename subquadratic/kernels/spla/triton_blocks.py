@@ -1,0 +1,481 @@
+"""Block-major ("routed") Triton kernels of SPLA's sparse branch and residual correction, forward and
+backward: the work is the selected (token, block) pairs only, whatever the query tiles' unions are.
+
+Same contract and values as `triton_tile.tile_sparse_attention` and `triton_parallel.SparseAttention`
+(q [B, HQ, T, D], k, v [B, H, S, D] views with unit stride in D; idx [B, T, H, NSEL] int32 selected
+block ids, -1 = none; qpos [B, T] int32 positions, -1 = padded query; koff [B] int32 slot of each
+row's position 0): o_sp [B, T, HQ, D] normalised and otilde [B, T, HQ, D] fp32 (None without the
+residual term), differentiable w.r.t. q, k, v.
+
+The selection is inverted on the device, as grouped GEMMs route tokens to experts (`block_pairs`):
+every pair (token t, slot i) of KV head h whose block n = idx[b, t, h, i] holds a causal key of t is
+keyed by (batch x KV head, window of `window` consecutive query slots, block n) and the pairs sorted
+by key (a stable `torch.sort`, or a counting sort: per-key counts, exclusive cumsum, scatter), with
+the start of each key's run. `segments` cuts each run into segments of at most `seg_pairs` pairs,
+numbered through a fixed-size table whose length is bounded from shapes (ceil(P / seg_pairs) + number
+of keys, P = B*T*H*NSEL): no host synchronisation, no data-dependent shape; programs past the real
+segments find a count of 0 and exit.
+
+One program per segment loads its block's K (and V, phi(k)) tile once and walks its pairs in chunks
+of BMQ tokens, the G query heads of each token as rows (BMQ * G <= `rows`, unpadded, so tl.dot sees
+about `rows` rows whatever G is):
+  pass 1 (`blocks_lse_kernel`): S = q k^T * scale with the causal mask (only where the block is the
+    token's current one), the log-sum-exp of each (token, head, slot) into [B, T, H, NSEL, G]; the
+    log-sum-exp per (token, head) over the slots is one torch.logsumexp;
+  pass 2 (`blocks_out_kernel`): P = exp(S - lse) (already normalised), O += P V and, with the
+    residual term, otilde += (phi(q) phi(k)^T, causal-masked) V, added with fp32 atomics.
+The backward (`triton_blocks_bwd`) walks the same segments once, fused.
+
+The windows keep the atomics in L2: the table runs key by key, so the programs in flight work on one
+window of one KV head, whose output rows (window x G x D fp32, O and otilde) stay resident while all
+their slots are added. A smaller window costs more partly filled chunks (one per key and window).
+
+Forced blocks (the sinks, chosen by every token, and the banded local blocks) need no structure of
+their own: a key's run is cut into segments of bounded size, so the sink block's thousands of pairs
+are as many uniform programs as any other block's and the load stays balanced.
+
+The atomics make O, otilde and the gradients reproducible only up to the order of fp32 additions
+(a deterministic order would need per-pair partial outputs written and summed: T x HQ x NSEL x D
+floats, several GB at 32k, far more bytes than the atomics move).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+
+from ..utils import import_triton
+from .triton_common import NEG, _softmax_rows
+
+triton, tl = import_triton()
+
+__all__ = ["BlockPairs", "BlocksPlan", "BlocksSparseAttention", "block_pairs", "blocks_plan",
+           "blocks_sparse_attention", "blocks_sparse_forward", "lse_pass", "out_pass", "segments"]
+
+
+@dataclass(frozen=True)
+class BlocksPlan:
+    """Launch settings of the block-major kernels, decided once per call from shapes (`blocks_plan`).
+
+    rows / bwd_rows: (token, head) rows of one chunk in the forward passes / the backward (the chunk
+    holds rows // G tokens); seg_chunks / bwd_seg_chunks: chunks per segment (one program);
+    window: query slots per window of the pair order (the output rows the atomics of the programs
+    in flight touch); sort: "sort" (stable torch.sort) or "count" (counting sort with atomics);
+    warps / bwd_warps, stages / bwd_stages: num_warps and num_stages of the forward / backward
+    kernels; precision: dot precision of fp32
+    operands, "tf32" or "ieee" (16-bit operands always run on the tensor cores, fp32 accumulation)."""
+
+    rows: int = 128
+    bwd_rows: int = 64
+    seg_chunks: int = 4
+    bwd_seg_chunks: int = 8
+    window: int = 4096
+    sort: str = "sort"
+    warps: int = 8
+    bwd_warps: int = 8
+    stages: int = 1
+    bwd_stages: int = 1
+    precision: str = "tf32"
+
+    def tokens(self, G: int, backward: bool = False) -> int:
+        """Tokens of one chunk: rows // G, at least 1."""
+        return max(1, (self.bwd_rows if backward else self.rows) // G)
+
+    def seg_pairs(self, G: int, backward: bool = False) -> int:
+        """Pairs (token, slot) of one segment: whole chunks."""
+        return self.tokens(G, backward) * (self.bwd_seg_chunks if backward else self.seg_chunks)
+
+
+#: Output bytes per KV head that the pair order keeps in flight (window x G x D fp32 rows, O and
+#: otilde): the default window holds that much, a fraction of the H200's 50 MB of L2.
+WINDOW_BYTES = 16 << 20
+
+
+def blocks_plan(T: int, G: int, D: int, device: torch.device | str, use_rla: bool = True, *,
+                precision: str | None = None, **overrides) -> BlocksPlan:
+    """The launch settings for T queries of a GQA group of G heads of dimension D: rows of 128 (64
+    beyond d128) forward and 64 (32 beyond d128) backward, at least G; a window of WINDOW_BYTES of
+    output rows per KV head (a power of two in [256, 16384]); `precision` of fp32 dots: "tf32" on
+    CUDA, "ieee" elsewhere (the CPU interpreter, where the fp64-oracle tests run). `overrides`:
+    any field of `BlocksPlan`."""
+    if precision is None:
+        precision = "tf32" if torch.device(device).type == "cuda" else "ieee"
+    if precision not in ("tf32", "ieee"):
+        raise ValueError(f"precision must be 'tf32' or 'ieee', got {precision!r}")
+    rows = max(16, triton.next_power_of_2(G), 128 if D <= 128 else 64)
+    bwd_rows = max(16, triton.next_power_of_2(G), 64 if D <= 128 else 32)
+    per_token = G * D * 4 * (2 if use_rla else 1)
+    window = 1 << max(8, min(14, (WINDOW_BYTES // per_token).bit_length() - 1))
+    plan = BlocksPlan(rows=rows, bwd_rows=bwd_rows, window=window, precision=precision,
+                      bwd_warps=8 if D >= 64 else 4, warps=8 if D >= 64 else 4)
+    plan = replace(plan, **overrides)
+    if plan.sort not in ("sort", "count"):
+        raise ValueError(f"sort must be 'sort' or 'count', got {plan.sort!r}")
+    if plan.precision not in ("tf32", "ieee"):
+        raise ValueError(f"precision must be 'tf32' or 'ieee', got {plan.precision!r}")
+    if min(plan.rows, plan.bwd_rows) < 16 or max(plan.rows, plan.bwd_rows) & (max(plan.rows, plan.bwd_rows) - 1):
+        raise ValueError(f"rows and bwd_rows must be powers of two >= 16, got {plan.rows}, {plan.bwd_rows}")
+    return plan
+
+
+class BlockPairs(NamedTuple):
+    """The selection inverted: `pairs` int32 [P] holds flat indices e = ((b*T + t)*H + h)*NSEL + i of
+    idx, sorted by key ((b*H + h)*NW + t // window)*NB + idx[e] (valid pairs first, ascending t within
+    a key); `starts` int32 [NK + 1] the first sorted position of each key (starts[NK]: the number of
+    valid pairs). NW windows of `window` query slots, NB key blocks."""
+
+    pairs: torch.Tensor
+    starts: torch.Tensor
+    window: int
+    num_windows: int
+    num_blocks: int
+
+
+@triton.jit
+def pair_keys_kernel(
+    IDX, QPOS, KEYS, COUNTS, P, T, H, NSEL, NW, NB, NK, window, BS,
+    COUNT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Key of each pair e of IDX [B, T, H, NSEL] into KEYS [P] int32 (NK where the pair holds no
+    causal key of its token: idx -1, a padded query, a block after the token); with COUNT, the
+    histogram of the keys into COUNTS [NK + 1] too."""
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = e < P
+    blk = tl.load(IDX + e, mask=ok, other=-1)
+    bt = e // (H * NSEL)  # b * T + t
+    h = (e // NSEL) % H
+    t = bt % T
+    b = bt // T
+    tpos = tl.load(QPOS + bt, mask=ok, other=-1)
+    valid = ok & (blk >= 0) & (tpos >= 0) & (blk * BS <= tpos) & (blk < NB)
+    key = ((b * H + h) * NW + t // window) * NB + blk
+    key = tl.where(valid, key, NK)
+    tl.store(KEYS + e, key, mask=ok)
+    if COUNT:
+        tl.atomic_add(COUNTS + key, tl.full([BLOCK], 1, tl.int32), mask=ok, sem="relaxed")
+
+
+@triton.jit
+def pair_scatter_kernel(KEYS, CURSOR, PAIRS, P, NK, BLOCK: tl.constexpr):
+    """Counting sort's scatter: each valid pair e to PAIRS[CURSOR[key]++] (CURSOR [NK] starts as the
+    exclusive cumsum of the counts; the order within a key is the atomics' order)."""
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = e < P
+    key = tl.load(KEYS + e, mask=ok, other=NK)
+    valid = ok & (key < NK)
+    dst = tl.atomic_add(CURSOR + tl.where(valid, key, 0), tl.full([BLOCK], 1, tl.int32), mask=valid, sem="relaxed")
+    tl.store(PAIRS + dst, e, mask=valid)
+
+
+def block_pairs(idx: torch.Tensor, qpos: torch.Tensor, num_blocks: int, block_size: int, window: int,
+                sort: str = "sort") -> BlockPairs:
+    """Invert the selection idx [B, T, H, NSEL] int32 (qpos [B, T] int32) into pairs grouped by
+    (batch x KV head, window of query slots, block) (`BlockPairs`), on the device and without a host
+    synchronisation: one key launch, then a stable torch.sort and a searchsorted of the key starts
+    (sort="sort"), or the histogram of that launch, an exclusive cumsum and an atomic scatter
+    (sort="count", the order within a key unspecified)."""
+    B, T, H, K = idx.shape
+    P = B * T * H * K
+    NW = triton.cdiv(T, window)
+    NB = max(1, num_blocks)
+    NK = B * H * NW * NB
+    if P >= 2**31 or NK >= 2**31 - 1:
+        raise ValueError(f"{P} (token, slot) pairs or {NK} keys exceed int32; split the batch")
+    dev = idx.device
+    idx = idx.contiguous()
+    keys = torch.empty(P, device=dev, dtype=torch.int32)
+    counts = torch.zeros(NK + 1, device=dev, dtype=torch.int32) if sort == "count" else keys
+    BLOCK = 1024
+    grid = (triton.cdiv(P, BLOCK),)
+    pair_keys_kernel[grid](idx, qpos, keys, counts, P, T, H, K, NW, NB, NK, window, block_size,
+                           COUNT=sort == "count", BLOCK=BLOCK)
+    if sort == "sort":
+        skeys, order = torch.sort(keys, stable=True)
+        starts = torch.searchsorted(skeys, torch.arange(NK + 1, device=dev, dtype=torch.int32)).to(torch.int32)
+        pairs = order.to(torch.int32)
+    elif sort == "count":
+        starts = torch.zeros(NK + 1, device=dev, dtype=torch.int32)
+        torch.cumsum(counts[:NK], 0, out=starts[1:])
+        cursor = starts[:NK].clone()
+        pairs = torch.empty(P, device=dev, dtype=torch.int32)
+        pair_scatter_kernel[grid](keys, cursor, pairs, P, NK, BLOCK=BLOCK)
+    else:
+        raise ValueError(f"sort must be 'sort' or 'count', got {sort!r}")
+    return BlockPairs(pairs, starts, window, NW, NB)
+
+
+def segments(bp: BlockPairs, seg_pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each key's run of pairs cut into segments of at most `seg_pairs`: (key, first sorted position,
+    count) int32, each [NSEG] with NSEG = ceil(P / seg_pairs) + NK (a bound from shapes); entries past
+    the real segments have count 0."""
+    starts = bp.starts.long()
+    NK = starts.numel() - 1
+    P = bp.pairs.numel()
+    counts = starts[1:] - starts[:-1]  # [NK]
+    nseg = (counts + seg_pairs - 1) // seg_pairs
+    cum = torch.cumsum(nseg, 0)  # inclusive
+    NSEG = triton.cdiv(P, seg_pairs) + NK
+    s = torch.arange(NSEG, device=starts.device)
+    key = torch.searchsorted(cum, s, right=True)  # [NSEG], NK past the last segment
+    kc = key.clamp(max=NK - 1)
+    j = s - (cum[kc] - nseg[kc])  # segment number within its key
+    first = starts[kc] + j * seg_pairs
+    count = torch.where(key < NK, (counts[kc] - j * seg_pairs).clamp(0, seg_pairs), 0)
+    return kc.to(torch.int32), first.to(torch.int32), count.to(torch.int32)
+
+
+@triton.jit
+def _dot(a, b, F32: tl.constexpr, PREC: tl.constexpr):
+    """a @ b with fp32 accumulation: fp32 operands at PREC ("tf32" or "ieee"), else on the tensor
+    cores with `a` cast to b's (16-bit) dtype."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    else:
+        return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, PAIRS, QPOS, KOFF, T, H, NW, NB, NSEL, S, BS: tl.constexpr,
+             SEGP: tl.constexpr):
+    """Segment of this program: (b, h, block, first sorted position, count, koff, key positions [BS],
+    which key slots to load [BS]: those up to the segment's last causal key, inside the cache)."""
+    s = tl.program_id(0)
+    key = tl.load(SEG_KEY + s)
+    first = tl.load(SEG_FIRST + s)
+    count = tl.load(SEG_COUNT + s)
+    blk = key % NB
+    bh = key // (NB * NW)
+    b = bh // H
+    h = bh % H
+    koff = tl.load(KOFF + b)
+    sp = tl.arange(0, SEGP)
+    e = tl.load(PAIRS + first + sp, mask=sp < count, other=0)
+    tp = tl.load(QPOS + b * T + (e // (H * NSEL)) % T, mask=sp < count, other=-1)
+    tmax = tl.max(tp, 0)
+    pos = blk * BS + tl.arange(0, BS)
+    kload = (pos <= tmax) & (koff + pos < S)
+    return b, h, first, count, koff, pos, kload
+
+
+@triton.jit
+def _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b,
+                G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr):
+    """Rows (token, head) of the chunk at sorted positions [first + c0, first + c0 + BMQ): per row the
+    pair e, its token t, its slot i, the token's position, the head within the group g, and whether
+    the row is real."""
+    r = tl.arange(0, R)
+    m = r // G
+    g = r % G
+    ok = (m < BMQ) & (c0 + m < count)
+    e = tl.load(PAIRS + first + c0 + m, mask=ok, other=0)
+    t = (e // (H * NSEL)) % T
+    i = e % NSEL
+    tpos = tl.load(QPOS + b * T + t, mask=ok, other=-1)
+    return e, t, i, tpos, g, ok
+
+
+@triton.jit
+def blocks_lse_kernel(
+    Q, K, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, LSE_SLOT,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks,
+    T, H, NW, NB, NSEL, S, scale,
+    G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    SEGP: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+):
+    """Pass 1, one segment: the log-sum-exp of the scores of each (token, head, slot) over the
+    segment's block (causal keys only) into LSE_SLOT [B, T, H, NSEL, G] at e * G + g."""
+    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, PAIRS, QPOS, KOFF, T, H,
+                                                    NW, NB, NSEL, S, BS, SEGP)
+    d = tl.arange(0, D)
+    b64 = b.to(tl.int64)
+    slot = koff + pos
+    k = tl.load(K + b64 * stride_kb + h * stride_kh + slot[:, None] * stride_ks + d[None, :],
+                mask=kload[:, None], other=0.0)
+    kt = tl.trans(k)
+    for c0 in range(0, count, BMQ):
+        e, t, i, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        q = tl.load(Q + b64 * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                    mask=ok[:, None], other=0.0)
+        mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
+        sc = tl.where(mask, _dot(q, kt, F32, PREC) * scale, NEG)
+        mx = tl.max(sc, 1)
+        lsum = tl.sum(tl.where(mask, tl.exp(sc - mx[:, None]), 0.0), 1)
+        tl.store(LSE_SLOT + e * G + g, mx + tl.log(tl.maximum(lsum, 1e-30)), mask=ok)
+
+
+@triton.jit
+def blocks_out_kernel(
+    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, LSE, OUT, OT,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    T, H, NW, NB, NSEL, S, scale,
+    G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    SEGP: tl.constexpr, USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+):
+    """Pass 2, one segment: P = exp(S - lse) of each row (LSE [B, T, HQ], over all its slots), then
+    OUT += P V and, with USE_RLA, OT += (phi(q) phi(k)^T masked) V (OUT, OT: [B, T, HQ, D] fp32, zeroed
+    by the caller, fp32 atomics)."""
+    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, PAIRS, QPOS, KOFF, T, H,
+                                                    NW, NB, NSEL, S, BS, SEGP)
+    d = tl.arange(0, D)
+    b64 = b.to(tl.int64)
+    slot = koff + pos
+    k = tl.load(K + b64 * stride_kb + h * stride_kh + slot[:, None] * stride_ks + d[None, :],
+                mask=kload[:, None], other=0.0)
+    v = tl.load(V + b64 * stride_vb + h * stride_vh + slot[:, None] * stride_vs + d[None, :],
+                mask=kload[:, None], other=0.0)
+    kt = tl.trans(k)
+    if USE_RLA:
+        phikt = tl.trans(_softmax_rows(k).to(k.dtype))
+    HQ = H * G
+    for c0 in range(0, count, BMQ):
+        e, t, i, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        head = h * G + g
+        q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                    mask=ok[:, None], other=0.0)
+        row = (b64 * T + t) * HQ + head
+        lse = tl.load(LSE + row, mask=ok, other=0.0)
+        mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
+        p = tl.where(mask, tl.exp(_dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)
+        out = row[:, None] * D + d[None, :]
+        tl.atomic_add(OUT + out, _dot(p, v, F32, PREC), mask=ok[:, None], sem="relaxed")
+        if USE_RLA:
+            a = tl.where(mask, _dot(_softmax_rows(q), phikt, F32, PREC), 0.0)
+            tl.atomic_add(OT + out, _dot(a, v, F32, PREC), mask=ok[:, None], sem="relaxed")
+
+
+def _operands(q, k, v):
+    """Kernel operands: unit stride in D; fp64 (tests) runs in fp32. Returns (q, k, v, F32)."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if q.dtype == torch.float64:
+        q, k, v = q.float(), k.float(), v.float()
+    return q, k, v, q.dtype == torch.float32
+
+
+def _check(q, k, v, idx, qpos, koff, block_size):
+    B, HQ, T, D = q.shape
+    H = k.shape[1]
+    if HQ % H or k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"q {tuple(q.shape)} and k, v {tuple(k.shape)}, {tuple(v.shape)} do not match "
+                         "([B, HQ, T, D] and [B, H, S, D] with HQ a multiple of H)")
+    if tuple(idx.shape[:3]) != (B, T, H) or idx.dtype != torch.int32:
+        raise ValueError(f"idx must be int32 [B, T, H, NSEL] = [{B}, {T}, {H}, NSEL], got {idx.dtype} "
+                         f"{tuple(idx.shape)}")
+    if tuple(qpos.shape) != (B, T) or qpos.dtype != torch.int32 or tuple(koff.shape) != (B,) \
+            or koff.dtype != torch.int32:
+        raise ValueError("qpos must be int32 [B, T] and koff int32 [B]")
+    if D & (D - 1) or D < 16 or block_size & (block_size - 1) or block_size < 16:
+        raise ValueError(f"head_dim {D} and block_size {block_size} must be powers of two >= 16")
+
+
+def _launch(q, k, pairs: BlockPairs, nsel: int, block_size: int, plan: BlocksPlan, f32: bool):
+    """The segment table and the launch arguments shared by both forward passes."""
+    B, HQ, T, D = q.shape
+    H, S = k.shape[1], k.shape[2]
+    G = HQ // H
+    seg_pairs = plan.seg_pairs(G)
+    seg_key, seg_first, seg_count = segments(pairs, seg_pairs)
+    common = (T, H, pairs.num_windows, pairs.num_blocks, nsel, S, 1.0 / math.sqrt(D))
+    meta = dict(G=G, R=plan.rows, BMQ=plan.tokens(G), D=D, BS=block_size, SEGP=triton.next_power_of_2(seg_pairs),
+                F32=f32, PREC=plan.precision, num_warps=plan.warps, num_stages=plan.stages)
+    return (seg_key.numel(),), (pairs.pairs, seg_key, seg_first, seg_count), common, meta
+
+
+def lse_pass(q, k, pairs: BlockPairs, qpos, koff, nsel: int, block_size: int, plan: BlocksPlan, f32: bool,
+             launch=None):
+    """Pass 1: the log-sum-exp [B, T, HQ] fp32 of each row over its selected causal keys (0 for a
+    row without any). q, k: kernel operands (`_operands`); `launch`: `_launch`'s result, if made."""
+    B, HQ, T, D = q.shape
+    H = k.shape[1]
+    grid, seg, common, meta = launch or _launch(q, k, pairs, nsel, block_size, plan, f32)
+    lse_slot = torch.full((B, T, H, nsel, HQ // H), float("-inf"), device=q.device, dtype=torch.float32)
+    blocks_lse_kernel[grid](
+        q, k, *seg, qpos, koff, lse_slot,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *common, **meta,
+    )
+    lse = torch.logsumexp(lse_slot, dim=3)  # [B, T, H, G]
+    return torch.where(torch.isfinite(lse), lse, 0.0).reshape(B, T, HQ).contiguous()
+
+
+def out_pass(q, k, v, pairs: BlockPairs, qpos, koff, lse, nsel: int, use_rla: bool, block_size: int,
+             plan: BlocksPlan, f32: bool, launch=None):
+    """Pass 2: (o_sp, otilde or None) [B, T, HQ, D] fp32 given the rows' log-sum-exp lse [B, T, HQ]."""
+    B, HQ, T, D = q.shape
+    grid, seg, common, meta = launch or _launch(q, k, pairs, nsel, block_size, plan, f32)
+    o = torch.zeros(B, T, HQ, D, device=q.device, dtype=torch.float32)
+    ot = torch.zeros_like(o) if use_rla else o
+    blocks_out_kernel[grid](
+        q, k, v, *seg, qpos, koff, lse, o, ot,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *common, USE_RLA=use_rla, **meta,
+    )
+    return o, (ot if use_rla else None)
+
+
+def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: int, plan: BlocksPlan | None = None,
+                          pairs: BlockPairs | None = None):
+    """The sparse branch and the correction over the selected pairs (module docstring), same operands
+    as `triton_parallel.sparse_forward`. Returns (o_sp [B, T, HQ, D] normalised, otilde or None
+    [B, T, HQ, D], lse [B, T, HQ]; fp32) and the inverted selection (`BlockPairs`, for the backward).
+    Rows without a causal selected key (padded queries) get o_sp = otilde = 0 and lse = 0."""
+    _check(q, k, v, idx, qpos, koff, block_size)
+    q, k, v, f32 = _operands(q, k, v)
+    B, HQ, T, D = q.shape
+    S = k.shape[2]
+    if plan is None:
+        plan = blocks_plan(T, HQ // k.shape[1], D, q.device, use_rla)
+    if pairs is None:
+        pairs = block_pairs(idx, qpos, triton.cdiv(S, block_size), block_size, plan.window, plan.sort)
+    nsel = idx.shape[-1]
+    launch = _launch(q, k, pairs, nsel, block_size, plan, f32)
+    lse = lse_pass(q, k, pairs, qpos, koff, nsel, block_size, plan, f32, launch)
+    o, ot = out_pass(q, k, v, pairs, qpos, koff, lse, nsel, use_rla, block_size, plan, f32, launch)
+    return o, ot, lse, pairs
+
+
+class BlocksSparseAttention(torch.autograd.Function):
+    """The sparse branch and the correction otilde over the selected pairs, forward and backward
+    (`triton_blocks_bwd`). The selection (idx) carries no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, plan):
+        o, ot, lse, pairs = blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, plan)
+        ctx.save_for_backward(q, k, v, qpos, koff, o, lse, pairs.pairs, pairs.starts)
+        ctx.use_rla, ctx.block_size, ctx.plan = use_rla, block_size, plan
+        ctx.pair_meta = (pairs.window, pairs.num_windows, pairs.num_blocks, idx.shape[-1])
+        return o, ot
+
+    @staticmethod
+    def backward(ctx, do, dot_):
+        from .triton_blocks_bwd import blocks_sparse_backward
+
+        q, k, v, qpos, koff, o, lse, pair_list, starts = ctx.saved_tensors
+        window, nw, nb, nsel = ctx.pair_meta
+        pairs = BlockPairs(pair_list, starts, window, nw, nb)
+        dq, dk, dv = blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs, nsel, do, dot_, ctx.use_rla,
+                                            ctx.block_size, ctx.plan)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def blocks_sparse_attention(q, k, v, idx, qpos, koff, use_rla: bool, block_size: int, *,
+                            precision: str | None = None, plan: BlocksPlan | None = None):
+    """The block-major form of `triton_tile.tile_sparse_attention` (same operands: q [B, HQ, T, D],
+    k, v [B, H, S, D] views with unit stride in D, idx [B, T, H, NSEL] int32, qpos [B, T] int32, koff
+    [B] int32): (o_sp, otilde or None) [B, T, HQ, D] fp32, differentiable w.r.t. q, k, v through
+    `BlocksSparseAttention` when gradients are needed, else the forward alone. `precision` of fp32
+    inputs' dots: "tf32" (default on CUDA) or "ieee" (default elsewhere); fp64 inputs run in fp32
+    with "ieee" dots. `plan`: launch settings (default `blocks_plan` of the shapes)."""
+    B, HQ, T, D = q.shape
+    G = HQ // k.shape[1]
+    if q.dtype == torch.float64:
+        precision = "ieee"
+    if plan is None:
+        plan = blocks_plan(T, G, D, q.device, use_rla, precision=precision)
+    elif precision is not None:
+        plan = replace(plan, precision=precision)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return BlocksSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, plan)
+    o, ot, _, _ = blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, plan)
+    return o, ot
