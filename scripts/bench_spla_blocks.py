@@ -39,8 +39,24 @@ if not torch.cuda.is_available():  # the Triton interpreter on CPU (--quick); se
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from subquadratic.kernels.spla.triton_blocks import _add_rows  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def probe_kernel(OUT, ROWS, R: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
+    """One [R, D] tile of ones x program id added (MODE >= 0: `_add_rows` ATOMICS) or stored (MODE < 0)
+    to the rows ROWS[program * R:][:R] of OUT [rows, D]."""
+    r = tl.load(ROWS + tl.program_id(0) * R + tl.arange(0, R))
+    x = tl.full([R, D], 1.0, tl.float32) * tl.program_id(0).to(tl.float32)
+    if MODE < 0:
+        tl.store(OUT + r[:, None] * D + tl.arange(0, D)[None, :], x)
+    else:
+        _add_rows(OUT, r, x, r >= 0, D, MODE)
 
 
 def timed(fn, quick: bool) -> float:
@@ -226,8 +242,8 @@ def stages(q, k, v, idx, qpos, koff, bs, plan, g1, g2) -> dict:
     NB = -(-k.shape[2] // bs)
     out = {}
     for sort in ("sort", "count"):
-        out[f"st_pairs_{sort}"] = timed(lambda sort=sort: triton_blocks.block_pairs(idx, qpos, NB, bs, plan.window, sort),
-                                        False)
+        out[f"st_pairs_{sort}"] = timed(
+            lambda sort=sort: triton_blocks.block_pairs(idx, qpos, NB, bs, plan.window, sort), False)
     bp = triton_blocks.block_pairs(idx, qpos, NB, bs, plan.window, plan.sort)
     nsel, G = idx.shape[-1], q.shape[1] // k.shape[1]
     out["st_segments"] = timed(lambda: triton_blocks.segments(bp, plan.seg_pairs(G)), False)
@@ -242,19 +258,47 @@ def stages(q, k, v, idx, qpos, koff, bs, plan, g1, g2) -> dict:
     return out
 
 
+def atomics_probe(quick: bool) -> list[dict]:
+    """The rate of fp32 atomic adds of [64, 128] row tiles (the kernels' O / dq updates, through
+    `triton_blocks._add_rows`: scalar tl.atomic_add or red.global.add.v4.f32) into a [32768 x 32, 128]
+    buffer (the O of 32k tokens x 32 heads, 537 MB), rows drawn at random inside a window of
+    4096 x 32 rows (what the window order gives) or over the whole buffer, and plain stores to random
+    rows, over 2^31 adds (32k forward's O: T x HQ x NSEL x D)."""
+    n_rows, D, R = (1024 if quick else 32768 * 32), 128, 64
+    adds = n_rows * 16 * D
+    out = torch.zeros(n_rows, D, device=DEV)
+    progs = adds // (R * D)
+    res = []
+    modes = [0, 2] if quick else [0, 1]
+    for what, window, mode in [(f"atomics {m}, rows in a window", 4096 * 32, m) for m in modes] + [
+            (f"atomics {m}, rows anywhere", n_rows, m) for m in modes] + [("store, rows anywhere", n_rows, -1)]:
+        window = min(window, n_rows)
+        base = torch.arange(progs, device=DEV) * (n_rows // window) // progs * window  # the windows in order
+        rows = (base[:, None] + torch.randint(0, window, (progs, R), device=DEV)).clamp(max=n_rows - 1)
+        rows = rows.to(torch.int32).contiguous()
+        ms = timed(lambda rows=rows, mode=mode: probe_kernel[(progs,)](out, rows, R=R, D=D, MODE=mode, num_warps=4),
+                   quick)
+        res.append(dict(what=what, ms=ms, adds_per_s=adds / (ms * 1e-3)))
+        print(f"atomics probe: {what:30} {ms:8.3f} ms for {adds / 1e9:.2f}G fp32 ({adds / (ms * 1e6):.3g} G/s)",
+              flush=True)
+    return res
+
+
 def make_qkv(B, T, HQ, H, D, seed, dtype=torch.bfloat16):
     """Fresh random q [B, HQ, T, D], k, v [B, H, T, D] as views of token-major [B, T, heads, D] tensors."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     return tuple(torch.randn(B, T, n, D, device=DEV, generator=g).to(dtype).transpose(1, 2) for n in (HQ, H, H))
 
 
-SWEEP = [dict(), dict(rows=64, warps=4), dict(rows=128, warps=4), dict(stages=2), dict(bwd_rows=128),
-         dict(bwd_rows=32, bwd_warps=4), dict(bwd_warps=4), dict(window=1024), dict(window=16384),
-         dict(sort="count"), dict(seg_chunks=1, bwd_seg_chunks=4), dict(seg_chunks=16, bwd_seg_chunks=16)]
+#: Block-major plans that --sweep times (overrides of the default `blocks_plan`), most telling first.
+SWEEP = [dict(), dict(prefetch=False), dict(bwd_rows=64, bwd_warps=8), dict(window=8192),
+         dict(seg_chunks=32, bwd_seg_chunks=32), dict(atomics="scalar"), dict(bwd="fused"), dict(bwd="split"),
+         dict(rows=128, warps=8), dict(dkdv_keys=32), dict(seg_chunks=4, bwd_seg_chunks=8), dict(sort="count")]
 
 
-def sweep(q, k, v, idx, bs, quick) -> list[dict]:
-    """Forward and forward + backward of the block-major form under each plan of SWEEP."""
+def sweep(q, k, v, idx, bs, quick, which: str = "all") -> list[dict]:
+    """Forward and forward + backward of the block-major form under the plans of SWEEP ("all" or a
+    comma list of indices)."""
     from subquadratic.kernels.spla import triton_blocks
 
     B, HQ, T, D = q.shape
@@ -263,7 +307,8 @@ def sweep(q, k, v, idx, bs, quick) -> list[dict]:
     koff = torch.zeros(B, dtype=torch.int32, device=DEV)
     g1, g2 = (torch.randn(B, T, HQ, D, device=DEV) for _ in range(2))
     rows = []
-    for over in SWEEP[:2] if quick else SWEEP:
+    plans = SWEEP if which == "all" else [SWEEP[int(i)] for i in which.split(",")]
+    for over in plans[:2] if quick else plans:
         plan = triton_blocks.blocks_plan(T, G, D, DEV, **over)
 
         def fwd(plan=plan):
@@ -317,7 +362,8 @@ def summary(rows: list[dict]) -> None:
             continue
         st = " ".join(f"{k[3:]}={r[k]:.3f}" for k in r if k.startswith("st_"))
         print(f"  {r['case']:10} T={r['T']}: pairs {r['pairs'] / 1e6:.2f}M, TFLOP fwd {r['flops_fwd'] / 1e12:.3f} / "
-              f"{r['issued_flops_fwd'] / 1e12:.3f}, bwd {r['flops_bwd'] / 1e12:.3f} / {r['issued_flops_bwd'] / 1e12:.3f}; "
+              f"{r['issued_flops_fwd'] / 1e12:.3f}, bwd {r['flops_bwd'] / 1e12:.3f} / "
+              f"{r['issued_flops_bwd'] / 1e12:.3f}; "
               f"GB fwd {r['bytes_fwd'] / 1e9:.2f}, bwd {r['bytes_bwd'] / 1e9:.2f}; atomics fwd "
               f"{r['atomics_fwd'] / 1e9:.2f}, bwd {r['atomics_bwd'] / 1e9:.2f}; {st}")
 
@@ -327,8 +373,10 @@ def main() -> None:
     ap.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths (default 32768 65536)")
     ap.add_argument("--data", nargs="+", default=["iid", "sel"], choices=["iid", "sel"])
     ap.add_argument("--real", default=None, help="a scripts/dump_spla_inputs.py file: time every layer of it")
-    ap.add_argument("--sweep", action="store_true", help="time block-major launch plans on the first iid case")
+    ap.add_argument("--sweep", nargs="?", const="all", default=None,
+                    help="time block-major launch plans (SWEEP, or a comma list of its indices) on the first iid case")
     ap.add_argument("--no-check", action="store_true", help="skip the values/gradients comparison")
+    ap.add_argument("--atomics", action="store_true", help="measure the fp32 atomic-add rate first")
     ap.add_argument("--out", default=None, help="write the rows as JSON")
     ap.add_argument("--quick", action="store_true", help="tiny shapes in the CPU interpreter (smoke run)")
     args = ap.parse_args()
@@ -340,6 +388,7 @@ def main() -> None:
     else:
         B, HQ, H, D, bs, top, Ts, dtype = 1, 32, 8, 128, 64, 16, args.T or [32768, 65536], torch.bfloat16
     rows, sweeps = [], []
+    probes = attempt("atomics probe", lambda: atomics_probe(quick), []) if args.atomics else []
     for T in Ts:
         for kind in args.data:
             q, k, v = make_qkv(B, T, HQ, H, D, seed=T + len(kind), dtype=dtype)
@@ -348,14 +397,14 @@ def main() -> None:
             else:
                 idx = package_selection(q.transpose(1, 2), k.transpose(1, 2), bs, top, 1, 2)
             if args.sweep and kind == "iid" and not sweeps:
-                sweeps = sweep(q, k, v, idx, bs, quick)
+                sweeps = sweep(q, k, v, idx, bs, quick, args.sweep)
             rows.append(run_case(kind, q, k, v, idx, bs, quick, check=not args.no_check))
             del q, k, v, idx
     if args.real:
         for label, q, k, v, idx, bs_r in real_cases(args.real, quick):
             rows.append(run_case(label, q, k, v, idx, bs_r, quick, check=not args.no_check))
     meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
-                torch=torch.__version__, triton=__import__("triton").__version__)
+                torch=torch.__version__, triton=triton.__version__)
     print(json.dumps(meta))
     if sweeps:
         print("\nblock-major plans (first iid case), ms: " + "; ".join(
@@ -363,7 +412,7 @@ def main() -> None:
     summary(rows)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, sweep=sweeps), f, indent=2, default=str)
+            json.dump(dict(meta=meta, rows=rows, sweep=sweeps, atomics=probes), f, indent=2, default=str)
 
 
 if __name__ == "__main__":

@@ -66,19 +66,32 @@ class BlocksPlan:
     in flight touch); sort: "sort" (stable torch.sort) or "count" (counting sort with atomics);
     warps / bwd_warps, stages / bwd_stages: num_warps and num_stages of the forward / backward
     kernels; precision: dot precision of fp32
-    operands, "tf32" or "ieee" (16-bit operands always run on the tensor cores, fp32 accumulation)."""
+    operands, "tf32" or "ieee" (16-bit operands always run on the tensor cores, fp32 accumulation);
+    lse_rows / lse_warps: rows and warps of pass 1 (same segments as pass 2); bwd: "fused" (one
+    backward kernel), "split" (dq, then dk/dv over parts of dkdv_keys keys of the block) or "split3"
+    (dq, then dk/dv of each branch apart);
+    atomics: how rows are added to O, otilde, dq, dk, dv (`_add_rows`): "scalar", "v4" (sm_90 vector
+    reductions) or "v4-split" (v4's column split with scalar atomics, for the interpreter);
+    prefetch: each chunk loop loads the next chunk's pair list and positions during the current
+    chunk (one dependent global load less per chunk, a few more registers)."""
 
-    rows: int = 128
-    bwd_rows: int = 64
-    seg_chunks: int = 4
-    bwd_seg_chunks: int = 8
+    rows: int = 64
+    bwd_rows: int = 32
+    seg_chunks: int = 16
+    bwd_seg_chunks: int = 16
     window: int = 4096
     sort: str = "sort"
-    warps: int = 8
-    bwd_warps: int = 8
+    warps: int = 4
+    bwd_warps: int = 4
     stages: int = 1
     bwd_stages: int = 1
     precision: str = "tf32"
+    lse_rows: int = 128
+    lse_warps: int = 8
+    bwd: str = "split3"
+    dkdv_keys: int = 64
+    atomics: str = "scalar"
+    prefetch: bool = True
 
     def tokens(self, G: int, backward: bool = False) -> int:
         """Tokens of one chunk: rows // G, at least 1."""
@@ -89,6 +102,9 @@ class BlocksPlan:
         return self.tokens(G, backward) * (self.bwd_seg_chunks if backward else self.seg_chunks)
 
 
+#: `BlocksPlan.atomics` -> the ATOMICS constexpr of `_add_rows`.
+ATOMIC_MODES = {"scalar": 0, "v4": 1, "v4-split": 2}
+
 #: Output bytes per KV head that the pair order keeps in flight (window x G x D fp32 rows, O and
 #: otilde): the default window holds that much, a fraction of the H200's 50 MB of L2.
 WINDOW_BYTES = 16 << 20
@@ -96,28 +112,39 @@ WINDOW_BYTES = 16 << 20
 
 def blocks_plan(T: int, G: int, D: int, device: torch.device | str, use_rla: bool = True, *,
                 precision: str | None = None, **overrides) -> BlocksPlan:
-    """The launch settings for T queries of a GQA group of G heads of dimension D: rows of 128 (64
-    beyond d128) forward and 64 (32 beyond d128) backward, at least G; a window of WINDOW_BYTES of
-    output rows per KV head (a power of two in [256, 16384]); `precision` of fp32 dots: "tf32" on
-    CUDA, "ieee" elsewhere (the CPU interpreter, where the fp64-oracle tests run). `overrides`:
-    any field of `BlocksPlan`."""
+    """The launch settings for T queries of a GQA group of G heads of dimension D, chosen where the
+    kernels compile for sm_90 without register spills (or with the fewest) and measured fastest on
+    the H200 (scripts/bench_spla_blocks.py --sweep): see the defaults below. Vector atomics ("v4") on
+    sm_90 and later; a window of WINDOW_BYTES of output rows per KV head (a power of two in [256,
+    16384]); `precision` of fp32 dots: "tf32" on CUDA, "ieee" elsewhere (the CPU interpreter, where
+    the fp64-oracle tests run). `overrides`: any field of `BlocksPlan`."""
+    device = torch.device(device)
     if precision is None:
-        precision = "tf32" if torch.device(device).type == "cuda" else "ieee"
-    if precision not in ("tf32", "ieee"):
-        raise ValueError(f"precision must be 'tf32' or 'ieee', got {precision!r}")
-    rows = max(16, triton.next_power_of_2(G), 128 if D <= 128 else 64)
-    bwd_rows = max(16, triton.next_power_of_2(G), 64 if D <= 128 else 32)
+        precision = "tf32" if device.type == "cuda" else "ieee"
+    vec = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    gp = triton.next_power_of_2(G)
+    # pass 2 on 128 rows (d <= 64), 64 (d128) or 32 (d256); the backward as "split3" on 32 rows of
+    # 4 warps over whole blocks (48.4 ms against 57-68 ms for the other splits and the fused kernel,
+    # 32k iid, H200); 16 chunks per segment (pass 2: 13.1 ms against 14.3 ms with 4)
+    rows, warps = (128, 8) if D <= 64 else (64, 4) if D <= 128 else (32, 4)
     per_token = G * D * 4 * (2 if use_rla else 1)
     window = 1 << max(8, min(14, (WINDOW_BYTES // per_token).bit_length() - 1))
-    plan = BlocksPlan(rows=rows, bwd_rows=bwd_rows, window=window, precision=precision,
-                      bwd_warps=8 if D >= 64 else 4, warps=8 if D >= 64 else 4)
+    plan = BlocksPlan(rows=max(rows, gp, 16), warps=warps, bwd_rows=max(32, gp), bwd_warps=4, window=window,
+                      precision=precision, lse_rows=max(128, gp), lse_warps=8 if D >= 64 else 4, seg_chunks=16,
+                      bwd_seg_chunks=16, bwd="split3", dkdv_keys=64, atomics="v4" if vec else "scalar")
     plan = replace(plan, **overrides)
     if plan.sort not in ("sort", "count"):
         raise ValueError(f"sort must be 'sort' or 'count', got {plan.sort!r}")
     if plan.precision not in ("tf32", "ieee"):
         raise ValueError(f"precision must be 'tf32' or 'ieee', got {plan.precision!r}")
-    if min(plan.rows, plan.bwd_rows) < 16 or max(plan.rows, plan.bwd_rows) & (max(plan.rows, plan.bwd_rows) - 1):
-        raise ValueError(f"rows and bwd_rows must be powers of two >= 16, got {plan.rows}, {plan.bwd_rows}")
+    if plan.atomics not in ATOMIC_MODES:
+        raise ValueError(f"atomics must be one of {sorted(ATOMIC_MODES)}, got {plan.atomics!r}")
+    if plan.bwd not in ("fused", "split", "split3"):
+        raise ValueError(f"bwd must be 'fused', 'split' or 'split3', got {plan.bwd!r}")
+    for name in ("rows", "bwd_rows", "lse_rows", "dkdv_keys"):
+        n = getattr(plan, name)
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {n}")
     return plan
 
 
@@ -238,10 +265,11 @@ def _dot(a, b, F32: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, PAIRS, QPOS, KOFF, T, H, NW, NB, NSEL, S, BS: tl.constexpr,
-             SEGP: tl.constexpr):
-    """Segment of this program: (b, h, block, first sorted position, count, koff, key positions [BS],
-    which key slots to load [BS]: those up to the segment's last causal key, inside the cache)."""
+def _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS: tl.constexpr, BSK: tl.constexpr):
+    """Segment of this program (program_id(0)) and its part program_id(1) of BSK keys of the block:
+    (b, h, first sorted position, count, koff, key positions [BSK], which key slots to load [BSK]:
+    those up to the row's last query position ROWMAX[b], inside the cache; later slots may hold
+    anything, a static cache's unwritten memory too)."""
     s = tl.program_id(0)
     key = tl.load(SEG_KEY + s)
     first = tl.load(SEG_FIRST + s)
@@ -251,12 +279,8 @@ def _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, PAIRS, QPOS, KOFF, T, H, NW, NB, NSE
     b = bh // H
     h = bh % H
     koff = tl.load(KOFF + b)
-    sp = tl.arange(0, SEGP)
-    e = tl.load(PAIRS + first + sp, mask=sp < count, other=0)
-    tp = tl.load(QPOS + b * T + (e // (H * NSEL)) % T, mask=sp < count, other=-1)
-    tmax = tl.max(tp, 0)
-    pos = blk * BS + tl.arange(0, BS)
-    kload = (pos <= tmax) & (koff + pos < S)
+    pos = blk * BS + tl.program_id(1) * BSK + tl.arange(0, BSK)
+    kload = (pos <= tl.load(ROWMAX + b)) & (koff + pos < S)
     return b, h, first, count, koff, pos, kload
 
 
@@ -264,61 +288,93 @@ def _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, PAIRS, QPOS, KOFF, T, H, NW, NB, NSE
 def _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b,
                 G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr):
     """Rows (token, head) of the chunk at sorted positions [first + c0, first + c0 + BMQ): per row the
-    pair e, its token t, its slot i, the token's position, the head within the group g, and whether
-    the row is real."""
+    pair e, its token t, the token's position, the head within the group g, and whether the row is
+    real."""
     r = tl.arange(0, R)
     m = r // G
     g = r % G
     ok = (m < BMQ) & (c0 + m < count)
     e = tl.load(PAIRS + first + c0 + m, mask=ok, other=0)
     t = (e // (H * NSEL)) % T
-    i = e % NSEL
     tpos = tl.load(QPOS + b * T + t, mask=ok, other=-1)
-    return e, t, i, tpos, g, ok
+    return e, t, tpos, g, ok
+
+
+@triton.jit
+def _add_rows(OUT, row, x, ok, D: tl.constexpr, ATOMICS: tl.constexpr):
+    """OUT[row[r] * D + d] += x[r, d] for the rows r with ok[r] (x [R, D] fp32), with fp32 atomics:
+    ATOMICS 0: tl.atomic_add (one float per instruction); 1: red.global.add.v4.f32 (sm_90: four
+    consecutive floats per instruction); 2: the same split of x into four columns as 1 with one
+    tl.atomic_add per column (what the interpreter can run: it checks the split)."""
+    if ATOMICS == 0:
+        tl.atomic_add(OUT + row[:, None] * D + tl.arange(0, D)[None, :], x, mask=ok[:, None], sem="relaxed")
+    else:
+        R: tl.constexpr = x.shape[0]
+        a, b = tl.split(tl.reshape(x, [R, D // 4, 2, 2]))  # x[r, 4c + 2i + j] -> a: j = 0, b: j = 1
+        x0, x2 = tl.split(a)
+        x1, x3 = tl.split(b)
+        p = OUT + row[:, None] * D + (tl.arange(0, D // 4) * 4)[None, :]  # [R, D // 4]: column 4c
+        m = tl.broadcast_to(ok[:, None], [R, D // 4])
+        if ATOMICS == 1:
+            tl.inline_asm_elementwise(
+                asm="{ .reg .pred p; setp.ne.b32 p, $6, 0; "
+                    "@p red.global.gpu.relaxed.add.v4.f32 [$1], {$2, $3, $4, $5}; mov.u32 $0, 0; }",
+                constraints="=r,l,f,f,f,f,r", args=[p.to(tl.int64), x0, x1, x2, x3, m.to(tl.int32)], dtype=tl.int32,
+                is_pure=False, pack=1)
+        else:
+            tl.atomic_add(p, x0, mask=m, sem="relaxed")
+            tl.atomic_add(p + 1, x1, mask=m, sem="relaxed")
+            tl.atomic_add(p + 2, x2, mask=m, sem="relaxed")
+            tl.atomic_add(p + 3, x3, mask=m, sem="relaxed")
 
 
 @triton.jit
 def blocks_lse_kernel(
-    Q, K, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, LSE_SLOT,
+    Q, K, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE_SLOT,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks,
     T, H, NW, NB, NSEL, S, scale,
     G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    SEGP: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+    F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Pass 1, one segment: the log-sum-exp of the scores of each (token, head, slot) over the
     segment's block (causal keys only) into LSE_SLOT [B, T, H, NSEL, G] at e * G + g."""
-    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, PAIRS, QPOS, KOFF, T, H,
-                                                    NW, NB, NSEL, S, BS, SEGP)
+    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BS)
     d = tl.arange(0, D)
     b64 = b.to(tl.int64)
     slot = koff + pos
     k = tl.load(K + b64 * stride_kb + h * stride_kh + slot[:, None] * stride_ks + d[None, :],
                 mask=kload[:, None], other=0.0)
     kt = tl.trans(k)
+    e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, 0, count, T, H, NSEL, b, G, R, BMQ)
     for c0 in range(0, count, BMQ):
-        e, t, i, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        if not PREFETCH:
+            e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
         q = tl.load(Q + b64 * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
                     mask=ok[:, None], other=0.0)
+        if PREFETCH:  # the next chunk's rows, loaded during this one
+            e_n, t_n, tpos_n, g, ok_n = _chunk_rows(PAIRS, QPOS, first, c0 + BMQ, count, T, H, NSEL, b, G, R,
+                                                    BMQ)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
         sc = tl.where(mask, _dot(q, kt, F32, PREC) * scale, NEG)
         mx = tl.max(sc, 1)
         lsum = tl.sum(tl.where(mask, tl.exp(sc - mx[:, None]), 0.0), 1)
         tl.store(LSE_SLOT + e * G + g, mx + tl.log(tl.maximum(lsum, 1e-30)), mask=ok)
+        if PREFETCH:
+            e, t, tpos, ok = e_n, t_n, tpos_n, ok_n
 
 
 @triton.jit
 def blocks_out_kernel(
-    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, LSE, OUT, OT,
+    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, OUT, OT,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     T, H, NW, NB, NSEL, S, scale,
     G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    SEGP: tl.constexpr, USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Pass 2, one segment: P = exp(S - lse) of each row (LSE [B, T, HQ], over all its slots), then
     OUT += P V and, with USE_RLA, OT += (phi(q) phi(k)^T masked) V (OUT, OT: [B, T, HQ, D] fp32, zeroed
     by the caller, fp32 atomics)."""
-    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, PAIRS, QPOS, KOFF, T, H,
-                                                    NW, NB, NSEL, S, BS, SEGP)
+    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BS)
     d = tl.arange(0, D)
     b64 = b.to(tl.int64)
     slot = koff + pos
@@ -330,20 +386,26 @@ def blocks_out_kernel(
     if USE_RLA:
         phikt = tl.trans(_softmax_rows(k).to(k.dtype))
     HQ = H * G
+    _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, 0, count, T, H, NSEL, b, G, R, BMQ)
     for c0 in range(0, count, BMQ):
-        e, t, i, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        if not PREFETCH:
+            _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
         head = h * G + g
         q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
                     mask=ok[:, None], other=0.0)
+        if PREFETCH:  # the next chunk's rows, loaded during this one
+            _, t_n, tpos_n, g, ok_n = _chunk_rows(PAIRS, QPOS, first, c0 + BMQ, count, T, H, NSEL, b, G, R,
+                                                  BMQ)
         row = (b64 * T + t) * HQ + head
         lse = tl.load(LSE + row, mask=ok, other=0.0)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
         p = tl.where(mask, tl.exp(_dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)
-        out = row[:, None] * D + d[None, :]
-        tl.atomic_add(OUT + out, _dot(p, v, F32, PREC), mask=ok[:, None], sem="relaxed")
+        _add_rows(OUT, row, _dot(p, v, F32, PREC), ok, D, ATOMICS)
         if USE_RLA:
             a = tl.where(mask, _dot(_softmax_rows(q), phikt, F32, PREC), 0.0)
-            tl.atomic_add(OT + out, _dot(a, v, F32, PREC), mask=ok[:, None], sem="relaxed")
+            _add_rows(OT, row, _dot(a, v, F32, PREC), ok, D, ATOMICS)
+        if PREFETCH:
+            t, tpos, ok = t_n, tpos_n, ok_n
 
 
 def _operands(q, k, v):
@@ -371,16 +433,26 @@ def _check(q, k, v, idx, qpos, koff, block_size):
 
 
 def _launch(q, k, pairs: BlockPairs, nsel: int, block_size: int, plan: BlocksPlan, f32: bool):
-    """The segment table and the launch arguments shared by both forward passes."""
+    """The segment table and the launch arguments of both forward passes: (grid, segment operands,
+    scalars, pass-1 constexprs, pass-2 constexprs)."""
     B, HQ, T, D = q.shape
     H, S = k.shape[1], k.shape[2]
     G = HQ // H
     seg_pairs = plan.seg_pairs(G)
     seg_key, seg_first, seg_count = segments(pairs, seg_pairs)
     common = (T, H, pairs.num_windows, pairs.num_blocks, nsel, S, 1.0 / math.sqrt(D))
-    meta = dict(G=G, R=plan.rows, BMQ=plan.tokens(G), D=D, BS=block_size, SEGP=triton.next_power_of_2(seg_pairs),
-                F32=f32, PREC=plan.precision, num_warps=plan.warps, num_stages=plan.stages)
-    return (seg_key.numel(),), (pairs.pairs, seg_key, seg_first, seg_count), common, meta
+    meta = dict(G=G, D=D, BS=block_size, F32=f32, PREC=plan.precision, PREFETCH=plan.prefetch)
+    lse_rows = max(plan.lse_rows, triton.next_power_of_2(G))
+    meta1 = dict(meta, R=lse_rows, BMQ=max(1, lse_rows // G), num_warps=plan.lse_warps, num_stages=plan.stages)
+    meta2 = dict(meta, R=plan.rows, BMQ=plan.tokens(G), num_warps=plan.warps, num_stages=plan.stages,
+                 ATOMICS=ATOMIC_MODES[plan.atomics])
+    return (seg_key.numel(), 1), (pairs.pairs, seg_key, seg_first, seg_count), common, meta1, meta2
+
+
+def row_max(qpos: torch.Tensor) -> torch.Tensor:
+    """The last query position of each row [B] int32 (-1 for a row of padding): the kernels load key
+    slots up to it only."""
+    return qpos.amax(1).to(torch.int32) if qpos.shape[1] else qpos.new_full((qpos.shape[0],), -1)
 
 
 def lse_pass(q, k, pairs: BlockPairs, qpos, koff, nsel: int, block_size: int, plan: BlocksPlan, f32: bool,
@@ -389,10 +461,10 @@ def lse_pass(q, k, pairs: BlockPairs, qpos, koff, nsel: int, block_size: int, pl
     row without any). q, k: kernel operands (`_operands`); `launch`: `_launch`'s result, if made."""
     B, HQ, T, D = q.shape
     H = k.shape[1]
-    grid, seg, common, meta = launch or _launch(q, k, pairs, nsel, block_size, plan, f32)
+    grid, seg, common, meta, _ = launch or _launch(q, k, pairs, nsel, block_size, plan, f32)
     lse_slot = torch.full((B, T, H, nsel, HQ // H), float("-inf"), device=q.device, dtype=torch.float32)
     blocks_lse_kernel[grid](
-        q, k, *seg, qpos, koff, lse_slot,
+        q, k, *seg, qpos, koff, row_max(qpos), lse_slot,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *common, **meta,
     )
     lse = torch.logsumexp(lse_slot, dim=3)  # [B, T, H, G]
@@ -403,11 +475,11 @@ def out_pass(q, k, v, pairs: BlockPairs, qpos, koff, lse, nsel: int, use_rla: bo
              plan: BlocksPlan, f32: bool, launch=None):
     """Pass 2: (o_sp, otilde or None) [B, T, HQ, D] fp32 given the rows' log-sum-exp lse [B, T, HQ]."""
     B, HQ, T, D = q.shape
-    grid, seg, common, meta = launch or _launch(q, k, pairs, nsel, block_size, plan, f32)
+    grid, seg, common, _, meta = launch or _launch(q, k, pairs, nsel, block_size, plan, f32)
     o = torch.zeros(B, T, HQ, D, device=q.device, dtype=torch.float32)
     ot = torch.zeros_like(o) if use_rla else o
     blocks_out_kernel[grid](
-        q, k, v, *seg, qpos, koff, lse, o, ot,
+        q, k, v, *seg, qpos, koff, row_max(qpos), lse, o, ot,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *common, USE_RLA=use_rla, **meta,
     )

@@ -1,5 +1,9 @@
-"""Backward of the block-major sparse branch and residual correction (`triton_blocks`): one fused
-kernel over the same segments of (token, slot) pairs, grouped by (batch x KV head, window, block).
+"""Backward of the block-major sparse branch and residual correction (`triton_blocks`) over the same
+segments of (token, slot) pairs, grouped by (batch x KV head, window, block): one fused kernel
+(`blocks_bwd_kernel`, plan bwd="fused"), or `blocks_bwd_dq_kernel` for dq and
+`blocks_bwd_dkdv_kernel` for dk, dv over parts of `dkdv_keys` keys of the block (bwd="split"; with
+bwd="split3" the dk/dv kernel runs once for the softmax branch and once for the correction), which
+recompute P (and A, dA) once more but hold far fewer registers at d128.
 
 Per segment the block's K, V and phi(k) are loaded once and dk, dv of the block accumulate in
 registers over the segment's chunks; per chunk (BMQ tokens x G heads as rows) the kernel recomputes
@@ -19,7 +23,18 @@ import math
 import torch
 
 from ..utils import import_triton
-from .triton_blocks import BlockPairs, BlocksPlan, _chunk_rows, _dot, _operands, _segment, segments
+from .triton_blocks import (
+    ATOMIC_MODES,
+    BlockPairs,
+    BlocksPlan,
+    _add_rows,
+    _chunk_rows,
+    _dot,
+    _operands,
+    _segment,
+    row_max,
+    segments,
+)
 from .triton_common import _softmax_rows
 
 triton, tl = import_triton()
@@ -27,16 +42,144 @@ triton, tl = import_triton()
 
 @triton.jit
 def blocks_bwd_kernel(
-    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, LSE, DELTA, DO, DOT, DQ, DK, DV,
+    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DQ, DK, DV,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     T, H, NW, NB, NSEL, S, scale,
     G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    SEGP: tl.constexpr, USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """dq, dk, dv of one segment through both branches. LSE, DELTA: [B, T, HQ]; DO, DOT: [B, T, HQ, D]
-    fp32; DQ [B, T, HQ, D], DK, DV [B, H, S, D]: fp32, zeroed by the caller, fp32 atomics."""
-    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, PAIRS, QPOS, KOFF, T, H,
-                                                    NW, NB, NSEL, S, BS, SEGP)
+    """dq, dk, dv of one segment through both branches. LSE, DELTA: [B, T, HQ] fp32; DO, DOT: [B, T, HQ, D]
+    in the operands' dtype; DQ [B, T, HQ, D], DK, DV [B, H, S, D]: fp32, zeroed by the caller, fp32 atomics."""
+    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BS)
+    d = tl.arange(0, D)
+    b64 = b.to(tl.int64)
+    slot = koff + pos
+    k = tl.load(K + b64 * stride_kb + h * stride_kh + slot[:, None] * stride_ks + d[None, :],
+                mask=kload[:, None], other=0.0)
+    v = tl.load(V + b64 * stride_vb + h * stride_vh + slot[:, None] * stride_vs + d[None, :],
+                mask=kload[:, None], other=0.0)
+    dk = tl.zeros([BS, D], tl.float32)
+    dv = tl.zeros([BS, D], tl.float32)
+    if USE_RLA:
+        phik = _softmax_rows(k)
+        phik_lp = phik.to(k.dtype)
+        dphik = tl.zeros([BS, D], tl.float32)
+    HQ = H * G
+    _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, 0, count, T, H, NSEL, b, G, R, BMQ)
+    for c0 in range(0, count, BMQ):
+        if not PREFETCH:
+            _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        head = h * G + g
+        q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                    mask=ok[:, None], other=0.0)
+        if PREFETCH:  # the next chunk's rows, loaded during this one
+            _, t_n, tpos_n, g, ok_n = _chunk_rows(PAIRS, QPOS, first, c0 + BMQ, count, T, H, NSEL, b, G, R,
+                                                  BMQ)
+        row = (b64 * T + t) * HQ + head
+        lse = tl.load(LSE + row, mask=ok, other=0.0)
+        delta = tl.load(DELTA + row, mask=ok, other=0.0)
+        rd = row[:, None] * D + d[None, :]
+        do = tl.load(DO + rd, mask=ok[:, None], other=0.0)
+        # key-major tiles [BS, R] (the accumulators' side): P^T, dS^T, A^T, dA^T
+        mask_t = ok[None, :] & (pos[:, None] <= tpos[None, :])
+        p_t = tl.where(mask_t, tl.exp(_dot(k, tl.trans(q), F32, PREC) * scale - lse[None, :]), 0.0)
+        dv += _dot(p_t, do, F32, PREC)
+        ds_t = p_t * (_dot(v, tl.trans(do), F32, PREC) - delta[None, :]) * scale
+        dk += _dot(ds_t, q, F32, PREC)
+        dq = _dot(tl.trans(ds_t.to(k.dtype)), k, F32, PREC)  # [R, D]
+        if USE_RLA:
+            phiq = _softmax_rows(q)
+            phiq_lp = phiq.to(k.dtype)
+            dot_ = tl.load(DOT + rd, mask=ok[:, None], other=0.0)
+            a_t = tl.where(mask_t, _dot(phik_lp, tl.trans(phiq_lp), F32, PREC), 0.0)
+            dv += _dot(a_t, dot_, F32, PREC)
+            da_t = tl.where(mask_t, _dot(v, tl.trans(dot_), F32, PREC), 0.0)
+            dphik += _dot(da_t, phiq_lp, F32, PREC)
+            dphiq = _dot(tl.trans(da_t.to(k.dtype)), phik_lp, F32, PREC)  # [R, D]
+            dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
+        _add_rows(DQ, row, dq, ok, D, ATOMICS)
+        if PREFETCH:
+            t, tpos, ok = t_n, tpos_n, ok_n
+    if USE_RLA:  # the feature map's Jacobian, linear in dphik: once per segment
+        dk += phik * (dphik - tl.sum(dphik * phik, 1)[:, None])
+    krow = (b64 * H + h) * S + slot
+    _add_rows(DK, krow, dk, kload, D, ATOMICS)
+    _add_rows(DV, krow, dv, kload, D, ATOMICS)
+
+
+@triton.jit
+def blocks_bwd_dkdv_kernel(
+    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DK, DV,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    T, H, NW, NB, NSEL, S, scale,
+    G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BSK: tl.constexpr,
+    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr, PREFETCH: tl.constexpr,
+    PART: tl.constexpr,
+):
+    """dk, dv of BSK keys (part program_id(1) of the block) of one segment, key-major tiles [BSK, R]:
+    P^T, dS^T, A^T, dA^T; the feature map's Jacobian applied per chunk. PART 0: both branches, 1: the
+    softmax branch, 2: the correction. Layouts as `blocks_bwd_kernel`."""
+    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BSK)
+    d = tl.arange(0, D)
+    b64 = b.to(tl.int64)
+    slot = koff + pos
+    k = tl.load(K + b64 * stride_kb + h * stride_kh + slot[:, None] * stride_ks + d[None, :],
+                mask=kload[:, None], other=0.0)
+    v = tl.load(V + b64 * stride_vb + h * stride_vh + slot[:, None] * stride_vs + d[None, :],
+                mask=kload[:, None], other=0.0)
+    dk = tl.zeros([BSK, D], tl.float32)
+    dv = tl.zeros([BSK, D], tl.float32)
+    if USE_RLA:
+        phik = _softmax_rows(k)
+        phik_lp = phik.to(k.dtype)
+    HQ = H * G
+    _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, 0, count, T, H, NSEL, b, G, R, BMQ)
+    for c0 in range(0, count, BMQ):
+        if not PREFETCH:
+            _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        head = h * G + g
+        q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                    mask=ok[:, None], other=0.0)
+        if PREFETCH:  # the next chunk's rows, loaded during this one
+            _, t_n, tpos_n, g, ok_n = _chunk_rows(PAIRS, QPOS, first, c0 + BMQ, count, T, H, NSEL, b, G, R,
+                                                  BMQ)
+        row = (b64 * T + t) * HQ + head
+        lse = tl.load(LSE + row, mask=ok, other=0.0)
+        delta = tl.load(DELTA + row, mask=ok, other=0.0)
+        rd = row[:, None] * D + d[None, :]
+        mask_t = ok[None, :] & (pos[:, None] <= tpos[None, :])
+        if PART != 2:
+            do = tl.load(DO + rd, mask=ok[:, None], other=0.0)
+            p_t = tl.where(mask_t, tl.exp(_dot(k, tl.trans(q), F32, PREC) * scale - lse[None, :]), 0.0)
+            dv += _dot(p_t, do, F32, PREC)
+            ds_t = p_t * (_dot(v, tl.trans(do), F32, PREC) - delta[None, :]) * scale
+            dk += _dot(ds_t, q, F32, PREC)
+        if USE_RLA and PART != 1:
+            phiq_lp = _softmax_rows(q).to(k.dtype)
+            dot_ = tl.load(DOT + rd, mask=ok[:, None], other=0.0)
+            a_t = tl.where(mask_t, _dot(phik_lp, tl.trans(phiq_lp), F32, PREC), 0.0)
+            dv += _dot(a_t, dot_, F32, PREC)
+            da_t = tl.where(mask_t, _dot(v, tl.trans(dot_), F32, PREC), 0.0)
+            dphik = _dot(da_t, phiq_lp, F32, PREC)
+            dk += phik * (dphik - tl.sum(dphik * phik, 1)[:, None])
+        if PREFETCH:
+            t, tpos, ok = t_n, tpos_n, ok_n
+    krow = (b64 * H + h) * S + slot
+    _add_rows(DK, krow, dk, kload, D, ATOMICS)
+    _add_rows(DV, krow, dv, kload, D, ATOMICS)
+
+
+@triton.jit
+def blocks_bwd_dq_kernel(
+    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DQ,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    T, H, NW, NB, NSEL, S, scale,
+    G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """dq of one segment's rows (fp32 atomics into DQ [B, T, HQ, D]): dS K * scale and the feature
+    map's Jacobian of dA phi(k). Layouts as `blocks_bwd_kernel`."""
+    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BS)
     d = tl.arange(0, D)
     b64 = b.to(tl.int64)
     slot = koff + pos
@@ -46,43 +189,37 @@ def blocks_bwd_kernel(
                 mask=kload[:, None], other=0.0)
     kt = tl.trans(k)
     vt = tl.trans(v)
-    dk = tl.zeros([BS, D], tl.float32)
-    dv = tl.zeros([BS, D], tl.float32)
     if USE_RLA:
-        phik = _softmax_rows(k)
-        phik_lp = phik.to(k.dtype)
+        phik_lp = _softmax_rows(k).to(k.dtype)
     HQ = H * G
+    _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, 0, count, T, H, NSEL, b, G, R, BMQ)
     for c0 in range(0, count, BMQ):
-        e, t, i, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        if not PREFETCH:
+            _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
         head = h * G + g
         q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
                     mask=ok[:, None], other=0.0)
+        if PREFETCH:  # the next chunk's rows, loaded during this one
+            _, t_n, tpos_n, g, ok_n = _chunk_rows(PAIRS, QPOS, first, c0 + BMQ, count, T, H, NSEL, b, G, R,
+                                                  BMQ)
         row = (b64 * T + t) * HQ + head
         lse = tl.load(LSE + row, mask=ok, other=0.0)
         delta = tl.load(DELTA + row, mask=ok, other=0.0)
         rd = row[:, None] * D + d[None, :]
-        do = tl.load(DO + rd, mask=ok[:, None], other=0.0).to(k.dtype)
+        do = tl.load(DO + rd, mask=ok[:, None], other=0.0)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
-        p = tl.where(mask, tl.exp(_dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)  # [R, BS]
-        dv += _dot(tl.trans(p), do, F32, PREC)
+        p = tl.where(mask, tl.exp(_dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)
         ds = p * (_dot(do, vt, F32, PREC) - delta[:, None]) * scale
         dq = _dot(ds, k, F32, PREC)
-        dk += _dot(tl.trans(ds), q, F32, PREC)
         if USE_RLA:
             phiq = _softmax_rows(q)
-            phiq_lp = phiq.to(k.dtype)
-            dot_ = tl.load(DOT + rd, mask=ok[:, None], other=0.0).to(k.dtype)
-            a = tl.where(mask, _dot(phiq_lp, tl.trans(phik_lp), F32, PREC), 0.0)
-            dv += _dot(tl.trans(a), dot_, F32, PREC)
+            dot_ = tl.load(DOT + rd, mask=ok[:, None], other=0.0)
             da = tl.where(mask, _dot(dot_, vt, F32, PREC), 0.0)
-            dphiq = _dot(da, phik_lp, F32, PREC)  # [R, D]
+            dphiq = _dot(da, phik_lp, F32, PREC)
             dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
-            dphik = _dot(tl.trans(da), phiq_lp, F32, PREC)  # [BS, D]
-            dk += phik * (dphik - tl.sum(dphik * phik, 1)[:, None])
-        tl.atomic_add(DQ + rd, dq, mask=ok[:, None], sem="relaxed")
-    out = ((b64 * H + h) * S + slot)[:, None] * D + d[None, :]
-    tl.atomic_add(DK + out, dk, mask=kload[:, None], sem="relaxed")
-    tl.atomic_add(DV + out, dv, mask=kload[:, None], sem="relaxed")
+        _add_rows(DQ, row, dq, ok, D, ATOMICS)
+        if PREFETCH:
+            t, tpos, ok = t_n, tpos_n, ok_n
 
 
 def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel: int, do, dot_, use_rla: bool,
@@ -95,10 +232,12 @@ def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel:
     H, S = k.shape[1], k.shape[2]
     G = HQ // H
     dev = q.device
-    do = torch.zeros_like(o) if do is None else do.float().contiguous()
+    do = torch.zeros_like(o) if do is None else do.float()
     delta = (do * o).sum(-1).contiguous()  # [B, T, HQ]
+    # the output gradients as dot operands: in the inputs' dtype (fp32 for fp32 inputs)
+    do = do.to(q.dtype).contiguous()
     if use_rla:
-        dot_ = torch.zeros_like(o) if dot_ is None else dot_.float().contiguous()
+        dot_ = torch.zeros_like(do) if dot_ is None else dot_.to(q.dtype).contiguous()
     else:
         dot_ = do
     BMQ = plan.tokens(G, backward=True)
@@ -107,12 +246,21 @@ def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel:
     dq = torch.zeros(B, T, HQ, D, device=dev, dtype=torch.float32)
     dk = torch.zeros(B, H, S, D, device=dev, dtype=torch.float32)
     dv = torch.zeros_like(dk)
-    blocks_bwd_kernel[(seg_key.numel(),)](
-        q, k, v, pairs.pairs, seg_key, seg_first, seg_count, qpos, koff, lse, delta, do, dot_, dq, dk, dv,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        T, H, pairs.num_windows, pairs.num_blocks, nsel, S, 1.0 / math.sqrt(D),
-        G=G, R=plan.bwd_rows, BMQ=BMQ, D=D, BS=block_size, SEGP=triton.next_power_of_2(seg_pairs),
-        USE_RLA=use_rla, F32=f32, PREC=plan.precision, num_warps=plan.bwd_warps, num_stages=plan.bwd_stages,
-    )
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2))
+    common = (T, H, pairs.num_windows, pairs.num_blocks, nsel, S, 1.0 / math.sqrt(D))
+    meta = dict(G=G, R=plan.bwd_rows, BMQ=BMQ, D=D, BS=block_size,
+                USE_RLA=use_rla, F32=f32, PREC=plan.precision, num_warps=plan.bwd_warps, num_stages=plan.bwd_stages,
+                ATOMICS=ATOMIC_MODES[plan.atomics], PREFETCH=plan.prefetch)
+    seg = (q, k, v, pairs.pairs, seg_key, seg_first, seg_count, qpos, koff, row_max(qpos), lse, delta, do, dot_)
+    NSEG = seg_key.numel()
+    if plan.bwd == "fused":
+        blocks_bwd_kernel[(NSEG, 1)](*seg, dq, dk, dv, *strides, *common, **meta)
+    else:  # dq, then dk and dv per part of BSK keys (both branches at once, or one launch per branch)
+        blocks_bwd_dq_kernel[(NSEG, 1)](*seg, dq, *strides, *common, **meta)
+        bsk = min(block_size, plan.dkdv_keys)
+        parts = (0,) if plan.bwd == "split" or not use_rla else (1, 2)
+        for part in parts:
+            blocks_bwd_dkdv_kernel[(NSEG, block_size // bsk)](*seg, dk, dv, *strides, *common, BSK=bsk, PART=part,
+                                                               **meta)
     return dq.transpose(1, 2).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
