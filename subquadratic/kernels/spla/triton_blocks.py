@@ -77,9 +77,9 @@ class BlocksPlan:
 
     rows: int = 64
     bwd_rows: int = 32
-    seg_chunks: int = 16
-    bwd_seg_chunks: int = 16
-    window: int = 4096
+    seg_chunks: int = 32
+    bwd_seg_chunks: int = 32
+    window: int = 8192
     sort: str = "sort"
     warps: int = 4
     bwd_warps: int = 4
@@ -90,6 +90,7 @@ class BlocksPlan:
     lse_warps: int = 8
     bwd: str = "split3"
     dkdv_keys: int = 64
+    dq_keys: int = 64
     atomics: str = "scalar"
     prefetch: bool = True
 
@@ -106,32 +107,37 @@ class BlocksPlan:
 ATOMIC_MODES = {"scalar": 0, "v4": 1, "v4-split": 2}
 
 #: Output bytes per KV head that the pair order keeps in flight (window x G x D fp32 rows, O and
-#: otilde): the default window holds that much, a fraction of the H200's 50 MB of L2.
-WINDOW_BYTES = 16 << 20
+#: otilde): the default window holds that much, under the H200's 50 MB of L2 (8192 tokens at G4 d128;
+#: 4096 and 16384 measured slower at 32k).
+WINDOW_BYTES = 32 << 20
 
 
 def blocks_plan(T: int, G: int, D: int, device: torch.device | str, use_rla: bool = True, *,
-                precision: str | None = None, **overrides) -> BlocksPlan:
+                precision: str | None = None, dtype: torch.dtype = torch.bfloat16, **overrides) -> BlocksPlan:
     """The launch settings for T queries of a GQA group of G heads of dimension D, chosen where the
     kernels compile for sm_90 without register spills (or with the fewest) and measured fastest on
     the H200 (scripts/bench_spla_blocks.py --sweep): see the defaults below. Vector atomics ("v4") on
     sm_90 and later; a window of WINDOW_BYTES of output rows per KV head (a power of two in [256,
     16384]); `precision` of fp32 dots: "tf32" on CUDA, "ieee" elsewhere (the CPU interpreter, where
-    the fp64-oracle tests run). `overrides`: any field of `BlocksPlan`."""
+    the fp64-oracle tests run); fp32 operands (`dtype` fp32 or fp64) at d256 take the backward kernels
+    over half blocks (the shared memory of whole ones is over the H200's 227 KB). `overrides`: any field
+    of `BlocksPlan`."""
     device = torch.device(device)
     if precision is None:
         precision = "tf32" if device.type == "cuda" else "ieee"
     vec = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     gp = triton.next_power_of_2(G)
     # pass 2 on 128 rows (d <= 64), 64 (d128) or 32 (d256); the backward as "split3" on 32 rows of
-    # 4 warps over whole blocks (48.4 ms against 57-68 ms for the other splits and the fused kernel,
-    # 32k iid, H200); 16 chunks per segment (pass 2: 13.1 ms against 14.3 ms with 4)
+    # 4 warps over whole blocks; 32 chunks per segment; 32 MB windows (sweeps at 32k iid, H200:
+    # scripts/bench_spla_blocks.py --sweep)
     rows, warps = (128, 8) if D <= 64 else (64, 4) if D <= 128 else (32, 4)
     per_token = G * D * 4 * (2 if use_rla else 1)
     window = 1 << max(8, min(14, (WINDOW_BYTES // per_token).bit_length() - 1))
     plan = BlocksPlan(rows=max(rows, gp, 16), warps=warps, bwd_rows=max(32, gp), bwd_warps=4, window=window,
-                      precision=precision, lse_rows=max(128, gp), lse_warps=8 if D >= 64 else 4, seg_chunks=16,
-                      bwd_seg_chunks=16, bwd="split3", dkdv_keys=64, atomics="v4" if vec else "scalar")
+                      precision=precision, lse_rows=max(128, gp), lse_warps=8 if D >= 64 else 4, seg_chunks=32,
+                      bwd_seg_chunks=32, bwd="split3", atomics="v4" if vec else "scalar")
+    if dtype in (torch.float32, torch.float64) and D >= 256:  # whole fp32 blocks overflow shared memory
+        plan = replace(plan, dq_keys=32, dkdv_keys=32)
     plan = replace(plan, **overrides)
     if plan.sort not in ("sort", "count"):
         raise ValueError(f"sort must be 'sort' or 'count', got {plan.sort!r}")
@@ -141,7 +147,7 @@ def blocks_plan(T: int, G: int, D: int, device: torch.device | str, use_rla: boo
         raise ValueError(f"atomics must be one of {sorted(ATOMIC_MODES)}, got {plan.atomics!r}")
     if plan.bwd not in ("fused", "split", "split3"):
         raise ValueError(f"bwd must be 'fused', 'split' or 'split3', got {plan.bwd!r}")
-    for name in ("rows", "bwd_rows", "lse_rows", "dkdv_keys"):
+    for name in ("rows", "bwd_rows", "lse_rows", "dkdv_keys", "dq_keys"):
         n = getattr(plan, name)
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {n}")
@@ -497,7 +503,7 @@ def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: i
     B, HQ, T, D = q.shape
     S = k.shape[2]
     if plan is None:
-        plan = blocks_plan(T, HQ // k.shape[1], D, q.device, use_rla)
+        plan = blocks_plan(T, HQ // k.shape[1], D, q.device, use_rla, dtype=q.dtype)
     if pairs is None:
         pairs = block_pairs(idx, qpos, triton.cdiv(S, block_size), block_size, plan.window, plan.sort)
     nsel = idx.shape[-1]
@@ -544,7 +550,7 @@ def blocks_sparse_attention(q, k, v, idx, qpos, koff, use_rla: bool, block_size:
     if q.dtype == torch.float64:
         precision = "ieee"
     if plan is None:
-        plan = blocks_plan(T, G, D, q.device, use_rla, precision=precision)
+        plan = blocks_plan(T, G, D, q.device, use_rla, precision=precision, dtype=q.dtype)
     elif precision is not None:
         plan = replace(plan, precision=precision)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

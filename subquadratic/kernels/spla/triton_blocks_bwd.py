@@ -174,12 +174,13 @@ def blocks_bwd_dq_kernel(
     Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DQ,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     T, H, NW, NB, NSEL, S, scale,
-    G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BSK: tl.constexpr,
     USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """dq of one segment's rows (fp32 atomics into DQ [B, T, HQ, D]): dS K * scale and the feature
-    map's Jacobian of dA phi(k). Layouts as `blocks_bwd_kernel`."""
-    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BS)
+    """dq of one segment's rows over BSK keys (part program_id(1) of the block; fp32 atomics into DQ
+    [B, T, HQ, D]): dS K * scale and the feature map's Jacobian of dA phi(k). Layouts as
+    `blocks_bwd_kernel`."""
+    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BSK)
     d = tl.arange(0, D)
     b64 = b.to(tl.int64)
     slot = koff + pos
@@ -257,7 +258,8 @@ def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel:
     if plan.bwd == "fused":
         blocks_bwd_kernel[(NSEG, 1)](*seg, dq, dk, dv, *strides, *common, **meta)
     else:  # dq, then dk and dv per part of BSK keys (both branches at once, or one launch per branch)
-        blocks_bwd_dq_kernel[(NSEG, 1)](*seg, dq, *strides, *common, **meta)
+        dqk = min(block_size, plan.dq_keys)
+        blocks_bwd_dq_kernel[(NSEG, block_size // dqk)](*seg, dq, *strides, *common, BSK=dqk, **meta)
         bsk = min(block_size, plan.dkdv_keys)
         parts = (0,) if plan.bwd == "split" or not use_rla else (1, 2)
         for part in parts:

@@ -111,7 +111,8 @@ def loss(outs, w):
     return sum((x.double() * wi).sum() for x, wi in zip([x for x in outs if x is not None], w, strict=True))
 
 
-TINY = dict(rows=16, bwd_rows=16, lse_rows=32, seg_chunks=2, bwd_seg_chunks=2, window=16, dkdv_keys=16)
+TINY = dict(rows=16, bwd_rows=16, lse_rows=32, seg_chunks=2, bwd_seg_chunks=2, window=16, dkdv_keys=16,
+            bwd="split3")
 
 CASES = [  # B, HQ, H, T, D, block, nsel, use_rla, pad, prefix
     (2, 4, 2, 45, 16, 16, 3, True, 7, 0),  # G = 2, left padding, T not a multiple of the block
@@ -181,16 +182,15 @@ def test_forward_matches_definition(case, atomics, prefetch):
             assert rel(a, b) <= 1e-5, (name, rel(a, b))
 
 
-BWD = [(c, "split", "scalar") for c in CASES[:4] + CASES[5:]] + [
-    (CASES[0], "fused", "scalar"), (CASES[4], "fused", "scalar"), (CASES[6], "split3", "scalar"),
-    (CASES[2], "split3", "v4-split"), (CASES[3], "fused", "v4-split")]
-BWD = [(c, b, a, True) for c, b, a in BWD] + [(CASES[1], "split3", "scalar", False),
-                                              (CASES[5], "split", "scalar", False)]
+BWD = [(c, {}) for c in CASES[:4] + CASES[5:]] + [  # (case, plan overrides of TINY)
+    (CASES[0], dict(bwd="fused")), (CASES[4], dict(bwd="fused")), (CASES[6], dict(bwd="split", dq_keys=16)),
+    (CASES[2], dict(atomics="v4-split")), (CASES[3], dict(bwd="fused", atomics="v4-split")),
+    (CASES[1], dict(prefetch=False)), (CASES[5], dict(bwd="split", prefetch=False))]
 
 
-@pytest.mark.parametrize("case,bwd,atomics,prefetch", BWD)
-def test_backward_matches_definition(case, bwd, atomics, prefetch):
-    ins, want, outs, got, _ = run(case, True, plan_kw=dict(TINY, bwd=bwd, atomics=atomics, prefetch=prefetch))
+@pytest.mark.parametrize("case,over", BWD)
+def test_backward_matches_definition(case, over):
+    ins, want, outs, got, _ = run(case, True, plan_kw=dict(TINY, **over))
     w = weights(want)
     loss(want, w).backward()
     loss(got, w).backward()
