@@ -6,7 +6,7 @@ kernels (`triton_blocks`: work = the selected (token, block) pairs), the query-t
 backward for random output gradients; the selection itself is not timed (the block-major form's
 inversion of it is).
 
-  python scripts/bench_spla_blocks.py [--T 32768 65536] [--real FILE] [--sweep] [--out r.json]
+  python scripts/bench_spla_blocks.py [--T 32768 65536] [--real FILE] [--sweep [0,1,...]] [--atomics] [--out r.json]
   python scripts/bench_spla_blocks.py --quick        # CPU smoke run in the Triton interpreter
 
 Inputs, B1 HQ32 H8 d128 bf16, 16 blocks of 64 per token (1 sink + 2 local + 13 chosen):
@@ -19,7 +19,8 @@ Each row prints the mean block union of the tile form's query tiles (training ro
 the (token, block) pairs, and the block-major form's counted floors (tensor-core flops of its dots,
 HBM bytes of its inputs and outputs, fp32 atomic adds); "check" compares its values and gradients
 with the per-token kernels'. --sweep times block-major launch plans (rows, warps, window, sort) on the
-first iid case. A summary table comes last; --out writes every row as JSON.
+first iid case. A summary table comes last; --out writes every row as JSON. docs/benchmarks.md
+holds the run of 2026-12-01 ("SPLA sparse branch, block-major kernels").
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def run_case(label, q, k, v, idx, bs, quick, plan=None, check=True) -> dict:
     G = HQ // H
     qpos = torch.arange(T, device=DEV, dtype=torch.int32).expand(B, T).contiguous()
     koff = torch.zeros(B, dtype=torch.int32, device=DEV)
-    plan = plan or triton_blocks.blocks_plan(T, G, D, DEV)
+    plan = plan or triton_blocks.blocks_plan(G, D, DEV)
     row = dict(case=label, T=T, HQ=HQ, H=H, D=D, nsel=idx.shape[-1])
     row["union_train"], row["union_infer"] = attempt(f"{label} union", lambda: union_sizes(idx, T, G, bs),
                                                      (math.nan, math.nan))
@@ -292,7 +293,7 @@ def make_qkv(B, T, HQ, H, D, seed, dtype=torch.bfloat16):
 
 #: Block-major plans that --sweep times (overrides of the default `blocks_plan`), most telling first.
 SWEEP = [dict(), dict(window=4096, seg_chunks=16, bwd_seg_chunks=16), dict(prefetch=False), dict(window=16384),
-         dict(seg_chunks=64, bwd_seg_chunks=64), dict(bwd_seg_chunks=16), dict(atomics="scalar"), dict(bwd="fused"),
+         dict(seg_chunks=64, bwd_seg_chunks=64), dict(bwd_seg_chunks=16), dict(atomics="scalar"),
          dict(bwd="split"), dict(bwd_rows=64, bwd_warps=8), dict(rows=128, warps=8), dict(dkdv_keys=32),
          dict(sort="count")]
 
@@ -310,7 +311,7 @@ def sweep(q, k, v, idx, bs, quick, which: str = "all") -> list[dict]:
     rows = []
     plans = SWEEP if which == "all" else [SWEEP[int(i)] for i in which.split(",")]
     for over in plans[:2] if quick else plans:
-        plan = triton_blocks.blocks_plan(T, G, D, DEV, **over)
+        plan = triton_blocks.blocks_plan(G, D, DEV, **over)
 
         def fwd(plan=plan):
             with torch.no_grad():

@@ -1,19 +1,19 @@
 """Backward of the block-major sparse branch and residual correction (`triton_blocks`) over the same
-segments of (token, slot) pairs, grouped by (batch x KV head, window, block): one fused kernel
-(`blocks_bwd_kernel`, plan bwd="fused"), or `blocks_bwd_dq_kernel` for dq and
-`blocks_bwd_dkdv_kernel` for dk, dv over parts of `dkdv_keys` keys of the block (bwd="split"; with
-bwd="split3" the dk/dv kernel runs once for the softmax branch and once for the correction), which
-recompute P (and A, dA) once more but hold far fewer registers at d128.
+segments of (token, slot) pairs, grouped by (batch x KV head, window, block): `blocks_bwd_dq_kernel`
+for dq, then `blocks_bwd_dkdv_kernel` for dk, dv (once for both branches, plan bwd="split", or once
+per branch, bwd="split3", the default: fewer registers, no spills at d128).
 
-Per segment the block's K, V and phi(k) are loaded once and dk, dv of the block accumulate in
-registers over the segment's chunks; per chunk (BMQ tokens x G heads as rows) the kernel recomputes
-P = exp(S - lse) and A = phi(q) phi(k)^T (causal-masked), then
-  dv += P^T dO + A^T dOt,  dS = P (dO V^T - Delta),  dq = dS K * scale + J_phi(q)(dA phi(k)),
-  dk += dS^T Q * scale + J_phi(k)(dA^T phi(q)),  dA = dOt V^T (masked),
-with Delta = rowsum(dO * O) and J_phi(x) g = phi(x) * (g - sum(g * phi(x))) the softmax feature map's
-Jacobian (linear in g, so applied per chunk). dq goes to the chunk's rows with fp32 atomics (one add
-per pair and head; the window order keeps those rows in L2), dk and dv to the block's slots once per
-segment.
+Per segment a program loads the block's K, V and phi(k) once; per chunk (BMQ tokens x G heads as
+rows) it recomputes P = exp(S - lse) and A = phi(q) phi(k)^T (causal-masked), then
+  dq = dS K * scale + J_phi(q)(dA phi(k)),  dS = P (dO V^T - Delta),  dA = dOt V^T (masked),
+added to the chunk's rows with fp32 atomics (one add per pair and head; the window order keeps those
+rows in L2), and on key-major tiles [keys, rows]
+  dv += P^T dO + A^T dOt,  dk += dS^T Q * scale + J_phi(k)(dA^T phi(q)),
+accumulated over the segment and added to the block's slots once. Delta = rowsum(dO * O);
+J_phi(x) g = phi(x) * (g - sum(g * phi(x))) is the softmax feature map's Jacobian (linear in g, so
+applied per chunk). The dq and dk/dv kernels recompute P (and A) apart: three more dots per chunk than
+one fused kernel, which spilled 1.5-2 KB of registers a thread at d128 and measured slower (58 ms
+against 45 ms forward + backward, 32k iid, H200).
 """
 
 from __future__ import annotations
@@ -41,73 +41,6 @@ triton, tl = import_triton()
 
 
 @triton.jit
-def blocks_bwd_kernel(
-    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DQ, DK, DV,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    T, H, NW, NB, NSEL, S, scale,
-    G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    """dq, dk, dv of one segment through both branches. LSE, DELTA: [B, T, HQ] fp32; DO, DOT: [B, T, HQ, D]
-    in the operands' dtype; DQ [B, T, HQ, D], DK, DV [B, H, S, D]: fp32, zeroed by the caller, fp32 atomics."""
-    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BS)
-    d = tl.arange(0, D)
-    b64 = b.to(tl.int64)
-    slot = koff + pos
-    k = tl.load(K + b64 * stride_kb + h * stride_kh + slot[:, None] * stride_ks + d[None, :],
-                mask=kload[:, None], other=0.0)
-    v = tl.load(V + b64 * stride_vb + h * stride_vh + slot[:, None] * stride_vs + d[None, :],
-                mask=kload[:, None], other=0.0)
-    dk = tl.zeros([BS, D], tl.float32)
-    dv = tl.zeros([BS, D], tl.float32)
-    if USE_RLA:
-        phik = _softmax_rows(k)
-        phik_lp = phik.to(k.dtype)
-        dphik = tl.zeros([BS, D], tl.float32)
-    HQ = H * G
-    _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, 0, count, T, H, NSEL, b, G, R, BMQ)
-    for c0 in range(0, count, BMQ):
-        if not PREFETCH:
-            _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
-        head = h * G + g
-        q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
-                    mask=ok[:, None], other=0.0)
-        if PREFETCH:  # the next chunk's rows, loaded during this one
-            _, t_n, tpos_n, g, ok_n = _chunk_rows(PAIRS, QPOS, first, c0 + BMQ, count, T, H, NSEL, b, G, R,
-                                                  BMQ)
-        row = (b64 * T + t) * HQ + head
-        lse = tl.load(LSE + row, mask=ok, other=0.0)
-        delta = tl.load(DELTA + row, mask=ok, other=0.0)
-        rd = row[:, None] * D + d[None, :]
-        do = tl.load(DO + rd, mask=ok[:, None], other=0.0)
-        # key-major tiles [BS, R] (the accumulators' side): P^T, dS^T, A^T, dA^T
-        mask_t = ok[None, :] & (pos[:, None] <= tpos[None, :])
-        p_t = tl.where(mask_t, tl.exp(_dot(k, tl.trans(q), F32, PREC) * scale - lse[None, :]), 0.0)
-        dv += _dot(p_t, do, F32, PREC)
-        ds_t = p_t * (_dot(v, tl.trans(do), F32, PREC) - delta[None, :]) * scale
-        dk += _dot(ds_t, q, F32, PREC)
-        dq = _dot(tl.trans(ds_t.to(k.dtype)), k, F32, PREC)  # [R, D]
-        if USE_RLA:
-            phiq = _softmax_rows(q)
-            phiq_lp = phiq.to(k.dtype)
-            dot_ = tl.load(DOT + rd, mask=ok[:, None], other=0.0)
-            a_t = tl.where(mask_t, _dot(phik_lp, tl.trans(phiq_lp), F32, PREC), 0.0)
-            dv += _dot(a_t, dot_, F32, PREC)
-            da_t = tl.where(mask_t, _dot(v, tl.trans(dot_), F32, PREC), 0.0)
-            dphik += _dot(da_t, phiq_lp, F32, PREC)
-            dphiq = _dot(tl.trans(da_t.to(k.dtype)), phik_lp, F32, PREC)  # [R, D]
-            dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
-        _add_rows(DQ, row, dq, ok, D, ATOMICS)
-        if PREFETCH:
-            t, tpos, ok = t_n, tpos_n, ok_n
-    if USE_RLA:  # the feature map's Jacobian, linear in dphik: once per segment
-        dk += phik * (dphik - tl.sum(dphik * phik, 1)[:, None])
-    krow = (b64 * H + h) * S + slot
-    _add_rows(DK, krow, dk, kload, D, ATOMICS)
-    _add_rows(DV, krow, dv, kload, D, ATOMICS)
-
-
-@triton.jit
 def blocks_bwd_dkdv_kernel(
     Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DK, DV,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -118,7 +51,7 @@ def blocks_bwd_dkdv_kernel(
 ):
     """dk, dv of BSK keys (part program_id(1) of the block) of one segment, key-major tiles [BSK, R]:
     P^T, dS^T, A^T, dA^T; the feature map's Jacobian applied per chunk. PART 0: both branches, 1: the
-    softmax branch, 2: the correction. Layouts as `blocks_bwd_kernel`."""
+    softmax branch, 2: the correction. Layouts as `blocks_bwd_dq_kernel`."""
     b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BSK)
     d = tl.arange(0, D)
     b64 = b.to(tl.int64)
@@ -178,8 +111,9 @@ def blocks_bwd_dq_kernel(
     USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """dq of one segment's rows over BSK keys (part program_id(1) of the block; fp32 atomics into DQ
-    [B, T, HQ, D]): dS K * scale and the feature map's Jacobian of dA phi(k). Layouts as
-    `blocks_bwd_kernel`."""
+    [B, T, HQ, D]): dS K * scale and the feature map's Jacobian of dA phi(k). LSE, DELTA: [B, T, HQ]
+    fp32; DO, DOT: [B, T, HQ, D] in the operands' dtype; DQ [B, T, HQ, D] (and the dk/dv kernel's DK,
+    DV [B, H, S, D]): fp32, zeroed by the caller."""
     b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BSK)
     d = tl.arange(0, D)
     b64 = b.to(tl.int64)
@@ -255,14 +189,9 @@ def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel:
                 ATOMICS=ATOMIC_MODES[plan.atomics], PREFETCH=plan.prefetch)
     seg = (q, k, v, pairs.pairs, seg_key, seg_first, seg_count, qpos, koff, row_max(qpos), lse, delta, do, dot_)
     NSEG = seg_key.numel()
-    if plan.bwd == "fused":
-        blocks_bwd_kernel[(NSEG, 1)](*seg, dq, dk, dv, *strides, *common, **meta)
-    else:  # dq, then dk and dv per part of BSK keys (both branches at once, or one launch per branch)
-        dqk = min(block_size, plan.dq_keys)
-        blocks_bwd_dq_kernel[(NSEG, block_size // dqk)](*seg, dq, *strides, *common, BSK=dqk, **meta)
-        bsk = min(block_size, plan.dkdv_keys)
-        parts = (0,) if plan.bwd == "split" or not use_rla else (1, 2)
-        for part in parts:
-            blocks_bwd_dkdv_kernel[(NSEG, block_size // bsk)](*seg, dk, dv, *strides, *common, BSK=bsk, PART=part,
-                                                               **meta)
+    dqk = min(block_size, plan.dq_keys)  # dq, then dk and dv (both branches at once, or a launch per branch)
+    blocks_bwd_dq_kernel[(NSEG, block_size // dqk)](*seg, dq, *strides, *common, BSK=dqk, **meta)
+    bsk = min(block_size, plan.dkdv_keys)
+    for part in (0,) if plan.bwd == "split" or not use_rla else (1, 2):
+        blocks_bwd_dkdv_kernel[(NSEG, block_size // bsk)](*seg, dk, dv, *strides, *common, BSK=bsk, PART=part, **meta)
     return dq.transpose(1, 2).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])

@@ -163,7 +163,7 @@ def run(case, grad, *, plan_kw=TINY, dtype=torch.float32, seed=None):
     B, HQ, H, T, D, bs, nsel, use_rla, pad, prefix = case
     seed = sum(case[:7]) if seed is None else seed
     q, k, v, idx, qpos, koff = make_case(B, HQ, H, T, D, bs, nsel, pad=pad, prefix=prefix, seed=seed, future=0.1)
-    plan = triton_blocks.blocks_plan(T, HQ // H, D, DEV, use_rla, **plan_kw)
+    plan = triton_blocks.blocks_plan(HQ // H, D, DEV, use_rla, **plan_kw)
     ins = [x.detach().double().requires_grad_(grad) for x in (q, k, v)]
     want = definition(*ins, idx, qpos, koff, bs, use_rla)
     outs = [x.detach().to(dtype).requires_grad_(grad) for x in (q, k, v)]
@@ -183,8 +183,8 @@ def test_forward_matches_definition(case, atomics, prefetch):
 
 
 BWD = [(c, {}) for c in CASES[:4] + CASES[5:]] + [  # (case, plan overrides of TINY)
-    (CASES[0], dict(bwd="fused")), (CASES[4], dict(bwd="fused")), (CASES[6], dict(bwd="split", dq_keys=16)),
-    (CASES[2], dict(atomics="v4-split")), (CASES[3], dict(bwd="fused", atomics="v4-split")),
+    (CASES[0], dict(bwd="split")), (CASES[4], dict(bwd="split")), (CASES[6], dict(bwd="split", dq_keys=16)),
+    (CASES[2], dict(atomics="v4-split")), (CASES[3], dict(bwd="split", atomics="v4-split")),
     (CASES[1], dict(prefetch=False)), (CASES[5], dict(bwd="split", prefetch=False))]
 
 
@@ -209,8 +209,12 @@ def test_fp64_inputs_run_in_fp32_and_return_fp64_gradients():
         assert a.grad.dtype == torch.float64 and rel(a.grad, b.grad) <= 1e-5
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4]])
-@pytest.mark.parametrize("sort", ["sort", "count"])
+TOKEN_CASES = [(2, 4, 2, 24, 16, 16, 3, True, 5, 0), (2, 2, 2, 22, 16, 16, 3, True, -5, 0),
+               (1, 8, 1, 20, 16, 16, 2, False, 0, 3)]  # small: the per-token kernels are slow in the interpreter
+
+
+@pytest.mark.parametrize("case,sort", [(TOKEN_CASES[0], "sort"), (TOKEN_CASES[0], "count"), (TOKEN_CASES[1], "sort"),
+                                       (TOKEN_CASES[2], "count")])
 def test_matches_the_per_token_kernels(case, sort):
     """Values and gradients equal the per-token kernels' (`SparseAttention`) on the same operands."""
     _, _, outs, got, (idx, qpos, koff, use_rla, bs) = run(case, True, plan_kw=dict(TINY, sort=sort))
@@ -243,15 +247,15 @@ def test_bad_inputs_are_refused_with_a_reason():
     with pytest.raises(ValueError, match="idx must be int32"):
         triton_blocks.blocks_sparse_attention(q, k, v, idx.long(), qpos, koff, True, 16)
     with pytest.raises(ValueError, match="sort must be"):
-        triton_blocks.blocks_plan(20, 2, 16, DEV, sort="radix")
+        triton_blocks.blocks_plan(2, 16, DEV, sort="radix")
     with pytest.raises(ValueError, match="precision must be"):
-        triton_blocks.blocks_plan(20, 2, 16, DEV, precision="bf16")
+        triton_blocks.blocks_plan(2, 16, DEV, precision="bf16")
     with pytest.raises(ValueError, match="atomics must be"):
-        triton_blocks.blocks_plan(20, 2, 16, DEV, atomics="v8")
+        triton_blocks.blocks_plan(2, 16, DEV, atomics="v8")
     with pytest.raises(ValueError, match="bwd must be"):
-        triton_blocks.blocks_plan(20, 2, 16, DEV, bwd="both")
+        triton_blocks.blocks_plan(2, 16, DEV, bwd="fused")
     with pytest.raises(ValueError, match="rows must be a power of two"):
-        triton_blocks.blocks_plan(20, 2, 16, DEV, rows=48)
+        triton_blocks.blocks_plan(2, 16, DEV, rows=48)
 
 
 @pytest.mark.gpu
@@ -276,7 +280,11 @@ def test_gpu_matches_the_per_token_kernels(G, D, dtype):
     w = weights(want)
     loss(want, w).backward()
     loss(got, w).backward()
-    loss(ref, w).backward()
+    # the per-token dk/dv kernel needs more shared memory than the H200 has for fp32 at d256
+    per_token = not (dtype == torch.float32 and D >= 256)
+    if per_token:
+        loss(ref, w).backward()
     for a, b, c in zip(outs, ref_in, ins, strict=True):
         assert torch.isfinite(a.grad).all()
-        assert rel(a.grad, c.grad) <= tol and rel(a.grad, b.grad) <= tol, (rel(a.grad, c.grad), rel(a.grad, b.grad))
+        assert rel(a.grad, c.grad) <= tol, rel(a.grad, c.grad)
+        assert not per_token or rel(a.grad, b.grad) <= tol, rel(a.grad, b.grad)
