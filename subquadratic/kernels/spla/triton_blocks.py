@@ -18,7 +18,7 @@ segments find a count of 0 and exit.
 
 One program per segment loads its block's K (and V, phi(k)) tile once and walks its pairs in chunks
 of BMQ tokens, the G query heads of each token as rows (BMQ * G <= `rows`, unpadded, so tl.dot sees
-about `rows` rows whatever G is), loading the next chunk's pair list while it computes the current:
+about `rows` rows whatever G is):
   pass 1 (`blocks_lse_kernel`): S = q k^T * scale with the causal mask (only where the block is the
     token's current one), the log-sum-exp of each (token, head, slot) into [B, T, H, NSEL, G]; the
     log-sum-exp per (token, head) over the slots is one torch.logsumexp;
@@ -76,10 +76,8 @@ class BlocksPlan:
     of dq_keys keys of the block, then dk/dv of both branches over parts of dkdv_keys keys) or
     "split3" (the same with dk/dv of each branch in a launch of its own: fewer registers);
     atomics: how rows are added to O, otilde, dq, dk, dv (`_add_rows`): "scalar", "v4" (sm_90 vector
-    reductions) or "v4-split" (v4's column split with scalar atomics, for the interpreter);
-    prefetch: each chunk loop loads the next chunk's pair list and positions during the current
-    chunk (one dependent global load less per chunk, a few more registers). The defaults are
-    `blocks_plan`'s at d128."""
+    reductions) or "v4-split" (v4's column split with scalar atomics, for the interpreter). The
+    defaults are `blocks_plan`'s at d128."""
 
     rows: int = 64
     bwd_rows: int = 32
@@ -98,7 +96,6 @@ class BlocksPlan:
     dkdv_keys: int = 64
     dq_keys: int = 64
     atomics: str = "scalar"
-    prefetch: bool = True
 
     def tokens(self, G: int, backward: bool = False) -> int:
         """Tokens of one chunk: rows // G, at least 1."""
@@ -299,6 +296,37 @@ def _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS: tl.c
 
 
 @triton.jit
+def _key_tile(X, b64, h, slot, kload, stride_b, stride_h, stride_s, D: tl.constexpr):
+    """The rows `slot` [BSK] (those with kload) of X[b, h] (K or V, [B, H, S, D] strides): [BSK, D]."""
+    d = tl.arange(0, D)
+    return tl.load(X + b64 * stride_b + h * stride_h + slot[:, None] * stride_s + d[None, :], mask=kload[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _segment_kv(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb,
+                stride_vh, stride_vs, NW, NB, H, S, BS: tl.constexpr, BSK: tl.constexpr, D: tl.constexpr):
+    """`_segment` and the K, V tiles [BSK, D] of its keys: (b, h, first, count, key positions, kload,
+    b as int64, key slots, k, v)."""
+    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BSK)
+    b64 = b.to(tl.int64)
+    slot = koff + pos
+    k = _key_tile(K, b64, h, slot, kload, stride_kb, stride_kh, stride_ks, D)
+    v = _key_tile(V, b64, h, slot, kload, stride_vb, stride_vh, stride_vs, D)
+    return b, h, first, count, pos, kload, b64, slot, k, v
+
+
+@triton.jit
+def _query_rows(Q, b64, h, t, g, ok, stride_b, stride_h, stride_t, T, H, G: tl.constexpr, D: tl.constexpr):
+    """The chunk's query rows q [R, D] (token t, head h * G + g; 0 where not ok) and their row index
+    (b * T + t) * HQ + head into the [B, T, HQ, ...] outputs and statistics."""
+    head = h * G + g
+    q = tl.load(Q + b64 * stride_b + head[:, None] * stride_h + t[:, None] * stride_t + tl.arange(0, D)[None, :],
+                mask=ok[:, None], other=0.0)
+    return q, (b64 * T + t) * (H * G) + head
+
+
+@triton.jit
 def _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b,
                 G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr):
     """Rows (token, head) of the chunk at sorted positions [first + c0, first + c0 + BMQ): per row the
@@ -348,33 +376,23 @@ def blocks_lse_kernel(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks,
     T, H, NW, NB, NSEL, S, scale,
     G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
+    F32: tl.constexpr, PREC: tl.constexpr,
 ):
     """Pass 1, one segment: the log-sum-exp of the scores of each (token, head, slot) over the
     segment's block (causal keys only) into LSE_SLOT [B, T, H, NSEL, G] at e * G + g."""
     b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BS)
-    d = tl.arange(0, D)
     b64 = b.to(tl.int64)
     slot = koff + pos
-    k = tl.load(K + b64 * stride_kb + h * stride_kh + slot[:, None] * stride_ks + d[None, :],
-                mask=kload[:, None], other=0.0)
+    k = _key_tile(K, b64, h, slot, kload, stride_kb, stride_kh, stride_ks, D)
     kt = tl.trans(k)
-    e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, 0, count, T, H, NSEL, b, G, R, BMQ)
     for c0 in range(0, count, BMQ):
-        if not PREFETCH:
-            e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
-        q = tl.load(Q + b64 * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
-                    mask=ok[:, None], other=0.0)
-        if PREFETCH:  # the next chunk's rows, loaded during this one
-            e_n, t_n, tpos_n, g, ok_n = _chunk_rows(PAIRS, QPOS, first, c0 + BMQ, count, T, H, NSEL, b, G, R,
-                                                    BMQ)
+        e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        q, _ = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
         sc = tl.where(mask, _dot(q, kt, F32, PREC) * scale, NEG)
         mx = tl.max(sc, 1)
         lsum = tl.sum(tl.where(mask, tl.exp(sc - mx[:, None]), 0.0), 1)
         tl.store(LSE_SLOT + e * G + g, mx + tl.log(tl.maximum(lsum, 1e-30)), mask=ok)
-        if PREFETCH:
-            e, t, tpos, ok = e_n, t_n, tpos_n, ok_n
 
 
 @triton.jit
@@ -383,34 +401,20 @@ def blocks_out_kernel(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     T, H, NW, NB, NSEL, S, scale,
     G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr,
 ):
     """Pass 2, one segment: P = exp(S - lse) of each row (LSE [B, T, HQ], over all its slots), then
     OUT += P V and, with USE_RLA, OT += (phi(q) phi(k)^T masked) V (OUT, OT: [B, T, HQ, D] fp32, zeroed
     by the caller, fp32 atomics)."""
-    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BS)
-    d = tl.arange(0, D)
-    b64 = b.to(tl.int64)
-    slot = koff + pos
-    k = tl.load(K + b64 * stride_kb + h * stride_kh + slot[:, None] * stride_ks + d[None, :],
-                mask=kload[:, None], other=0.0)
-    v = tl.load(V + b64 * stride_vb + h * stride_vh + slot[:, None] * stride_vs + d[None, :],
-                mask=kload[:, None], other=0.0)
+    b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
+        SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+        stride_vs, NW, NB, H, S, BS, BS, D)
     kt = tl.trans(k)
     if USE_RLA:
         phikt = tl.trans(_softmax_rows(k).to(k.dtype))
-    HQ = H * G
-    _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, 0, count, T, H, NSEL, b, G, R, BMQ)
     for c0 in range(0, count, BMQ):
-        if not PREFETCH:
-            _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
-        head = h * G + g
-        q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
-                    mask=ok[:, None], other=0.0)
-        if PREFETCH:  # the next chunk's rows, loaded during this one
-            _, t_n, tpos_n, g, ok_n = _chunk_rows(PAIRS, QPOS, first, c0 + BMQ, count, T, H, NSEL, b, G, R,
-                                                  BMQ)
-        row = (b64 * T + t) * HQ + head
+        _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        q, row = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
         lse = tl.load(LSE + row, mask=ok, other=0.0)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
         p = tl.where(mask, tl.exp(_dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)
@@ -418,8 +422,6 @@ def blocks_out_kernel(
         if USE_RLA:
             a = tl.where(mask, _dot(_softmax_rows(q), phikt, F32, PREC), 0.0)
             _add_rows(OT, row, _dot(a, v, F32, PREC), ok, D, ATOMICS)
-        if PREFETCH:
-            t, tpos, ok = t_n, tpos_n, ok_n
 
 
 def _operands(q, k, v):
@@ -455,7 +457,7 @@ def _launch(q, k, pairs: BlockPairs, nsel: int, block_size: int, plan: BlocksPla
     seg_pairs = plan.seg_pairs(G)
     seg_key, seg_first, seg_count = segments(pairs, seg_pairs)
     common = (T, H, pairs.num_windows, pairs.num_blocks, nsel, S, 1.0 / math.sqrt(D))
-    meta = dict(G=G, D=D, BS=block_size, F32=f32, PREC=plan.precision, PREFETCH=plan.prefetch)
+    meta = dict(G=G, D=D, BS=block_size, F32=f32, PREC=plan.precision)
     lse_rows = max(plan.lse_rows, triton.next_power_of_2(G))
     meta1 = dict(meta, R=lse_rows, BMQ=max(1, lse_rows // G), num_warps=plan.lse_warps, num_stages=plan.stages)
     meta2 = dict(meta, R=plan.rows, BMQ=plan.tokens(G), num_warps=plan.warps, num_stages=plan.stages,

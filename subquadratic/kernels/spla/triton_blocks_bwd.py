@@ -31,7 +31,8 @@ from .triton_blocks import (
     _chunk_rows,
     _dot,
     _operands,
-    _segment,
+    _query_rows,
+    _segment_kv,
     row_max,
     segments,
 )
@@ -41,45 +42,40 @@ triton, tl = import_triton()
 
 
 @triton.jit
+def _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h, stride_qb, stride_qh, stride_qt, T, H, NSEL,
+               G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr):
+    """A chunk's rows for the backward: (t, positions, g, ok, q [R, D], lse, delta, the rows' offsets
+    [R, D] into the [B, T, HQ, D] gradients)."""
+    _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+    q, row = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
+    lse = tl.load(LSE + row, mask=ok, other=0.0)
+    delta = tl.load(DELTA + row, mask=ok, other=0.0)
+    return t, tpos, g, ok, q, row, lse, delta, row[:, None] * D + tl.arange(0, D)[None, :]
+
+
+@triton.jit
 def blocks_bwd_dkdv_kernel(
     Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DK, DV,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     T, H, NW, NB, NSEL, S, scale,
     G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BSK: tl.constexpr,
-    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr,
     PART: tl.constexpr,
 ):
     """dk, dv of BSK keys (part program_id(1) of the block) of one segment, key-major tiles [BSK, R]:
     P^T, dS^T, A^T, dA^T; the feature map's Jacobian applied per chunk. PART 0: both branches, 1: the
     softmax branch, 2: the correction. Layouts as `blocks_bwd_dq_kernel`."""
-    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BSK)
-    d = tl.arange(0, D)
-    b64 = b.to(tl.int64)
-    slot = koff + pos
-    k = tl.load(K + b64 * stride_kb + h * stride_kh + slot[:, None] * stride_ks + d[None, :],
-                mask=kload[:, None], other=0.0)
-    v = tl.load(V + b64 * stride_vb + h * stride_vh + slot[:, None] * stride_vs + d[None, :],
-                mask=kload[:, None], other=0.0)
+    b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
+        SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+        stride_vs, NW, NB, H, S, BS, BSK, D)
     dk = tl.zeros([BSK, D], tl.float32)
     dv = tl.zeros([BSK, D], tl.float32)
     if USE_RLA:
         phik = _softmax_rows(k)
         phik_lp = phik.to(k.dtype)
-    HQ = H * G
-    _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, 0, count, T, H, NSEL, b, G, R, BMQ)
     for c0 in range(0, count, BMQ):
-        if not PREFETCH:
-            _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
-        head = h * G + g
-        q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
-                    mask=ok[:, None], other=0.0)
-        if PREFETCH:  # the next chunk's rows, loaded during this one
-            _, t_n, tpos_n, g, ok_n = _chunk_rows(PAIRS, QPOS, first, c0 + BMQ, count, T, H, NSEL, b, G, R,
-                                                  BMQ)
-        row = (b64 * T + t) * HQ + head
-        lse = tl.load(LSE + row, mask=ok, other=0.0)
-        delta = tl.load(DELTA + row, mask=ok, other=0.0)
-        rd = row[:, None] * D + d[None, :]
+        t, tpos, g, ok, q, row, lse, delta, rd = _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h,
+                                                            stride_qb, stride_qh, stride_qt, T, H, NSEL, G, R, BMQ, D)
         mask_t = ok[None, :] & (pos[:, None] <= tpos[None, :])
         if PART != 2:
             do = tl.load(DO + rd, mask=ok[:, None], other=0.0)
@@ -95,8 +91,6 @@ def blocks_bwd_dkdv_kernel(
             da_t = tl.where(mask_t, _dot(v, tl.trans(dot_), F32, PREC), 0.0)
             dphik = _dot(da_t, phiq_lp, F32, PREC)
             dk += phik * (dphik - tl.sum(dphik * phik, 1)[:, None])
-        if PREFETCH:
-            t, tpos, ok = t_n, tpos_n, ok_n
     krow = (b64 * H + h) * S + slot
     _add_rows(DK, krow, dk, kload, D, ATOMICS)
     _add_rows(DV, krow, dv, kload, D, ATOMICS)
@@ -108,39 +102,22 @@ def blocks_bwd_dq_kernel(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     T, H, NW, NB, NSEL, S, scale,
     G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BSK: tl.constexpr,
-    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr,
 ):
     """dq of one segment's rows over BSK keys (part program_id(1) of the block; fp32 atomics into DQ
     [B, T, HQ, D]): dS K * scale and the feature map's Jacobian of dA phi(k). LSE, DELTA: [B, T, HQ]
     fp32; DO, DOT: [B, T, HQ, D] in the operands' dtype; DQ [B, T, HQ, D] (and the dk/dv kernel's DK,
     DV [B, H, S, D]): fp32, zeroed by the caller."""
-    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BSK)
-    d = tl.arange(0, D)
-    b64 = b.to(tl.int64)
-    slot = koff + pos
-    k = tl.load(K + b64 * stride_kb + h * stride_kh + slot[:, None] * stride_ks + d[None, :],
-                mask=kload[:, None], other=0.0)
-    v = tl.load(V + b64 * stride_vb + h * stride_vh + slot[:, None] * stride_vs + d[None, :],
-                mask=kload[:, None], other=0.0)
+    b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
+        SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+        stride_vs, NW, NB, H, S, BS, BSK, D)
     kt = tl.trans(k)
     vt = tl.trans(v)
     if USE_RLA:
         phik_lp = _softmax_rows(k).to(k.dtype)
-    HQ = H * G
-    _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, 0, count, T, H, NSEL, b, G, R, BMQ)
     for c0 in range(0, count, BMQ):
-        if not PREFETCH:
-            _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
-        head = h * G + g
-        q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
-                    mask=ok[:, None], other=0.0)
-        if PREFETCH:  # the next chunk's rows, loaded during this one
-            _, t_n, tpos_n, g, ok_n = _chunk_rows(PAIRS, QPOS, first, c0 + BMQ, count, T, H, NSEL, b, G, R,
-                                                  BMQ)
-        row = (b64 * T + t) * HQ + head
-        lse = tl.load(LSE + row, mask=ok, other=0.0)
-        delta = tl.load(DELTA + row, mask=ok, other=0.0)
-        rd = row[:, None] * D + d[None, :]
+        t, tpos, g, ok, q, row, lse, delta, rd = _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h,
+                                                            stride_qb, stride_qh, stride_qt, T, H, NSEL, G, R, BMQ, D)
         do = tl.load(DO + rd, mask=ok[:, None], other=0.0)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
         p = tl.where(mask, tl.exp(_dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)
@@ -153,8 +130,6 @@ def blocks_bwd_dq_kernel(
             dphiq = _dot(da, phik_lp, F32, PREC)
             dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
         _add_rows(DQ, row, dq, ok, D, ATOMICS)
-        if PREFETCH:
-            t, tpos, ok = t_n, tpos_n, ok_n
 
 
 def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel: int, do, dot_, use_rla: bool,
@@ -186,7 +161,7 @@ def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel:
     common = (T, H, pairs.num_windows, pairs.num_blocks, nsel, S, 1.0 / math.sqrt(D))
     meta = dict(G=G, R=plan.bwd_rows, BMQ=BMQ, D=D, BS=block_size,
                 USE_RLA=use_rla, F32=f32, PREC=plan.precision, num_warps=plan.bwd_warps, num_stages=plan.bwd_stages,
-                ATOMICS=ATOMIC_MODES[plan.atomics], PREFETCH=plan.prefetch)
+                ATOMICS=ATOMIC_MODES[plan.atomics])
     seg = (q, k, v, pairs.pairs, seg_key, seg_first, seg_count, qpos, koff, row_max(qpos), lse, delta, do, dot_)
     NSEG = seg_key.numel()
     dqk = min(block_size, plan.dq_keys)  # dq, then dk and dv (both branches at once, or a launch per branch)
