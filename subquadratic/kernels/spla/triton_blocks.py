@@ -1,0 +1,569 @@
+"""Block-major ("routed") Triton kernels of SPLA's sparse branch and residual correction, forward and
+backward: the work is the selected (token, block) pairs only, whatever the query tiles' unions are.
+
+Same contract and values as `triton_tile.tile_sparse_attention` and `triton_parallel.SparseAttention`
+(q [B, HQ, T, D], k, v [B, H, S, D] views with unit stride in D; idx [B, T, H, NSEL] int32 selected
+block ids, -1 = none; qpos [B, T] int32 positions, -1 = padded query; koff [B] int32 slot of each
+row's position 0): o_sp [B, T, HQ, D] normalised and otilde [B, T, HQ, D] fp32 (None without the
+residual term), differentiable w.r.t. q, k, v.
+
+The selection is inverted on the device, as grouped GEMMs route tokens to experts (`block_pairs`):
+every pair (token t, slot i) of KV head h whose block n = idx[b, t, h, i] holds a causal key of t is
+keyed by (batch x KV head, window of `window` consecutive query slots, block n) and the pairs sorted
+by key (a stable `torch.sort`, or a counting sort: per-key counts, exclusive cumsum, scatter), with
+the start of each key's run. `segments` cuts each run into segments of at most `seg_pairs` pairs,
+numbered through a fixed-size table whose length is bounded from shapes (ceil(P / seg_pairs) + number
+of keys, P = B*T*H*NSEL): no host synchronisation, no data-dependent shape; programs past the real
+segments find a count of 0 and exit.
+
+One program per segment loads its block's K (and V, phi(k)) tile once and walks its pairs in chunks
+of BMQ tokens, the G query heads of each token as rows (BMQ * G <= `rows`, unpadded, so tl.dot sees
+about `rows` rows whatever G is):
+  pass 1 (`blocks_lse_kernel`): S = q k^T * scale with the causal mask (only where the block is the
+    token's current one), the log-sum-exp of each (token, head, slot) into [B, T, H, NSEL, G]; the
+    log-sum-exp per (token, head) over the slots is one torch.logsumexp;
+  pass 2 (`blocks_out_kernel`): P = exp(S - lse) (already normalised), O += P V and, with the
+    residual term, otilde += (phi(q) phi(k)^T, causal-masked) V, added with fp32 atomics.
+The backward (`triton_blocks_bwd`) walks the same segments: dq with atomics per chunk, dk and dv
+accumulated per segment.
+
+The windows keep the atomics in L2: the table runs key by key, so the programs in flight work on one
+window of one KV head, whose output rows (window x G x D fp32, O and otilde) stay resident while all
+their slots are added (on the H200, fp32 atomic adds of random rows ran at 604 G/s inside a window
+of 4096 tokens x 32 heads against 371 G/s over 32k tokens; plain stores 1020 G/s). A smaller window
+costs more partly filled chunks (one per key and window).
+
+Forced blocks (the sinks, chosen by every token, and the banded local blocks) need no structure of
+their own: a key's run is cut into segments of bounded size, so the sink block's thousands of pairs
+are as many uniform programs as any other block's and the load stays balanced. (A banded kernel for
+them could write its part of O with stores instead of atomics: 3 of 16 pairs a token, at most ~1 ms
+of pass 2 at 32k; not done.)
+
+The atomics make O, otilde and the gradients reproducible only up to the order of fp32 additions
+(a deterministic order would need per-pair partial outputs written and summed: T x HQ x NSEL x D
+floats, 8.6 GB at 32k, far more bytes than the atomics move).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+
+from ..utils import import_triton
+from .triton_common import NEG, softmax_rows
+
+triton, tl = import_triton()
+
+__all__ = ["BlockPairs", "BlocksPlan", "BlocksSparseAttention", "block_pairs", "blocks_plan",
+           "blocks_sparse_attention", "blocks_sparse_forward", "lse_pass", "out_pass", "segments"]
+
+
+@dataclass(frozen=True)
+class BlocksPlan:
+    """Launch settings of the block-major kernels, decided once per call from shapes (`blocks_plan`).
+
+    rows / bwd_rows: (token, head) rows of one chunk in pass 2 / the backward (a chunk holds
+    rows // G tokens); lse_rows / lse_warps: rows and warps of pass 1 (same segments as pass 2);
+    seg_chunks / bwd_seg_chunks: chunks of pass 2 / the backward per segment (one program);
+    window: query slots per window of the pair order (the output rows the atomics of the programs
+    in flight touch); sort: "sort" (stable torch.sort) or "count" (counting sort with atomics; 0.83
+    against 0.32 ms at 32k on the H200); warps / bwd_warps, stages / bwd_stages: num_warps and
+    num_stages of pass 2 / the backward; precision: dot precision of fp32 operands, "tf32" or "ieee"
+    (16-bit operands always run on the tensor cores, fp32 accumulation); bwd: "split" (dq over parts
+    of dq_keys keys of the block, then dk/dv of both branches over parts of dkdv_keys keys) or
+    "split3" (the same with dk/dv of each branch in a launch of its own: fewer registers);
+    atomics: how rows are added to O, otilde, dq, dk, dv (`_add_rows`): "scalar", "v4" (sm_90 vector
+    reductions) or "v4-split" (v4's column split with scalar atomics, for the interpreter). The
+    defaults are `blocks_plan`'s at d128."""
+
+    rows: int = 64
+    bwd_rows: int = 32
+    seg_chunks: int = 32
+    bwd_seg_chunks: int = 32
+    window: int = 8192
+    sort: str = "sort"
+    warps: int = 4
+    bwd_warps: int = 4
+    stages: int = 1
+    bwd_stages: int = 1
+    precision: str = "tf32"
+    lse_rows: int = 128
+    lse_warps: int = 8
+    bwd: str = "split3"
+    dkdv_keys: int = 64
+    dq_keys: int = 64
+    atomics: str = "scalar"
+
+    def tokens(self, G: int, backward: bool = False) -> int:
+        """Tokens of one chunk: rows // G, at least 1."""
+        return max(1, (self.bwd_rows if backward else self.rows) // G)
+
+    def seg_pairs(self, G: int, backward: bool = False) -> int:
+        """Pairs (token, slot) of one segment: whole chunks."""
+        return self.tokens(G, backward) * (self.bwd_seg_chunks if backward else self.seg_chunks)
+
+
+#: `BlocksPlan.atomics` -> the ATOMICS constexpr of `_add_rows`.
+ATOMIC_MODES = {"scalar": 0, "v4": 1, "v4-split": 2}
+
+#: Output bytes per KV head that the pair order keeps in flight (window x G x D fp32 rows, O and
+#: otilde): the default window holds that much, under the H200's 50 MB of L2 (8192 tokens at G4 d128;
+#: 4096 and 16384 measured slower at 32k).
+WINDOW_BYTES = 32 << 20
+
+
+def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True, *,
+                precision: str | None = None, dtype: torch.dtype = torch.bfloat16, **overrides) -> BlocksPlan:
+    """The launch settings for a GQA group of G heads of dimension D, chosen where the kernels
+    compile for sm_90 without register spills (or with the fewest) and measured fastest on the H200
+    (scripts/bench_spla_blocks.py --sweep): see the defaults below. Vector atomics ("v4") on sm_90
+    and later (the same adds per second as scalar ones, fewer instructions and registers: 13.1
+    against 13.8 ms forward at 32k); a window of WINDOW_BYTES of output rows per KV head (a power of two in [256,
+    16384]); `precision` of fp32 dots: "tf32" on CUDA, "ieee" elsewhere (the CPU interpreter, where
+    the fp64-oracle tests run); fp32 operands (`dtype` fp32 or fp64) at d256 take the backward kernels
+    over half blocks (the shared memory of whole ones is over the H200's 227 KB). `overrides`: any field
+    of `BlocksPlan`."""
+    device = torch.device(device)
+    if precision is None:
+        precision = "tf32" if device.type == "cuda" else "ieee"
+    vec = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    gp = triton.next_power_of_2(G)
+    # pass 2 on 128 rows (d <= 64), 64 (d128) or 32 (d256); the backward as "split3" on 32 rows of
+    # 4 warps over whole blocks; 32 chunks per segment; 32 MB windows (sweeps at 32k iid, H200:
+    # scripts/bench_spla_blocks.py --sweep)
+    rows, warps = (128, 8) if D <= 64 else (64, 4) if D <= 128 else (32, 4)
+    per_token = G * D * 4 * (2 if use_rla else 1)
+    window = 1 << max(8, min(14, (WINDOW_BYTES // per_token).bit_length() - 1))
+    plan = BlocksPlan(rows=max(rows, gp, 16), warps=warps, bwd_rows=max(32, gp), bwd_warps=4, window=window,
+                      precision=precision, lse_rows=max(128, gp), lse_warps=8 if D >= 64 else 4, seg_chunks=32,
+                      bwd_seg_chunks=32, bwd="split3", atomics="v4" if vec else "scalar")
+    if dtype in (torch.float32, torch.float64) and D >= 256:  # whole fp32 blocks overflow shared memory
+        plan = replace(plan, dq_keys=32, dkdv_keys=32)
+    plan = replace(plan, **overrides)
+    if plan.sort not in ("sort", "count"):
+        raise ValueError(f"sort must be 'sort' or 'count', got {plan.sort!r}")
+    if plan.precision not in ("tf32", "ieee"):
+        raise ValueError(f"precision must be 'tf32' or 'ieee', got {plan.precision!r}")
+    if plan.atomics not in ATOMIC_MODES:
+        raise ValueError(f"atomics must be one of {sorted(ATOMIC_MODES)}, got {plan.atomics!r}")
+    if plan.bwd not in ("split", "split3"):
+        raise ValueError(f"bwd must be 'split' or 'split3', got {plan.bwd!r}")
+    for name in ("rows", "bwd_rows", "lse_rows", "dkdv_keys", "dq_keys"):
+        n = getattr(plan, name)
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {n}")
+    return plan
+
+
+class BlockPairs(NamedTuple):
+    """The selection inverted: `pairs` int32 [P] holds flat indices e = ((b*T + t)*H + h)*NSEL + i of
+    idx, sorted by key ((b*H + h)*NW + t // window)*NB + idx[e] (valid pairs first, ascending t within
+    a key); `starts` int32 [NK + 1] the first sorted position of each key (starts[NK]: the number of
+    valid pairs). NW windows of `window` query slots, NB key blocks."""
+
+    pairs: torch.Tensor
+    starts: torch.Tensor
+    window: int
+    num_windows: int
+    num_blocks: int
+
+
+@triton.jit
+def pair_keys_kernel(
+    IDX, QPOS, KEYS, COUNTS, P, T, H, NSEL, NW, NB, NK, window, BS,
+    COUNT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Key of each pair e of IDX [B, T, H, NSEL] into KEYS [P] int32 (NK where the pair holds no
+    causal key of its token: idx -1, a padded query, a block after the token); with COUNT, the
+    histogram of the keys into COUNTS [NK + 1] too."""
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = e < P
+    blk = tl.load(IDX + e, mask=ok, other=-1)
+    bt = e // (H * NSEL)  # b * T + t
+    h = (e // NSEL) % H
+    t = bt % T
+    b = bt // T
+    tpos = tl.load(QPOS + bt, mask=ok, other=-1)
+    valid = ok & (blk >= 0) & (tpos >= 0) & (blk * BS <= tpos) & (blk < NB)
+    key = ((b * H + h) * NW + t // window) * NB + blk
+    key = tl.where(valid, key, NK)
+    tl.store(KEYS + e, key, mask=ok)
+    if COUNT:
+        tl.atomic_add(COUNTS + key, tl.full([BLOCK], 1, tl.int32), mask=ok, sem="relaxed")
+
+
+@triton.jit
+def pair_scatter_kernel(KEYS, CURSOR, PAIRS, P, NK, BLOCK: tl.constexpr):
+    """Counting sort's scatter: each valid pair e to PAIRS[CURSOR[key]++] (CURSOR [NK] starts as the
+    exclusive cumsum of the counts; the order within a key is the atomics' order)."""
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = e < P
+    key = tl.load(KEYS + e, mask=ok, other=NK)
+    valid = ok & (key < NK)
+    dst = tl.atomic_add(CURSOR + tl.where(valid, key, 0), tl.full([BLOCK], 1, tl.int32), mask=valid, sem="relaxed")
+    tl.store(PAIRS + dst, e, mask=valid)
+
+
+def block_pairs(idx: torch.Tensor, qpos: torch.Tensor, num_blocks: int, block_size: int, window: int,
+                sort: str = "sort") -> BlockPairs:
+    """Invert the selection idx [B, T, H, NSEL] int32 (qpos [B, T] int32) into pairs grouped by
+    (batch x KV head, window of query slots, block) (`BlockPairs`), on the device and without a host
+    synchronisation: one key launch, then a stable torch.sort and a searchsorted of the key starts
+    (sort="sort"), or the histogram of that launch, an exclusive cumsum and an atomic scatter
+    (sort="count", the order within a key unspecified)."""
+    B, T, H, K = idx.shape
+    P = B * T * H * K
+    NW = triton.cdiv(T, window)
+    NB = max(1, num_blocks)
+    NK = B * H * NW * NB
+    if P >= 2**31 or NK >= 2**31 - 1:
+        raise ValueError(f"{P} (token, slot) pairs or {NK} keys exceed int32; split the batch")
+    dev = idx.device
+    idx = idx.contiguous()
+    keys = torch.empty(P, device=dev, dtype=torch.int32)
+    counts = torch.zeros(NK + 1, device=dev, dtype=torch.int32) if sort == "count" else keys
+    BLOCK = 1024
+    grid = (triton.cdiv(P, BLOCK),)
+    pair_keys_kernel[grid](idx, qpos, keys, counts, P, T, H, K, NW, NB, NK, window, block_size,
+                           COUNT=sort == "count", BLOCK=BLOCK)
+    if sort == "sort":
+        skeys, order = torch.sort(keys, stable=True)
+        starts = torch.searchsorted(skeys, torch.arange(NK + 1, device=dev, dtype=torch.int32)).to(torch.int32)
+        pairs = order.to(torch.int32)
+    elif sort == "count":
+        starts = torch.zeros(NK + 1, device=dev, dtype=torch.int32)
+        torch.cumsum(counts[:NK], 0, out=starts[1:])
+        cursor = starts[:NK].clone()
+        pairs = torch.empty(P, device=dev, dtype=torch.int32)
+        pair_scatter_kernel[grid](keys, cursor, pairs, P, NK, BLOCK=BLOCK)
+    else:
+        raise ValueError(f"sort must be 'sort' or 'count', got {sort!r}")
+    return BlockPairs(pairs, starts, window, NW, NB)
+
+
+def segments(bp: BlockPairs, seg_pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each key's run of pairs cut into segments of at most `seg_pairs`: (key, first sorted position,
+    count) int32, each [NSEG] with NSEG = ceil(P / seg_pairs) + NK (a bound from shapes); entries past
+    the real segments have count 0."""
+    starts = bp.starts.long()
+    NK = starts.numel() - 1
+    P = bp.pairs.numel()
+    counts = starts[1:] - starts[:-1]  # [NK]
+    nseg = (counts + seg_pairs - 1) // seg_pairs
+    cum = torch.cumsum(nseg, 0)  # inclusive
+    NSEG = triton.cdiv(P, seg_pairs) + NK
+    s = torch.arange(NSEG, device=starts.device)
+    key = torch.searchsorted(cum, s, right=True)  # [NSEG], NK past the last segment
+    kc = key.clamp(max=NK - 1)
+    j = s - (cum[kc] - nseg[kc])  # segment number within its key
+    first = starts[kc] + j * seg_pairs
+    count = torch.where(key < NK, (counts[kc] - j * seg_pairs).clamp(0, seg_pairs), 0)
+    return kc.to(torch.int32), first.to(torch.int32), count.to(torch.int32)
+
+
+@triton.jit
+def _dot(a, b, F32: tl.constexpr, PREC: tl.constexpr):
+    """a @ b with fp32 accumulation: fp32 operands at PREC ("tf32" or "ieee"), else on the tensor
+    cores with `a` cast to b's (16-bit) dtype."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    else:
+        return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS: tl.constexpr, BSK: tl.constexpr):
+    """Segment of this program (program_id(0)) and its part program_id(1) of BSK keys of the block:
+    (b, h, first sorted position, count, koff, key positions [BSK], which key slots to load [BSK]:
+    those up to the row's last query position ROWMAX[b], inside the cache, where the segment has
+    pairs; later slots may hold anything, a static cache's unwritten memory too)."""
+    s = tl.program_id(0)
+    key = tl.load(SEG_KEY + s)
+    first = tl.load(SEG_FIRST + s)
+    count = tl.load(SEG_COUNT + s)
+    blk = key % NB
+    bh = key // (NB * NW)
+    b = bh // H
+    h = bh % H
+    koff = tl.load(KOFF + b)
+    pos = blk * BS + tl.program_id(1) * BSK + tl.arange(0, BSK)
+    last = tl.where(count > 0, tl.load(ROWMAX + b), -1)  # an empty segment loads nothing
+    kload = (pos <= last) & (koff + pos < S)
+    return b, h, first, count, koff, pos, kload
+
+
+@triton.jit
+def _key_tile(X, b64, h, slot, kload, stride_b, stride_h, stride_s, D: tl.constexpr):
+    """The rows `slot` [BSK] (those with kload) of X[b, h] (K or V, [B, H, S, D] strides): [BSK, D]."""
+    d = tl.arange(0, D)
+    return tl.load(X + b64 * stride_b + h * stride_h + slot[:, None] * stride_s + d[None, :], mask=kload[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _segment_kv(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb,
+                stride_vh, stride_vs, NW, NB, H, S, BS: tl.constexpr, BSK: tl.constexpr, D: tl.constexpr):
+    """`_segment` and the K, V tiles [BSK, D] of its keys: (b, h, first, count, key positions, kload,
+    b as int64, key slots, k, v)."""
+    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BSK)
+    b64 = b.to(tl.int64)
+    slot = koff + pos
+    k = _key_tile(K, b64, h, slot, kload, stride_kb, stride_kh, stride_ks, D)
+    v = _key_tile(V, b64, h, slot, kload, stride_vb, stride_vh, stride_vs, D)
+    return b, h, first, count, pos, kload, b64, slot, k, v
+
+
+@triton.jit
+def _query_rows(Q, b64, h, t, g, ok, stride_b, stride_h, stride_t, T, H, G: tl.constexpr, D: tl.constexpr):
+    """The chunk's query rows q [R, D] (token t, head h * G + g; 0 where not ok) and their row index
+    (b * T + t) * HQ + head into the [B, T, HQ, ...] outputs and statistics."""
+    head = h * G + g
+    q = tl.load(Q + b64 * stride_b + head[:, None] * stride_h + t[:, None] * stride_t + tl.arange(0, D)[None, :],
+                mask=ok[:, None], other=0.0)
+    return q, (b64 * T + t) * (H * G) + head
+
+
+@triton.jit
+def _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b,
+                G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr):
+    """Rows (token, head) of the chunk at sorted positions [first + c0, first + c0 + BMQ): per row the
+    pair e, its token t, the token's position, the head within the group g, and whether the row is
+    real."""
+    r = tl.arange(0, R)
+    m = r // G
+    g = r % G
+    ok = (m < BMQ) & (c0 + m < count)
+    e = tl.load(PAIRS + first + c0 + m, mask=ok, other=0)
+    t = (e // (H * NSEL)) % T
+    tpos = tl.load(QPOS + b * T + t, mask=ok, other=-1)
+    return e, t, tpos, g, ok
+
+
+@triton.jit
+def _add_rows(OUT, row, x, ok, D: tl.constexpr, ATOMICS: tl.constexpr):
+    """OUT[row[r] * D + d] += x[r, d] for the rows r with ok[r] (x [R, D] fp32), with fp32 atomics:
+    ATOMICS 0: tl.atomic_add (one float per instruction); 1: red.global.add.v4.f32 (sm_90: four
+    consecutive floats per instruction); 2: the same split of x into four columns as 1 with one
+    tl.atomic_add per column (what the interpreter can run: it checks the split)."""
+    if ATOMICS == 0:
+        tl.atomic_add(OUT + row[:, None] * D + tl.arange(0, D)[None, :], x, mask=ok[:, None], sem="relaxed")
+    else:
+        R: tl.constexpr = x.shape[0]
+        a, b = tl.split(tl.reshape(x, [R, D // 4, 2, 2]))  # x[r, 4c + 2i + j] -> a: j = 0, b: j = 1
+        x0, x2 = tl.split(a)
+        x1, x3 = tl.split(b)
+        p = OUT + row[:, None] * D + (tl.arange(0, D // 4) * 4)[None, :]  # [R, D // 4]: column 4c
+        m = tl.broadcast_to(ok[:, None], [R, D // 4])
+        if ATOMICS == 1:
+            tl.inline_asm_elementwise(
+                asm="{ .reg .pred p; setp.ne.b32 p, $6, 0; "
+                    "@p red.global.gpu.relaxed.add.v4.f32 [$1], {$2, $3, $4, $5}; mov.u32 $0, 0; }",
+                constraints="=r,l,f,f,f,f,r", args=[p.to(tl.int64), x0, x1, x2, x3, m.to(tl.int32)], dtype=tl.int32,
+                is_pure=False, pack=1)
+        else:
+            tl.atomic_add(p, x0, mask=m, sem="relaxed")
+            tl.atomic_add(p + 1, x1, mask=m, sem="relaxed")
+            tl.atomic_add(p + 2, x2, mask=m, sem="relaxed")
+            tl.atomic_add(p + 3, x3, mask=m, sem="relaxed")
+
+
+@triton.jit
+def blocks_lse_kernel(
+    Q, K, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE_SLOT,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks,
+    T, H, NW, NB, NSEL, S, scale,
+    G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    F32: tl.constexpr, PREC: tl.constexpr,
+):
+    """Pass 1, one segment: the log-sum-exp of the scores of each (token, head, slot) over the
+    segment's block (causal keys only) into LSE_SLOT [B, T, H, NSEL, G] at e * G + g."""
+    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BS)
+    b64 = b.to(tl.int64)
+    slot = koff + pos
+    k = _key_tile(K, b64, h, slot, kload, stride_kb, stride_kh, stride_ks, D)
+    kt = tl.trans(k)
+    for c0 in range(0, count, BMQ):
+        e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        q, _ = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
+        mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
+        sc = tl.where(mask, _dot(q, kt, F32, PREC) * scale, NEG)
+        mx = tl.max(sc, 1)
+        lsum = tl.sum(tl.where(mask, tl.exp(sc - mx[:, None]), 0.0), 1)
+        tl.store(LSE_SLOT + e * G + g, mx + tl.log(tl.maximum(lsum, 1e-30)), mask=ok)
+
+
+@triton.jit
+def blocks_out_kernel(
+    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, OUT, OT,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    T, H, NW, NB, NSEL, S, scale,
+    G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr,
+):
+    """Pass 2, one segment: P = exp(S - lse) of each row (LSE [B, T, HQ], over all its slots), then
+    OUT += P V and, with USE_RLA, OT += (phi(q) phi(k)^T masked) V (OUT, OT: [B, T, HQ, D] fp32, zeroed
+    by the caller, fp32 atomics)."""
+    b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
+        SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+        stride_vs, NW, NB, H, S, BS, BS, D)
+    kt = tl.trans(k)
+    if USE_RLA:
+        phikt = tl.trans(softmax_rows(k).to(k.dtype))
+    for c0 in range(0, count, BMQ):
+        _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        q, row = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
+        lse = tl.load(LSE + row, mask=ok, other=0.0)
+        mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
+        p = tl.where(mask, tl.exp(_dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)
+        _add_rows(OUT, row, _dot(p, v, F32, PREC), ok, D, ATOMICS)
+        if USE_RLA:
+            a = tl.where(mask, _dot(softmax_rows(q), phikt, F32, PREC), 0.0)
+            _add_rows(OT, row, _dot(a, v, F32, PREC), ok, D, ATOMICS)
+
+
+def _operands(q, k, v):
+    """Kernel operands: unit stride in D; fp64 (tests) runs in fp32. Returns (q, k, v, F32)."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if q.dtype == torch.float64:
+        q, k, v = q.float(), k.float(), v.float()
+    return q, k, v, q.dtype == torch.float32
+
+
+def _check(q, k, v, idx, qpos, koff, block_size):
+    B, HQ, T, D = q.shape
+    H = k.shape[1]
+    if HQ % H or k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"q {tuple(q.shape)} and k, v {tuple(k.shape)}, {tuple(v.shape)} do not match "
+                         "([B, HQ, T, D] and [B, H, S, D] with HQ a multiple of H)")
+    if tuple(idx.shape[:3]) != (B, T, H) or idx.dtype != torch.int32:
+        raise ValueError(f"idx must be int32 [B, T, H, NSEL] = [{B}, {T}, {H}, NSEL], got {idx.dtype} "
+                         f"{tuple(idx.shape)}")
+    if tuple(qpos.shape) != (B, T) or qpos.dtype != torch.int32 or tuple(koff.shape) != (B,) \
+            or koff.dtype != torch.int32:
+        raise ValueError("qpos must be int32 [B, T] and koff int32 [B]")
+    if D & (D - 1) or D < 16 or block_size & (block_size - 1) or block_size < 16:
+        raise ValueError(f"head_dim {D} and block_size {block_size} must be powers of two >= 16")
+
+
+def _launch(q, k, pairs: BlockPairs, nsel: int, block_size: int, plan: BlocksPlan, f32: bool):
+    """The segment table and the launch arguments of both forward passes: (grid, segment operands,
+    scalars, pass-1 constexprs, pass-2 constexprs)."""
+    B, HQ, T, D = q.shape
+    H, S = k.shape[1], k.shape[2]
+    G = HQ // H
+    seg_pairs = plan.seg_pairs(G)
+    seg_key, seg_first, seg_count = segments(pairs, seg_pairs)
+    common = (T, H, pairs.num_windows, pairs.num_blocks, nsel, S, 1.0 / math.sqrt(D))
+    meta = dict(G=G, D=D, BS=block_size, F32=f32, PREC=plan.precision)
+    lse_rows = max(plan.lse_rows, triton.next_power_of_2(G))
+    meta1 = dict(meta, R=lse_rows, BMQ=max(1, lse_rows // G), num_warps=plan.lse_warps, num_stages=plan.stages)
+    meta2 = dict(meta, R=plan.rows, BMQ=plan.tokens(G), num_warps=plan.warps, num_stages=plan.stages,
+                 ATOMICS=ATOMIC_MODES[plan.atomics])
+    return (seg_key.numel(), 1), (pairs.pairs, seg_key, seg_first, seg_count), common, meta1, meta2
+
+
+def row_max(qpos: torch.Tensor) -> torch.Tensor:
+    """The last query position of each row [B] int32 (-1 for a row of padding): the kernels load key
+    slots up to it only."""
+    return qpos.amax(1).to(torch.int32) if qpos.shape[1] else qpos.new_full((qpos.shape[0],), -1)
+
+
+def lse_pass(q, k, pairs: BlockPairs, qpos, koff, nsel: int, block_size: int, plan: BlocksPlan, f32: bool,
+             launch=None):
+    """Pass 1: the log-sum-exp [B, T, HQ] fp32 of each row over its selected causal keys (0 for a
+    row without any). q, k: kernel operands (`_operands`); `launch`: `_launch`'s result, if made."""
+    B, HQ, T, D = q.shape
+    H = k.shape[1]
+    grid, seg, common, meta, _ = launch or _launch(q, k, pairs, nsel, block_size, plan, f32)
+    lse_slot = torch.full((B, T, H, nsel, HQ // H), float("-inf"), device=q.device, dtype=torch.float32)
+    blocks_lse_kernel[grid](
+        q, k, *seg, qpos, koff, row_max(qpos), lse_slot,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *common, **meta,
+    )
+    lse = torch.logsumexp(lse_slot, dim=3)  # [B, T, H, G]
+    return torch.where(torch.isfinite(lse), lse, 0.0).reshape(B, T, HQ).contiguous()
+
+
+def out_pass(q, k, v, pairs: BlockPairs, qpos, koff, lse, nsel: int, use_rla: bool, block_size: int,
+             plan: BlocksPlan, f32: bool, launch=None):
+    """Pass 2: (o_sp, otilde or None) [B, T, HQ, D] fp32 given the rows' log-sum-exp lse [B, T, HQ]."""
+    B, HQ, T, D = q.shape
+    grid, seg, common, _, meta = launch or _launch(q, k, pairs, nsel, block_size, plan, f32)
+    o = torch.zeros(B, T, HQ, D, device=q.device, dtype=torch.float32)
+    ot = torch.zeros_like(o) if use_rla else o
+    blocks_out_kernel[grid](
+        q, k, v, *seg, qpos, koff, row_max(qpos), lse, o, ot,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *common, USE_RLA=use_rla, **meta,
+    )
+    return o, (ot if use_rla else None)
+
+
+def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: int, plan: BlocksPlan | None = None,
+                          pairs: BlockPairs | None = None):
+    """The sparse branch and the correction over the selected pairs (module docstring), same operands
+    as `triton_parallel.sparse_forward`. Returns (o_sp [B, T, HQ, D] normalised, otilde or None
+    [B, T, HQ, D], lse [B, T, HQ]; fp32) and the inverted selection (`BlockPairs`, for the backward).
+    Rows without a causal selected key (padded queries) get o_sp = otilde = 0 and lse = 0."""
+    _check(q, k, v, idx, qpos, koff, block_size)
+    q, k, v, f32 = _operands(q, k, v)
+    B, HQ, T, D = q.shape
+    S = k.shape[2]
+    if plan is None:
+        plan = blocks_plan(HQ // k.shape[1], D, q.device, use_rla, dtype=q.dtype)
+    if pairs is None:
+        pairs = block_pairs(idx, qpos, triton.cdiv(S, block_size), block_size, plan.window, plan.sort)
+    nsel = idx.shape[-1]
+    launch = _launch(q, k, pairs, nsel, block_size, plan, f32)
+    lse = lse_pass(q, k, pairs, qpos, koff, nsel, block_size, plan, f32, launch)
+    o, ot = out_pass(q, k, v, pairs, qpos, koff, lse, nsel, use_rla, block_size, plan, f32, launch)
+    return o, ot, lse, pairs
+
+
+class BlocksSparseAttention(torch.autograd.Function):
+    """The sparse branch and the correction otilde over the selected pairs, forward and backward
+    (`triton_blocks_bwd`). The selection (idx) carries no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, plan):
+        o, ot, lse, pairs = blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, plan)
+        ctx.save_for_backward(q, k, v, qpos, koff, o, lse, pairs.pairs, pairs.starts)
+        ctx.use_rla, ctx.block_size, ctx.plan = use_rla, block_size, plan
+        ctx.pair_meta = (pairs.window, pairs.num_windows, pairs.num_blocks, idx.shape[-1])
+        return o, ot
+
+    @staticmethod
+    def backward(ctx, do, dot_):
+        from .triton_blocks_bwd import blocks_sparse_backward
+
+        q, k, v, qpos, koff, o, lse, pair_list, starts = ctx.saved_tensors
+        window, nw, nb, nsel = ctx.pair_meta
+        pairs = BlockPairs(pair_list, starts, window, nw, nb)
+        dq, dk, dv = blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs, nsel, do, dot_, ctx.use_rla,
+                                            ctx.block_size, ctx.plan)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def blocks_sparse_attention(q, k, v, idx, qpos, koff, use_rla: bool, block_size: int, *,
+                            precision: str | None = None, plan: BlocksPlan | None = None):
+    """The block-major form of `triton_tile.tile_sparse_attention` (same operands: q [B, HQ, T, D],
+    k, v [B, H, S, D] views with unit stride in D, idx [B, T, H, NSEL] int32, qpos [B, T] int32, koff
+    [B] int32): (o_sp, otilde or None) [B, T, HQ, D] fp32, differentiable w.r.t. q, k, v through
+    `BlocksSparseAttention` when gradients are needed, else the forward alone. `precision` of fp32
+    inputs' dots: "tf32" (default on CUDA) or "ieee" (default elsewhere); fp64 inputs run in fp32
+    with "ieee" dots. `plan`: launch settings (default `blocks_plan` of the shapes)."""
+    B, HQ, T, D = q.shape
+    G = HQ // k.shape[1]
+    if q.dtype == torch.float64:
+        precision = "ieee"
+    if plan is None:
+        plan = blocks_plan(G, D, q.device, use_rla, precision=precision, dtype=q.dtype)
+    elif precision is not None:
+        plan = replace(plan, precision=precision)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return BlocksSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, plan)
+    o, ot, _, _ = blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, plan)
+    return o, ot

@@ -1,0 +1,172 @@
+"""Backward of the block-major sparse branch and residual correction (`triton_blocks`) over the same
+segments of (token, slot) pairs, grouped by (batch x KV head, window, block): `blocks_bwd_dq_kernel`
+for dq, then `blocks_bwd_dkdv_kernel` for dk, dv (once for both branches, plan bwd="split", or once
+per branch, bwd="split3", the default: fewer registers, no spills at d128).
+
+Per segment a program loads the block's K, V and phi(k) once; per chunk (BMQ tokens x G heads as
+rows) it recomputes P = exp(S - lse) and A = phi(q) phi(k)^T (causal-masked), then
+  dq = dS K * scale + J_phi(q)(dA phi(k)),  dS = P (dO V^T - Delta),  dA = dOt V^T (masked),
+added to the chunk's rows with fp32 atomics (one add per pair and head; the window order keeps those
+rows in L2), and on key-major tiles [keys, rows]
+  dv += P^T dO + A^T dOt,  dk += dS^T Q * scale + J_phi(k)(dA^T phi(q)),
+accumulated over the segment and added to the block's slots once. Delta = rowsum(dO * O);
+J_phi(x) g = phi(x) * (g - sum(g * phi(x))) is the softmax feature map's Jacobian (linear in g, so
+applied per chunk). The dq and dk/dv kernels recompute P (and A) apart: three more dots per chunk than
+one fused kernel, which spilled 1.5-2 KB of registers a thread at d128 and measured slower (58 ms
+against 45 ms forward + backward, 32k iid, H200).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..utils import import_triton
+from .triton_blocks import (
+    ATOMIC_MODES,
+    BlockPairs,
+    BlocksPlan,
+    _add_rows,
+    _chunk_rows,
+    _dot,
+    _operands,
+    _query_rows,
+    _segment_kv,
+    row_max,
+    segments,
+)
+from .triton_common import softmax_rows
+
+triton, tl = import_triton()
+
+
+@triton.jit
+def _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h, stride_qb, stride_qh, stride_qt, T, H, NSEL,
+               G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr):
+    """A chunk's rows for the backward: (t, positions, g, ok, q [R, D], lse, delta, the rows' offsets
+    [R, D] into the [B, T, HQ, D] gradients)."""
+    _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+    q, row = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
+    lse = tl.load(LSE + row, mask=ok, other=0.0)
+    delta = tl.load(DELTA + row, mask=ok, other=0.0)
+    return t, tpos, g, ok, q, row, lse, delta, row[:, None] * D + tl.arange(0, D)[None, :]
+
+
+@triton.jit
+def blocks_bwd_dkdv_kernel(
+    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DK, DV,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    T, H, NW, NB, NSEL, S, scale,
+    G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BSK: tl.constexpr,
+    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr,
+    PART: tl.constexpr,
+):
+    """dk, dv of BSK keys (part program_id(1) of the block) of one segment, key-major tiles [BSK, R]:
+    P^T, dS^T, A^T, dA^T; the feature map's Jacobian applied per chunk. PART 0: both branches, 1: the
+    softmax branch, 2: the correction. Layouts as `blocks_bwd_dq_kernel`."""
+    b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
+        SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+        stride_vs, NW, NB, H, S, BS, BSK, D)
+    dk = tl.zeros([BSK, D], tl.float32)
+    dv = tl.zeros([BSK, D], tl.float32)
+    if USE_RLA:
+        phik = softmax_rows(k)
+        phik_lp = phik.to(k.dtype)
+    for c0 in range(0, count, BMQ):
+        t, tpos, g, ok, q, row, lse, delta, rd = _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h,
+                                                            stride_qb, stride_qh, stride_qt, T, H, NSEL, G, R, BMQ, D)
+        mask_t = ok[None, :] & (pos[:, None] <= tpos[None, :])
+        if PART != 2:
+            do = tl.load(DO + rd, mask=ok[:, None], other=0.0)
+            p_t = tl.where(mask_t, tl.exp(_dot(k, tl.trans(q), F32, PREC) * scale - lse[None, :]), 0.0)
+            dv += _dot(p_t, do, F32, PREC)
+            ds_t = p_t * (_dot(v, tl.trans(do), F32, PREC) - delta[None, :]) * scale
+            dk += _dot(ds_t, q, F32, PREC)
+        if USE_RLA and PART != 1:
+            phiq_lp = softmax_rows(q).to(k.dtype)
+            dot_ = tl.load(DOT + rd, mask=ok[:, None], other=0.0)
+            a_t = tl.where(mask_t, _dot(phik_lp, tl.trans(phiq_lp), F32, PREC), 0.0)
+            dv += _dot(a_t, dot_, F32, PREC)
+            da_t = tl.where(mask_t, _dot(v, tl.trans(dot_), F32, PREC), 0.0)
+            dphik = _dot(da_t, phiq_lp, F32, PREC)
+            dk += phik * (dphik - tl.sum(dphik * phik, 1)[:, None])
+    krow = (b64 * H + h) * S + slot
+    _add_rows(DK, krow, dk, kload, D, ATOMICS)
+    _add_rows(DV, krow, dv, kload, D, ATOMICS)
+
+
+@triton.jit
+def blocks_bwd_dq_kernel(
+    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DQ,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    T, H, NW, NB, NSEL, S, scale,
+    G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BSK: tl.constexpr,
+    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr,
+):
+    """dq of one segment's rows over BSK keys (part program_id(1) of the block; fp32 atomics into DQ
+    [B, T, HQ, D]): dS K * scale and the feature map's Jacobian of dA phi(k). LSE, DELTA: [B, T, HQ]
+    fp32; DO, DOT: [B, T, HQ, D] in the operands' dtype; DQ [B, T, HQ, D] (and the dk/dv kernel's DK,
+    DV [B, H, S, D]): fp32, zeroed by the caller."""
+    b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
+        SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+        stride_vs, NW, NB, H, S, BS, BSK, D)
+    kt = tl.trans(k)
+    vt = tl.trans(v)
+    if USE_RLA:
+        phik_lp = softmax_rows(k).to(k.dtype)
+    for c0 in range(0, count, BMQ):
+        t, tpos, g, ok, q, row, lse, delta, rd = _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h,
+                                                            stride_qb, stride_qh, stride_qt, T, H, NSEL, G, R, BMQ, D)
+        do = tl.load(DO + rd, mask=ok[:, None], other=0.0)
+        mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
+        p = tl.where(mask, tl.exp(_dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)
+        ds = p * (_dot(do, vt, F32, PREC) - delta[:, None]) * scale
+        dq = _dot(ds, k, F32, PREC)
+        if USE_RLA:
+            phiq = softmax_rows(q)
+            dot_ = tl.load(DOT + rd, mask=ok[:, None], other=0.0)
+            da = tl.where(mask, _dot(dot_, vt, F32, PREC), 0.0)
+            dphiq = _dot(da, phik_lp, F32, PREC)
+            dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
+        _add_rows(DQ, row, dq, ok, D, ATOMICS)
+
+
+def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel: int, do, dot_, use_rla: bool,
+                           block_size: int, plan: BlocksPlan):
+    """dq, dk, dv (in q's, k's, v's dtype and shapes) of `triton_blocks.blocks_sparse_forward` given the
+    gradients do, dot_ [B, T, HQ, D] of o_sp and otilde (None: zero)."""
+    dtypes = q.dtype, k.dtype, v.dtype
+    q, k, v, f32 = _operands(q, k, v)
+    B, HQ, T, D = q.shape
+    H, S = k.shape[1], k.shape[2]
+    G = HQ // H
+    dev = q.device
+    do = torch.zeros_like(o) if do is None else do.float()
+    delta = (do * o).sum(-1).contiguous()  # [B, T, HQ]
+    # the output gradients as dot operands: in the inputs' dtype (fp32 for fp32 inputs)
+    do = do.to(q.dtype).contiguous()
+    if use_rla:
+        dot_ = torch.zeros_like(do) if dot_ is None else dot_.to(q.dtype).contiguous()
+    else:
+        dot_ = do
+    BMQ = plan.tokens(G, backward=True)
+    seg_pairs = plan.seg_pairs(G, backward=True)
+    seg_key, seg_first, seg_count = segments(pairs, seg_pairs)
+    dq = torch.zeros(B, T, HQ, D, device=dev, dtype=torch.float32)
+    dk = torch.zeros(B, H, S, D, device=dev, dtype=torch.float32)
+    dv = torch.zeros_like(dk)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2))
+    common = (T, H, pairs.num_windows, pairs.num_blocks, nsel, S, 1.0 / math.sqrt(D))
+    meta = dict(G=G, R=plan.bwd_rows, BMQ=BMQ, D=D, BS=block_size,
+                USE_RLA=use_rla, F32=f32, PREC=plan.precision, num_warps=plan.bwd_warps, num_stages=plan.bwd_stages,
+                ATOMICS=ATOMIC_MODES[plan.atomics])
+    seg = (q, k, v, pairs.pairs, seg_key, seg_first, seg_count, qpos, koff, row_max(qpos), lse, delta, do, dot_)
+    NSEG = seg_key.numel()
+    dqk = min(block_size, plan.dq_keys)  # dq, then dk and dv (both branches at once, or a launch per branch)
+    blocks_bwd_dq_kernel[(NSEG, block_size // dqk)](*seg, dq, *strides, *common, BSK=dqk, **meta)
+    bsk = min(block_size, plan.dkdv_keys)
+    for part in (0,) if plan.bwd == "split" or not use_rla else (1, 2):
+        blocks_bwd_dkdv_kernel[(NSEG, block_size // bsk)](*seg, dk, dv, *strides, *common, BSK=bsk, PART=part, **meta)
+    return dq.transpose(1, 2).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
