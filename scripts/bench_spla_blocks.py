@@ -117,14 +117,17 @@ def iid_selection(B, T, H, bs, top, sink, local, seed=0, chunk=2048) -> torch.Te
 
 def package_selection(q, k, bs, top, sink, local) -> torch.Tensor:
     """The package's one-launch selection (`select_indices_fast`) of q [B, T, HQ, D] over k [B, T, H, D]."""
-    from subquadratic.kernels.spla import BlockStats
-    from subquadratic.kernels.spla.triton_tile import select_indices_fast
+    from subquadratic.kernels.spla import BlockStats, SPLAParams, select_indices_fast
 
     B, T, H, D = k.shape
     pos = torch.arange(T, device=DEV).expand(B, T).contiguous()
     stats = BlockStats.empty(B, H, D, DEV).add(k, pos, bs)
-    return select_indices_fast(q, stats, pos.to(torch.int32), block_size=bs, top_k_blocks=top,
-                               num_sink_blocks=sink, num_local_blocks=local)
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local)
+    return select_indices_fast(q, stats, pos.to(torch.int32), params, prec="tf32x3" if DEV == "cuda" else "ieee")
+
+
+#: Rows of a query tile of the tile form with and without gradients (the defaults of `plan_spla`).
+TILE_ROWS_TRAIN, TILE_ROWS_INFERENCE = 64, 128
 
 
 def union_sizes(idx, T, G, bs) -> tuple[float, float]:
@@ -133,7 +136,7 @@ def union_sizes(idx, T, G, bs) -> tuple[float, float]:
 
     NB = -(-T // bs)
     out = []
-    for rows in (tile.TILE_ROWS, tile.TILE_ROWS_INFERENCE):
+    for rows in (TILE_ROWS_TRAIN, TILE_ROWS_INFERENCE):
         _, BM = tile.tile_shape(G, rows)
         out.append(tile.tile_union(idx, NB, BM)[2].float().mean().item())
     return out[0], out[1]
@@ -186,8 +189,9 @@ def forms(plan):
     return {
         "blocks": lambda q, k, v, idx, qp, ko, bs: triton_blocks.blocks_sparse_attention(
             q, k, v, idx, qp, ko, True, bs, plan=plan),
-        "tile": lambda q, k, v, idx, qp, ko, bs: triton_tile.tile_sparse_attention(q, k, v, idx, qp, ko, True, bs,
-                                                                                    True),
+        "tile": lambda q, k, v, idx, qp, ko, bs: triton_tile.tile_sparse_attention(
+            q, k, v, idx, qp, ko, True, bs, True, grad=torch.is_grad_enabled() and q.requires_grad,
+            rows=TILE_ROWS_TRAIN if torch.is_grad_enabled() and q.requires_grad else TILE_ROWS_INFERENCE),
         "token": lambda q, k, v, idx, qp, ko, bs: triton_parallel.SparseAttention.apply(q, k, v, idx, qp, ko, True,
                                                                                         bs, True),
     }

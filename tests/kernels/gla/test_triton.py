@@ -24,10 +24,18 @@ def rel(x, ref):
     return ((x.double().cpu() - ref.double().cpu()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
 
 
-def loss_of(outs):
+def loss_weights(shapes, device) -> list[torch.Tensor]:
+    """The fixed random weights of `loss_of` for outputs of these shapes (None: no output)."""
     g = torch.Generator().manual_seed(123)
-    return sum((y.double() * torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device)).sum()
-               for y in outs if y is not None)
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(device) for s in shapes if s is not None]
+
+
+def loss_of(outs, weights=None):
+    """A scalar that depends on every output element: sum(y * w) with fixed random weights w (made here,
+    or given: the GPU tests make them before they forbid host synchronisation)."""
+    ys = [y for y in outs if y is not None]
+    weights = loss_weights([y.shape for y in ys], ys[0].device) if weights is None else weights
+    return sum((y.double() * w).sum() for y, w in zip(ys, weights, strict=True))
 
 
 def make(lead, HQ, H, K, V, kind, N, seed, shift=2.0):
@@ -221,11 +229,14 @@ def test_gpu_dense_bf16(kind, G, D):
     want = run(torch_reference, [None if x is None else x.double() for x in inputs], torch.float64, True)
     xs = [None if x is None else x.detach().to(DEV, torch.float32 if i >= 3 else torch.bfloat16).requires_grad_()
           for i, x in enumerate(inputs)]
+    with torch.no_grad():  # the output shapes, for the loss weights made before host syncs are forbidden
+        shapes = [None if y is None else y.shape for y in chunk_linear_attention(*xs[:4], initial_state=xs[4])]
+    weights = loss_weights(shapes, DEV)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         outs = chunk_linear_attention(*xs[:4], initial_state=xs[4])
-        loss = loss_of(outs)
+        loss = loss_of(outs, weights)
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -247,11 +258,15 @@ def test_gpu_varlen_bf16(kind, D):
     want = run(lambda *x: torch_reference(*x, cu), [x.double() for x in inputs], torch.float64, True)
     xs = [x.detach().to(DEV, torch.float32 if i >= 3 else torch.bfloat16).requires_grad_()
           for i, x in enumerate(inputs)]
+    with torch.no_grad():
+        shapes = [None if y is None else y.shape
+                  for y in chunk_linear_attention(*xs[:4], initial_state=xs[4], cu_seqlens=cu)]
+    weights = loss_weights(shapes, DEV)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         outs = chunk_linear_attention(*xs[:4], initial_state=xs[4], cu_seqlens=cu)
-        loss_of(outs).backward()
+        loss_of(outs, weights).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     check((list(outs), [x.grad for x in xs]), want, 1e-2)
