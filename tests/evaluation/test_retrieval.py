@@ -39,7 +39,8 @@ REAL_ANSWERS = [
 @pytest.mark.parametrize(("task", "text", "value", "right"), REAL_ANSWERS)
 def test_the_scorer_takes_answers_as_the_model_writes_them(task, text, value, right):
     assert answer_matches(text, value) == right
-    for wrong in (text.replace(value, value[:-1]), text.replace(value, value + "7"), " the number " + text.lstrip(" :")):
+    near = (text.replace(value, value[:-1]), text.replace(value, value + "7"), " the number " + text.lstrip(" :"))
+    for wrong in near:
         assert not answer_matches(wrong, value), wrong
 
 
@@ -49,7 +50,8 @@ def test_the_scored_answer_is_the_needle_s_own_continuation(tokenizer):
     niah_prose = TEMPLATES["niah", "prose"]
     value = "22429"
     assert niah_prose.question.endswith(" is")
-    assert niah_prose.needle.format(key="apple", value=value).endswith(" is" + niah_prose.answer.format(value=value) + ".")
+    needle = niah_prose.needle.format(key="apple", value=value)
+    assert needle.endswith(" is" + niah_prose.answer.format(value=value) + ".")
     assert TEMPLATES["passkey", "prose"].answer.format(value=value) == " " + value
     _, answer = build_prompt(tokenizer, niah_prose, min_length(tokenizer, "niah", "prose", 1) + 50,
                              [("apple", value)], 0, 0.5, random.Random(0))
