@@ -65,6 +65,19 @@ class SequenceInfo:
         return self._key_offsets[0]
 
 
+def autocast_operands(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """xs in the autocast dtype of their device while autocast is on there (floating tensors other
+    than fp64, which autocast leaves alone too), else unchanged. The mixers' kernels then take 16-bit
+    operands with fp32 accumulation, as autocast's matmuls do: under autocast the projections give
+    bf16, but the qk-norm's and RoPE's fp32 factors (the norm weights, cos and sin) promote q and k
+    back to fp32, which would send them down the kernels' fp32 path."""
+    device = xs[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return xs
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(x.to(dtype) if x.is_floating_point() and x.dtype != torch.float64 else x for x in xs)
+
+
 def decay_spread(n: int, alpha_min: float, alpha_max: float) -> torch.Tensor:
     """1 - alpha of n initial decay rates alpha, spread geometrically from 1 - alpha_min to 1 - alpha_max
     (float64; n == 1 gives 1 - alpha_min). HLA spreads them over heads, SSE over key channels."""
@@ -122,12 +135,14 @@ class AttentionBase(nn.Module):
         self, x: torch.Tensor, position_embeddings=None, heads_first: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, hidden] -> q [B, T, HQ, D], k, v [B, T, H, D] with the source's qk-norm, and RoPE
-        when `position_embeddings` (cos, sin) are given; `heads_first` returns them as [B, heads, T, D]."""
+        when `position_embeddings` (cos, sin) are given, in the autocast dtype under autocast
+        (`autocast_operands`); `heads_first` returns them as [B, heads, T, D]."""
         q, k, v = self.qkv(x)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if position_embeddings is not None:
             q, k = apply_rope(q, k, *position_embeddings)
+        q, k, v = autocast_operands(q, k, v)
         if heads_first:
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return q, k, v

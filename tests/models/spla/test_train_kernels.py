@@ -1,0 +1,67 @@
+"""A tiny SPLA model past its budget trains through the Triton kernels the plan picks on CUDA (the
+block-major sparse kernels, forward and backward): here the plans are made for CUDA and run on CPU
+tensors in the interpreter (TRITON_INTERPRET=1), against the same model on the PyTorch forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from subquadratic.kernels import spla as spla_kernels  # noqa: E402
+from subquadratic.kernels.spla import triton_parallel  # noqa: E402
+
+from .tiny import tiny_spla  # noqa: E402
+
+
+def on_cuda_plans(monkeypatch) -> dict[str, int]:
+    """Make every SPLA call plan as on CUDA with the Triton kernels (exact fp32 dots) and count the
+    sparse forms executed."""
+    real_plan = spla_kernels.plan_spla
+
+    def plan(q_shape, k_shape, dtype, device, params, **kw):
+        kw.update(backend="triton", precision="ieee")
+        return real_plan(q_shape, k_shape, dtype, "cuda", params, **kw)
+
+    monkeypatch.setattr(spla_kernels, "plan_spla", plan)
+    calls = {"blocks": 0, "tile": 0, "token": 0}
+    for form, name in (("blocks", "blocks_sparse_attention"), ("tile", "tile_sparse_attention"),
+                       ("token", "sparse_forward")):
+        fn = getattr(triton_parallel, name)
+
+        def counted(*a, _fn=fn, _form=form, **k):
+            calls[_form] += 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(triton_parallel, name, counted)
+    return calls
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad()
+    loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_tiny_spla_past_its_budget_trains_on_the_block_kernels(monkeypatch, one_thread):
+    # budget 3 blocks x 16 = 48 keys under 64-token rows; head dim 16 (the kernels take 16..256)
+    cfg = dict(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1)
+    ids = torch.randint(3, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    torch_model = tiny_spla(**cfg).train()
+    want_loss, want = loss_and_grads(torch_model, ids)
+    model = tiny_spla(**cfg).train()
+    calls = on_cuda_plans(monkeypatch)
+    loss, got = loss_and_grads(model, ids)
+    assert calls == {"blocks": 2, "tile": 0, "token": 0}  # one call per SPLA layer, with gradients
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-3, atol=1e-5, msg=name)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = [loss]
+    for _ in range(3):
+        opt.step()
+        losses.append(loss_and_grads(model, ids)[0])
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert calls["blocks"] == 8 and calls["tile"] == calls["token"] == 0
