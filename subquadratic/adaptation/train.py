@@ -10,7 +10,8 @@ source. Two stages, one optimizer step counter:
    next-token distribution (`kl`), plus the mixers' auxiliary loss (SSE's router balance). Both
    losses take the final hidden states and the LM head weights and run chunked over tokens
    (`modeling.losses`; liger-kernel's fused losses on CUDA where installed): no full-vocabulary
-   logits of the batch, student's or teacher's, exist, forward or backward.
+   logits of the batch, student's or teacher's, exist, forward or backward (under FSDP, which
+   gathers the head's weight only inside its own forward, the losses take the full logits).
 
 What trains (`train`): `full` (every parameter in stage 2; stage 1 reaches only the mixers), `mixer`
 (the parameters of the converted layers' mixers), `new` (only the parameters a dense checkpoint lacks,
@@ -509,6 +510,8 @@ class Trainee(torch.nn.Module):
             if self.sharded:  # FSDP gathers a layer's weights for backward when a gradient reaches its output
                 loss = loss + 0.0 * out.logits.sum()
             return loss
+        if self.sharded:  # FSDP gathers the head's weight inside the head's own forward only: full logits
+            return self._sharded_loss(teacher, batch)
         # the final hidden states and the head's weights: the losses apply the head chunk by chunk
         decoder, head = decoder_and_head(self.student)
         out = decoder(input_ids=ids, position_ids=pos, use_cache=False)
@@ -521,6 +524,20 @@ class Trainee(torch.nn.Module):
             t_head = decoder_and_head(teacher)[1]
             loss = mean_chunked_kl(hidden, head.weight, target, t_head.weight, labels, bias=bias,
                                    teacher_bias=getattr(t_head, "bias", None))
+        weight = getattr(self.student.config, "aux_loss_weight", 0.0)
+        if out.aux_loss is not None and weight:
+            loss = loss + weight * out.aux_loss
+        return loss
+
+    def _sharded_loss(self, teacher, batch: dict) -> torch.Tensor:
+        """The stage-2 loss on full logits, through the student's own forward (under FSDP)."""
+        ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
+        if self.loss_kind == "lm":
+            return self.student(input_ids=ids, position_ids=pos, labels=labels).loss  # with the weighted aux loss
+        with torch.no_grad():
+            target = teacher.get_output_embeddings()(_teacher_hidden(teacher, batch))
+        out = self.student(input_ids=ids, position_ids=pos)
+        loss = kl_to_teacher(out.logits, target, labels)
         weight = getattr(self.student.config, "aux_loss_weight", 0.0)
         if out.aux_loss is not None and weight:
             loss = loss + weight * out.aux_loss
