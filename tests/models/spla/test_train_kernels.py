@@ -65,3 +65,47 @@ def test_tiny_spla_past_its_budget_trains_on_the_block_kernels(monkeypatch, one_
         losses.append(loss_and_grads(model, ids)[0])
     assert losses[-1] < losses[0] - 0.05, losses
     assert calls["blocks"] == 8 and calls["tile"] == calls["token"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp32_and_autocast_on_gpu_take_the_tensor_cores(monkeypatch):
+    """On CUDA: fp32 operands plan TF32 dots by default (kernel_precision="auto") and exact ones with
+    kernel_precision="ieee", both within TF32 rounding of each other in the loss and gradients; under
+    bf16 autocast the kernels get bf16 q, k, v and the step stays within bf16 rounding."""
+    from subquadratic.families.spla import modeling as spla_modeling
+
+    seen = []
+    real_attention, real_plan = spla_modeling.spla_attention, spla_kernels.plan_spla
+
+    def attention(q, k, v, *a, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real_attention(q, k, v, *a, **kw)
+
+    plans = []
+
+    def plan(*a, **kw):
+        plans.append(real_plan(*a, **kw))
+        return plans[-1]
+
+    monkeypatch.setattr(spla_modeling, "spla_attention", attention)
+    monkeypatch.setattr(spla_kernels, "plan_spla", plan)
+    cfg = dict(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1, qk_norm=True)
+    ids = torch.randint(3, 128, (2, 160), generator=torch.Generator().manual_seed(0)).cuda()
+    exact = tiny_spla(kernel_precision="ieee", **cfg).cuda().train()
+    want_loss, want = loss_and_grads(exact, ids)
+    assert {p.precision for p in plans if p.path == "triton"} == {"ieee"} and plans[-1].form == "blocks"
+    plans.clear()
+    tf32 = tiny_spla(**cfg).cuda().train()
+    loss, got = loss_and_grads(tf32, ids)
+    assert {p.precision for p in plans if p.path == "triton"} == {"tf32"}
+    torch.testing.assert_close(loss, want_loss, rtol=2e-3, atol=1e-4)
+    for name, g in want.items():
+        assert (got[name] - g).norm() <= 2e-2 * g.norm() + 1e-6, name
+    seen.clear()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss16, got16 = loss_and_grads(tf32, ids)
+    assert seen and all(d == (torch.bfloat16,) * 3 for d in seen), seen
+    torch.testing.assert_close(loss16.float(), want_loss, rtol=3e-2, atol=1e-2)
+    for name, g in want.items():
+        assert (got16[name].float() - g).norm() <= 0.1 * g.norm() + 1e-5, name
