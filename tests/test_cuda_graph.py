@@ -95,3 +95,69 @@ def test_generate_static_captured_equals_default_generate(family):
     assert torch.equal(model.generate(ids, cache_implementation="static", **kw), model.generate(ids, **kw))
     kw.update(num_beams=3, max_new_tokens=8)
     assert torch.equal(model.generate(ids, cache_implementation="static", **kw), model.generate(ids, **kw))
+
+
+def _generate_caches(monkeypatch, model) -> list:
+    """The caches generate() builds for `model` (`_prepare_cache_for_generation`), in order."""
+    built = []
+    real = type(model)._prepare_cache_for_generation
+
+    def spy(self, generation_config, model_kwargs, *a, **kw):
+        out = real(self, generation_config, model_kwargs, *a, **kw)
+        built.append(model_kwargs.get(CACHE_FIELD))
+        return out
+
+    monkeypatch.setattr(type(model), "_prepare_cache_for_generation", spy)
+    return built
+
+
+@pytest.mark.parametrize("family", ["spla+softmax", "spla-no-rla", "hla"])
+def test_default_generate_replays_the_captured_step(family, monkeypatch):
+    """Without cache_implementation, greedy search and sampling on CUDA decode through the static cache
+    and its captured step (greedy: the tokens of the growing eager path); beam search keeps the growing
+    cache."""
+    model = FAMILIES[family]().cuda()
+    ids, mask = inputs()
+    built = _generate_caches(monkeypatch, model)
+    kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, **GEN)
+    fast = model.generate(ids, **kw)
+    cache = built[-1]
+    assert cache is not None and cache.static is not None and cache.eager_fallback
+    assert cache.decode_graph is not None and cache.decode_graph.graph is not None  # replayed
+    assert torch.equal(fast, model.generate(ids, cache_implementation="dynamic", **kw))
+    assert built[-1] is None  # "dynamic": the model's own growing cache
+    sampled = model.generate(ids, **dict(kw, do_sample=True, top_k=5))
+    assert built[-1].static is not None and built[-1].decode_graph.graph is not None
+    assert sampled.shape == fast.shape and torch.equal(sampled[:, :ids.shape[1]], ids)
+    beams = model.generate(ids, **dict(kw, num_beams=3, max_new_tokens=8))
+    assert built[-1] is None
+    assert torch.equal(beams, model.generate(ids, cache_implementation="dynamic", **dict(kw, num_beams=3,
+                                                                                          max_new_tokens=8)))
+
+
+def test_default_generate_falls_back_to_eager_steps_where_capture_fails(monkeypatch):
+    """A capture that fails: the default generate() warns and continues eagerly with the same tokens;
+    a static cache asked for raises."""
+    model = FAMILIES["spla+softmax"]().cuda()
+    ids, mask = inputs()
+    kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, **GEN)
+    want = model.generate(ids, cache_implementation="dynamic", **kw)
+
+    class Refused:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("capture refused for the test")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "graph", Refused)
+    built = _generate_caches(monkeypatch, model)
+    with pytest.warns(UserWarning, match="could not be captured"):
+        got = model.generate(ids, **kw)
+    assert torch.equal(got, want)
+    assert built[-1].static is not None and not built[-1].cuda_graph and built[-1].decode_graph is None
+    with pytest.raises(RuntimeError, match="could not be captured"):
+        model.generate(ids, cache_implementation="static", **kw)

@@ -7,7 +7,11 @@ source. Two stages, one optimizer step counter:
    teacher's (each converted layer passes the dense output on), so the layers learn side by side and
    only mixer parameters receive gradients.
 2. fine-tuning (the remaining steps): next-token loss (`lm`), or KL divergence to the teacher's
-   next-token distribution (`kl`), plus the mixers' auxiliary loss (SSE's router balance).
+   next-token distribution (`kl`), plus the mixers' auxiliary loss (SSE's router balance). Both
+   losses take the final hidden states and the LM head weights and run chunked over tokens
+   (`modeling.losses`; liger-kernel's fused losses on CUDA where installed): no full-vocabulary
+   logits of the batch, student's or teacher's, exist, forward or backward (under FSDP, which
+   gathers the head's weight only inside its own forward, the losses take the full logits).
 
 What trains (`train`): `full` (every parameter in stage 2; stage 1 reaches only the mixers), `mixer`
 (the parameters of the converted layers' mixers), `new` (only the parameters a dense checkpoint lacks,
@@ -225,22 +229,26 @@ class Transfer:
         self.handles = []
 
 
-def _teacher_forward(teacher, batch):
-    """The dense model on the batch, one packed document per row (as the student runs it): returns
-    the logits in the packed layout. Right padding needs no mask for the real tokens' outputs."""
+def _teacher_hidden(teacher, batch):
+    """The dense model's decoder on the batch, one packed document per row (as the student runs it):
+    returns its final hidden states [B, T, H] in the packed layout (the head is applied chunk by chunk
+    by the loss). Right padding needs no mask for the real tokens' outputs."""
+    from ..modeling.losses import decoder_and_head
     from ..modeling.packing import find_documents
 
+    decoder, _ = decoder_and_head(teacher)
     ids, pos = batch["input_ids"], batch["position_ids"]
     docs = find_documents(pos, torch.ones_like(ids, dtype=torch.bool))
     if docs is None:
-        return teacher(input_ids=ids, position_ids=pos, use_cache=False).logits
-    logits = teacher(input_ids=docs.unpack(ids), attention_mask=docs.valid.long(),
-                     position_ids=docs.unpack(pos), use_cache=False).logits
-    return docs.pack(logits)
+        return decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    hidden = decoder(input_ids=docs.unpack(ids), attention_mask=docs.valid.long(),
+                     position_ids=docs.unpack(pos), use_cache=False).last_hidden_state
+    return docs.pack(hidden)
 
 
 def kl_to_teacher(student_logits, teacher_logits, labels) -> torch.Tensor:
-    """Mean over predicted tokens of KL(teacher || student) between next-token distributions."""
+    """Mean over predicted tokens of KL(teacher || student) between next-token distributions, on full
+    logits [B, T, V] (the definition; `adapt` computes it chunked, `losses.mean_chunked_kl`)."""
     keep = labels[:, 1:] != IGNORE_INDEX
     s = student_logits[:, :-1][keep].float().log_softmax(-1)
     t = teacher_logits[:, :-1][keep].float().log_softmax(-1)
@@ -460,21 +468,45 @@ class Trainee(torch.nn.Module):
         self._outside["transfer"] = value
 
     def forward(self, batch: dict, stage: int) -> torch.Tensor:
+        from ..modeling.losses import decoder_and_head, mean_chunked_kl, mean_chunked_nll
+
         teacher = self._outside["teacher"]
         ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
         if stage == 1:
             self.transfer.losses.clear()
             with torch.no_grad():
-                _teacher_forward(teacher, batch)
+                _teacher_hidden(teacher, batch)
             out = self.student(input_ids=ids, position_ids=pos, logits_to_keep=1)
             loss = torch.stack(self.transfer.losses).mean()
             if self.sharded:  # FSDP gathers a layer's weights for backward when a gradient reaches its output
                 loss = loss + 0.0 * out.logits.sum()
             return loss
+        if self.sharded:  # FSDP gathers the head's weight inside the head's own forward only: full logits
+            return self._sharded_loss(teacher, batch)
+        # the final hidden states and the head's weights: the losses apply the head chunk by chunk
+        decoder, head = decoder_and_head(self.student)
+        out = decoder(input_ids=ids, position_ids=pos, use_cache=False)
+        hidden, bias = out.last_hidden_state, getattr(head, "bias", None)
+        if self.loss_kind == "lm":
+            loss = mean_chunked_nll(hidden, head.weight, labels, bias=bias)
+        else:
+            with torch.no_grad():
+                target = _teacher_hidden(teacher, batch)
+            t_head = decoder_and_head(teacher)[1]
+            loss = mean_chunked_kl(hidden, head.weight, target, t_head.weight, labels, bias=bias,
+                                   teacher_bias=getattr(t_head, "bias", None))
+        weight = getattr(self.student.config, "aux_loss_weight", 0.0)
+        if out.aux_loss is not None and weight:
+            loss = loss + weight * out.aux_loss
+        return loss
+
+    def _sharded_loss(self, teacher, batch: dict) -> torch.Tensor:
+        """The stage-2 loss on full logits, through the student's own forward (under FSDP)."""
+        ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
         if self.loss_kind == "lm":
             return self.student(input_ids=ids, position_ids=pos, labels=labels).loss  # with the weighted aux loss
         with torch.no_grad():
-            target = _teacher_forward(teacher, batch)
+            target = teacher.get_output_embeddings()(_teacher_hidden(teacher, batch))
         out = self.student(input_ids=ids, position_ids=pos)
         loss = kl_to_teacher(out.logits, target, labels)
         weight = getattr(self.student.config, "aux_loss_weight", 0.0)

@@ -13,6 +13,7 @@ from typing import ClassVar
 from transformers import PreTrainedConfig
 
 from ..kernels.utils import BACKENDS as KERNEL_BACKENDS
+from ..kernels.utils import KERNEL_PRECISIONS
 from ..registry import mixers
 
 #: Values of the per-family backend fields of older configs (`<family>_backend`), as kernel_backend.
@@ -98,6 +99,11 @@ class SubquadraticConfig(PreTrainedConfig):
     #: else PyTorch), "torch" (the PyTorch forms), "triton" (the Triton kernels, CUDA only) or
     #: "naive" (the serial definition, where the op has one; for checks).
     kernel_backend: str = "auto"
+    #: Dot precision of the Triton kernels for fp32 operands: "auto" (TF32 on CUDA, exact fp32 in
+    #: the CPU interpreter), "tf32" or "ieee" (exact fp32: what tests comparing fp32 results to an
+    #: oracle ask for). bf16 / fp16 operands (autocast, bf16 weights) always run on the tensor cores
+    #: with fp32 accumulation.
+    kernel_precision: str = "auto"
 
     def __post_init__(self, **kwargs):
         for name in [n for n in kwargs if n.endswith("_backend") and n != "kernel_backend"]:
@@ -141,6 +147,9 @@ class SubquadraticConfig(PreTrainedConfig):
             raise ValueError(f"aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}; got {self.kernel_backend!r}")
+        if self.kernel_precision not in KERNEL_PRECISIONS:
+            raise ValueError(f"kernel_precision must be one of {', '.join(KERNEL_PRECISIONS)}; "
+                             f"got {self.kernel_precision!r}")
         if "sliding_attention" in self.mixer_types and not self.sliding_window:
             raise ValueError("a 'sliding_attention' layer needs sliding_window > 0 in the config")
 

@@ -13,13 +13,35 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from ..modeling.losses import chunked_kl, decoder_and_head
 from .errors import EvaluationError
-from .ppl import CHUNK, logits_of, window_means
+from .ppl import CHUNK, logits_of, model_device, window_means
 
 
 @torch.no_grad()
 def token_kl(model, reference, ids: torch.Tensor) -> torch.Tensor:
-    """[B, L] fp32: KL(reference || model) of the next-token distributions at every position of `ids`."""
+    """[B, L] fp32: KL(reference || model) of the next-token distributions at every position of `ids`:
+    both models' final hidden states, their LM heads applied chunk by chunk (`losses.chunked_kl`: no
+    [B, L, V] logits); models whose logits are not head(hidden) take their logits."""
+    try:
+        heads = [decoder_and_head(m) for m in (model, reference)]
+    except ValueError:  # logits soft-capped or scaled
+        heads = None
+    if heads is not None:
+        (decoder, head), (ref_decoder, ref_head) = heads
+        if ref_head.weight.shape[0] != head.weight.shape[0]:
+            raise EvaluationError(f"the reference has {ref_head.weight.shape[0]} output tokens and the model "
+                                  f"{head.weight.shape[0]}; the reference must share the model's tokenizer "
+                                  "(give the dense source)")
+        dev = model_device(model)
+        hidden = decoder(input_ids=ids.to(dev), use_cache=False).last_hidden_state
+        ref = ref_decoder(input_ids=ids.to(model_device(reference)), use_cache=False).last_hidden_state
+        bias = getattr(ref_head, "bias", None)
+        B, L = ids.shape
+        kl = chunked_kl(hidden.reshape(B * L, -1), head.weight, ref.reshape(B * L, -1).to(dev), ref_head.weight.to(dev),
+                        torch.zeros(B * L, dtype=torch.long, device=dev), bias=getattr(head, "bias", None),
+                        teacher_bias=None if bias is None else bias.to(dev))
+        return kl.float().view(B, L)
     logits = logits_of(model, ids)
     ref = logits_of(reference, ids)
     if ref.shape[-1] != logits.shape[-1]:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import windows
+from ..modeling.losses import chunked_nll, final_hidden_and_head
 
 #: Positions whose log-softmax is taken at once (bounds the fp32 copy of large-vocabulary logits).
 CHUNK = 1024
@@ -49,15 +50,23 @@ def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def token_nll(model, ids: torch.Tensor) -> torch.Tensor:
-    """[B, L - 1] fp32: -log p(ids[:, t] | ids[:, :t]) for t = 1 .. L - 1, from one forward pass."""
-    logits = logits_of(model, ids)[:, :-1]  # position t predicts token t + 1
-    target = ids[:, 1:].to(logits.device)
-    out = []
-    for s in range(0, target.shape[1], CHUNK):
-        lg = logits[:, s:s + CHUNK].float()
-        t = target[:, s:s + CHUNK]
-        out.append(F.cross_entropy(lg.flatten(0, 1), t.flatten(), reduction="none").view_as(t))
-    return torch.cat(out, dim=1)
+    """[B, L - 1] fp32: -log p(ids[:, t] | ids[:, :t]) for t = 1 .. L - 1, from one forward pass: the
+    final hidden states, the LM head applied chunk by chunk (`losses.chunked_nll`: no [B, L, V]
+    logits); models whose logits are not head(hidden) take their logits, CHUNK positions at a time."""
+    ids = ids.to(model_device(model))
+    B, L = ids.shape
+    target = ids[:, 1:]
+    try:
+        hidden, weight, bias = final_hidden_and_head(model, input_ids=ids, use_cache=False)
+    except ValueError:  # logits soft-capped or scaled
+        logits = logits_of(model, ids)[:, :-1]  # position t predicts token t + 1
+        out = []
+        for s in range(0, target.shape[1], CHUNK):
+            lg, t = logits[:, s:s + CHUNK].float(), target[:, s:s + CHUNK]
+            out.append(F.cross_entropy(lg.flatten(0, 1), t.flatten(), reduction="none").view_as(t))
+        return torch.cat(out, dim=1)
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # position t predicts token t + 1
+    return chunked_nll(h, weight, target.reshape(-1), bias=bias).float().view(B, L - 1)
 
 
 def window_means(

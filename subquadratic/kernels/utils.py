@@ -21,6 +21,12 @@ import torch
 
 BACKENDS = ("auto", "torch", "triton", "naive")
 
+#: Dot precisions a caller may ask of the Triton kernels for fp32 operands: "auto" ("tf32" on CUDA,
+#: "ieee" elsewhere), "tf32" (the tensor cores, 10-bit mantissas, fp32 accumulation) or "ieee"
+#: (exact fp32). 16-bit operands always run on the tensor cores with fp32 accumulation; fp64
+#: inputs (tests) run the kernels in exact fp32.
+KERNEL_PRECISIONS = ("auto", "tf32", "ieee")
+
 #: Tests set this to fill every kernel output with NaN (or -1 for indices) before the launch, so
 #: that anything a kernel leaves unwritten fails (poisoned outputs).
 POISON_OUTPUTS = False
@@ -30,6 +36,19 @@ def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     return backend
+
+
+def resolve_precision(precision: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """The dot precision ("tf32" or "ieee") of fp32 operands that `precision` (one of
+    KERNEL_PRECISIONS) asks for on `device`: "auto" is "tf32" on CUDA and "ieee" elsewhere (the CPU
+    interpreter); fp64 inputs (`dtype`) always "ieee"."""
+    if precision not in KERNEL_PRECISIONS:
+        raise ValueError(f"kernel_precision must be one of {', '.join(KERNEL_PRECISIONS)}; got {precision!r}")
+    if dtype == torch.float64:
+        return "ieee"
+    if precision == "auto":
+        return "tf32" if torch.device(device).type == "cuda" else "ieee"
+    return precision
 
 
 @functools.cache

@@ -65,6 +65,39 @@ class SequenceInfo:
         return self._key_offsets[0]
 
 
+def autocast_operands(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """xs in the autocast dtype of their device while autocast is on there (floating tensors other
+    than fp64, which autocast leaves alone too), else unchanged. The mixers' kernels then take 16-bit
+    operands with fp32 accumulation, as autocast's matmuls do: under autocast the projections give
+    bf16, but the qk-norm's and RoPE's fp32 factors (the norm weights, cos and sin) promote q and k
+    back to fp32, which would send them down the kernels' fp32 path."""
+    device = xs[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return xs
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(x.to(dtype) if x.is_floating_point() and x.dtype != torch.float64 else x for x in xs)
+
+
+#: generate() modes that take the static cache by default on CUDA (`generation_cache`); the beam
+#: and assisted modes reorder or roll back their caches and keep the growing one.
+STATIC_DEFAULT_MODES = ("greedy_search", "sample")
+
+
+def generation_cache(generation_config, generation_mode, device: torch.device | str) -> str | None:
+    """The cache a generate() call of a subquadratic model builds: the `cache_implementation` the
+    caller asked for ("dynamic": the growing cache, None); if none, "static" on CUDA for greedy
+    search and sampling unless `disable_compile` (its one-token steps replay one captured CUDA
+    graph: the fast decode), else None (the growing cache: the CPU, beam search, assisted
+    generation)."""
+    asked = generation_config.cache_implementation
+    if asked is not None:
+        return None if asked == "dynamic" else asked
+    if (torch.device(device).type == "cuda" and generation_mode in STATIC_DEFAULT_MODES
+            and not generation_config.disable_compile):
+        return "static"
+    return None
+
+
 def decay_spread(n: int, alpha_min: float, alpha_max: float) -> torch.Tensor:
     """1 - alpha of n initial decay rates alpha, spread geometrically from 1 - alpha_min to 1 - alpha_max
     (float64; n == 1 gives 1 - alpha_min). HLA spreads them over heads, SSE over key channels."""
@@ -122,12 +155,14 @@ class AttentionBase(nn.Module):
         self, x: torch.Tensor, position_embeddings=None, heads_first: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, hidden] -> q [B, T, HQ, D], k, v [B, T, H, D] with the source's qk-norm, and RoPE
-        when `position_embeddings` (cos, sin) are given; `heads_first` returns them as [B, heads, T, D]."""
+        when `position_embeddings` (cos, sin) are given, in the autocast dtype under autocast
+        (`autocast_operands`); `heads_first` returns them as [B, heads, T, D]."""
         q, k, v = self.qkv(x)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if position_embeddings is not None:
             q, k = apply_rope(q, k, *position_embeddings)
+        q, k, v = autocast_operands(q, k, v)
         if heads_first:
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return q, k, v
@@ -293,16 +328,25 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
-        """generate(..., cache_implementation="static") builds a static `SubquadraticCache` for the
-        call's max_length (or `max_cache_len`), whose one-token steps replay a CUDA graph on CUDA
-        unless `disable_compile=True`; everything else goes to Transformers."""
-        if (generation_config.cache_implementation == "static" and model_kwargs.get(CACHE_FIELD) is None
-                and generation_config.use_cache is not False):
+        """The cache of a generate() call (`generation_cache`): "static" (asked, or the default on
+        CUDA) builds a static `SubquadraticCache` for the call's max_length (or `max_cache_len`),
+        whose one-token steps replay a CUDA graph on CUDA unless `disable_compile=True`; the default
+        one falls back to eager steps where the capture fails. "dynamic" and the default elsewhere
+        leave the growing cache to the model's first forward; everything else goes to Transformers."""
+        if model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        implementation = generation_cache(generation_config, generation_mode, self.device)
+        if implementation == "static":
             if generation_config.max_cache_len is not None:
                 max_cache_length = max(max_cache_length, generation_config.max_cache_len)
-            model_kwargs[CACHE_FIELD] = self.new_cache(
-                max_length=max_cache_length, cuda_graph=not generation_config.disable_compile)
+            cache = self.new_cache(max_length=max_cache_length, cuda_graph=not generation_config.disable_compile)
+            # chosen by default, not asked for: a step that cannot be captured runs eagerly instead of raising
+            cache.eager_fallback = generation_config.cache_implementation is None
+            model_kwargs[CACHE_FIELD] = cache
             return
+        if implementation is None:
+            return  # the model's first forward makes a growing SubquadraticCache
         return super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 

@@ -310,6 +310,9 @@ class SubquadraticCache(Cache):
         self.cuda_graph = cuda_graph
         self.fuse = fuse
         self.decode_graph = None  # cuda_graph.DecodeGraph, once captured
+        #: a step that cannot be captured runs eagerly (with a warning) instead of raising: the cache
+        #: generate() builds by default (`base.generation_cache`)
+        self.eager_fallback = False
         self._reset_positions()
 
     def _reset_positions(self) -> None:

@@ -13,10 +13,14 @@ The first such step runs eagerly on a side stream (a real step: it compiles ever
 then the next one is recorded; recording runs no kernel, so the Python-side counts it advanced are
 put back. Each replay then advances them by what the recorded step did. `position_ids` and the
 attention mask of a replayed step are not read: the new token is taken as real (generate() feeds
-real tokens, padding only on the left of the prompt), at the position the cache counts.
+real tokens, padding only on the left of the prompt), at the position the cache counts. A capture
+that fails raises, except on the cache generate() builds by default (`eager_fallback`): there the
+warm-up step's logits are returned and the later steps run eagerly.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -76,6 +80,11 @@ class DecodeGraph:
                 self.logits = self.model.decode_logits(self.ids, self.cache)
         except RuntimeError as e:
             self.cache.set_host_counters(before)
+            if self.cache.eager_fallback:  # generate()'s default cache: keep decoding, eagerly
+                warnings.warn(f"the decode step of this model could not be captured as a CUDA graph ({e}); "
+                              "generate() continues with eager steps", stacklevel=3)
+                self.cache.cuda_graph, self.cache.decode_graph = False, None
+                return logits
             raise RuntimeError(
                 f"the decode step of this model could not be captured as a CUDA graph ({e}); build the static "
                 "cache with cuda_graph=False (generate(..., disable_compile=True))") from e

@@ -100,9 +100,9 @@ class HLAAttention(AttentionBase):
         B, T, _ = hidden_states.shape
         # q [B, T, HQ, D], k, v [B, T, H, D]: the source's qk-norm, RoPE only with hla_rope
         q, k, v = self.project(hidden_states, position_embeddings if cfg.hla_rope else None, heads_first=False)
-        if cfg.qk_norm_l2:
-            q = Fn.normalize(q, dim=-1) * cfg.qk_scale
-            k = Fn.normalize(k, dim=-1) * cfg.qk_scale
+        if cfg.qk_norm_l2:  # in the projections' dtype (CUDA autocast computes the norm in fp32)
+            q = Fn.normalize(q, dim=-1).to(q.dtype) * cfg.qk_scale
+            k = Fn.normalize(k, dim=-1).to(k.dtype) * cfg.qk_scale
         # one state per query head: k, v [B, T, H, D] -> [B, T, HQ, D] (kv head j serves q heads jG..jG+G-1)
         k = k.repeat_interleave(self.num_key_value_groups, dim=2)
         v = v.repeat_interleave(self.num_key_value_groups, dim=2)
@@ -116,7 +116,7 @@ class HLAAttention(AttentionBase):
         state = cache_layer.read() if cache_layer is not None else None
         o, state = hla_attention(
             q, k, v, log_alpha, state, chunk_size=cfg.hla_chunk_size, normalize=cfg.hla_normalize,
-            eps=cfg.hla_eps, variant=cfg.hla_variant, backend=cfg.kernel_backend,
+            eps=cfg.hla_eps, variant=cfg.hla_variant, backend=cfg.kernel_backend, precision=cfg.kernel_precision,
         )  # o: [B, T, HQ, D]
         if cache_layer is not None:
             cache_layer.write(state)

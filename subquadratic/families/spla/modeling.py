@@ -102,7 +102,7 @@ class SPLAAttention(AttentionBase):
         o_sp, o_rla, sbar = spla_attention(
             q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), seq.positions, seq.key_positions, stats, sbar,
             SPLAParams.from_config(cfg), backend=cfg.kernel_backend, k_offsets=seq.key_offsets, new_kv=new_kv,
-            causal=seq.causal,
+            causal=seq.causal, precision=cfg.kernel_precision,
         )
         if cache_layer is not None:
             cache_layer.set_sbar(sbar)

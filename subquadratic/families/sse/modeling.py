@@ -34,6 +34,7 @@ from ...modeling.base import (
     SoftmaxAttention,
     SubquadraticForCausalLM,
     SubquadraticModel,
+    autocast_operands,
     decay_spread,
 )
 from ...modeling.cache import RecurrentLayer
@@ -221,7 +222,8 @@ class SSEAttention(AttentionBase):
 
     # --- the SSE branch -------------------------------------------------------------------------
     def project_sse(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x: [B, T, hidden] -> q1, k1, q2, k2, v: [B, T, HQ, D] before the feature maps (qk-norm applied)."""
+        """x: [B, T, hidden] -> q1, k1, q2, k2, v: [B, T, HQ, D] before the feature maps (qk-norm applied),
+        in the autocast dtype under autocast (`autocast_operands`)."""
         B, T, _ = x.shape
         shape = (B, T, self.num_heads, self.head_dim)
         q1, k1, v = self.qkv(x)
@@ -232,7 +234,7 @@ class SSEAttention(AttentionBase):
         if self.config.qk_norm:
             q1, q2 = self.q_norm(q1), self.q_norm(q2)
             k1, k2 = self.k_norm(k1), self.k_norm(k2)
-        return q1, k1, q2, k2, v
+        return autocast_operands(q1, k1, q2, k2, v)
 
     def key_map(self, k: torch.Tensor) -> torch.Tensor:
         """GLA keys: softmax over D (the row classification), over the top `sse_key_topk` entries only if set."""
@@ -294,7 +296,7 @@ class SSEAttention(AttentionBase):
         o, state = sse_attention(
             q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=cfg.sse_base, beta=beta,
             chunk_size=cfg.sse_chunk_size, backend=cfg.kernel_backend, topk=cfg.sse_top_k,
-            inplace=cache_layer is not None and not torch.is_grad_enabled(),
+            inplace=cache_layer is not None and not torch.is_grad_enabled(), precision=cfg.kernel_precision,
         )  # o: [B, T, HQ, D]
         if cache_layer is not None:
             cache_layer.write(state)

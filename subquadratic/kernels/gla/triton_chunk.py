@@ -266,13 +266,13 @@ def chunk_linear_attention(
 
 def gla_varlen_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, cu_seqlens: Tensor,
                       initial_state: Tensor | None = None, chunk_size: int = 64,
-                      out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+                      out_dtype: torch.dtype | None = None, precision: str | None = None) -> tuple[Tensor, Tensor]:
     """Chunked GLA over packed variable-length segments on the Triton kernels, same contract as
     `gla_varlen` (differentiable in q, k, v, g and the initial states; no host synchronisation).
 
     q, k, g: [M, H, K], v: [M, H, V] (q's dtype is the compute dtype of the dots: bf16 / fp16 /
-    fp32, exact for fp32), cu_seqlens: [S + 1] on the device, initial_state: [S, H, K, V]. K <= 128,
-    V <= 256; chunk_size 16, 32 or 64. Returns (o [M, H, V] in `out_dtype` (default q's dtype),
+    fp32: exact unless `precision` is "tf32"), cu_seqlens: [S + 1] on the device, initial_state:
+    [S, H, K, V]. K <= 128, V <= 256; chunk_size 16, 32 or 64. Returns (o [M, H, V] in `out_dtype` (default q's dtype),
     final states [S, H, K, V] fp32)."""
     K, V = q.shape[-1], v.shape[-1]
     if chunk_size not in (16, 32, 64):
@@ -280,4 +280,4 @@ def gla_varlen_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, cu_seqlens:
     if K > 128 or V > 256:
         raise ValueError(f"head dims up to K = 128, V = 256 are supported; got K = {K}, V = {V}")
     return chunk_linear_attention(q, k, v, g, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                  chunk_size=chunk_size, out_dtype=out_dtype)
+                                  chunk_size=chunk_size, out_dtype=out_dtype, precision=precision)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..triton_utils import TRITON_DTYPES
-from ..utils import resolve_backend
+from ..utils import resolve_backend, resolve_precision
 from .chunk import hla_chunked
 from .naive import hla_naive
 from .recurrent import HLAState, clamp_signed, hla_recurrent
@@ -56,6 +56,7 @@ def hla_attention(
     eps: float = 1e-6,
     variant: str = "hla2",
     backend: str = "auto",
+    precision: str = "auto",
 ) -> tuple[Tensor, HLAState]:
     """HLA of T new tokens continuing `state` (None: start of sequence).
 
@@ -66,7 +67,8 @@ def hla_attention(
     PyTorch forms; "triton" the kernels or a ValueError; "torch" the recurrence for decode (T == 1)
     and the chunked form for longer inputs; "naive" the recurrence at every length. On the Triton
     path one token without gradients takes the fused recurrent kernel, everything else the chunked
-    kernels.
+    kernels, their dots of fp32 operands at `precision` (`utils.KERNEL_PRECISIONS`: "auto" is TF32
+    on CUDA).
     """
     kw = {"normalize": normalize, "eps": eps, "variant": variant}
     why = None
@@ -74,7 +76,8 @@ def hla_attention(
         why = triton_unsupported(q, chunk_size, _decode(q, k, v, log_alpha, state))
     path = resolve_backend(backend, q.device, op="HLA", has_triton=True, has_naive=True, unsupported=why)
     if path == "triton":
-        return hla_triton(q, k, v, log_alpha, state, chunk_size=chunk_size, **kw)
+        return hla_triton(q, k, v, log_alpha, state, chunk_size=chunk_size,
+                          precision=resolve_precision(precision, q.device, q.dtype), **kw)
     if path == "naive" or q.shape[1] == 1:
         return hla_recurrent(q, k, v, log_alpha, state, **kw)
     return hla_chunked(q, k, v, log_alpha, state, chunk_size=chunk_size, **kw)
@@ -91,11 +94,13 @@ def hla_triton(
     normalize: bool = False,
     eps: float = 1e-6,
     variant: str = "hla2",
+    precision: str = "ieee",
 ) -> tuple[Tensor, HLAState]:
     """The Triton forms on any device Triton runs on (CUDA; the CPU interpreter in tests), the
     contract of `hla_attention`: one token without gradients (decode) takes the fused recurrent
-    kernel, everything else the chunked kernels (differentiable). Inputs the kernels cannot take
-    (`triton_unsupported`) raise a ValueError."""
+    kernel, everything else the chunked kernels (differentiable; dots of fp32 operands at
+    `precision`, "ieee" or "tf32"). Inputs the kernels cannot take (`triton_unsupported`) raise a
+    ValueError."""
     kw = {"normalize": normalize, "eps": eps, "variant": variant}
     decode = _decode(q, k, v, log_alpha, state)
     why = triton_unsupported(q, chunk_size, decode)
@@ -107,4 +112,4 @@ def hla_triton(
         return hla_recurrent_triton(q, k, v, log_alpha, state, **kw)
     from .triton_chunk import hla_chunked_triton
 
-    return hla_chunked_triton(q, k, v, log_alpha, state, chunk_size=chunk_size, **kw)
+    return hla_chunked_triton(q, k, v, log_alpha, state, chunk_size=chunk_size, precision=precision, **kw)

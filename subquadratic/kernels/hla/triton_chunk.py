@@ -16,8 +16,8 @@ alpha^2 on (q, ktilde, v):
 The normalised forms run the second stage (ahla: both stages) on [v, 1], whose last column carries
 eta (and z) and gives the denominator, exactly as `chunk.py` does. Gradients of the composition
 come from autograd through the op. Everything is linear in T; no host synchronisation. Dots run on
-the tensor cores in the input dtype (bf16 / fp16) with fp32 accumulation, or in exact fp32
-("ieee") for fp32 inputs.
+the tensor cores in the input dtype (bf16 / fp16) with fp32 accumulation, or for fp32 inputs at
+the precision asked ("ieee" exact, the default here; "tf32").
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ def hla_chunked_triton(
     normalize: bool = False,
     eps: float = 1e-6,
     variant: str = "hla2",
+    precision: str = "ieee",
 ) -> tuple[Tensor, HLAState]:
     """Chunked HLA on the Triton kernels, same contract as `hla_chunked` (and differentiable in
     q, k, v, log_alpha and the initial state). Inputs in DTYPES; chunk_size: a power of two >= 16
-    (`hla.triton_unsupported`; `hla_attention` sends other inputs to the PyTorch forms)."""
+    (`hla.triton_unsupported`; `hla_attention` sends other inputs to the PyTorch forms); the dots
+    of fp32 inputs at `precision` ("ieee" exact or "tf32")."""
     check_inputs(q, k, v, log_alpha, variant)
     if q.dtype not in DTYPES:
         raise ValueError(f"the HLA Triton kernels take {DTYPES} inputs, got {q.dtype}; use hla_attention")
@@ -58,7 +60,7 @@ def hla_chunked_triton(
         return v.new_zeros(B, 0, H, Dv, dtype=dt), st
     la = log_alpha.float()
     k, v = k.to(dt), v.to(dt)
-    kw = {"chunk_size": chunk_size}
+    kw = {"chunk_size": chunk_size, "precision": precision}
     out_dt = torch.float32 if normalize else dt
     fresh = state is None  # zero initial states: the kernels start from 0 without reading them
 

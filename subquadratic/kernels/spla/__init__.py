@@ -14,8 +14,10 @@ phi(k) precomputed or not, selection, launch settings), and executed here. Forms
 selected blocks), `select.select_blocks` (PyTorch selection); Triton (CUDA):
 `triton_select.select_indices`, `triton_tile.select_indices_fast` and
 `triton_select_stream.select_indices_stream` (selection; `recall.selection_recall` measures one),
-`triton_parallel.spla_parallel_triton` (prefill / training: the per-token kernels, backward in
-`triton_parallel_bwd`, or the query-tile kernels of `triton_tile`) and
+`triton_parallel.spla_parallel_triton` (prefill / training: the block-major kernels of
+`triton_blocks`, backward in `triton_blocks_bwd`, for training; the query-tile kernels of
+`triton_tile` for prefill; the per-token kernels, backward in `triton_parallel_bwd`, for a few
+tokens) and
 `triton_decode.spla_decode_triton` (one token per row). The Triton modules import Triton when
 first used. `append_token` writes new tokens into a static cache (keys, values, block sums) in place.
 """
@@ -51,7 +53,7 @@ _TRITON_EXPORTS = {
     "queries_by_block": "triton_parallel_bwd", "spla_decode_triton": "triton_decode",
     "append_token_triton": "triton_decode", "select_indices_fast": "triton_tile", "tile_shape": "triton_tile",
     "tile_union": "triton_tile", "tile_sparse_forward": "triton_tile", "tile_sparse_attention": "triton_tile",
-    "select_indices_stream": "triton_select_stream",
+    "select_indices_stream": "triton_select_stream", "blocks_sparse_attention": "triton_blocks",
 }
 
 
@@ -87,7 +89,8 @@ def append_token(K, V, stats: BlockStats, k, v, index, pos, block_size: int, *, 
 
 
 def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, params: SPLAParams, *, backend: str = "auto",
-                   k_offsets=None, new_kv=None, causal: bool = False, plan: SPLAPlan | None = None):
+                   k_offsets=None, new_kv=None, causal: bool = False, plan: SPLAPlan | None = None,
+                   precision: str = "auto"):
     """SPLA attention of the new tokens over the cache. Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D]
     or None (inside the budget, or with use_rla=False), new sbar).
 
@@ -100,11 +103,13 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, params: SPLAParams, *, ba
     form); a given plan raises. `new_kv`: the new tokens' keys and values [B, Tq, H, D] where they are
     not the last Tq slots of k, v (a static cache's whole buffers, where unused slots have position
     -1). `causal`: the caller knows every slot is a real token in position order with the new tokens
-    last (`SequenceInfo.causal`), so the dense path may skip the mask."""
+    last (`SequenceInfo.causal`), so the dense path may skip the mask. `precision`: the dot precision
+    of the Triton kernels for fp32 operands (`utils.KERNEL_PRECISIONS`; "auto": TF32 on CUDA) of a
+    plan made here."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     given = plan is not None
     if not given:
-        plan = plan_spla(q.shape, k.shape, q.dtype, q.device, params, backend=backend, grad=grad)
+        plan = plan_spla(q.shape, k.shape, q.dtype, q.device, params, backend=backend, grad=grad, precision=precision)
     elif plan.grad != grad:
         raise ValueError(f"the SPLA plan was made for grad={plan.grad}, these inputs have grad={grad} (gradients "
                          f"enabled and an input requiring them); make the plan with plan_spla(..., grad={grad})")
@@ -116,7 +121,7 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, params: SPLAParams, *, ba
                              "before or after them); let spla_attention plan such rows (the PyTorch form)")
         if koff is None:
             plan = plan_spla(q.shape, k.shape, q.dtype, q.device, params, backend=backend, grad=grad,
-                             consecutive=False)
+                             consecutive=False, precision=precision)
     if plan.path == "dense":
         return spla_dense(q, k, v, q_pos, k_pos, sbar, new_kv, causal=causal)
     if plan.path == "torch":
@@ -126,7 +131,8 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, params: SPLAParams, *, ba
     if plan.path == "triton_decode":
         from .triton_decode import spla_decode_triton
 
-        return spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, params, launch=plan.launch, new_kv=new_kv)
+        return spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, params, launch=plan.launch, new_kv=new_kv,
+                                  precision=plan.precision)
     from .triton_parallel import spla_parallel_triton
 
     return spla_parallel_triton(q, k, v, q_pos, k_pos, stats, sbar, koff, params, plan, new_kv=new_kv)

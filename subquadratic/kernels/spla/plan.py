@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..utils import check_backend, resolve_backend, triton_available
+from ..utils import check_backend, resolve_backend, resolve_precision, triton_available
 
 #: The paths of a call: "dense" (SDPA over every causal key, inside the budget), "torch" (the masked
 #: PyTorch form), "torch_decode" (one token per row, reading only the selected blocks),
@@ -26,8 +26,8 @@ OFFSET_PATHS = ("torch_decode", "triton", "triton_decode")
 
 #: Head dimensions the Triton kernels take; their block size must be at least 16 (tl.dot tiles).
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
-#: New tokens from which a call on the "triton" path selects in one launch per query tile and, without
-#: gradients, runs the query-tile kernels.
+#: New tokens from which a call on the "triton" path selects in one launch per query tile and runs
+#: the query-tile kernels without gradients, the block-major ones with them.
 TILE_MIN_TQ = 16
 #: New tokens from which phi(k) is computed once per key before the sparse kernels, instead of on
 #: every tile they load.
@@ -36,6 +36,12 @@ PHIK_PRECOMPUTE_MIN_TQ = 65
 #: so that about SPLIT_K_PROGRAMS programs run (two per SM of an H200, which has 132).
 SPLIT_K_MAX_TQ = 8
 SPLIT_K_PROGRAMS = 264
+#: Forms of the sparse kernels on the "triton" path: "blocks" (block-major, `triton_blocks`: the
+#: selected (token, block) pairs grouped by block), "tile" (query tiles over the union of their
+#: tokens' blocks, `triton_tile`) and "token" (one program per token, `triton_parallel`).
+FORMS = ("blocks", "tile", "token")
+#: Selections on the "triton" path (see `SPLAPlan`).
+SELECTIONS = ("tile", "stream", "kernel", "matmul")
 
 
 @dataclass(frozen=True)
@@ -88,13 +94,19 @@ class Launch:
 @dataclass(frozen=True)
 class SPLAPlan:
     """The path of one SPLA call and the kernels on it. Fields past `grad` matter on the Triton paths
-    only: `form` of the sparse kernels on "triton" ("tile": one program per query tile over the union
-    of its tokens' blocks; "token": one program per token), `select` ("tile": one launch per query
-    tile, `select_indices_fast`; "kernel": the scoring kernel then the group top-k kernel, for a few
-    queries; "matmul": fp32 score matmuls then the top-k kernel, which share the block statistics
-    across many queries), `splits` (programs per token's blocks, per-token kernels without
-    gradients), `precompute_phik` (phi(k) once per key), `tile_rows` (rows, tokens x padded group
-    heads, of a query tile), `select_prec` (dot precision of the tile selection) and `launch` (the
+    only: `form` of the sparse kernels on "triton" ("blocks": the selected (token, block) pairs
+    grouped by block, forward and backward, `triton_blocks`; "tile": one program per query tile over
+    the union of its tokens' blocks; "token": one program per token), `select` ("tile": one launch
+    per query tile, `select_indices_fast`; "stream": the streamed selection, scores on the tensor
+    cores and the group top-k in registers, `select_indices_stream`; "kernel": the scoring kernel
+    then the group top-k kernel, for a few queries; "matmul": fp32 score matmuls then the top-k
+    kernel, which share the block statistics across many queries), `splits` (programs per token's
+    blocks, per-token kernels without gradients), `precompute_phik` (phi(k) once per key; the tile
+    and token forms), `tile_rows` (rows, tokens x padded group heads, of a query tile),
+    `select_prec` (dot precision of the selection: "ieee" or "tf32x3"; "stream" also takes its
+    16-bit operands "bf16" and "fp16"), `precision` (dot
+    precision of the attention kernels and the causal linear term for fp32 operands: "tf32" or
+    "ieee"; 16-bit operands always run on the tensor cores with fp32 accumulation) and `launch` (the
     launch settings; None: `Launch()`)."""
 
     path: str
@@ -105,13 +117,17 @@ class SPLAPlan:
     precompute_phik: bool = False
     tile_rows: int = 64
     select_prec: str = "ieee"
+    precision: str = "ieee"
     launch: Launch | None = None
 
     def __post_init__(self) -> None:
-        for name, allowed in (("path", PATHS), ("form", ("tile", "token")), ("select", ("tile", "kernel", "matmul")),
-                              ("select_prec", ("ieee", "tf32x3"))):
+        for name, allowed in (("path", PATHS), ("form", FORMS), ("select", SELECTIONS),
+                              ("select_prec", ("ieee", "tf32x3", "bf16", "fp16")), ("precision", ("ieee", "tf32"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SPLAPlan.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.select_prec in ("bf16", "fp16") and self.select != "stream":
+            raise ValueError(f"SPLAPlan.select_prec {self.select_prec!r} is a precision of the streamed selection; "
+                             "use it with select='stream' (the other selections take 'ieee' or 'tf32x3')")
         if self.splits < 1 or self.tile_rows < 1:
             raise ValueError(f"SPLAPlan.splits and tile_rows must be >= 1, got {self.splits} and {self.tile_rows}")
 
@@ -144,12 +160,15 @@ def plan_spla(
     backend: str = "auto",
     grad: bool = False,
     consecutive: bool = True,
+    precision: str = "auto",
     **fields_set,
 ) -> SPLAPlan:
     """The plan of SPLA for queries q_shape [B, Tq, HQ, D] over keys k_shape [B, S, H, D] of `dtype`
     on `device` (a device type is enough: "cuda" plans the CUDA paths on any machine), `grad`: whether
     the call needs gradients, `consecutive`: whether each row's tokens sit in consecutive slots (the
-    caller knows it only after `slot_offsets`; assume it until then). `fields_set` replaces fields of
+    caller knows it only after `slot_offsets`; assume it until then), `precision`: the dot precision
+    of fp32 operands asked for (`utils.KERNEL_PRECISIONS`: "auto" is TF32 on CUDA, exact fp32
+    elsewhere; fp64 inputs always exact), the plan's `precision`. `fields_set` replaces fields of
     the plan made (`SPLAPlan`), e.g. form="token".
 
     Inside the budget (S slots, padding included, <= top_k_blocks x block_size: every causal block of
@@ -158,17 +177,21 @@ def plan_spla(
     `triton_unsupported`; "naive" raises: the definition serves tests only). PyTorch: one token per
     row without gradients and consecutive rows take "torch_decode", the rest "torch". Triton: one
     token without gradients (fp64 excepted) "triton_decode"; otherwise "triton", with the query-tile
-    selection from TILE_MIN_TQ tokens and there the tile kernels without gradients, the per-token
-    ones with them."""
+    selection from TILE_MIN_TQ tokens and there the block-major kernels with gradients (training:
+    forward and backward faster than the tile and per-token forms on every input measured) and the
+    tile kernels without (prefill: faster forward on real selections, whose query tiles share
+    blocks); below TILE_MIN_TQ the per-token kernels. The streamed selection is taken only when
+    asked (select="stream")."""
     check_backend(backend)
     device = torch.device(device)
+    prec = resolve_precision(precision, device, dtype)
     B, Tq, _, D = q_shape
     S, H = k_shape[1], k_shape[2]
     if backend in ("auto", "torch") and within_budget(S, params):
-        plan = SPLAPlan("dense", grad)
+        plan = SPLAPlan("dense", grad, precision=prec)
     elif resolve_backend(backend, device, op="SPLA", has_triton=True, has_naive=False,
                          unsupported=triton_unsupported(D, params.block_size, consecutive)) == "torch":
-        plan = SPLAPlan("torch_decode" if Tq == 1 and not grad and consecutive else "torch", grad)
+        plan = SPLAPlan("torch_decode" if Tq == 1 and not grad and consecutive else "torch", grad, precision=prec)
     else:
         long_call = Tq >= TILE_MIN_TQ
         splits = 1
@@ -176,9 +199,10 @@ def plan_spla(
             splits = max(1, min(params.num_selected, SPLIT_K_PROGRAMS // max(1, B * H * Tq)))
         plan = SPLAPlan(
             "triton_decode" if Tq == 1 and not grad and dtype != torch.float64 else "triton", grad,
-            form="tile" if long_call and not grad else "token", select="tile" if long_call else "kernel",
+            form=("blocks" if grad else "tile") if long_call else "token", select="tile" if long_call else "kernel",
             splits=splits, precompute_phik=params.use_rla and Tq >= PHIK_PRECOMPUTE_MIN_TQ,
             tile_rows=64 if grad else 128, select_prec="tf32x3" if device.type == "cuda" else "ieee",
+            precision=prec,
         )
     if not fields_set:
         return plan

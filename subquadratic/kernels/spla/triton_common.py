@@ -23,8 +23,8 @@ def key_features(k: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def mm(a, b, IEEE: tl.constexpr):
-    """a @ b with fp32 accumulation: exact fp32 ("ieee") for fp32 inputs, else on the tensor cores
-    with `a` cast to b's dtype."""
+    """a @ b with fp32 accumulation: with IEEE exact fp32; else on the tensor cores with `a` cast to
+    b's dtype (16-bit operands, or fp32 ones as TF32, tl.dot's default for fp32)."""
     if IEEE:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:

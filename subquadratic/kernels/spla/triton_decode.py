@@ -128,10 +128,11 @@ def spla_decode_merge_kernel(
 
 
 def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, params: SPLAParams, *, launch: Launch | None = None,
-                       new_kv=None):
+                       new_kv=None, precision: str = "ieee"):
     """SPLA of one new token per row in four launches: block scores, group top-k, the split decode
     kernel (selected tiles in parallel with the Sbar read-out and update), and the merge; `launch`
-    sets them (default `Launch()`).
+    sets them (default `Launch()`); the selected tiles' dots of fp32 operands at `precision` ("ieee"
+    or "tf32").
 
     q [B, 1, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D: the cache's [B, H, S, D]
     buffers pass as transposed views), the new token at slot koff + q_pos (last in a growing cache;
@@ -163,7 +164,8 @@ def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, params: SPLAParams, *,
         sbar_new, qv.stride(0), qv.stride(1), kv_.stride(0), kv_.stride(1), kv_.stride(2),
         vv.stride(0), vv.stride(1), vv.stride(2),
         H, nsel, per, nsplit, 1.0 / math.sqrt(D),
-        G=G, GP=GP, D=D, BS=block_size, DC=min(32, D), USE_RLA=use_rla, IEEE=q.dtype == torch.float32,
+        G=G, GP=GP, D=D, BS=block_size, DC=min(32, D), USE_RLA=use_rla,
+        IEEE=q.dtype == torch.float32 and precision == "ieee",
         num_warps=launch.decode_warps, num_stages=2,
     )
     o_sp = new_output((B, 1, HQ, D), dev, q.dtype)  # the merge writes [B, HQ, D] rows

@@ -1,9 +1,11 @@
 """SPLA prefill and training with Triton (`spla_parallel_triton`), which executes an `SPLAPlan`
-("triton" path): the selection the plan names (`select_indices_fast`, one launch per query tile, or
-`triton_select.select_indices`), then the sparse kernels of its form, the query-tile kernels of
+("triton" path): the selection the plan names (`select_indices_fast`, one launch per query tile;
+`select_indices_stream`, streamed; or `triton_select.select_indices`), then the sparse kernels of
+its form, the block-major kernels of `triton_blocks` ("blocks": the selected (token, block) pairs
+grouped by block, forward and backward; the training default), the query-tile kernels of
 `triton_tile` ("tile": the union of a query tile's blocks loaded once per tile, forward and
-backward) or the per-token kernels of this module ("token", with split-K for a few tokens without
-gradients), then the residual term.
+backward; the prefill default) or the per-token kernels of this module ("token", with split-K for
+a few tokens without gradients), then the residual term, all at the plan's dot precision.
 
 The per-token form: `spla_sparse_kernel` runs one program per (query token,
 batch x KV head, split): the G query heads of the group are the rows of one tile (padded to at least
@@ -26,9 +28,11 @@ from ..gla.triton_chunk import chunk_linear_attention
 from ..utils import acc_dtype, import_triton, new_output
 from .plan import SPLAParams, SPLAPlan
 from .stats import BlockStats, feature_map, new_tokens
+from .triton_blocks import blocks_sparse_attention
 from .triton_common import key_features, selected_blocks, softmax_rows
 from .triton_parallel_bwd import sparse_backward
 from .triton_select import select_indices
+from .triton_select_stream import select_indices_stream
 from .triton_tile import select_indices_fast, tile_sparse_attention
 
 triton, tl = import_triton()
@@ -91,11 +95,12 @@ def causal_linear_term(phiq, phik, v, sbar, valid, precision=None):
     return o, s.to(sbar.dtype)
 
 
-def sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1, phik=None):
+def sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1, phik=None, precision="ieee"):
     """The sparse kernel over the selected blocks idx [B, Tq, H, K] (split-K over `num_splits`
     programs, merged here); `phik` (`key_features(k)`, optional) spares the kernel the feature map
-    of every loaded tile. Returns o_sp (normalised), otilde (or None) [B, Tq, HQ, D] fp32 and the
-    log-sum-exp [B, Tq, HQ] of the sparse softmax."""
+    of every loaded tile; `precision`: the dots of fp32 operands, "ieee" or "tf32". Returns o_sp
+    (normalised), otilde (or None) [B, Tq, HQ, D] fp32 and the log-sum-exp [B, Tq, HQ] of the
+    sparse softmax."""
     B, HQ, Tq, D = q.shape
     H = k.shape[1]
     G = HQ // H
@@ -116,7 +121,7 @@ def sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1, 
         pk.stride(0), pk.stride(1), pk.stride(2),
         Tq, H, K_sel, per, 1.0 / math.sqrt(D),
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=block_size, USE_RLA=use_rla,
-        IEEE=q.dtype == torch.float32, PRE_PHIK=phik is not None, num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32 and precision == "ieee", PRE_PHIK=phik is not None, num_warps=4, num_stages=2,
     )
     if num_splits == 1:
         m, l_sum, o = m_part[0], l_part[0], o_part[0]
@@ -137,18 +142,19 @@ class SparseAttention(torch.autograd.Function):
     it. The selection itself (idx) carries no gradient, as in the reference."""
 
     @staticmethod
-    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik=False):
+    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik=False, precision="ieee"):
         phik = key_features(k) if use_rla and precompute_phik else None
-        o, ot, lse = sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik)
+        o, ot, lse = sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, phik=phik, precision=precision)
         ctx.save_for_backward(q, k, v, idx, qpos, koff, o, lse, phik)
-        ctx.use_rla, ctx.block_size = use_rla, block_size
+        ctx.use_rla, ctx.block_size, ctx.precision = use_rla, block_size, precision
         return o, ot
 
     @staticmethod
     def backward(ctx, do, dot_):
         q, k, v, idx, qpos, koff, o, lse, phik = ctx.saved_tensors
-        dq, dk, dv = sparse_backward(q, k, v, idx, qpos, koff, o, lse, phik, do, dot_, ctx.use_rla, ctx.block_size)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = sparse_backward(q, k, v, idx, qpos, koff, o, lse, phik, do, dot_, ctx.use_rla, ctx.block_size,
+                                     precision=ctx.precision)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, params: SPLAParams, plan: SPLAPlan,
@@ -158,7 +164,7 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     with the new tokens last; koff [B] int32: the slot of each row's position 0 (`slot_offsets`, not
     None: each row's tokens in consecutive slots); returns (o_sp [B, Tq, HQ, D], o_rla or None, new
     Sbar). Differentiable (Triton backward) when `plan.grad`. fp64 inputs (tests) run the kernels in
-    fp32. `new_kv`: as in `parallel.spla_parallel`."""
+    fp32 (exact dots). `new_kv`: as in `parallel.spla_parallel`."""
     B, Tq, HQ, D = q.shape
     H = k.shape[2]
     G = HQ // H
@@ -166,6 +172,8 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     qpos = q_pos.to(torch.int32).contiguous()  # no copy when the caller passes int32 positions
     if plan.select == "tile":
         idx = select_indices_fast(q, stats, qpos, params, prec=plan.select_prec)  # [B, Tq, H, K]
+    elif plan.select == "stream":
+        idx = select_indices_stream(q, stats, qpos, params, precision=plan.select_prec)  # [B, Tq, H, K]
     else:
         idx = select_indices(q, stats, qpos, params, matmul=plan.select == "matmul", launch=plan.launch)
     qv, kv_, vv = (x.transpose(1, 2) for x in (q, k, v))  # views [B, H, T, D]
@@ -173,15 +181,17 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     kq, kk, kv = (x if x.stride(-1) == 1 else x.contiguous() for x in (qv, kv_, vv))
     if q.dtype == torch.float64:
         kq, kk, kv = kq.float(), kk.float(), kv.float()
-    pre = plan.precompute_phik
-    if plan.form == "tile":  # differentiable with plan.grad; without, the forward alone
+    pre, prec = plan.precompute_phik, plan.precision
+    if plan.form == "blocks":  # differentiable when gradients are needed; else the forward alone
+        o_sp, otilde = blocks_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, precision=prec)
+    elif plan.form == "tile":  # differentiable with plan.grad; without, the forward alone
         o_sp, otilde = tile_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre, grad=plan.grad,
-                                             rows=plan.tile_rows)
+                                             rows=plan.tile_rows, precision=prec)
     elif plan.grad:
-        o_sp, otilde = SparseAttention.apply(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre)
+        o_sp, otilde = SparseAttention.apply(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre, prec)
     else:
         o_sp, otilde, _ = sparse_forward(kq, kk, kv, idx, qpos, koff, use_rla, block_size, plan.splits,
-                                         phik=key_features(kk) if use_rla and pre else None)
+                                         phik=key_features(kk) if use_rla and pre else None, precision=prec)
     q_ok = (q_pos >= 0)[:, :, None, None]
     o_sp = o_sp * q_ok  # [B, Tq, HQ, D]
     out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
@@ -192,8 +202,8 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
         kv_new = torch.einsum("bhsd,bhse->bhde", feature_map(k_new).to(acc) * (q_pos >= 0)[:, None, :, None],
                               v_new.to(acc))
         return o_sp.to(out_dtype), None, sbar + kv_new
-    o_lin, sbar_new = causal_linear_term(  # the kernels' dtype: q's (fp32 exact, as the sparse kernels)
-        feature_map(q).to(kq.dtype), feature_map(k_tok).to(kq.dtype), v_tok, sbar.to(acc), q_pos >= 0, "ieee")
+    o_lin, sbar_new = causal_linear_term(  # the kernels' dtype: q's, at the sparse kernels' precision
+        feature_map(q).to(kq.dtype), feature_map(k_tok).to(kq.dtype), v_tok, sbar.to(acc), q_pos >= 0, prec)
     o_rla = o_lin - otilde.to(acc)  # [B, Tq, HQ, D]
     # every causal key selected -> the residual term is exactly zero (not a cancellation)
     start = idx.long() * block_size  # [B, Tq, H, K]

@@ -168,9 +168,11 @@ def queries_by_block(idx: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, 
     return t[valid][order].contiguous(), offsets
 
 
-def sparse_backward(q, k, v, idx, qpos, koff, o, lse, phik, do, dot_, use_rla: bool, bs: int):
+def sparse_backward(q, k, v, idx, qpos, koff, o, lse, phik, do, dot_, use_rla: bool, bs: int,
+                    precision: str = "ieee"):
     """dq, dk, dv of `triton_parallel.sparse_forward` (internal [B, H, T, D] views) given the
-    gradients do, dot_ [B, Tq, HQ, D] of o_sp and otilde (None: zero)."""
+    gradients do, dot_ [B, Tq, HQ, D] of o_sp and otilde (None: zero); dots of fp32 operands at
+    `precision` ("ieee" or "tf32")."""
     B, HQ, Tq, D = q.shape
     H, S = k.shape[1], k.shape[2]
     G = HQ // H
@@ -181,7 +183,7 @@ def sparse_backward(q, k, v, idx, qpos, koff, o, lse, phik, do, dot_, use_rla: b
         dot_ = torch.zeros_like(o) if dot_ is None else dot_.float().contiguous()
     else:
         dot_ = do
-    ieee = q.dtype == torch.float32
+    ieee = q.dtype == torch.float32 and precision == "ieee"
     scale = 1.0 / math.sqrt(D)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))

@@ -470,11 +470,13 @@ def tile_union(idx: torch.Tensor, num_blocks: int, BM: int):
     return union, bits, cnt, NU
 
 
-def tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, *, rows: int, phik=None, union=None):
+def tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, *, rows: int, phik=None, union=None,
+                        precision: str = "ieee"):
     """Same contract as `triton_parallel.sparse_forward` (q [B, HQ, Tq, D], k, v [B, H, S, D], idx
-    [B, Tq, H, K] int32, qpos [B, Tq] int32, koff [B] int32), over query tiles of about `rows` rows:
-    returns o_sp (normalised), otilde (or None) [B, Tq, HQ, D] fp32 and the log-sum-exp [B, Tq, HQ];
-    also the union lists (for the backward)."""
+    [B, Tq, H, K] int32, qpos [B, Tq] int32, koff [B] int32), over query tiles of about `rows` rows
+    (dots of fp32 operands at `precision`, "ieee" or "tf32"): returns o_sp (normalised), otilde (or
+    None) [B, Tq, HQ, D] fp32 and the log-sum-exp [B, Tq, HQ]; also the union lists (for the
+    backward)."""
     B, HQ, Tq, D = q.shape
     H, S = k.shape[1], k.shape[2]
     G = HQ // H
@@ -496,7 +498,7 @@ def tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, *, rows: 
         v.stride(0), v.stride(1), v.stride(2),
         pk.stride(0), pk.stride(1), pk.stride(2),
         Tq, H, NU, 1.0 / math.sqrt(D),
-        G=G, GP=GP, BM=BM, D=D, BS=block_size, USE_RLA=use_rla, IEEE=q.dtype == torch.float32,
+        G=G, GP=GP, BM=BM, D=D, BS=block_size, USE_RLA=use_rla, IEEE=q.dtype == torch.float32 and precision == "ieee",
         PRE_PHIK=phik is not None, num_warps=4 if BM * GP * D <= 64 * 64 else 8, num_stages=2,
     )
     return o, (ot if use_rla else None), lse, union
@@ -524,12 +526,13 @@ class TileSparseAttention(torch.autograd.Function):
     selection (idx) carries no gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik, rows):
+    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik, rows, precision="ieee"):
         phik = key_features(k) if use_rla and precompute_phik else None
-        o, ot, lse, union = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, rows=rows, phik=phik)
+        o, ot, lse, union = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, rows=rows, phik=phik,
+                                                precision=precision)
         ul, ub, uc, NU = union
         ctx.save_for_backward(q, k, v, qpos, koff, o, lse, phik, ul, ub, uc)
-        ctx.use_rla, ctx.block_size, ctx.NU, ctx.rows = use_rla, block_size, NU, rows
+        ctx.use_rla, ctx.block_size, ctx.NU, ctx.rows, ctx.precision = use_rla, block_size, NU, rows, precision
         return o, ot
 
     @staticmethod
@@ -547,7 +550,7 @@ class TileSparseAttention(torch.autograd.Function):
             dot_ = torch.zeros_like(o) if dot_ is None else dot_.float().contiguous()
         else:
             dot_ = do
-        ieee = q.dtype == torch.float32
+        ieee = q.dtype == torch.float32 and ctx.precision == "ieee"
         scale = 1.0 / math.sqrt(D)
         strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2))
@@ -572,16 +575,19 @@ class TileSparseAttention(torch.autograd.Function):
             Tq, H, NB, S, scale, G=G, GP=GP, BM=BM, D=D, BS=bs, USE_RLA=use_rla, IEEE=ieee,
             num_warps=warps, num_stages=1,
         )
-        return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * 7
+        return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * 8
 
 
 def tile_sparse_attention(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik, *, grad: bool,
-                          rows: int):
+                          rows: int, precision: str = "ieee"):
     """The tile form of `triton_parallel.SparseAttention.apply` (same operands, q [B, HQ, Tq, D] and
-    k, v [B, H, S, D] views) over query tiles of about `rows` rows: (o_sp, otilde) [B, Tq, HQ, D]
-    fp32; with `grad` differentiable through `TileSparseAttention`, else the forward alone."""
+    k, v [B, H, S, D] views) over query tiles of about `rows` rows, dots of fp32 operands at
+    `precision` ("ieee" or "tf32"): (o_sp, otilde) [B, Tq, HQ, D] fp32; with `grad` differentiable
+    through `TileSparseAttention`, else the forward alone."""
     if grad:
-        return TileSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik, rows)
+        return TileSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik, rows,
+                                         precision)
     phik = key_features(k) if use_rla and precompute_phik else None
-    o, ot, _, _ = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, rows=rows, phik=phik)
+    o, ot, _, _ = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, rows=rows, phik=phik,
+                                      precision=precision)
     return o, ot

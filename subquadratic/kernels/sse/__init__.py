@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..utils import resolve_backend
+from ..utils import resolve_backend, resolve_precision
 from .masked import sse_masked
 from .recurrent import SSEState, sse_recurrent
 from .router import router_topk, sse_aux_loss
@@ -30,7 +30,8 @@ __all__ = [
 def sse_attention(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor,
                   g2: Tensor, probs: Tensor, sel: Tensor, state: SSEState | None = None, *,
                   base: str = "gla", beta: Tensor | None = None, chunk_size: int = 64,
-                  backend: str = "auto", inplace: bool = False, topk: int | None = None) -> tuple[Tensor, SSEState]:
+                  backend: str = "auto", inplace: bool = False, topk: int | None = None,
+                  precision: str = "auto") -> tuple[Tensor, SSEState]:
     """SSE of the new tokens from `state` (None: zeros); shapes as in `recurrent.py`. Returns
     (o [B, T, H, Dv] in q1's dtype, new state). Backends as in `kernels.utils`: "auto" takes the
     Triton kernels on CUDA for the GLA base in fp32/bf16/fp16 with chunk_size 16, 32 or 64 and head
@@ -39,14 +40,17 @@ def sse_attention(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
     `topk`: the router's K (selections per token), which sizes the fixed-shape grouping of every
     form (default N).
     `inplace=True` (inference with a cache) lets the one-token forms write the new states into
-    `state`'s tensors, touching only the selected rows of `state.parts`; the chunked forms ignore it."""
+    `state`'s tensors, touching only the selected rows of `state.parts`; the chunked forms ignore it.
+    `precision`: the dots of the Triton chunked kernels for fp32 operands (`utils.KERNEL_PRECISIONS`:
+    "auto" is TF32 on CUDA)."""
     why = triton_unsupported(q1, v, base, chunk_size)
     path = resolve_backend(backend, q1.device, op="SSE", has_triton=True, has_naive=True, unsupported=why)
     if path == "triton":
         from .triton_sse import sse_triton
 
         return sse_triton(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=base, beta=beta,
-                          chunk_size=chunk_size, topk=topk, inplace=inplace and state is not None)
+                          chunk_size=chunk_size, topk=topk, inplace=inplace and state is not None,
+                          precision=resolve_precision(precision, q1.device, q1.dtype))
     if path == "naive" or q1.shape[1] == 1:
         return sse_recurrent(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=base, beta=beta,
                              inplace=inplace and state is not None, topk=topk)

@@ -61,12 +61,13 @@ def _group(sel: Tensor, topk: int):
 def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor, g2: Tensor,
                probs: Tensor, sel: Tensor, state: SSEState | None = None, *, base: str = "gla",
                beta: Tensor | None = None, chunk_size: int = 64, topk: int | None = None,
-               inplace: bool = False) -> tuple[Tensor, SSEState]:
+               inplace: bool = False, precision: str = "ieee") -> tuple[Tensor, SSEState]:
     """SSE with the Triton kernels, same contract and values as `sse_varlen` (module docstring).
 
     topk: at most this many partitions are selected per token (the router's K; default N). A token
     with more selections than `topk` is wrong input. A single token without gradients runs the
-    decode kernel (`sse_decode_triton`, honouring `inplace`); `inplace` is ignored otherwise.
+    decode kernel (`sse_decode_triton`, honouring `inplace`); `inplace` is ignored otherwise. The
+    chunked kernels' dots of fp32 operands run at `precision` ("ieee" exact or "tf32").
     Returns (o [B, T, H, Dv] in q1's dtype, new SSEState (fp32))."""
     if base != "gla" or q1.dtype == torch.float64:
         raise ValueError("the SSE Triton kernels take the GLA base in fp32/bf16/fp16; sse_attention sends "
@@ -97,12 +98,13 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
     # the shared branch on the inputs as they are (no copy), then the partition rows
     rows = torch.arange(B + 1, device=dev) * T
     o, h_shared = gla_varlen_triton(flat(q1), flat(k1), flat(v), flat(g1), cu_seqlens=rows,
-                                    initial_state=state.shared, chunk_size=chunk_size, out_dtype=torch.float32)
+                                    initial_state=state.shared, chunk_size=chunk_size, out_dtype=torch.float32,
+                                    precision=precision)
     cu = torch.cat([cu_parts, torch.full((1,), R, device=dev, dtype=cu_parts.dtype)])
     h0 = torch.cat([state.parts.float().reshape(B * N, H, Dk, Dv),
                     state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
     o_parts, h_parts = gla_varlen_triton(qp, kp, gather(v), gp, cu_seqlens=cu, initial_state=h0,
-                                         chunk_size=chunk_size, out_dtype=torch.float32)
+                                         chunk_size=chunk_size, out_dtype=torch.float32, precision=precision)
     o = o.index_add(0, src_tok, o_parts)
     new = SSEState(h_shared, h_parts[:B * N].reshape(B, N, H, Dk, Dv))
     return o.view(B, T, H, Dv).to(dt), new

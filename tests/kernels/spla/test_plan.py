@@ -68,12 +68,39 @@ def test_cuda_beyond_the_budget_takes_the_kernels(with_triton):
     assert (short.path, short.form, short.select, short.precompute_phik) == ("triton", "token", "kernel", False)
     prefill = planned(16, 100)
     assert (prefill.form, prefill.select, prefill.tile_rows, prefill.select_prec) == ("tile", "tile", 128, "tf32x3")
-    train = planned(16, 100, grad=True)
-    assert (train.form, train.select, train.tile_rows, train.grad) == ("token", "tile", 64, True)
+    train = planned(16, 100, grad=True)  # training: the block-major kernels, forward and backward
+    assert (train.form, train.select, train.tile_rows, train.grad) == ("blocks", "tile", 64, True)
+    assert planned(4096, 4096, grad=True).form == "blocks" and planned(4096, 4096).form == "tile"
+    assert planned(15, 100, grad=True).form == "token"
     assert not planned(64, 100).precompute_phik and planned(65, 100).precompute_phik
     no_rla = SPLAParams(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1, use_rla=False)
     assert not planned(65, 100, params=no_rla).precompute_phik
     assert planned(16, 100, "cpu", backend="auto").path == "torch"
+
+
+def test_precision_tf32_for_fp32_on_cuda_unless_exact_is_asked(with_triton):
+    """fp32 operands: TF32 dots on CUDA by default ("auto"), exact ("ieee") where asked and on the CPU;
+    fp64 inputs (tests) always exact; every path carries the field."""
+    for Tq, grad in ((1, False), (16, False), (16, True), (1, True)):
+        assert planned(Tq, 100, dtype=torch.float32, grad=grad).precision == "tf32"
+        assert planned(Tq, 100, dtype=torch.float32, grad=grad, precision="ieee").precision == "ieee"
+        assert planned(Tq, 100, dtype=torch.float64, grad=grad, precision="tf32").precision == "ieee"
+    assert planned(16, 100, "cpu", backend="auto").precision == "ieee"
+    assert planned(16, 100, "cpu", backend="auto", precision="tf32").precision == "tf32"
+    assert planned(16, 40).path == "dense" and planned(16, 40, precision="ieee").precision == "ieee"
+    with pytest.raises(ValueError, match="kernel_precision"):
+        planned(16, 100, precision="fp32")
+    with pytest.raises(ValueError, match="precision"):
+        SPLAPlan("triton", precision="auto")  # a plan holds what was resolved
+
+
+def test_streamed_selection_only_when_asked(with_triton):
+    assert all(planned(T, 4096, grad=g).select != "stream" for T in (1, 16, 4096) for g in (False, True))
+    got = planned(4096, 4096, select="stream", select_prec="bf16")
+    assert (got.select, got.select_prec) == ("stream", "bf16")
+    assert planned(4096, 4096, select="stream").select_prec == "tf32x3"  # fp32 operands unless asked
+    with pytest.raises(ValueError, match="streamed selection"):
+        planned(4096, 4096, select_prec="bf16")  # a 16-bit selection is the streamed one's
 
 
 def test_split_k_for_a_few_tokens_without_gradients(with_triton):

@@ -1,10 +1,11 @@
 """SPLA prefill kernels through the real dispatch (`spla_attention` with the Triton plan of the
 inputs, `test_triton.spla_triton`) vs the fp64 PyTorch form (`spla_parallel`): values of o_sp,
-o_rla and Sbar and the gradients dq, dk, dv, for both forms of the longer calls (`SPLAPlan.form`:
-"tile", the query-tile kernels of `triton_tile`, and "token", the per-token kernels), poisoned
-outputs; the one-launch tile selection (`select_indices_fast`) against `select_blocks`; the union
-lists of a tile. GQA groups 1..8 (16 on CUDA), left and right padding, cached prefixes, budgets
-smaller than the context. On CPU under TRITON_INTERPRET=1 at small shapes."""
+o_rla and Sbar and the gradients dq, dk, dv, for the three forms of the longer calls
+(`SPLAPlan.form`: "blocks", the block-major kernels of `triton_blocks` that training takes; "tile",
+the query-tile kernels of `triton_tile`; "token", the per-token kernels), poisoned outputs; the
+one-launch tile selection (`select_indices_fast`) against `select_blocks`; the union lists of a
+tile; the streamed selection through the plan. GQA groups 1..8 (16 on CUDA), left and right
+padding, cached prefixes, budgets smaller than the context. On CPU under TRITON_INTERPRET=1 at small shapes."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def kernel_calls(monkeypatch):
     """Count the calls of each sparse form the executor runs (the per-token form runs
     `sparse_forward`, with or without gradients)."""
-    calls = {"tile": 0, "token": 0}
-    for form, fn_name in (("tile", "tile_sparse_attention"), ("token", "sparse_forward")):
+    calls = {"blocks": 0, "tile": 0, "token": 0}
+    for form, fn_name in (("blocks", "blocks_sparse_attention"), ("tile", "tile_sparse_attention"),
+                          ("token", "sparse_forward")):
         fn = getattr(triton_parallel, fn_name)
 
         def spy(*a, _fn=fn, _form=form, **kw):
@@ -71,7 +73,7 @@ def run_case(case, grad, kernel, calls, precompute_phik=False):
     want = spla_parallel(*ins, qpos, pos, stats64, sbar.double(), params)
     outs = [x.detach().requires_grad_(grad) for x in (q, k, v)]
     got = spla_triton(*outs, qpos, pos, stats, sbar, params, form=kernel, precompute_phik=precompute_phik)
-    assert calls[kernel] == 1 and calls["tile" if kernel == "token" else "token"] == 0, calls
+    assert calls[kernel] == 1 and sum(calls.values()) == 1, calls
     for name, a, b in zip(["o_sp", "o_rla", "sbar"], got, want, strict=True):
         if b is None:
             assert a is None
@@ -88,6 +90,7 @@ def run_case(case, grad, kernel, calls, precompute_phik=False):
         for name, a, b in zip(["dq", "dk", "dv"], outs, ins, strict=True):
             assert torch.isfinite(a.grad).all(), name
             assert rel(a.grad, b.grad) <= 1e-4, (name, rel(a.grad, b.grad))
+    return got, outs
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -107,6 +110,59 @@ def test_token_kernels_match_reference(case, grad, kernel_calls):
     run_case(case, grad, "token", kernel_calls)
 
 
+@pytest.mark.parametrize("case,grad", [(CASES[0], True), (CASES[4], True), (CASES[6], True), (CASES[7], True),
+                                       (CASES[1], False), (CASES[5], False)])
+def test_blocks_kernels_match_reference(case, grad, kernel_calls):
+    """form="blocks" (what training takes): values and gradients against the fp64 reference."""
+    run_case(case, grad, "blocks", kernel_calls)
+
+
+def test_blocks_kernels_equal_the_token_kernels(kernel_calls):
+    """Values and gradients of form "blocks" and form "token" on the same inputs (G = 2, left padding)."""
+    case = (1, 4, 2, 40, 16, 16, 2, 1, 1, True, 5, 0)
+    got, outs = run_case(case, True, "blocks", kernel_calls)
+    for c in kernel_calls:
+        kernel_calls[c] = 0
+    token, token_outs = run_case(case, True, "token", kernel_calls)
+    for a, b in zip(got, token, strict=True):
+        assert rel(a, b) <= 1e-5 or (a.double() - b.double()).abs().max() <= 1e-6
+    for a, b in zip(outs, token_outs, strict=True):
+        assert rel(a.grad, b.grad) <= 1e-5
+
+
+def test_the_plan_takes_the_blocks_kernels_with_gradients(kernel_calls):
+    """Without a form given: 16 new tokens with gradients run the block-major kernels (training),
+    without gradients the tile kernels (prefill)."""
+    q, k, v, pos, stats, sbar = make(1, 4, 2, 50, 16, 16, seed=6)
+    params = SPLAParams(block_size=16, top_k_blocks=2, num_sink_blocks=1, num_local_blocks=1)
+    qs = q[:, -16:].clone().requires_grad_()
+    o_sp, o_rla, _ = spla_triton(qs, k, v, pos[:, -16:], pos, stats, sbar, params)
+    (o_sp.sum() + o_rla.sum()).backward()
+    assert kernel_calls == {"blocks": 1, "tile": 0, "token": 0} and torch.isfinite(qs.grad).all()
+    with torch.no_grad():
+        spla_triton(qs, k, v, pos[:, -16:], pos, stats, sbar, params)
+    assert kernel_calls == {"blocks": 1, "tile": 1, "token": 0}
+
+
+def test_streamed_selection_through_the_plan(monkeypatch):
+    """select="stream" runs `select_indices_stream` and gives the reference's values (exact fp32
+    scores: the same blocks on these inputs, whose scores are far from ties)."""
+    calls = []
+    real = triton_parallel.select_indices_stream
+    monkeypatch.setattr(triton_parallel, "select_indices_stream",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    B, HQ, H, S, D, bs, top, sink, local, use_rla, pad, _ = CASES[0]
+    q, k, v, pos, stats, sbar = make(B, HQ, H, S, D, bs, pad, seed=11)
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local)
+    want = spla_parallel(q.double(), k.double(), v.double(), pos, pos,
+                         BlockStats(*(x.double() for x in (stats.sum_k, stats.sum_k2, stats.count))),
+                         sbar.double(), params)
+    got = spla_triton(q, k, v, pos, pos, stats, sbar, params, select="stream", select_prec="ieee")
+    assert calls == [{"precision": "ieee"}]
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) <= 1e-4
+
+
 def test_short_calls_take_the_per_token_kernels(kernel_calls):
     """The plan's own choice without gradients: the tile kernels from 16 new tokens, the per-token
     kernels below."""
@@ -118,7 +174,7 @@ def test_short_calls_take_the_per_token_kernels(kernel_calls):
                              sbar.double(), params)
         got = spla_triton(q[:, -tq:], k, v, pos[:, -tq:], pos, stats, sbar, params)
         assert rel(got[0], want[0]) <= 1e-4 and rel(got[1], want[1]) <= 1e-4
-    assert kernel_calls == {"tile": 1, "token": 1}
+    assert kernel_calls == {"blocks": 0, "tile": 1, "token": 1}
 
 
 def test_union_lists_are_the_union_of_the_selection():

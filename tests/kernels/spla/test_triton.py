@@ -29,11 +29,14 @@ from subquadratic.kernels.utils import slot_offsets  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def triton_plan(q, k, v, params, **fields):
+def triton_plan(q, k, v, params, precision="ieee", **fields):
     """The plan of `spla_attention(backend="triton")` on CUDA for these inputs, with `fields` set; the
-    device is data, so on the CPU the same plan runs the kernels in the interpreter."""
+    device is data, so on the CPU the same plan runs the kernels in the interpreter. Exact fp32 dots
+    unless `precision` says otherwise: the comparisons are at fp32 tolerances, and on a GPU the
+    default ("auto") takes TF32."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return plan_spla(q.shape, k.shape, q.dtype, "cuda", params, backend="triton", grad=grad, **fields)
+    return plan_spla(q.shape, k.shape, q.dtype, "cuda", params, backend="triton", grad=grad, precision=precision,
+                     **fields)
 
 
 def spla_triton(q, k, v, q_pos, k_pos, stats, sbar, params, **fields):
@@ -240,9 +243,11 @@ def test_bf16_real_shapes_on_gpu(G, D):
 @pytest.mark.skipif(DEV != "cuda", reason="the model takes the Triton path on CUDA only")
 def test_model_on_gpu_uses_kernel_and_matches_reference():
     from subquadratic.modeling.base import CACHE_FIELD
-    from tests.conftest import tiny_spla
+    from tests.models.spla.tiny import tiny_spla
 
-    model = tiny_spla(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1).cuda()
+    # exact fp32 dots: the comparison below is at fp32 tolerances (the default on CUDA is TF32)
+    model = tiny_spla(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1,
+                      kernel_precision="ieee").cuda()
     x = torch.randint(1, 128, (2, 150), device="cuda")
     with torch.no_grad():
         want = model(x, use_cache=False).logits  # Triton path (auto on CUDA)
@@ -275,10 +280,11 @@ def test_bf16_backward_real_shapes_on_gpu(G, D):
 
 @pytest.mark.skipif(DEV != "cuda", reason="the model takes the Triton path on CUDA only")
 def test_model_training_step_on_gpu_matches_reference():
-    from tests.conftest import tiny_spla
+    from tests.models.spla.tiny import tiny_spla
 
-    # gamma random (tiny_spla), so the residual term reaches the loss
-    model = tiny_spla(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1).cuda().train()
+    # gamma random (tiny_spla), so the residual term reaches the loss; exact fp32 dots (fp32 tolerances)
+    model = tiny_spla(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1,
+                      kernel_precision="ieee").cuda().train()
     x = torch.randint(1, 128, (3, 150), device="cuda")
     mask = torch.ones_like(x)
     mask[1, :20] = 0  # left padding

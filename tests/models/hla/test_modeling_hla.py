@@ -125,7 +125,7 @@ def test_mixer_three_forms_agree_fp64(variant, normalize, monkeypatch):
         cfg.kernel_backend = backend
         outs[backend] = attn(x, cos_sin, seq)[0]
 
-    def naive(q, k, v, log_alpha, state, *, chunk_size, normalize, eps, variant, backend):
+    def naive(q, k, v, log_alpha, state, *, chunk_size, normalize, eps, variant, backend, precision):
         return hla_naive(q, k, v, log_alpha, variant=variant, normalize=normalize, eps=eps), None
 
     monkeypatch.setattr(hla_modeling, "hla_attention", naive)

@@ -28,7 +28,7 @@ def use_form(monkeypatch, model, form: str) -> None:
     """Run the model's SSE layers on kernel_backend `form`, or on the masked (N+1)-heads form."""
     monkeypatch.undo()
     if form == "masked":
-        def masked(*args, chunk_size, backend, inplace, topk, **kw):
+        def masked(*args, chunk_size, backend, inplace, topk, precision, **kw):
             return sse_masked(*args, chunk_size, **kw)
 
         monkeypatch.setattr(sse_modeling, "sse_attention", masked)
