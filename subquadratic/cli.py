@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="windows per length of --eval-data (default 8)")
     c.add_argument("--eval-device", default="cpu", help="device of --eval-data: cpu, cuda, cuda:N or auto "
                                                         "(default cpu)")
+    c.add_argument("--calibration-data", nargs="+", metavar="PATH",
+                   help="with --<family>-softmax-layers auto:K: the text of the short attention transfer that "
+                        "prices each layer (default: CPython's English documentation topics)")
+    c.add_argument("--calibration-steps", type=int, metavar="N",
+                   help="steps of that attention transfer (default 40, of 4 rows of 1024 tokens)")
     p.family_dests = {}
     for name, (options, presets) in families.items():
         said = "".join(f"; --to {p}: " + ", ".join(f"{k}={v}" for k, v in kw.items()) for p, kw in presets.items())
@@ -128,6 +133,9 @@ def _adapt_parser(sub) -> None:
                    help="what trains: every parameter, the converted layers' mixers, only the parameters the "
                         "dense model lacks, or LoRA adapters + those (default full; stage 1 reaches only mixers)")
     a.add_argument("--seq-len", type=int, default=2048, help="tokens per packed row (default 2048)")
+    a.add_argument("--stage1-seq-len", type=int, default=None, metavar="L",
+                   help="tokens per packed row in attention transfer (default --seq-len), with --batch-size x "
+                        "--seq-len / L rows per batch: the same tokens per step")
     a.add_argument("--batch-size", type=int, default=8, help="rows per micro-batch and process (default 8)")
     a.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     a.add_argument("--lr", type=float, default=1e-4, help="stage 2 peak learning rate (default 1e-4)")
@@ -166,7 +174,8 @@ def _adapt(args) -> None:
     cfg = AdaptConfig(
         student=args.student, output_dir=args.output_dir, data=args.data, teacher=args.teacher,
         max_steps=args.max_steps, stage1_steps=args.stage1_steps, loss=args.loss, train=args.train,
-        seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+        seq_len=args.seq_len, stage1_seq_len=args.stage1_seq_len, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, lr=args.lr,
         stage1_lr=args.stage1_lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm, mixed_precision=args.mixed_precision,
         gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -248,11 +257,21 @@ def _convert(parser, args) -> None:
             options[option] = value
     if args.private and not args.push_to_hub:
         raise ConversionError("--private applies to --push-to-hub REPO; add it or drop --private")
+    calibration = None
+    if args.calibration_data or args.calibration_steps is not None:
+        if not str(options.get("softmax_layers", "")).startswith("auto"):
+            raise ConversionError("--calibration-data / --calibration-steps price the layers of a "
+                                  "--<family>-softmax-layers auto:K layout; add one or drop them")
+        from .adaptation.layer_choice import Calibration
+
+        calibration = Calibration(data=args.calibration_data, device="auto",
+                                  **({} if args.calibration_steps is None else {"steps": args.calibration_steps}))
     before_finish = None
     if args.eval_data:
         before_finish = _card_evaluation(args)
     out = convert(args.src, args.out, args.to, options=options, dtype=args.dtype,
-                  overwrite=args.overwrite, progress=not args.no_progress, before_finish=before_finish)
+                  overwrite=args.overwrite, progress=not args.no_progress, before_finish=before_finish,
+                  calibration=calibration)
     print(f"wrote {out}")
     if args.push_to_hub:
         print(f"pushed to {_push(out, args.push_to_hub, args.private)}")

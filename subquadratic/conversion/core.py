@@ -27,6 +27,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -34,6 +35,9 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..data import DTYPE_CHOICES, torch_dtype
+
+if TYPE_CHECKING:
+    from ..adaptation.layer_choice import Calibration
 
 SUPPORTED_SOURCES = ("llama", "mistral", "qwen2", "qwen3")
 COPIED_FILES = (
@@ -355,12 +359,16 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
     before_finish: Callable[[Path, Path], None] | None = None,
+    calibration: Calibration | None = None,
 ) -> Path:
     """Convert the dense checkpoint `src` at `out` into `to` (a family, or one of its convert presets:
     `registry.convert_target`), with the family's `options`; returns the output folder.
 
     `before_finish(folder, src_folder)` runs on the complete temporary folder before it is renamed to
-    `out` (the CLI evaluates it there and writes the card's evaluation); if it raises, nothing is left."""
+    `out` (the CLI evaluates it there and writes the card's evaluation); if it raises, nothing is left.
+    A layout option `softmax_layers="auto:K"` keeps softmax attention at the K layers whose
+    replacement costs the most, measured first (`adaptation.layer_choice`, with `calibration`, a
+    `layer_choice.Calibration`); the measurement is written to OUT/layer_costs.json."""
     fam, options = _target(to, dict(options or {}))
     conv = fam.converter
     if dtype not in DTYPE_CHOICES:
@@ -372,6 +380,9 @@ def convert(
     shards = source_shards(src_path)
     fields = source_fields(src_cfg)
     check_shapes(shards, fields)
+    measured = None
+    if str(options.get("softmax_layers", "")).startswith("auto"):
+        options, measured = _measured_layout(src_path, to, options, calibration, progress)
     try:
         config = keep_source_attention(conv.build_config(fields, options), source_layer_types(src_cfg))
     except ValueError as e:
@@ -424,16 +435,19 @@ def convert(
         for name in COPIED_FILES:
             if (src_path / name).is_file():
                 shutil.copy2(src_path / name, tmp / name)
+        shown = {**options, **(measured["card"] if measured else {})}
         card_values = {
             "base_model": src if not Path(src).expanduser().exists() else src_path.name,
             "source_model_type": fields["source_model_type"],
             "target": to,
             "model_type": config.model_type,
-            "settings": "\n".join(f"- `{k}`: {v}" for k, v in sorted(options.items())) or "- defaults",
+            "settings": "\n".join(f"- `{k}`: {v}" for k, v in sorted(shown.items())) or "- defaults",
             "dtype": str(config.dtype).removeprefix("torch."),
             **conv.card_notes(config),
         }
         (tmp / "README.md").write_text(render_card(fam.card, card_values))
+        if measured is not None:
+            (tmp / "layer_costs.json").write_text(json.dumps(measured["costs"], indent=1) + "\n")
         if before_finish is not None:
             before_finish(tmp, src_path)
         _finish(tmp, out_path)
@@ -441,6 +455,29 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_path
+
+
+def _measured_layout(src: Path, to: str, options: dict, calibration, progress: bool) -> tuple[dict, dict]:
+    """`softmax_layers="auto:K"` resolved by measurement: the options with the chosen layer list, and
+    {"costs": the measurement, "card": the card's line for it}."""
+    from ..adaptation.layer_choice import Calibration, auto_layer_count, choose_softmax_layers, layer_costs
+
+    calibration = calibration or Calibration()
+    n = read_source_config(src)["num_hidden_layers"]
+    try:
+        k = auto_layer_count(options["softmax_layers"])
+        if not 0 < k < n:
+            raise ValueError(f"softmax_layers auto:{k} asks for {k} softmax layers of {n}; choose K in 1..{n - 1}")
+        calibration.check()
+    except ValueError as e:
+        raise ConversionError(f"invalid settings: {e}") from None
+    costs = layer_costs(src, to, options, calibration, progress=progress)
+    chosen = choose_softmax_layers(costs["layers"], k)
+    layers = ",".join(map(str, chosen))
+    note = (f"{layers} (auto:{k}: the {k} layers whose replacement costs the most after a short attention "
+            "transfer; layer_costs.json)")
+    return {**options, "softmax_layers": layers}, {"costs": {**costs, "chosen": chosen},
+                                                   "card": {"softmax_layers": note}}
 
 
 def _finish(tmp: Path, out: Path) -> None:
