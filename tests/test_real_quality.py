@@ -1,0 +1,115 @@
+"""scripts/real_quality.py --scale tiny: the real-model protocol's code path end to end on a CPU (a
+tiny random Llama, numpy's sources): the held-out split, every row of the main table, an ablation
+run merged into the same table, the adapted models' cards, the commands."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def rq():
+    spec = importlib.util.spec_from_file_location("real_quality", ROOT / "scripts" / "real_quality.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["real_quality"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("real_quality", None)
+
+
+def test_heldout_split_follows_from_the_file_list_alone(rq):
+    files = rq.package_sources(("numpy",))
+    assert files == sorted(files) and all(rel.startswith("numpy/") and rel.endswith(".py") for rel, _ in files)
+    train, held = rq.split_sources(files, 50)
+    shuffled = list(files)
+    random.Random(1).shuffle(shuffled)
+    assert rq.split_sources(shuffled, 50) == (train, held)
+    assert {rel for rel, _ in held} == {rel for rel, _ in files if rq._hash(rel) % 50 == 0}
+    assert not {rel for rel, _ in held} & {rel for rel, _ in train} and len(train) + len(held) == len(files)
+    assert 0 < len(held) < len(files) / 25
+
+
+def test_rows_and_groups(rq):
+    table = rq.rows_of(rq.SCALES["h200"], 30)
+    names = [r.name for r in rq.select_rows("main", table)]
+    assert names == ["dense", "spla-fresh", "sse-h", "hla-hybrid", "spla", "spa"]
+    ablation = rq.select_rows("ablation-hla", table)
+    assert ablation[0].name == "hla-hybrid" and all(r.base == "hla-hybrid" for r in ablation[1:])
+    auto = table["hla-hybrid/auto-layers"]
+    assert auto.options == {"softmax_layers": "auto:5"}  # the layer list replaces softmax_every
+    assert table["sse-h/decay-long"].options == {"sse_decay_init_min": 0.99, "sse_decay_init_max": 0.9999}
+    assert table["spa"].options == {"use_rla": False}
+    with pytest.raises(SystemExit, match="unknown row"):
+        rq.select_rows("sse-h/nothing", table)
+
+
+def _finite_metrics(entry, scale, adapted: bool):
+    m = entry["metrics"]
+    for part in ("code", "english"):
+        assert sorted(map(int, m[part]["ppl"])) == list(scale.lengths)
+        assert all(math.isfinite(v["ppl"]) and v["ppl"] > 1 for v in m[part]["ppl"].values())
+        windows = [m[part]["ppl"][L]["windows"] for L in scale.lengths]
+        assert windows == [scale.span // L for L in scale.lengths]  # the same tokens at every length
+        if entry["name"] != "dense":
+            assert all(v["kl"] >= 0 and math.isfinite(v["kl"]) for v in m[part]["kl"].values())
+    for task in ("passkey", "niah"):
+        assert m[task] and all(0 <= v["accuracy"] <= 1 and v["logprob"] < 0 for v in m[task].values())
+    assert ("adapt" in entry) == adapted
+
+
+def test_tiny_protocol_main_table_then_an_ablation_run(rq, tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    scale = rq.SCALES["tiny"]
+    common = ["--scale", "tiny", "--device", "cpu", "--out", str(out), "--work", str(work), "--fail-fast"]
+    results = rq.main(common)
+    rows = results["rows"]
+    assert list(rows) == ["dense", "spla-fresh", "sse-h", "hla-hybrid", "spla", "spa"]
+    for name, entry in rows.items():
+        _finite_metrics(entry, scale, adapted=name not in ("dense", "spla-fresh"))
+    assert rows["spla-fresh"]["metrics"]["code"]["kl"]  # a real conversion (budget 64 < 512 tokens)
+    for name in ("spla", "spa", "sse-h", "hla-hybrid"):
+        a = rows[name]["adapt"]
+        assert rows[name]["tokens"] == a["max_steps"] * scale.tokens_per_step == a["max_steps"] * a["batch_size"] * \
+            a["seq_len"]
+        card = (work / "adapted" / name / "README.md").read_text()
+        assert "## Evaluation" in card and rows[name]["label"] in card and "dense source, held-out Python" in card
+        assert (out / f"adapt_log_{name}.jsonl").is_file()
+    assert rows["spla"]["adapt"]["seq_len"] == scale.spla_seq_len and rows["sse-h"]["adapt"]["seq_len"] == 128
+    spa = json.loads((work / "converted" / "spa" / "config.json").read_text())
+    assert spa["use_rla"] is False
+    assert "## Evaluation" in (work / "converted" / "spla-fresh" / "README.md").read_text()
+    protocol = results["protocol"]
+    train_paths = {json.loads(line)["path"] for line in (work / "corpus" / "train.jsonl").read_text().splitlines()}
+    assert train_paths and not train_paths & set(protocol["heldout_used"])
+    report = (out / "results.md").read_text()
+    assert "## Perplexity and KL to dense" in report and "## Retrieval" in report
+    assert "subquadratic adapt" in report and "python scripts/real_quality.py --scale tiny" in report
+    assert json.loads((out / "results.json").read_text())["rows"].keys() == rows.keys()
+
+    dense_before = json.loads(json.dumps(rows["dense"]))
+    second = rq.main([*common, "--rows", "hla-hybrid/stage1-4x,sse-h/auto-layers"])
+    rows = second["rows"]
+    assert rows["dense"] == dense_before  # the reference row is kept, not measured again
+    assert list(rows)[-2:] == ["hla-hybrid/stage1-4x", "sse-h/auto-layers"]
+    stage1 = rows["hla-hybrid/stage1-4x"]
+    assert stage1["adapt"]["stage1_seq_len"] == 4 * 128 and stage1["tokens"] == rows["hla-hybrid"]["tokens"]
+    auto = rows["sse-h/auto-layers"]
+    assert len(auto["layer_costs"]["chosen"]) == 1 and len(auto["layer_costs"]["layers"]) == 6
+    assert auto["tokens"] == rows["sse-h"]["tokens"] and auto["seed"] == rows["sse-h"]["seed"]
+    assert "--calibration-data" in auto["convert_command"]
+    for entry in (stage1, auto):
+        _finite_metrics(entry, scale, adapted=True)
+    report = (out / "results.md").read_text()
+    assert "## Ablation from `sse-h`" in report and "## Ablation from `hla-hybrid`" in report
+    assert len((out / "commands.txt").read_text().splitlines()) == 2
