@@ -7,21 +7,23 @@ DIR` a de-quantised folder.
 Text: the Python sources of installed packages (`--packages`, default torch, transformers, numpy):
 every *.py file, named by its path below site-packages. A file is held out when sha1(that path) is
 0 modulo `heldout_every` (50): the split follows from the file list alone. Training text: the other
-files of at least `min_train_bytes`, in the order of that hash. Held-out sets: the held-out files of
-at least `min_heldout_bytes` (one file fills most of a long window), and CPython's English
-documentation topics (`pydoc_data.topics`), which no row trains on.
+files of at least `min_train_bytes`, in the order of that hash. Held-out sets: the first 8192 tokens
+of each held-out file that has as many (hash order), so that every 8192-token window is the start
+of one file, and CPython's English documentation topics (`pydoc_data.topics`, in key order), which
+no row trains on; `span` (98,304) tokens of each.
 Measures (`subquadratic.evaluation`): perplexity and next-token KL to the dense model at the
-adaptation length and at 4x it (2048 and 8192), over the same `span` tokens of each held-out set at
-both lengths; passkey and 4-key needle retrieval (prose prompts) at 2k, 4k and 8k.
+adaptation length and at 4x it (2048 and 8192), over the same tokens at both lengths; passkey and
+4-key needle retrieval (prose prompts) at 2k, 4k and 8k.
 Rows: `dense`, `spla-fresh`, then conversions adapted with `subquadratic adapt` (KL distillation
 from the dense model, every parameter trained, an explicit number of steps of a fixed number of
 tokens): `spla` (rows of `--spla-seq-len`, 8192), `spa` (`use_rla=False`, the same adaptation),
 `sse-h` and `hla-hybrid` (softmax every 6th layer), and the ablations: `sse-h/<change>` and
 `hla-hybrid/<change>`, one change at a time from their base row, with the same tokens and seed.
 `--rows` picks rows or groups (`main`, `ablation-sse-h`, `ablation-hla`, `ablation`).
-Output in OUT: results.json and results.md, rewritten as each row finishes (rows from earlier runs
-on the same data and scale are kept), commands.txt, one adaptation log per row, and the model card
-of each adapted (and fresh) model carries its table (its Evaluation section). `--scale tiny` runs
+Output in OUT: results.json and results.md, rewritten as each row finishes (rows of an earlier run
+with the same protocol, in OUT or `--previous`, are kept), commands.txt, one adaptation log per row,
+and cards/: the model card of each converted model, whose Evaluation section carries its table
+(written by `adapt`'s end-of-training hook for the adapted ones). `--scale tiny` runs
 the same code on a CPU with a tiny random Llama, for the tests.
 
     python scripts/real_quality.py --out results/real [--rows main] [--gguf A B | --checkpoint DIR]
@@ -82,7 +84,7 @@ class Scale:
 
 
 SCALES = {
-    "h200": Scale(lengths=(2048, 8192), span=65_536, retrieval_lengths=(2048, 4096, 8192), trials=2,
+    "h200": Scale(lengths=(2048, 8192), span=98_304, retrieval_lengths=(2048, 4096, 8192), trials=2,
                   depths=(0.1, 0.5, 0.9), tokens_per_step=16_384, steps={"spla": 120, "linear": 200},
                   spla_seq_len=8192, spla_options={}, window=512,
                   calibration=dict(steps=40, seq_len=2048, batch_size=4), min_train_bytes=8_192,
@@ -224,19 +226,22 @@ def _read(path: Path, min_bytes: int) -> str | None:
         return None
 
 
-def heldout_code(held: list, tokenizer, span: int, min_bytes: int) -> tuple[torch.Tensor, list[str]]:
-    """[span] tokens of the held-out files of at least `min_bytes`, in hash order, and their names."""
-    parts, names, n = [], [], 0
+def heldout_code(held: list, tokenizer, span: int, per_file: int, min_bytes: int) -> tuple[torch.Tensor, list[str]]:
+    """[span] tokens: the first `per_file` tokens of each held-out file that has as many (hash order;
+    files under `min_bytes` are not read), so that each window of `per_file` tokens is the beginning
+    of one file; and the files' names."""
+    parts, names = [], []
     for rel, path in held:
         text = _read(path, min_bytes)
-        if text is None:
+        ids = None if text is None else token_stream([text], tokenizer)
+        if ids is None or ids.numel() < per_file:
             continue
-        parts.append(token_stream([text], tokenizer))
+        parts.append(ids[:per_file])
         names.append(rel)
-        n += parts[-1].numel()
-        if n >= span:
+        if len(parts) * per_file >= span:
             return torch.cat(parts)[:span], names
-    raise SystemExit(f"the held-out files hold {n} tokens, fewer than the {span} scored; add --packages")
+    raise SystemExit(f"{len(parts)} held-out files have {per_file} tokens, fewer than the {span // per_file} scored; "
+                     "add --packages")
 
 
 def heldout_english(tokenizer, span: int) -> torch.Tensor:
@@ -278,7 +283,12 @@ def dense_model(args, scale: Scale, work: Path, train_jsonl: Path | None) -> Pat
         return Path(args.checkpoint)
     if not args.gguf:
         return smollm2_checkpoint()
+    if importlib.util.find_spec("gguf") is None:
+        raise SystemExit("reading a GGUF file needs the gguf package (pure Python): pip install gguf")
     parts = [Path(p) for p in args.gguf]
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        raise SystemExit(f"--gguf: {', '.join(missing)} not found")
     gguf = parts[0]
     if len(parts) > 1:
         gguf = work / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -401,8 +411,10 @@ def run_row(row: Row, seed: int, ctx: dict) -> dict:
                                      ctx["dense_model"], scale))
         if row.to is not None:
             del model
-            write_card_evaluation(out, card_results(entry["label"], measured, ctx.get("dense_metrics")),
-                                  note=card_note(scale))
+            card = write_card_evaluation(out, card_results(entry["label"], measured, ctx.get("dense_metrics")),
+                                         note=card_note(scale))
+            (ctx["out"] / "cards").mkdir(exist_ok=True)
+            shutil.copy(card, ctx["out"] / "cards" / f"{folder_name}.md")
         measured["_seconds"] = round(time.perf_counter() - t, 1)
 
     if row.recipe is None:
@@ -603,7 +615,7 @@ def prepare(args, scale: Scale, out: Path, work: Path) -> dict:
     train_info = write_train(train, train_jsonl, 6 * largest, scale.min_train_bytes)
     dense = dense_model(args, scale, work, train_jsonl)
     tokenizer = AutoTokenizer.from_pretrained(dense)
-    code, used = heldout_code(held, tokenizer, scale.span, scale.min_heldout_bytes)
+    code, used = heldout_code(held, tokenizer, scale.span, scale.lengths[-1], scale.min_heldout_bytes)
     streams = {"code": code, "english": heldout_english(tokenizer, scale.span)}
     listing = hashlib.sha1("\n".join(rel for rel, _ in files).encode()).hexdigest()
     protocol = {"scale": args.scale, "date": time.strftime("%Y-%m-%d"), "model": str(dense),
@@ -614,7 +626,9 @@ def prepare(args, scale: Scale, out: Path, work: Path) -> dict:
                 "retrieval_lengths": list(scale.retrieval_lengths), "trials": scale.trials,
                 "depths": list(scale.depths), "tokens_per_step": scale.tokens_per_step}
     results = {"protocol": protocol, "rows": {}, "commands": []}
-    old = out / "results.json"
+    old = Path(args.previous) if args.previous else out / "results.json"
+    if args.previous and not old.is_file():
+        raise SystemExit(f"--previous {old} does not exist")
     if old.is_file():
         previous = json.loads(old.read_text())
         keep = ("scale", "file_list_sha1", "lengths", "span", "heldout_used", "retrieval_lengths", "trials")
@@ -700,6 +714,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--stop-after", type=float, metavar="S", help="start no row after S seconds of the run")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--work", default=None, help="folder for the corpus and checkpoints (default: a temporary one)")
+    p.add_argument("--previous", metavar="FILE", help="results.json of an earlier run to extend (default: OUT's own); "
+                                                      "its rows are kept when the protocol matches")
     p.add_argument("--fail-fast", action="store_true", help="stop at a row that fails instead of recording it")
     args = p.parse_args(argv)
     args.argv = [str(Path(__file__).relative_to(ROOT)), *(sys.argv[1:] if argv is None else argv)]

@@ -88,12 +88,11 @@ def layer_costs(src: str | Path, to: str, options: dict, calibration: Calibratio
 
     from ..conversion.core import LAYOUT_OPTIONS, convert
     from ..data import batches, load_texts, tokenize_and_pack
-    from ..evaluation.suite import resolve_device
     from .train import Trainee, Transfer, _lr_lambda, converted_layers
 
     cal = calibration or Calibration()
     cal.check()
-    device = resolve_device(cal.device)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cal.device == "auto" else cal.device)
     work = Path(tempfile.mkdtemp(prefix="layer-costs-"))
     try:
         every = {k: v for k, v in options.items() if k not in LAYOUT_OPTIONS}
