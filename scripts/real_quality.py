@@ -22,8 +22,9 @@ tokens): `spla` (rows of `--spla-seq-len`, 8192), `spa` (`use_rla=False`, the sa
 `--rows` picks rows or groups (`all`, the default: every row, the most informative first; `main`,
 `ablation-sse-h`, `ablation-hla`, `ablation`).
 Time: `--time-budget S` (seconds from the process start) starts a row only when its expected
-duration fits in what is left (the longest measured row of its kind, else the scale's prior), and
-records the rows it did not start; progress lines (rows, adaptation steps every 30 s, each measure)
+duration fits in what is left (the longest measured row of its kind, else the scale's prior),
+stops a row still running when the budget is spent, and records the rows it did not start or
+finish; progress lines (rows, adaptation steps every 30 s, each measure)
 go to stdout.
 Output in OUT: results.json (replaced whole) and results.md, rewritten before and after each row
 (rows of an earlier run with the same protocol, in OUT or `--previous`, are kept and not measured
@@ -38,6 +39,7 @@ ones). `--scale tiny` runs the same code on a CPU with a tiny random Llama, for 
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import hashlib
 import importlib.util
@@ -467,6 +469,30 @@ def estimate_seconds(row: Row, measured: dict, scale: Scale) -> float:
     return float(seconds)
 
 
+class Deadline:
+    """Interrupts the main thread (KeyboardInterrupt) at `at` (a perf_counter time) unless cancelled,
+    so that a row running past the time budget ends the run with its results written."""
+
+    def __init__(self, at: float):
+        self.fired = False
+        self._lock = threading.Lock()
+        self._active = True
+        self._timer = threading.Timer(max(0.0, at - time.perf_counter()), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._active:
+                self.fired = True
+                _thread.interrupt_main()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._active = False
+        self._timer.cancel()
+
+
 def row_name(row: Row, seed: int) -> str:
     """A row's key in results.json: its name, with the seed when it is not 0."""
     return row.name if seed == 0 else f"{row.name}@seed{seed}"
@@ -772,6 +798,41 @@ def run(args) -> dict:
         tmp.replace(out / "results.json")
         (out / "results.md").write_text(report(results))
 
+    measure(jobs, results, ctx, clock, save)
+    results["protocol"]["seconds"] = round(time.perf_counter() - t0, 1)
+    save()
+    skipped = f"; not started: {', '.join(s['name'] for s in results['skipped'])}" if results["skipped"] else ""
+    log(f"[{clock()}] done: {out / 'results.md'}{skipped}")
+    return results
+
+
+def measure(jobs: list, results: dict, ctx: dict, clock, save) -> None:
+    """`run_jobs` under the time budget: at its end a row still running is stopped (it stays recorded
+    as running) and the rows not reached are listed as skipped."""
+    budget, scale = ctx["args"].time_budget, ctx["scale"]
+    deadline = None if budget is None else Deadline(ctx["args"].t0 + budget)
+    try:
+        run_jobs(jobs, results, ctx, clock, save)
+    except KeyboardInterrupt:
+        if deadline is None or not deadline.fired:
+            raise
+        running = results["protocol"].get("running")
+        log(f"[{clock()}] the time budget is spent" + (f" during {running}: stopped" if running else ""))
+        listed = {s["name"] for s in results["skipped"]}
+        for row, seed in jobs:
+            name = row_name(row, seed)
+            if name != running and name not in listed and "metrics" not in results["rows"].get(name, {}):
+                results["skipped"].append({"name": name, "left_seconds": 0,
+                                           "needs_seconds": round(estimate_seconds(row, results["rows"], scale))})
+    finally:
+        if deadline is not None:
+            deadline.cancel()
+
+
+def run_jobs(jobs: list, results: dict, ctx: dict, clock, save) -> None:
+    """Measures each (row, seed) of `jobs` that was not measured yet and fits the time budget."""
+    args, scale, out, device, t0 = ctx["args"], ctx["scale"], ctx["out"], ctx["device"], ctx["args"].t0
+    budget = args.time_budget
     for i, (row, seed) in enumerate(jobs, 1):
         name = row_name(row, seed)
         if "metrics" in results["rows"].get(name, {}) and not args.remeasure:
@@ -806,11 +867,6 @@ def run(args) -> dict:
             log(f"[{clock()}] {key}: " + (entry["error"] if "error" in entry else f"done in {entry['seconds']:.0f} s"))
         results["protocol"]["running"] = None
         save()
-    results["protocol"]["seconds"] = round(time.perf_counter() - t0, 1)
-    save()
-    skipped = f"; not started: {', '.join(s['name'] for s in results['skipped'])}" if results["skipped"] else ""
-    log(f"[{clock()}] done: {out / 'results.md'}{skipped}")
-    return results
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -160,3 +160,43 @@ def test_missing_packages_are_named_before_the_run(rq, monkeypatch, tmp_path, ca
     err = capsys.readouterr().err
     assert "missing Python packages: gguf (de-quantising the GGUF file" in err
     assert not (tmp_path / "results.json").exists()
+
+
+def test_a_row_past_the_budget_is_stopped_and_the_rest_listed(rq, monkeypatch, tmp_path):
+    import time
+    from types import SimpleNamespace
+
+    scale = rq.SCALES["tiny"]
+    table = rq.rows_of(scale, 6)
+    started = []
+
+    def fake_row(row, seed, ctx):
+        started.append(row.name)
+        if row.name == "sse-h":  # runs past the budget: stopped by the deadline, not by its own end
+            for _ in range(400):
+                time.sleep(0.01)
+            raise AssertionError("the deadline did not stop the row")
+        return {row.name: {"row": row.name, "seconds": 0.0, "kind": rq.row_kind(row), "metrics": {}}}
+
+    monkeypatch.setattr(rq, "run_row", fake_row)
+    monkeypatch.setattr(rq, "estimate_seconds", lambda row, measured, scale: 0.0)
+    args = SimpleNamespace(time_budget=0.5, t0=time.perf_counter(), remeasure=False, fail_fast=True)
+    ctx = dict(args=args, scale=scale, out=tmp_path, device=rq.torch.device("cpu"))
+    results = {"protocol": {}, "rows": {}, "skipped": []}
+    saved = []
+    jobs = [(table[n], 0) for n in ("dense", "sse-h", "hla-hybrid", "spla")]
+    rq.measure(jobs, results, ctx, lambda: "t", lambda: saved.append(json.dumps(results)))
+    assert started == ["dense", "sse-h"] and list(results["rows"]) == ["dense"]
+    assert results["protocol"]["running"] == "sse-h"  # the cut row says so
+    assert [s["name"] for s in results["skipped"]] == ["hla-hybrid", "spla"]
+    assert json.loads(saved[-1])["rows"] == {"dense": results["rows"]["dense"]}  # written before sse-h started
+    time.sleep(0.6)  # a cancelled deadline interrupts nothing later
+
+
+def test_deadline_cancelled_in_time_interrupts_nothing(rq):
+    import time
+
+    deadline = rq.Deadline(time.perf_counter() + 0.2)
+    deadline.cancel()
+    time.sleep(0.4)
+    assert not deadline.fired
