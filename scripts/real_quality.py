@@ -470,8 +470,9 @@ def estimate_seconds(row: Row, measured: dict, scale: Scale) -> float:
 
 
 class Deadline:
-    """Interrupts the main thread (KeyboardInterrupt) at `at` (a perf_counter time) unless cancelled,
-    so that a row running past the time budget ends the run with its results written."""
+    """Interrupts the main thread (KeyboardInterrupt) at `at` (a perf_counter time) once started,
+    unless cancelled, so that a row running past the time budget ends the run with its results
+    written. Start it inside the `try` that catches the interrupt: it may fire at once."""
 
     def __init__(self, at: float):
         self.fired = False
@@ -479,6 +480,8 @@ class Deadline:
         self._active = True
         self._timer = threading.Timer(max(0.0, at - time.perf_counter()), self._fire)
         self._timer.daemon = True
+
+    def start(self) -> None:
         self._timer.start()
 
     def _fire(self) -> None:
@@ -812,6 +815,8 @@ def measure(jobs: list, results: dict, ctx: dict, clock, save) -> None:
     budget, scale = ctx["args"].time_budget, ctx["scale"]
     deadline = None if budget is None else Deadline(ctx["args"].t0 + budget)
     try:
+        if deadline is not None:
+            deadline.start()
         run_jobs(jobs, results, ctx, clock, save)
     except KeyboardInterrupt:
         if deadline is None or not deadline.fired:
@@ -826,7 +831,12 @@ def measure(jobs: list, results: dict, ctx: dict, clock, save) -> None:
                                            "needs_seconds": round(estimate_seconds(row, results["rows"], scale))})
     finally:
         if deadline is not None:
-            deadline.cancel()
+            try:
+                deadline.cancel()
+                time.sleep(0.01)  # the interrupt of a deadline that fired just before lands here
+            except KeyboardInterrupt:
+                if not deadline.fired:
+                    raise
 
 
 def run_jobs(jobs: list, results: dict, ctx: dict, clock, save) -> None:

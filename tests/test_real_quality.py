@@ -192,11 +192,16 @@ def test_a_row_past_the_budget_is_stopped_and_the_rest_listed(rq, monkeypatch, t
     assert json.loads(saved[-1])["rows"] == {"dense": results["rows"]["dense"]}  # written before sse-h started
     time.sleep(0.6)  # a cancelled deadline interrupts nothing later
 
+    for _ in range(20):  # a budget spent before the run starts: the interrupt comes at once, and is caught
+        args.t0, args.time_budget, results["skipped"] = time.perf_counter() - 1.0, 0.5, []
+        rq.measure(jobs[1:], {"protocol": {}, "rows": {}, "skipped": []}, ctx, lambda: "t", lambda: None)
+
 
 def test_deadline_cancelled_in_time_interrupts_nothing(rq):
     import time
 
     deadline = rq.Deadline(time.perf_counter() + 0.2)
+    deadline.start()
     deadline.cancel()
     time.sleep(0.4)
     assert not deadline.fired
