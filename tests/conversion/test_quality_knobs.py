@@ -71,7 +71,7 @@ def test_decay_range_out_of_bounds_is_one_line(tmp_path, capsys):
     rc = cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "hla", "--no-progress",
                    "--hla-decay-init-min", "0.99", "--hla-decay-init-max", "0.9"])
     err = capsys.readouterr().err
-    assert rc == 2 and "decay_init_min <= decay_init_max" in err and len(err.strip().splitlines()) == 1
+    assert rc == 2 and "--hla-decay-init-min <= --hla-decay-init-max" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
 

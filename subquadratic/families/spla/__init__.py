@@ -8,15 +8,18 @@ classes), `conversion.py` (the Converter); `card.md` is the model card template.
 
 from pathlib import Path
 
+from ...checks import nonnegative_int, positive_int, power_of_two
+
 #: The family's one name: its model type and `convert --to` target.
 NAME = "spla"
 CARD = Path(__file__).with_name("card.md")
 #: `convert` options (`--spla-<key>`; `dest`: the SPLAConfig field each one sets).
 OPTIONS: dict[str, dict] = {
-    "block-size": dict(type=int, help="keys per block, a power of two (default 64)"),
-    "top-k-blocks": dict(type=int, help="blocks attended per query, forced ones included (default 16)"),
-    "sink-blocks": dict(type=int, dest="num_sink_blocks", help="always-selected first blocks (default 1)"),
-    "local-blocks": dict(type=int, dest="num_local_blocks", help="always-selected recent blocks (default 2)"),
+    "block-size": dict(type=power_of_two, help="keys per block, a power of two (default 64)"),
+    "top-k-blocks": dict(type=positive_int, help="blocks attended per query, forced ones included (default 16)"),
+    "sink-blocks": dict(type=nonnegative_int, dest="num_sink_blocks", help="always-selected first blocks (default 1)"),
+    "local-blocks": dict(type=positive_int, dest="num_local_blocks",
+                         help="always-selected recent blocks (default 2)"),
     "selection": dict(choices=["taylor", "mean"], help="block scoring (default taylor)"),
     "no-rla": dict(action="store_const", const=False, dest="use_rla",
                    help="no residual linear-attention term: sparse attention alone (the SPA ablation)"),

@@ -12,29 +12,35 @@ softmax attention in every 6th layer (five SSE layers, then one softmax layer: t
 
 from pathlib import Path
 
+from ...checks import int_at_least, layer_list_or_auto, nonnegative_int, positive_int
+
 #: The family's one name: its model type and `convert --to` target.
 NAME = "sse"
 CARD = Path(__file__).with_name("card.md")
 #: `convert` options (`--sse-<key>`; `dest`: the SSEConfig field each one sets, but for the layout).
 OPTIONS: dict[str, dict] = {
-    "partitions": dict(type=int, dest="sse_num_partitions", help="state partitions N (default 4)"),
-    "top-k": dict(type=int, dest="sse_top_k", help="partitions written and read per token K (default 1)"),
+    "partitions": dict(type=positive_int, dest="sse_num_partitions", help="state partitions N (default 4)"),
+    "top-k": dict(type=int_at_least(1, "K"), dest="sse_top_k",
+                  help="partitions written and read per token K (default 1)"),
     "softmax-every": dict(
-        type=int,
+        type=int_at_least(0, "K"),
         help="every K-th layer keeps softmax attention (default: none with --to sse, 6 with --to sse-h: five SSE "
              "layers then one softmax)",
     ),
     "softmax-layers": dict(
+        type=layer_list_or_auto,
         help="comma list of the layers that keep softmax attention, or auto:K: the K layers whose replacement "
              "costs the most, measured by a short attention transfer (--calibration-data)",
     ),
     "sliding-window": dict(
-        type=int, dest="sse_sliding_window",
+        type=int_at_least(0, "W"), dest="sse_sliding_window",
         help="add an in-layer sliding-window softmax branch of this many tokens",
     ),
     "base": dict(choices=["gla", "gdn"], dest="sse_base", help="linear-attention base (default gla)"),
-    "key-topk": dict(type=int, dest="sse_key_topk", help="row-sparse keys: softmax over the top entries only"),
-    "lora-rank": dict(type=int, dest="sse_lora_rank", help="rank of the q2/k2 offsets (default head_dim)"),
+    "key-topk": dict(type=nonnegative_int, dest="sse_key_topk",
+                     help="row-sparse keys: softmax over the top N entries only"),
+    "lora-rank": dict(type=int_at_least(0, "R"), dest="sse_lora_rank",
+                      help="rank of the q2/k2 offsets (default head_dim)"),
     "decay-init-min": dict(
         type=float, dest="sse_decay_init_min",
         help="initial decay rate of the shortest-memory key channel (default 0.9; the channels of each head "
