@@ -74,6 +74,15 @@ def layer_list(text: str) -> str:
 layer_list.metavar = "I,J"
 
 
+def layer_list_or_auto(text: str) -> str:
+    """An argparse type: a comma list of layer indices (`layer_list`), or auto:K (the K layers whose
+    replacement costs the most, measured at conversion, which checks K against the layer count)."""
+    return text.strip() if text.strip().startswith("auto") else layer_list(text)
+
+
+layer_list_or_auto.metavar = "I,J|auto:K"
+
+
 # --- paths, folders, names ----------------------------------------------------------------------
 
 
@@ -172,6 +181,10 @@ def adapt_problem(s: Any) -> str | None:
     for name in ("max_steps", "seq_len", "batch_size", "grad_accum", "save_every", "save_total_limit"):
         if getattr(s, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(s, name)}"
+    stage1_len = getattr(s, "stage1_seq_len", None)
+    if stage1_len is not None and not 2 <= stage1_len <= s.batch_size * s.seq_len:
+        return (f"--stage1-seq-len must lie in 2..--batch-size x --seq-len ({s.batch_size * s.seq_len}: a stage-1 "
+                f"batch holds as many tokens as a stage-2 one), got {stage1_len}")
     if s.num_proc is not None and s.num_proc < 1:
         return f"--num-proc must be at least 1, got {s.num_proc}"
     if s.stage1_steps is not None and not 0 <= s.stage1_steps <= s.max_steps:

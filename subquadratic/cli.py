@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--eval-device", default="cpu", metavar="DEVICE",
                    help="device of --eval-data: cpu, cuda, cuda:N or auto "
                                                         "(default cpu)")
+    c.add_argument("--calibration-data", nargs="+", metavar="PATH",
+                   help="with --<family>-softmax-layers auto:K: the text of the short attention transfer that "
+                        "prices each layer (default: CPython's English documentation topics)")
+    c.add_argument("--calibration-steps", type=int, metavar="N",
+                   help="steps of that attention transfer (default 40, of 4 rows of 1024 tokens)")
     p.family_dests = {}
     for name, (options, presets) in families.items():
         flag_of = {kw["dest"]: flag for flag, kw in options.items()}
@@ -175,6 +180,9 @@ def _adapt_parser(sub) -> None:
                         "dense model lacks, or LoRA adapters + those (default full; stage 1 reaches only mixers)")
     a.add_argument("--seq-len", type=context_length, default=2048, metavar="L",
                    help="tokens per packed row (default 2048)")
+    a.add_argument("--stage1-seq-len", type=context_length, default=None, metavar="L",
+                   help="tokens per packed row in attention transfer (default --seq-len), with --batch-size x "
+                        "--seq-len / L rows per batch: the same tokens per step")
     a.add_argument("--batch-size", type=positive_int, default=8, metavar="B",
                    help="rows per micro-batch and process (default 8)")
     a.add_argument("--grad-accum", type=positive_int, default=1, metavar="N",
@@ -238,7 +246,11 @@ def _family_options(parser, args) -> dict:
 def _precheck(parser, args) -> None:
     """Every check of `args` that needs no model (no torch, no Transformers)."""
     if args.command == "convert":
-        _family_options(parser, args)
+        options = _family_options(parser, args)
+        if (args.calibration_data or args.calibration_steps is not None) and \
+                not str(options.get("softmax_layers", "")).startswith("auto"):
+            raise InputProblem("--calibration-data / --calibration-steps price the layers of a "
+                               "--<family>-softmax-layers auto:K layout; add one or drop them")
         if args.private and not args.push_to_hub:
             raise InputProblem("--private applies to --push-to-hub REPO; add it or drop --private")
         if args.push_to_hub:
@@ -321,7 +333,8 @@ def _adapt(args) -> None:
     cfg = AdaptConfig(
         student=args.student, output_dir=args.output_dir, data=args.data, teacher=args.teacher,
         max_steps=args.max_steps, stage1_steps=args.stage1_steps, loss=args.loss, train=args.train,
-        seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+        seq_len=args.seq_len, stage1_seq_len=args.stage1_seq_len, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, lr=args.lr,
         stage1_lr=args.stage1_lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm, mixed_precision=args.mixed_precision,
         gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -386,11 +399,18 @@ def _flags_for_fields(parser, args, message: str) -> str:
 def _convert(parser, args, command: str) -> None:
     from .conversion import ConversionError, convert
 
+    options = _family_options(parser, args)
+    calibration = None
+    if args.calibration_data or args.calibration_steps is not None:
+        from .adaptation.layer_choice import Calibration
+
+        calibration = Calibration(data=args.calibration_data, device="auto",
+                                  **({} if args.calibration_steps is None else {"steps": args.calibration_steps}))
     before_finish = _card_evaluation(args) if args.eval_data else None
     try:
-        out = convert(args.src, args.out, args.to, options=_family_options(parser, args), dtype=args.dtype,
+        out = convert(args.src, args.out, args.to, options=options, dtype=args.dtype,
                       overwrite=args.overwrite, progress=not args.no_progress, before_finish=before_finish,
-                      command=command)
+                      command=command, calibration=calibration)
     except ConversionError as e:
         raise ConversionError(_flags_for_fields(parser, args, str(e))) from None
     print(f"wrote {out}")

@@ -1,11 +1,11 @@
 """`subquadratic adapt`: train a converted model so that it matches (and then serves as) its dense
 source. Two stages, one optimizer step counter:
 
-1. attention transfer (the first `stage1_steps` steps; needs the teacher): every converted layer
-   gets the frozen dense layer's own input and learns to reproduce the dense layer's attention
-   output (MSE over real tokens, averaged over layers). The student's residual stream is the
-   teacher's (each converted layer passes the dense output on), so the layers learn side by side and
-   only mixer parameters receive gradients.
+1. attention transfer (the first `stage1_steps` steps, on rows of `stage1_seq_len` tokens when set;
+   needs the teacher): every converted layer gets the frozen dense layer's own input and learns to
+   reproduce the dense layer's attention output (MSE over real tokens, averaged over layers). The
+   student's residual stream is the teacher's (each converted layer passes the dense output on), so
+   the layers learn side by side and only mixer parameters receive gradients.
 2. fine-tuning (the remaining steps): next-token loss (`lm`), or KL divergence to the teacher's
    next-token distribution (`kl`), plus the mixers' auxiliary loss (SSE's router balance). Both
    losses take the final hidden states and the LM head weights and run chunked over tokens
@@ -73,6 +73,9 @@ class AdaptConfig:
     train: str = "full"
     seq_len: int = 2048
     batch_size: int = 8
+    #: tokens per packed row in attention transfer (default: seq_len), with batch_size * seq_len //
+    #: stage1_seq_len rows per micro-batch, so that a stage-1 step holds as many tokens as a stage-2 one
+    stage1_seq_len: int | None = None
     grad_accum: int = 1
     lr: float = 1e-4
     stage1_lr: float = 1e-3
@@ -337,6 +340,17 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
     stage1 = cfg.stage1_steps if cfg.stage1_steps is not None else (-(-cfg.max_steps // 4) if teacher and layers else 0)
     if stage1 and not layers:
         raise AdaptError("the student has no converted layers to transfer attention to; set --stage1-steps 0")
+    stream1, tokens_per_row1 = stream, cfg.seq_len
+    if stage1 and step < stage1 and cfg.stage1_seq_len not in (None, cfg.seq_len):
+        with accelerator.main_process_first():  # attention transfer on rows of its own length
+            rows1 = tokenize_and_pack(load_texts(cfg.data, cfg.text_field, cfg.text_unit), tokenizer,
+                                      cfg.stage1_seq_len, num_proc=cfg.num_proc)
+        tokens_per_row1 = cfg.stage1_seq_len
+        stream1 = batches(rows1, cfg.batch_size * cfg.seq_len // cfg.stage1_seq_len, cfg.seed, step * cfg.grad_accum,
+                          accelerator.process_index, accelerator.num_processes)
+        # stage 2 reads the batches it would have read after stage 1 on rows of seq_len
+        stream = batches(rows, cfg.batch_size, cfg.seed, stage1 * cfg.grad_accum,
+                         accelerator.process_index, accelerator.num_processes)
 
 
     new = new_parameter_names(student.config)
@@ -377,6 +391,11 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
     if stage1 and step < stage1:
         trainee.transfer = Transfer(teacher, student_lm, layers)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * accelerator.num_processes
+    tokens_per_step1 = ((cfg.batch_size * cfg.seq_len // tokens_per_row1) * tokens_per_row1 * cfg.grad_accum
+                        * accelerator.num_processes)
+
+    def tokens_after(n: int) -> int:
+        return min(n, stage1) * tokens_per_step1 + max(0, n - stage1) * tokens_per_step
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not (main and cfg.progress), desc="adapt", unit="step")
     started = time.perf_counter()
     last = {}
@@ -388,7 +407,7 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
         model.train()
         total = torch.zeros((), device=accelerator.device)
         for micro in range(cfg.grad_accum):
-            batch = {k: v.to(accelerator.device) for k, v in next(stream).items()}
+            batch = {k: v.to(accelerator.device) for k, v in next(stream1 if stage == 1 else stream).items()}
             sync = nullcontext() if micro == cfg.grad_accum - 1 else accelerator.no_sync(model)
             with sync, accelerator.autocast():
                 loss = model(batch, stage)
@@ -407,7 +426,7 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
         column = "loss_transfer" if stage == 1 else f"loss_{cfg.loss}"  # stage 1: MSE; stage 2: kl or lm
         last = {"step": step, "stage": stage, "loss": loss_value, column: loss_value, "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens": step * tokens_per_step, "seconds": round(time.perf_counter() - started, 3)}
+                "tokens": tokens_after(step), "seconds": round(time.perf_counter() - started, 3)}
         if accelerator.device.type == "cuda":  # peak memory of each process's GPU so far
             peak = torch.tensor([torch.cuda.max_memory_allocated(accelerator.device) / 2**30],
                                 device=accelerator.device)
@@ -428,7 +447,7 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
         trainee.transfer.remove()
     save_model(accelerator, model, tokenizer, out, lora=cfg.train == "lora")
     if main:
-        _write_card(out, cfg, stage1, step * tokens_per_step, last)
+        _write_card(out, cfg, stage1, tokens_after(step), last)
         if after_training is not None:
             after_training(out, accelerator.device)
         if not cfg.keep_checkpoints:
@@ -571,7 +590,9 @@ def _write_card(out: Path, cfg: AdaptConfig, stage1: int, tokens: int, last: dic
     stage2 = cfg.max_steps - stage1
     rows = [
         ("student", cfg.student), ("teacher", cfg.teacher or "none"),
-        ("data", ", ".join(cfg.data)), ("sequence length", cfg.seq_len),
+        ("data", ", ".join(cfg.data)),
+        ("sequence length", f"{cfg.seq_len}" + (f" ({cfg.stage1_seq_len} in attention transfer)" if stage1 and
+                                                cfg.stage1_seq_len not in (None, cfg.seq_len) else "")),
         ("steps", f"{cfg.max_steps} ({stage1} attention transfer, {stage2} {cfg.loss} fine-tuning)"),
         ("tokens", f"{tokens:,}"), ("trained parameters", cfg.train),
         ("learning rate", f"{cfg.stage1_lr:g} (stage 1), {cfg.lr:g} (stage 2)"),

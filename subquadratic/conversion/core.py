@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -42,6 +43,9 @@ from tqdm.auto import tqdm
 from ..cards import card_metadata, read_card_metadata
 from ..checks import InputError, looks_like_hub_id, output_problem, source_problem
 from ..data import DTYPE_CHOICES, torch_dtype
+
+if TYPE_CHECKING:
+    from ..adaptation.layer_choice import Calibration
 
 SUPPORTED_SOURCES = ("llama", "mistral", "qwen2", "qwen3")
 COPIED_FILES = (
@@ -417,6 +421,7 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
     before_finish: Callable[[Path, Path], None] | None = None,
+    calibration: Calibration | None = None,
     command: str | None = None,
 ) -> Path:
     """Convert the dense checkpoint `src` (a folder, a .gguf file or a Hub id) at `out` into `to` (a
@@ -425,6 +430,9 @@ def convert(
 
     `before_finish(folder, src_folder)` runs on the complete temporary folder before it is renamed to
     `out` (the CLI evaluates it there and writes the card's evaluation); if it raises, nothing is left.
+    A layout option `softmax_layers="auto:K"` keeps softmax attention at the K layers whose
+    replacement costs the most, measured first (`adaptation.layer_choice`, with `calibration`, a
+    `layer_choice.Calibration`); the measurement is written to OUT/layer_costs.json.
     `command` is the command line the card records (default: the `subquadratic convert` command
     equivalent to this call, `convert_command`)."""
     given = dict(options or {})
@@ -447,17 +455,20 @@ def convert(
                                                                        dir=out_path.parent))
             src_path = dequantize_gguf(gguf, Path(folder) / gguf.stem, cast or torch.float32, progress)
         return _convert(src, src_path, out_path, to, fam, options, cast, progress, before_finish,
-                        command or convert_command(src, out, to, given, dtype), gguf_meta)
+                        command or convert_command(src, out, to, given, dtype), gguf_meta, calibration)
 
 
 def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: dict, cast, progress: bool,
-             before_finish, command: str, gguf_meta: dict | None) -> Path:
+             before_finish, command: str, gguf_meta: dict | None, calibration=None) -> Path:
     """`convert` from a checkpoint folder `src_path` (`src` as the user gave it)."""
     conv = fam.converter
     src_cfg = read_source_config(src_path)
     shards = source_shards(src_path)
     fields = source_fields(src_cfg)
     check_shapes(shards, fields)
+    measured = None
+    if str(options.get("softmax_layers", "")).startswith("auto"):
+        options, measured = _measured_layout(src_path, to, options, calibration, progress)
     try:
         config = keep_source_attention(conv.build_config(fields, options), source_layer_types(src_cfg))
     except ValueError as e:
@@ -508,8 +519,11 @@ def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: di
         for name in COPIED_FILES:
             if (src_path / name).is_file():
                 shutil.copy2(src_path / name, tmp / name)
+        shown = {**options, **(measured["card"] if measured else {})}
         (tmp / "README.md").write_text(render_card(fam.card, card_values(
-            src, src_path, src_cfg, config, to, options, command, gguf_meta, conv.card_notes(config))))
+            src, src_path, src_cfg, config, to, shown, command, gguf_meta, conv.card_notes(config))))
+        if measured is not None:
+            (tmp / "layer_costs.json").write_text(json.dumps(measured["costs"], indent=1) + "\n")
         if before_finish is not None:
             before_finish(tmp, src_path)
         _finish(tmp, out_path)
@@ -517,6 +531,29 @@ def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: di
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_path
+
+
+def _measured_layout(src: Path, to: str, options: dict, calibration, progress: bool) -> tuple[dict, dict]:
+    """`softmax_layers="auto:K"` resolved by measurement: the options with the chosen layer list, and
+    {"costs": the measurement, "card": the card's line for it}."""
+    from ..adaptation.layer_choice import Calibration, auto_layer_count, choose_softmax_layers, layer_costs
+
+    calibration = calibration or Calibration()
+    n = read_source_config(src)["num_hidden_layers"]
+    try:
+        k = auto_layer_count(options["softmax_layers"])
+        if not 0 < k < n:
+            raise ValueError(f"softmax_layers auto:{k} asks for {k} softmax layers of {n}; choose K in 1..{n - 1}")
+        calibration.check()
+    except ValueError as e:
+        raise ConversionError(f"invalid settings: {e}") from None
+    costs = layer_costs(src, to, options, calibration, progress=progress)
+    chosen = choose_softmax_layers(costs["layers"], k)
+    layers = ",".join(map(str, chosen))
+    note = (f"{layers} (auto:{k}: the {k} layers whose replacement costs the most after a short attention "
+            "transfer; layer_costs.json)")
+    return {**options, "softmax_layers": layers}, {"costs": {**costs, "chosen": chosen},
+                                                   "card": {"softmax_layers": note}}
 
 
 def card_values(src: str, src_path: Path, src_cfg: dict, config, to: str, options: dict, command: str,

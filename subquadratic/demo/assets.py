@@ -3,7 +3,8 @@
 
 `smollm2_checkpoint()` de-quantises it once through Transformers' GGUF loader into an ordinary
 Llama checkpoint folder (safetensors + tokenizer; `conversion.gguf`) and reuses that folder
-afterwards. (`subquadratic convert` reads the GGUF file directly too.)
+afterwards; `gguf=` names another copy of the file (a machine without the package).
+(`subquadratic convert` reads the GGUF file directly too.)
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def default_cache_dir() -> Path:
     return Path(base)
 
 
-def smollm2_checkpoint(cache_dir: str | Path | None = None) -> Path:
+def smollm2_checkpoint(cache_dir: str | Path | None = None, gguf: str | Path | None = None) -> Path:
     """A Llama checkpoint folder of SmolLM2-135M-Instruct (fp32 safetensors + tokenizer), built once
-    (`conversion.gguf.dequantize_gguf`)."""
+    (`conversion.gguf.dequantize_gguf`) from the package's GGUF file, or from `gguf` (the same file
+    elsewhere)."""
     out = Path(cache_dir or default_cache_dir()) / "SmolLM2-135M-Instruct"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
@@ -45,7 +47,10 @@ def smollm2_checkpoint(cache_dir: str | Path | None = None) -> Path:
 
     from ..conversion.gguf import dequantize_gguf
 
-    return dequantize_gguf(smollm2_gguf(), out, torch.float32)
+    path = Path(gguf) if gguf is not None else smollm2_gguf()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist; give the path of SmolLM2-135M-Instruct's GGUF")
+    return dequantize_gguf(path, out, torch.float32)
 
 
 def english_text(min_chars: int = 60_000) -> str:

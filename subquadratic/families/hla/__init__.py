@@ -8,14 +8,18 @@ layer, the model classes), `conversion.py` (the Converter); `card.md` is the mod
 
 from pathlib import Path
 
-from ...checks import int_at_least, layer_list, positive_int
+from ...checks import int_at_least, layer_list_or_auto, positive_int
 
 #: The family's one name: its model type and `convert --to` target.
 NAME = "hla"
 CARD = Path(__file__).with_name("card.md")
 #: `convert` options (`--hla-<key>`; `dest`: the HLAConfig field each one sets, but for the layout).
 OPTIONS: dict[str, dict] = {
-    "softmax-layers": dict(type=layer_list, help="comma list of the layers that keep softmax attention"),
+    "softmax-layers": dict(
+        type=layer_list_or_auto,
+        help="comma list of the layers that keep softmax attention, or auto:K: the K layers whose replacement "
+             "costs the most, measured by a short attention transfer (--calibration-data)",
+    ),
     "softmax-every": dict(type=int_at_least(0, "K"),
                           help="every K-th layer keeps softmax attention (default: none, pure HLA)"),
     "variant": dict(choices=["hla2", "ahla"], dest="hla_variant", help="second-order or asymmetric (default hla2)"),
@@ -24,6 +28,15 @@ OPTIONS: dict[str, dict] = {
                        help="chunk of the training / prefill form (default 64)"),
     "normalize": dict(action="store_const", const=True, dest="hla_normalize", help="normalised form"),
     "rope": dict(action="store_const", const=True, dest="hla_rope", help="apply the source's RoPE to q and k"),
+    "decay-init-min": dict(
+        type=float, dest="decay_init_min",
+        help="initial decay rate of the shortest-memory head (default 0.9; the heads spread geometrically in "
+             "1 - alpha up to --hla-decay-init-max)",
+    ),
+    "decay-init-max": dict(
+        type=float, dest="decay_init_max",
+        help="initial decay rate of the longest-memory head (default 0.99: a memory of ~100 tokens)",
+    ),
 }
 #: Where the rest of the declaration lives: `registry.Family` field -> "module:attribute" of this
 #: folder, imported by `families.family()` (the config class alone by `families.config_class()`).

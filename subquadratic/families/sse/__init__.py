@@ -12,7 +12,7 @@ softmax attention in every 6th layer (five SSE layers, then one softmax layer: t
 
 from pathlib import Path
 
-from ...checks import int_at_least, layer_list, nonnegative_int, positive_int
+from ...checks import int_at_least, layer_list_or_auto, nonnegative_int, positive_int
 
 #: The family's one name: its model type and `convert --to` target.
 NAME = "sse"
@@ -27,7 +27,11 @@ OPTIONS: dict[str, dict] = {
         help="every K-th layer keeps softmax attention (default: none with --to sse, 6 with --to sse-h: five SSE "
              "layers then one softmax)",
     ),
-    "softmax-layers": dict(type=layer_list, help="comma list of the layers that keep softmax attention"),
+    "softmax-layers": dict(
+        type=layer_list_or_auto,
+        help="comma list of the layers that keep softmax attention, or auto:K: the K layers whose replacement "
+             "costs the most, measured by a short attention transfer (--calibration-data)",
+    ),
     "sliding-window": dict(
         type=int_at_least(0, "W"), dest="sse_sliding_window",
         help="add an in-layer sliding-window softmax branch of this many tokens",
@@ -37,6 +41,15 @@ OPTIONS: dict[str, dict] = {
                      help="row-sparse keys: softmax over the top N entries only"),
     "lora-rank": dict(type=int_at_least(0, "R"), dest="sse_lora_rank",
                       help="rank of the q2/k2 offsets (default head_dim)"),
+    "decay-init-min": dict(
+        type=float, dest="sse_decay_init_min",
+        help="initial decay rate of the shortest-memory key channel (default 0.9; the channels of each head "
+             "spread geometrically in 1 - alpha up to --sse-decay-init-max)",
+    ),
+    "decay-init-max": dict(
+        type=float, dest="sse_decay_init_max",
+        help="initial decay rate of the longest-memory key channel (default 0.999: a memory of ~1000 tokens)",
+    ),
 }
 #: Conversion targets beside `sse`: option sets under the given options.
 CONVERT_PRESETS: dict[str, dict] = {"sse-h": {"softmax_every": 6}}

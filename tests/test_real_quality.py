@@ -1,0 +1,207 @@
+"""scripts/real_quality.py --scale tiny: the real-model protocol's code path end to end on a CPU (a
+tiny random Llama, numpy's sources): the held-out split, every row of the main table, an ablation
+run merged into the same table, the adapted models' cards, the commands."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def rq():
+    spec = importlib.util.spec_from_file_location("real_quality", ROOT / "scripts" / "real_quality.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["real_quality"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("real_quality", None)
+
+
+def test_heldout_split_follows_from_the_file_list_alone(rq):
+    files = rq.package_sources(("numpy",))
+    assert files == sorted(files) and all(rel.startswith("numpy/") and rel.endswith(".py") for rel, _ in files)
+    train, held = rq.split_sources(files, 50)
+    shuffled = list(files)
+    random.Random(1).shuffle(shuffled)
+    assert rq.split_sources(shuffled, 50) == (train, held)
+    assert {rel for rel, _ in held} == {rel for rel, _ in files if rq._hash(rel) % 50 == 0}
+    assert not {rel for rel, _ in held} & {rel for rel, _ in train} and len(train) + len(held) == len(files)
+    assert 0 < len(held) < len(files) / 25
+
+
+def test_rows_and_groups(rq):
+    table = rq.rows_of(rq.SCALES["h200"], 30)
+    names = [r.name for r in rq.select_rows("main", table)]
+    assert names == ["dense", "sse-h", "hla-hybrid", "spla-fresh", "spla", "spa"]
+    every = [r.name for r in rq.select_rows("all", table)]
+    assert every[:5] == ["dense", "sse-h", "hla-hybrid", "sse-h/rows-4x", "hla-hybrid/rows-4x"]
+    assert sorted(every) == sorted(set(table) - {"sse-h-fresh"}) and len(every) == len(set(every))  # each once
+    assert every.index("spa") > every.index("hla-hybrid/auto-layers")  # SPLA's 8192-token rows late
+    ablation = rq.select_rows("ablation-hla", table)
+    assert ablation[0].name == "hla-hybrid" and all(r.base == "hla-hybrid" for r in ablation[1:])
+    auto = table["hla-hybrid/auto-layers"]
+    assert auto.options == {"softmax_layers": "auto:5"}  # the layer list replaces softmax_every
+    assert table["sse-h/decay-long"].options == {"sse_decay_init_min": 0.99, "sse_decay_init_max": 0.9999}
+    assert table["spa"].options == {"use_rla": False}
+    with pytest.raises(SystemExit, match="unknown row"):
+        rq.select_rows("sse-h/nothing", table)
+
+
+def _finite_metrics(entry, scale, adapted: bool):
+    m = entry["metrics"]
+    for part in ("code", "english"):
+        assert sorted(map(int, m[part]["ppl"])) == list(scale.lengths)
+        assert all(math.isfinite(v["ppl"]) and v["ppl"] > 1 for v in m[part]["ppl"].values())
+        windows = [m[part]["ppl"][L]["windows"] for L in scale.lengths]
+        assert windows == [scale.span // L for L in scale.lengths]  # the same tokens at every length
+        if entry["name"] != "dense":
+            assert all(v["kl"] >= 0 and math.isfinite(v["kl"]) for v in m[part]["kl"].values())
+    for task in ("passkey", "niah"):
+        assert m[task] and all(0 <= v["accuracy"] <= 1 and v["logprob"] < 0 for v in m[task].values())
+    assert ("adapt" in entry) == adapted
+
+
+def test_tiny_protocol_main_table_then_an_ablation_run(rq, tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    scale = rq.SCALES["tiny"]
+    common = ["--scale", "tiny", "--device", "cpu", "--out", str(out), "--work", str(work), "--fail-fast"]
+    results = rq.main([*common, "--rows", "main"])
+    rows = results["rows"]
+    assert list(rows) == ["dense", "sse-h", "hla-hybrid", "spla-fresh", "spla", "spa"]
+    assert results["skipped"] == [] and results["protocol"]["running"] is None
+    for name, entry in rows.items():
+        _finite_metrics(entry, scale, adapted=name not in ("dense", "spla-fresh"))
+    assert rows["spla-fresh"]["metrics"]["code"]["kl"]  # a real conversion (budget 64 < 512 tokens)
+    for name in ("spla", "spa", "sse-h", "hla-hybrid"):
+        a = rows[name]["adapt"]
+        assert rows[name]["tokens"] == a["max_steps"] * scale.tokens_per_step == a["max_steps"] * a["batch_size"] * \
+            a["seq_len"]
+        card = (work / "adapted" / name / "README.md").read_text()
+        assert "## Evaluation" in card and rows[name]["label"] in card and "dense source, held-out Python" in card
+        assert (out / f"adapt_log_{name}.jsonl").is_file()
+    assert rows["spla"]["adapt"]["seq_len"] == scale.spla_seq_len and rows["sse-h"]["adapt"]["seq_len"] == 128
+    spa = json.loads((work / "converted" / "spa" / "config.json").read_text())
+    assert spa["use_rla"] is False
+    assert "## Evaluation" in (work / "converted" / "spla-fresh" / "README.md").read_text()
+    protocol = results["protocol"]
+    train_paths = {json.loads(line)["path"] for line in (work / "corpus" / "train.jsonl").read_text().splitlines()}
+    assert train_paths and not train_paths & set(protocol["heldout_used"])
+    report = (out / "results.md").read_text()
+    assert "## Perplexity and KL to dense" in report and "## Retrieval" in report
+    assert "subquadratic adapt" in report and "python scripts/real_quality.py --scale tiny" in report
+    assert json.loads((out / "results.json").read_text())["rows"].keys() == rows.keys()
+
+    dense_before = json.loads(json.dumps(rows["dense"]))
+    second = rq.main([*common, "--rows", "hla-hybrid/stage1-4x,sse-h/auto-layers"])
+    rows = second["rows"]
+    assert rows["dense"] == dense_before  # the reference row is kept, not measured again
+    assert list(rows)[-2:] == ["hla-hybrid/stage1-4x", "sse-h/auto-layers"]
+    stage1 = rows["hla-hybrid/stage1-4x"]
+    assert stage1["adapt"]["stage1_seq_len"] == 4 * 128 and stage1["tokens"] == rows["hla-hybrid"]["tokens"]
+    auto = rows["sse-h/auto-layers"]
+    assert len(auto["layer_costs"]["chosen"]) == 1 and len(auto["layer_costs"]["layers"]) == 6
+    assert auto["tokens"] == rows["sse-h"]["tokens"] and auto["seed"] == rows["sse-h"]["seed"]
+    assert "--calibration-data" in auto["convert_command"]
+    for entry in (stage1, auto):
+        _finite_metrics(entry, scale, adapted=True)
+    report = (out / "results.md").read_text()
+    assert "## Ablation from `sse-h`" in report and "## Ablation from `hla-hybrid`" in report
+    assert len((out / "commands.txt").read_text().splitlines()) == 2
+
+    before = json.loads((out / "results.json").read_text())["rows"]
+    third = rq.main([*common, "--rows", "sse-h,sse-h/decay-long", "--time-budget", "0.01"])
+    assert third["rows"] == before  # measured rows are kept, none is measured again
+    assert [s["name"] for s in third["skipped"]] == ["sse-h/decay-long"]  # the budget is spent
+    assert third["skipped"][0]["needs_seconds"] >= 1
+    assert "`sse-h/decay-long`: not started" in (out / "results.md").read_text()
+    assert json.loads((out / "results.json").read_text())["skipped"] == third["skipped"]
+
+
+def test_estimates_follow_measured_rows_of_the_same_kind(rq):
+    scale = rq.SCALES["h200"]
+    table = rq.rows_of(scale, 30)
+    assert rq.estimate_seconds(table["sse-h"], {}, scale) == scale.prior_seconds["linear"]
+    measured = {"sse-h": {"seconds": 150.0, "kind": "linear", "seq_len_kind": "base"},
+                "hla-hybrid": {"seconds": 170.0, "kind": "linear", "seq_len_kind": "base"},
+                "spla-fresh": {"seconds": 20.0, "kind": "fresh", "seq_len_kind": "base"},
+                "failed": {"kind": "linear", "error": "x"}}
+    assert rq.estimate_seconds(table["sse-h/decay-long"], measured, scale) == 170.0
+    assert rq.estimate_seconds(table["sse-h/rows-4x"], measured, scale) == 1.5 * 170.0  # longer rows
+    measured["sse-h/rows-4x"] = {"seconds": 200.0, "kind": "linear", "seq_len_kind": "4x"}
+    assert rq.estimate_seconds(table["hla-hybrid/rows-4x"], measured, scale) == 200.0
+    assert rq.estimate_seconds(table["spla-fresh"], measured, scale) == 20.0
+    assert rq.estimate_seconds(table["spla"], measured, scale) == scale.prior_seconds["spla"]
+    assert rq.estimate_seconds(table["sse-h/auto-layers"], measured, scale) == 170.0 + \
+        scale.prior_seconds["calibration"]
+
+
+def test_missing_packages_are_named_before_the_run(rq, monkeypatch, tmp_path, capsys):
+    real = rq.importlib.import_module
+
+    def no_gguf(name, *a):
+        if name == "gguf":
+            raise ImportError("No module named 'gguf'")
+        return real(name, *a)
+
+    monkeypatch.setattr(rq.importlib, "import_module", no_gguf)
+    with pytest.raises(SystemExit):
+        rq.main(["--out", str(tmp_path), "--gguf", str(tmp_path / "x.gguf")])
+    err = capsys.readouterr().err
+    assert "missing Python packages: gguf (de-quantising the GGUF file" in err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_a_row_past_the_budget_is_stopped_and_the_rest_listed(rq, monkeypatch, tmp_path):
+    import time
+    from types import SimpleNamespace
+
+    scale = rq.SCALES["tiny"]
+    table = rq.rows_of(scale, 6)
+    started = []
+
+    def fake_row(row, seed, ctx):
+        started.append(row.name)
+        if row.name == "sse-h":  # runs past the budget: stopped by the deadline, not by its own end
+            for _ in range(400):
+                time.sleep(0.01)
+            raise AssertionError("the deadline did not stop the row")
+        return {row.name: {"row": row.name, "seconds": 0.0, "kind": rq.row_kind(row), "metrics": {}}}
+
+    monkeypatch.setattr(rq, "run_row", fake_row)
+    monkeypatch.setattr(rq, "estimate_seconds", lambda row, measured, scale: 0.0)
+    args = SimpleNamespace(time_budget=0.5, t0=time.perf_counter(), remeasure=False, fail_fast=True)
+    ctx = dict(args=args, scale=scale, out=tmp_path, device=rq.torch.device("cpu"))
+    results = {"protocol": {}, "rows": {}, "skipped": []}
+    saved = []
+    jobs = [(table[n], 0) for n in ("dense", "sse-h", "hla-hybrid", "spla")]
+    rq.measure(jobs, results, ctx, lambda: "t", lambda: saved.append(json.dumps(results)))
+    assert started == ["dense", "sse-h"] and list(results["rows"]) == ["dense"]
+    assert results["protocol"]["running"] == "sse-h"  # the cut row says so
+    assert [s["name"] for s in results["skipped"]] == ["hla-hybrid", "spla"]
+    assert json.loads(saved[-1])["rows"] == {"dense": results["rows"]["dense"]}  # written before sse-h started
+    time.sleep(0.6)  # a cancelled deadline interrupts nothing later
+
+    for _ in range(20):  # a budget spent before the run starts: the interrupt comes at once, and is caught
+        args.t0, args.time_budget, results["skipped"] = time.perf_counter() - 1.0, 0.5, []
+        rq.measure(jobs[1:], {"protocol": {}, "rows": {}, "skipped": []}, ctx, lambda: "t", lambda: None)
+
+
+def test_deadline_cancelled_in_time_interrupts_nothing(rq):
+    import time
+
+    deadline = rq.Deadline(time.perf_counter() + 0.2)
+    deadline.start()
+    deadline.cancel()
+    time.sleep(0.4)
+    assert not deadline.fired
