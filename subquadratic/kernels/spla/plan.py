@@ -42,6 +42,10 @@ SPLIT_K_PROGRAMS = 264
 FORMS = ("blocks", "tile", "token")
 #: Selections on the "triton" path (see `SPLAPlan`).
 SELECTIONS = ("tile", "stream", "kernel", "matmul")
+#: Input dtypes whose calls from TILE_MIN_TQ tokens on CUDA take the streamed selection, with the
+#: score operands it runs in (2.7 ms against the tile selection's 10.9 at 32k on an H200, recall
+#: 0.997 of the exact fp64 selection on iid inputs: docs/benchmarks.md).
+STREAM_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(frozen=True)
@@ -180,13 +184,15 @@ def plan_spla(
     selection from TILE_MIN_TQ tokens and there the block-major kernels with gradients (training:
     forward and backward faster than the tile and per-token forms on every input measured) and the
     tile kernels without (prefill: faster forward on real selections, whose query tiles share
-    blocks); below TILE_MIN_TQ the per-token kernels. The streamed selection is taken only when
-    asked (select="stream")."""
+    blocks); below TILE_MIN_TQ the per-token kernels. From TILE_MIN_TQ tokens, bf16 / fp16 inputs
+    on CUDA select with the streamed selection (`STREAM_DTYPES`), fp32 ones with the tile selection
+    in tf32x3 (exact up to fp32 rounding); select="tile" asks for the latter on any dtype."""
     check_backend(backend)
     device = torch.device(device)
     prec = resolve_precision(precision, device, dtype)
     B, Tq, _, D = q_shape
     S, H = k_shape[1], k_shape[2]
+    default_prec = "tf32x3" if device.type == "cuda" else "ieee"  # of the tile and kernel selections
     if backend in ("auto", "torch") and within_budget(S, params):
         plan = SPLAPlan("dense", grad, precision=prec)
     elif resolve_backend(backend, device, op="SPLA", has_triton=True, has_naive=False,
@@ -194,14 +200,19 @@ def plan_spla(
         plan = SPLAPlan("torch_decode" if Tq == 1 and not grad and consecutive else "torch", grad, precision=prec)
     else:
         long_call = Tq >= TILE_MIN_TQ
+        # 16-bit inputs on CUDA: the streamed selection (scores on the tensor cores in the inputs'
+        # dtype); fp32 inputs keep the exact tile selection
+        streamed = device.type == "cuda" and dtype in STREAM_DTYPES
+        select = "stream" if streamed else "tile"
+        select_prec = STREAM_DTYPES[dtype] if streamed else default_prec
         splits = 1
         if not grad and Tq <= SPLIT_K_MAX_TQ:
             splits = max(1, min(params.num_selected, SPLIT_K_PROGRAMS // max(1, B * H * Tq)))
         plan = SPLAPlan(
             "triton_decode" if Tq == 1 and not grad and dtype != torch.float64 else "triton", grad,
-            form=("blocks" if grad else "tile") if long_call else "token", select="tile" if long_call else "kernel",
+            form=("blocks" if grad else "tile") if long_call else "token", select=select if long_call else "kernel",
             splits=splits, precompute_phik=params.use_rla and Tq >= PHIK_PRECOMPUTE_MIN_TQ,
-            tile_rows=64 if grad else 128, select_prec="tf32x3" if device.type == "cuda" else "ieee",
+            tile_rows=64 if grad else 128, select_prec=select_prec if long_call else default_prec,
             precision=prec,
         )
     if not fields_set:
@@ -210,6 +221,10 @@ def plan_spla(
     if unknown:
         raise TypeError(f"plan_spla got {sorted(unknown)}, which are not fields of SPLAPlan; "
                         f"its fields: {', '.join(f.name for f in fields(SPLAPlan))}")
+    if "select" in fields_set and "select_prec" not in fields_set and plan.path == "triton":
+        # a selection asked for without its precision: that selection's default for these inputs
+        streamed = fields_set["select"] == "stream" and device.type == "cuda" and dtype in STREAM_DTYPES
+        fields_set["select_prec"] = STREAM_DTYPES[dtype] if streamed else default_prec
     return replace(plan, **fields_set)
 
 

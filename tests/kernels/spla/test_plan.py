@@ -66,10 +66,13 @@ def test_cuda_beyond_the_budget_takes_the_kernels(with_triton):
     assert (train_token.path, train_token.form, train_token.grad, train_token.splits) == ("triton", "token", True, 1)
     short = planned(15, 100)
     assert (short.path, short.form, short.select, short.precompute_phik) == ("triton", "token", "kernel", False)
-    prefill = planned(16, 100)
-    assert (prefill.form, prefill.select, prefill.tile_rows, prefill.select_prec) == ("tile", "tile", 128, "tf32x3")
+    prefill = planned(16, 100)  # bf16: the streamed selection in bf16
+    assert (prefill.form, prefill.select, prefill.tile_rows, prefill.select_prec) == ("tile", "stream", 128, "bf16")
+    prefill32 = planned(16, 100, dtype=torch.float32)  # fp32: the tile selection, exact up to fp32 rounding
+    assert (prefill32.form, prefill32.select, prefill32.select_prec) == ("tile", "tile", "tf32x3")
+    assert planned(16, 100, dtype=torch.float16).select_prec == "fp16"
     train = planned(16, 100, grad=True)  # training: the block-major kernels, forward and backward
-    assert (train.form, train.select, train.tile_rows, train.grad) == ("blocks", "tile", 64, True)
+    assert (train.form, train.select, train.tile_rows, train.grad) == ("blocks", "stream", 64, True)
     assert planned(4096, 4096, grad=True).form == "blocks" and planned(4096, 4096).form == "tile"
     assert planned(15, 100, grad=True).form == "token"
     assert not planned(64, 100).precompute_phik and planned(65, 100).precompute_phik
@@ -94,13 +97,21 @@ def test_precision_tf32_for_fp32_on_cuda_unless_exact_is_asked(with_triton):
         SPLAPlan("triton", precision="auto")  # a plan holds what was resolved
 
 
-def test_streamed_selection_only_when_asked(with_triton):
-    assert all(planned(T, 4096, grad=g).select != "stream" for T in (1, 16, 4096) for g in (False, True))
-    got = planned(4096, 4096, select="stream", select_prec="bf16")
+def test_streamed_selection_for_16_bit_inputs_on_cuda(with_triton):
+    """bf16 / fp16 calls from TILE_MIN_TQ tokens on CUDA select with the streamed selection in their
+    dtype; fp32 ones, short calls and the CPU keep the others; asking for a selection without its
+    precision gets that selection's default for the inputs."""
+    assert all(planned(T, 4096, grad=g).select == "stream" for T in (16, 4096) for g in (False, True))
+    assert all(planned(T, 4096, dtype=torch.float32, grad=g).select == "tile" for T in (16, 4096) for g in (0, 1))
+    assert planned(1, 4096).select == "kernel" and planned(15, 4096).select == "kernel"
+    tile = planned(4096, 4096, select="tile")
+    assert (tile.select, tile.select_prec) == ("tile", "tf32x3")
+    got = planned(4096, 4096, dtype=torch.float32, select="stream")
+    assert (got.select, got.select_prec) == ("stream", "tf32x3")  # fp32 operands unless asked
+    got = planned(4096, 4096, dtype=torch.float32, select="stream", select_prec="bf16")
     assert (got.select, got.select_prec) == ("stream", "bf16")
-    assert planned(4096, 4096, select="stream").select_prec == "tf32x3"  # fp32 operands unless asked
     with pytest.raises(ValueError, match="streamed selection"):
-        planned(4096, 4096, select_prec="bf16")  # a 16-bit selection is the streamed one's
+        planned(4096, 4096, select="tile", select_prec="bf16")  # a 16-bit selection is the streamed one's
 
 
 def test_split_k_for_a_few_tokens_without_gradients(with_triton):

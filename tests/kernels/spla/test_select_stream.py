@@ -238,12 +238,14 @@ def test_real_shapes_on_gpu(G, D):
     cfg = dict(block_size=bs, top_k_blocks=16, num_sink_blocks=1, num_local_blocks=2)
     q, stats, pos = make(B, H * G, H, T, D, bs, pad=100, seed=G + D, dtype=torch.bfloat16)
     prob, forced, want = exact(q, stats, pos, cfg)
-    for precision, margin in (("ieee", 1e-3), ("bf16", 0.1)):
+    # margins a row's ranking must clear for its set to be compared exactly, and the share of rows
+    # that clear it on these inputs (measured on an H200 at G4 D128: 0.99 at 1e-3, 0.49 at 0.1)
+    for precision, margin, share in (("ieee", 1e-3, 0.8), ("bf16", 0.1, 0.3)):
         idx = triton_select_stream.select_indices_stream(q, stats, pos, params(cfg), precision=precision, **launch(cfg))
         check_layout(idx, pos, cfg, stats.num_blocks)
         got, once = indices_to_mask(idx, stats.num_blocks)
         clear = margins(prob, want) > margin
-        assert once.all() and clear.float().mean() >= 0.8
+        assert once.all() and clear.float().mean() >= share
         assert torch.equal(got[clear], want[clear]), precision
     q, stats, pos = make(B, H * G, H, T, D, bs, seed=G, spread=0.0, dtype=torch.bfloat16)
     idx = triton_select_stream.select_indices_stream(q / 2, stats, pos, params(cfg))
