@@ -160,8 +160,8 @@ def segments(terms, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...],
     Nc = M // C + S_n if num_chunks is None else num_chunks
     dest = (first[seg] + pos // C) * C + pos % C                     # [M] row in the chunk buffer
 
-    def to_chunks(x: Tensor) -> Tensor:
-        buf = x.new_zeros(Nc * C, *x.shape[1:]).index_put((dest,), x)
+    def to_chunks(x: Tensor) -> Tensor:  # a fresh zero buffer filled in place (no copy of it)
+        buf = x.new_zeros(Nc * C, *x.shape[1:]).index_put_((dest,), x)
         return buf.view(Nc, C, *x.shape[1:]).transpose(1, 2)
 
     trans, inject, out = terms(*(to_chunks(x.to(dt)) for x in (q, k, v, *decays)))
@@ -171,9 +171,9 @@ def segments(terms, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...],
         live = n_chunks > j                                          # [S] segments with a chunk j
         idx = torch.where(live, first + j, 0).clamp(max=Nc - 1)      # dead ones read chunk 0, masked
         gate = live[:, None, None, None]
-        before = before.index_add(0, idx, S * gate)                  # every live index is distinct
+        before.index_add_(0, idx, S * gate)                          # every live index is distinct
         S = torch.where(gate, trans(idx, S) + inject[idx], S)
-    o = out(before).transpose(1, 2).reshape(Nc * C, H, Dv)[dest]
+    o = out(before)[dest // C, :, dest % C]                          # [M, H, Dv]
     return o.to(q.dtype), S
 
 
