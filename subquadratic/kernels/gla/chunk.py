@@ -12,11 +12,11 @@ half of the same block are split at the block's midpoint p:
 exp(sum_{p<=u<=t} g) * exp(sum_{s<u<p} g), both exponents <= 0, so the pairs
 of one level are one batched matmul of decayed queries and keys; the levels
 w = 1, 2, 4, ..., C/2 cover every pair s < t once, and s = t is q_t . k_t.
-Each exponent is a sum over exactly the span it covers, built by running
-in-half prefix and suffix sums from level to level (one addition of the
-neighbouring half's total per level, never a difference of cumulative sums),
-which keeps float32 accurate under strong decay; the last level's sums are the
-chunk-wide decays of the inter-chunk terms. A chunk whose length is not a power
+Each exponent is a sum over exactly the span it covers: the decayed queries and
+keys are carried from level to level, each multiplied by exp of the neighbouring
+half's total (a factor <= 1) when the halves double, never by a difference of
+cumulative sums, which keeps float32 accurate under strong decay; the last
+level's factors are the chunk-wide decays of the inter-chunk terms. A chunk whose length is not a power
 of two is padded with zero tokens (no write, no decay) for the intra-chunk part.
 """
 
@@ -29,24 +29,25 @@ from torch import Tensor
 from ..linear_common import check_dense, dense, varlen
 
 
-def _decayed(x: Tensor, log_decay: Tensor, inplace: bool) -> Tensor:
-    """x * exp(log_decay) into a new tensor (exp's output reused where autograd allows)."""
-    e = torch.exp(log_decay)
-    return e.mul_(x) if inplace else e * x
-
-
 def _gla_chunk_parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The intra-chunk output and the chunk-wide decayed factors of GLA, by bisection (see the
     module docstring). q, k, g: [Nc, H, C, Dk] (g <= 0), v: [Nc, H, C, Dv]. Returns
     (o_intra = A v [Nc, H, C, Dv], q_dec = q exp(decay from the chunk start through t),
-    k_dec = k exp(decay after s to the chunk end) [Nc, H, C, Dk], decay of the chunk [Nc, H, Dk])."""
+    k_dec = k exp(decay after s to the chunk end) [Nc, H, C, Dk], decay of the chunk [Nc, H, Dk]).
+
+    The decayed queries and keys are carried from level to level: zq = q exp(in-half prefix sum)
+    and zk = k exp(in-half suffix sum); going from halves of w to halves of 2w multiplies the second
+    half's zq by exp(first half's total) and the first half's zk by exp(second half's total), each
+    factor <= 1 (so no intermediate is larger than its final value, and nothing overflows)."""
     Nc, H, C, Dk = q.shape
     Cp = 1 << max(C - 1, 0).bit_length()                  # the bisection runs on a power of two
     if Cp != C:
         q, k, v, g = (F.pad(x, (0, 0, 0, Cp - C)) for x in (q, k, v, g))
     inplace = not torch.is_grad_enabled() or not any(x.requires_grad for x in (q, k, v, g))
-    P = g.clone()               # inclusive sums from the start of each half through t (halves of w = 1)
-    S = torch.zeros_like(g)     # exclusive sums after s to the end of each half
+    eg = torch.exp(g)
+    zq = eg * q                                                   # halves of w = 1: q_t exp(g_t)
+    zk = k.clone() if inplace else k                              # k_s exp(0)
+    tot = g                     # [Nc, H, Cp / w, Dk]: the sum of g over each half of width w
     A = q.new_zeros(Nc, H, Cp, Cp)
     torch.diagonal(A, dim1=-2, dim2=-1).copy_((q * k).sum(-1))
     w = 1
@@ -56,28 +57,33 @@ def _gla_chunk_parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor
         def halves(x: Tensor) -> Tensor:
             return x.view(Nc, H, nb, 2, w, x.shape[-1])    # [Nc, H, block, half, w, *]
 
-        Pv, Sv = halves(P), halves(S)
-        zq = _decayed(halves(q)[:, :, :, 1], Pv[:, :, :, 1], inplace)   # queries of the second halves
-        zk = _decayed(halves(k)[:, :, :, 0], Sv[:, :, :, 0], inplace)   # keys of the first halves
+        zq_h, zk_h = halves(zq), halves(zk)
+        a, b = zq_h[:, :, :, 1], zk_h[:, :, :, 0]          # queries of the second halves, keys of the first
         if w <= 2:   # tiny blocks: a broadcast product beats a batch of tiny matmuls
-            blk = (zq[..., :, None, :] * zk[..., None, :, :]).sum(-1)
+            blk = (a[..., :, None, :] * b[..., None, :, :]).sum(-1)
         else:
-            blk = zq @ zk.transpose(-1, -2)                              # [Nc, H, nb, w, w]
+            blk = a @ b.transpose(-1, -2)                                # [Nc, H, nb, w, w]
         diag = torch.diagonal(A.view(Nc, H, nb, 2 * w, nb, 2 * w), dim1=2, dim2=4)  # [Nc, H, 2w, 2w, nb]
         diag[:, :, w:, :w].copy_(blk.permute(0, 1, 3, 4, 2))
-        # halves of 2w: the second half's prefix sums start at the first half's start, the first
-        # half's suffix sums run on through the second half
-        first_total, second_total = Pv[:, :, :, 0, -1:].clone(), Pv[:, :, :, 1, -1:].clone()
-        Sv[:, :, :, 0].add_(second_total)
-        Pv[:, :, :, 1].add_(first_total)
+        tot = tot.view(Nc, H, nb, 2, Dk)
+        e = eg.view(Nc, H, nb, 2, Dk) if w == 1 else torch.exp(tot)   # exp of each half's total
+        # halves of 2w: the second half's prefixes start at the first half's start, the first half's
+        # suffixes run on through the second half
+        e_first, e_second = e[:, :, :, 0, None], e[:, :, :, 1, None]   # [Nc, H, nb, 1, Dk]
+        if inplace:
+            zq_h[:, :, :, 1].mul_(e_first)
+            zk_h[:, :, :, 0].mul_(e_second)
+        else:
+            one = torch.ones_like(e_first)
+            zq = (zq_h * torch.stack([one, e_first], 3)).view_as(zq)
+            zk = (zk_h * torch.stack([e_second, one], 3)).view_as(zk)
+        tot = tot.sum(3)                                   # [Nc, H, nb, Dk]: halves of 2w
         w *= 2
     o_intra = A @ v
-    decay = P[:, :, C - 1]                                 # the whole chunk (padding adds no decay)
-    q_dec = _decayed(q, P, inplace)
-    k_dec = _decayed(k, S, inplace)
+    decay = tot.reshape(Nc, H, Dk)                         # the whole chunk (padding adds no decay)
     if Cp != C:
-        o_intra, q_dec, k_dec = o_intra[:, :, :C], q_dec[:, :, :C], k_dec[:, :, :C]
-    return o_intra, q_dec, k_dec, decay.exp()
+        o_intra, zq, zk = o_intra[:, :, :C], zq[:, :, :C], zk[:, :, :C]
+    return o_intra, zq, zk, decay.exp()
 
 
 def gla_chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor):

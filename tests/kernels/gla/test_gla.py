@@ -113,3 +113,39 @@ def test_gla_gradients_match_recurrent(chunk, form):
     assert rel_err(o, o_ref) <= TOL[F64] and rel_err(S_out, S_ref) <= TOL[F64]
     for name, a, b in zip("q k v g S0".split(), grads, g_ref, strict=True):
         assert rel_err(a, b) <= TOL[F64], name
+
+
+@pytest.mark.parametrize("fixed_shapes", [True, False])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_gla_segments_both_layouts_match_recurrent(fixed_shapes, shuffle):
+    # the packed form with rows in any order, fixed-shape (masked carry over max_len) and compact
+    # (the real lengths, the CPU default) layouts: fp64 values and gradients against the oracle
+    from subquadratic.kernels.gla import gla_chunk_terms
+    from subquadratic.kernels.linear_common import segments
+
+    lens = [19, 0, 40, 7]
+    M = sum(lens)
+    q, k, v, g, _ = gla_inputs(1, M, 2, 8, 6, F64, seed=11 + shuffle)
+    q, k, v, g = (x[0] for x in (q, k, v, g))
+    S0 = torch.randn(len(lens), 2, 8, 6, dtype=F64)
+    xs = [x.requires_grad_() for x in (q, k, v, g, S0)]
+    seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    perm = torch.randperm(M, generator=torch.Generator().manual_seed(3)) if shuffle else torch.arange(M)
+    w_o, w_s = torch.randn(M, 2, 6, dtype=F64), torch.randn(len(lens), 2, 8, 6, dtype=F64)
+    o, S = segments(gla_chunk_terms, q[perm], k[perm], v[perm], (g[perm],), seg[perm], pos[perm], S0,
+                    max(lens), 16, fixed_shapes=fixed_shapes)
+    o = torch.empty_like(o).index_put((perm,), o)                  # back to segment order
+    grads = torch.autograd.grad((o * w_o).sum() + (S * w_s).sum(), xs)
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    outs, states = [], []
+    for i in range(len(lens)):
+        a, b = cu[i], cu[i + 1]
+        o_i, S_i = gla_recurrent(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b], S0[i : i + 1])
+        outs.append(o_i[0])
+        states.append(S_i)
+    o_ref, S_ref = torch.cat(outs), torch.cat(states)
+    g_ref = torch.autograd.grad((o_ref * w_o).sum() + (S_ref * w_s).sum(), xs)
+    assert rel_err(o, o_ref) <= TOL[F64] and rel_err(S, S_ref) <= TOL[F64]
+    for name, a, b in zip("q k v g S0".split(), grads, g_ref, strict=True):
+        assert rel_err(a, b) <= TOL[F64], name
