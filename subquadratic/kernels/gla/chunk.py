@@ -16,8 +16,9 @@ Each exponent is a sum over exactly the span it covers: the decayed queries and
 keys are carried from level to level, each multiplied by exp of the neighbouring
 half's total (a factor <= 1) when the halves double, never by a difference of
 cumulative sums, which keeps float32 accurate under strong decay; the last
-level's factors are the chunk-wide decays of the inter-chunk terms. A chunk whose length is not a power
-of two is padded with zero tokens (no write, no decay) for the intra-chunk part.
+level's factors are the chunk-wide decays of the inter-chunk terms. A chunk
+whose length is not a power of two is padded with zero tokens (no write, no
+decay) for the intra-chunk part.
 """
 
 from __future__ import annotations
@@ -53,11 +54,7 @@ def _gla_chunk_parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor
     w = 1
     while w < Cp:
         nb = Cp // (2 * w)                                 # blocks of 2w tokens: halves 0 and 1 of width w
-
-        def halves(x: Tensor) -> Tensor:
-            return x.view(Nc, H, nb, 2, w, x.shape[-1])    # [Nc, H, block, half, w, *]
-
-        zq_h, zk_h = halves(zq), halves(zk)
+        zq_h, zk_h = (x.view(Nc, H, nb, 2, w, Dk) for x in (zq, zk))   # [Nc, H, block, half, w, Dk]
         a, b = zq_h[:, :, :, 1], zk_h[:, :, :, 0]          # queries of the second halves, keys of the first
         if w <= 2:   # tiny blocks: a broadcast product beats a batch of tiny matmuls
             blk = (a[..., :, None, :] * b[..., None, :, :]).sum(-1)
