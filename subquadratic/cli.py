@@ -1,23 +1,35 @@
 """The `subquadratic` command line: `convert` a dense checkpoint, `adapt` a converted one (attention
-transfer, then fine-tuning or distillation), `eval` models, `push` a folder to the Hub, `demo` the
+transfer, then distillation or fine-tuning), `eval` models, `push` a folder to the Hub, `demo` the
 embedded default.
 
 Each family's `convert` options come from its declaration (`registry.Family.options`) and are
 spelled `--<family prefix>-<option>` (`--spla-top-k-blocks`, `--sse-top-k`, `--hla-softmax-every`);
 `--to` takes a family's name or one of its convert presets (`sse-h`).
-Every failure is one line on stderr naming the problem and what to do, with exit status 2; torch and
-the model code are imported only once a command runs, so `--help` answers at once.
+
+Every failure is one line on stderr, `subquadratic COMMAND: error: ...` (the problem and what to do),
+with exit status 2. What can be checked without a model (option values, paths, folders, Hub ids, the
+teacher a loss needs) is checked before torch or Transformers are imported, so such a mistake is
+reported at once, as is `--help`; an unknown option gets the nearest real one ("did you mean
+--spla-block-size"), the old unprefixed family options (`--block-size`) included.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
+import shlex
 import sys
 
+from . import checks
+from .checks import int_at_least, nonnegative_int, positive_int
 from .data import DTYPE_CHOICES
 from .families import convert_targets
 
-EVAL_TASKS = ("ppl", "passkey", "niah", "mqar", "kl")  # evaluation.suite.TASKS, readable without torch
+#: evaluation.suite.TASKS and DEFAULT_LENGTHS, readable without torch (a test keeps them equal)
+EVAL_TASKS = ("ppl", "passkey", "niah", "mqar", "kl")
+EVAL_LENGTHS = (512, 1024, 2048)
+context_length = int_at_least(2, "L")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,21 +39,36 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
+class InputProblem(Exception):
+    """A problem found before any work: printed like the commands' own input errors."""
+
+
+def _check(problem: str | None) -> None:
+    if problem is not None:
+        raise InputProblem(problem)
+
+
+def _description(doc: str) -> str:
+    """The first paragraph of a docstring, as one line."""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="subquadratic", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, metavar="{convert,adapt,eval,push,demo}")
+    p = _Parser(prog="subquadratic", description=_description(__doc__))
+    sub = p.add_subparsers(dest="command", required=True)
+    p.commands = sub.choices  # name -> subparser, for the errors of each command
     families = convert_targets()
     p.target_family = {t: name for name, (_, presets) in families.items() for t in (name, *presets)}
     targets = sorted(p.target_family)
     c = sub.add_parser("convert", help="convert a dense Llama/Mistral/Qwen2/Qwen3 checkpoint")
-    c.add_argument("src", help="source checkpoint folder (safetensors) or Hub id (org/name)")
+    c.add_argument("src", help="source checkpoint: a folder (safetensors), a .gguf file, or a Hub id (org/name)")
     c.add_argument("out", help="output folder (written atomically: complete or absent)")
     presets = sorted(set(targets) - set(families))
     c.add_argument("--to", required=True, choices=targets,
                    help="target family" + (f", or a convert preset of one ({', '.join(presets)})" if presets else ""))
     c.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="dtype of the written weights: auto keeps the source's, or cast floating-point "
-                        "weights to float32, bfloat16 or float16 (default auto)")
+                   help="dtype of the written weights: auto keeps the source's (float32 for a GGUF source), or "
+                        "cast floating-point weights to float32, bfloat16 or float16 (default auto)")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     c.add_argument("--push-to-hub", metavar="REPO", help="then upload OUT to this Hub repo (org/name)")
     c.add_argument("--private", action="store_true", help="create the Hub repo private (with --push-to-hub)")
@@ -49,53 +76,66 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--eval-data", metavar="FILE",
                    help="then measure perplexity (output and source) and next-token KL to the source on this "
                         "held-out .txt/.jsonl/.json/.parquet file and write the table into the output's card")
-    c.add_argument("--eval-seq-len", type=int, nargs="+", metavar="L",
+    c.add_argument("--eval-seq-len", type=context_length, nargs="+", metavar="L",
                    help="context lengths of --eval-data (default: the budget and twice it for SPLA, else 1024 "
                         "and 2048, capped at the model's max_position_embeddings)")
-    c.add_argument("--eval-max-windows", type=int, default=8, metavar="N",
+    c.add_argument("--eval-max-windows", type=positive_int, default=8, metavar="N",
                    help="windows per length of --eval-data (default 8)")
-    c.add_argument("--eval-device", default="cpu", help="device of --eval-data: cpu, cuda, cuda:N or auto "
+    c.add_argument("--eval-device", default="cpu", metavar="DEVICE",
+                   help="device of --eval-data: cpu, cuda, cuda:N or auto "
                                                         "(default cpu)")
     p.family_dests = {}
     for name, (options, presets) in families.items():
-        said = "".join(f"; --to {p}: " + ", ".join(f"{k}={v}" for k, v in kw.items()) for p, kw in presets.items())
+        flag_of = {kw["dest"]: flag for flag, kw in options.items()}
+        said = "".join(f"; --to {p}: " + ", ".join(f"{flag_of.get(k, k)} {v}" for k, v in kw.items())
+                       for p, kw in presets.items())
         group = c.add_argument_group(f"{name} options (--to {name}{said})")
         p.family_dests[name] = []
         for flag, kw in options.items():
             kw = dict(kw)
             option = kw.pop("dest")  # the name `convert` receives; argparse's dest is unique per family
             if "choices" not in kw and kw.get("action") is None:
-                kw.setdefault("metavar", option.upper())
+                kw.setdefault("metavar", getattr(kw.get("type"), "metavar", "VALUE"))
             p.family_dests[name].append((flag, group.add_argument(flag, dest=f"{name}.{option}", **kw).dest, option))
     _adapt_parser(sub)
     e = sub.add_parser("eval", help="perplexity, passkey, needle, MQAR and KL of one or more models",
-                       description="Evaluate checkpoint folders (dense or converted): print a table, and write "
-                                   "JSON, one PNG plot per model and the model cards' Evaluation section on request.")
+                       description="Evaluate checkpoint folders (dense or converted): one progress bar over the "
+                                   "whole run, a table, and on request JSON (written after each task), one PNG "
+                                   "per metric with a line per model, and the model cards' Evaluation section. "
+                                   "The defaults take a few minutes for a 135M model on a 2-core CPU; a task "
+                                   "is left out at the lengths too short for it, and one line says so.")
     e.add_argument("models", nargs="+", metavar="MODEL", help="checkpoint folder(s) with tokenizer files")
     e.add_argument("--data", metavar="FILE", help="held-out .txt/.jsonl/.json/.parquet file (tasks ppl and kl)")
-    e.add_argument("--text-field", default="text", help="column of --data holding the text (default text)")
-    e.add_argument("--seq-len", type=int, nargs="+", default=[512, 1024, 2048], metavar="L",
-                   help="context lengths (default 512 1024 2048)")
-    e.add_argument("--tasks", default=None,
-                   help=f"comma list from {','.join(EVAL_TASKS)} (default: ppl,passkey,niah,mqar, plus kl with "
-                        "--reference; ppl needs --data)")
+    e.add_argument("--text-field", default="text", metavar="NAME",
+                   help="column of --data holding the text (default text)")
+    e.add_argument("--seq-len", type=context_length, nargs="+", default=list(EVAL_LENGTHS), metavar="L",
+                   help=f"context lengths (default {' '.join(map(str, EVAL_LENGTHS))})")
+    e.add_argument("--tasks", default=None, metavar="LIST",
+                   help=f"comma list from {','.join(EVAL_TASKS)} (default: passkey,niah,mqar, plus ppl with "
+                        "--data and kl with --reference)")
     e.add_argument("--reference", metavar="DIR", help="dense reference folder for kl (same tokenizer)")
-    e.add_argument("--json", metavar="FILE", help="write every result to this JSON file")
-    e.add_argument("--plot-dir", metavar="DIR", help="write one PNG plot per model into this folder")
+    e.add_argument("--json", metavar="FILE", help="write every result to this JSON file, after each task")
+    e.add_argument("--plot-dir", metavar="DIR",
+                   help="write one PNG per metric into this folder, a line per MODEL")
     e.add_argument("--card", action="store_true",
                    help="write the table into each MODEL's README.md card (its ## Evaluation section)")
-    e.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
+    e.add_argument("--device", default="auto", metavar="DEVICE", help="cpu, cuda, cuda:N or auto (default auto)")
     e.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights dtype (default: the folder's)")
-    e.add_argument("--max-windows", type=int, default=8, metavar="N",
+    e.add_argument("--max-windows", type=nonnegative_int, default=8, metavar="N",
                    help="ppl / kl: at most N windows per length (default 8; 0: every window)")
-    e.add_argument("--batch-size", type=int, default=1, metavar="B", help="ppl / kl windows per forward (default 1)")
-    e.add_argument("--trials", type=int, default=2, metavar="N",
-                   help="passkey / niah: prompts per length and depth (default 2)")
+    e.add_argument("--batch-size", type=positive_int, default=1, metavar="B",
+                   help="ppl / kl windows per forward (default 1)")
+    e.add_argument("--trials", type=positive_int, default=2, metavar="N",
+                   help="passkey / niah: prompts per length and depth (3 depths; default 2)")
     e.add_argument("--template", default="prose", choices=["prose", "code"],
                    help="passkey / niah prompts: prose or code (for models trained on source code; default prose)")
-    e.add_argument("--needles", type=int, default=4, metavar="N", help="niah: needles per prompt (default 4)")
-    e.add_argument("--seed", type=int, default=0, help="seed of the retrieval and MQAR prompts (default 0)")
-    e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    e.add_argument("--needles", type=int_at_least(1), default=4, metavar="N",
+                   help="niah: needles per prompt, 1 to 16 (default 4)")
+    e.add_argument("--mqar-examples", type=positive_int, default=8, metavar="N",
+                   help="mqar: sequences per length (default 8)")
+    e.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the retrieval and MQAR prompts (default 0)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
     u = sub.add_parser("push", help="upload a converted folder to the Hub")
     u.add_argument("folder", help="the converted folder (OUT of convert)")
     u.add_argument("repo", help="Hub repo id (org/name); created if missing")
@@ -103,61 +143,176 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="convert SmolLM2-135M to a family and compare generations with the dense model; "
                                     "keeps about 1 GB of checkpoints under ~/.cache/subquadratic")
     d.add_argument("--to", default="spla", choices=targets, help="target family (default spla)")
-    d.add_argument("--prompt", default=None, help="the short prompt (default: a question about the sky)")
-    d.add_argument("--max-new-tokens", type=int, default=40, help="tokens generated per case (default 40)")
-    d.add_argument("--workdir", default=None,
+    d.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="the short prompt (default: a question about the sky)")
+    d.add_argument("--max-new-tokens", type=positive_int, default=40, metavar="N",
+                   help="tokens generated per case (default 40)")
+    d.add_argument("--workdir", default=None, metavar="DIR",
                    help="where to keep the checkpoints (default ~/.cache/subquadratic, or $SUBQUADRATIC_CACHE)")
     return p
 
 
 def _adapt_parser(sub) -> None:
     a = sub.add_parser("adapt", help="train a converted model: attention transfer from the dense teacher, then "
-                                     "LM fine-tuning or distillation (accelerate launch for several GPUs)")
+                                     "distillation or LM fine-tuning (accelerate launch for several GPUs)")
     a.add_argument("student", help="the converted folder (OUT of convert, or of an earlier adapt)")
-    a.add_argument("--output-dir", "-o", required=True, help="where the adapted model, checkpoints and log go")
+    a.add_argument("--output-dir", "-o", required=True, metavar="DIR",
+                   help="where the adapted model, checkpoints and log go")
     a.add_argument("--data", nargs="+", required=True, metavar="PATH",
                    help="text / code / jsonl / json / parquet files, folders of them, or a cached Hub dataset")
-    a.add_argument("--teacher", help="the dense source checkpoint (for attention transfer and --loss kl)")
-    a.add_argument("--max-steps", type=int, default=1000, help="optimizer steps in all (default 1000)")
-    a.add_argument("--stage1-steps", type=int, default=None,
+    a.add_argument("--teacher", metavar="DIR",
+                   help="the dense source checkpoint (for attention transfer and --loss kl)")
+    a.add_argument("--max-steps", type=positive_int, default=1000, metavar="N",
+                   help="optimizer steps in all (default 1000)")
+    a.add_argument("--stage1-steps", type=nonnegative_int, default=None, metavar="N",
                    help="attention-transfer steps at the start (default: a quarter of --max-steps, rounded up, with "
                         "--teacher, else 0)")
-    a.add_argument("--loss", default="lm", choices=("lm", "kl"),
-                   help="stage 2: next-token loss, or KL to the teacher's next-token distribution (default lm)")
+    a.add_argument("--loss", default=None, choices=("lm", "kl"),
+                   help="stage 2: KL to the teacher's next-token distribution, or next-token loss (default kl with "
+                        "--teacher, else lm)")
     a.add_argument("--train", default="full", choices=("full", "mixer", "new", "lora"),
                    help="what trains: every parameter, the converted layers' mixers, only the parameters the "
                         "dense model lacks, or LoRA adapters + those (default full; stage 1 reaches only mixers)")
-    a.add_argument("--seq-len", type=int, default=2048, help="tokens per packed row (default 2048)")
-    a.add_argument("--batch-size", type=int, default=8, help="rows per micro-batch and process (default 8)")
-    a.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    a.add_argument("--lr", type=float, default=1e-4, help="stage 2 peak learning rate (default 1e-4)")
-    a.add_argument("--stage1-lr", type=float, default=1e-3, help="stage 1 peak learning rate (default 1e-3)")
-    a.add_argument("--warmup-ratio", type=float, default=0.05, help="warmup share of each stage (default 0.05)")
-    a.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay of matrices (default 0)")
-    a.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping, 0 = off (default 1)")
+    a.add_argument("--seq-len", type=context_length, default=2048, metavar="L",
+                   help="tokens per packed row (default 2048)")
+    a.add_argument("--batch-size", type=positive_int, default=8, metavar="B",
+                   help="rows per micro-batch and process (default 8)")
+    a.add_argument("--grad-accum", type=positive_int, default=1, metavar="N",
+                   help="micro-batches per optimizer step (default 1)")
+    a.add_argument("--lr", type=float, default=1e-4, metavar="LR", help="stage 2 peak learning rate (default 1e-4)")
+    a.add_argument("--stage1-lr", type=float, default=1e-3, metavar="LR",
+                   help="stage 1 peak learning rate (default 1e-3)")
+    a.add_argument("--warmup-ratio", type=float, default=0.05, metavar="R",
+                   help="warmup share of each stage (default 0.05)")
+    a.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
+                   help="AdamW weight decay of matrices (default 0)")
+    a.add_argument("--max-grad-norm", type=float, default=1.0, metavar="NORM",
+                   help="gradient clipping, 0 = off (default 1)")
     a.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"),
                    help="autocast precision (weights stay float32; default no)")
     a.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    a.add_argument("--lora-rank", type=int, default=16, help="LoRA rank with --train lora (default 16)")
-    a.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha with --train lora (default 32)")
-    a.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (default 500)")
-    a.add_argument("--save-total-limit", type=int, default=2, help="checkpoints kept (default 2)")
+    a.add_argument("--lora-rank", type=positive_int, default=16, metavar="R",
+                   help="LoRA rank with --train lora (default 16)")
+    a.add_argument("--lora-alpha", type=float, default=32.0, metavar="ALPHA",
+                   help="LoRA alpha with --train lora (default 32)")
+    a.add_argument("--save-every", type=positive_int, default=500, metavar="N",
+                   help="checkpoint every N steps (default 500)")
+    a.add_argument("--save-total-limit", type=positive_int, default=2, metavar="N",
+                   help="checkpoints kept (default 2)")
     a.add_argument("--keep-checkpoints", action="store_true", help="keep OUT/checkpoints after the run ends")
     a.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
     a.add_argument("--overwrite", action="store_true", help="start anew in a non-empty OUT")
-    a.add_argument("--text-field", default="text", help="column holding the text in jsonl / parquet data")
+    a.add_argument("--text-field", default="text", metavar="NAME",
+                   help="column holding the text in jsonl / parquet data")
     a.add_argument("--text-unit", default="document", choices=("document", "paragraph", "line"),
                    help="one document per text file, paragraph or line (default document)")
-    a.add_argument("--num-proc", type=int, default=None, metavar="N",
+    a.add_argument("--num-proc", type=positive_int, default=None, metavar="N",
                    help="processes that tokenise the data (default one; more for corpora of many MB)")
     a.add_argument("--eval-data", metavar="FILE",
                    help="held-out text evaluated at the end (perplexity, KL to --teacher) into OUT's model card")
-    a.add_argument("--eval-seq-len", type=int, nargs="+", metavar="L",
+    a.add_argument("--eval-seq-len", type=context_length, nargs="+", metavar="L",
                    help="context lengths of --eval-data (default: the SPLA budget and twice it, else 1024 2048)")
-    a.add_argument("--eval-max-windows", type=int, default=8, metavar="N",
+    a.add_argument("--eval-max-windows", type=positive_int, default=8, metavar="N",
                    help="windows per length of --eval-data (default 8)")
-    a.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    a.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# --- what is checked before the heavy imports ----------------------------------------------------
+
+
+def _family_options(parser, args) -> dict:
+    """The family options given to `convert`: {option: value}; one of another family is refused."""
+    options = {}
+    for fam, dests in parser.family_dests.items():
+        for flag, dest, option in dests:
+            value = getattr(args, dest)
+            if value is None:
+                continue
+            if fam != parser.target_family[args.to]:
+                raise InputProblem(f"{flag} is an option of --to {fam}, not --to {args.to}")
+            options[option] = value
+    return options
+
+
+def _precheck(parser, args) -> None:
+    """Every check of `args` that needs no model (no torch, no Transformers)."""
+    if args.command == "convert":
+        _family_options(parser, args)
+        if args.private and not args.push_to_hub:
+            raise InputProblem("--private applies to --push-to-hub REPO; add it or drop --private")
+        if args.push_to_hub:
+            _check(checks.repo_id_problem(args.push_to_hub, "--push-to-hub"))
+        _check(checks.source_problem(args.src))
+        _check(checks.output_problem(args.out, args.overwrite, args.src))
+        _check(checks.file_problem(args.eval_data, "--eval-data"))
+        _check(checks.device_problem(args.eval_device))
+    elif args.command == "adapt":
+        _check(checks.adapt_problem(args))
+        _check(checks.file_problem(args.eval_data, "--eval-data"))
+    elif args.command == "eval":
+        _eval_tasks(args)
+        for m in args.models:
+            _check(checks.checkpoint_problem(m))
+        if args.reference:
+            _check(checks.checkpoint_problem(args.reference, "--reference"))
+        _check(checks.file_problem(args.data, "--data"))
+        _check(checks.device_problem(args.device))
+        if args.needles > 16:  # evaluation.retrieval.KEYS
+            raise InputProblem(f"--needles must be in 1..16, got {args.needles}")
+        if args.plot_dir:
+            import importlib.util
+
+            if importlib.util.find_spec("matplotlib") is None:
+                raise InputProblem("--plot-dir needs matplotlib: pip install matplotlib (or pip install "
+                                   "'subquadratic[eval]'), or leave out --plot-dir")
+    elif args.command == "push":
+        _check(checks.checkpoint_problem(args.folder, "folder"))
+        _check(checks.repo_id_problem(args.repo))
+
+
+def _eval_tasks(args) -> list[str]:
+    """The tasks of `eval`: --tasks as given, checked; by default passkey, niah and mqar, with ppl when
+    --data is given and kl when --reference is."""
+    if args.tasks is None:
+        return (["ppl"] if args.data else []) + ["passkey", "niah", "mqar"] + (["kl"] if args.reference else [])
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    bad = [t for t in tasks if t not in EVAL_TASKS]
+    if bad or not tasks:
+        raise InputProblem(f"unknown task(s) {', '.join(bad) or '(none)'}; choose from {','.join(EVAL_TASKS)}")
+    if {"ppl", "kl"} & set(tasks) and not args.data:
+        raise InputProblem("tasks ppl and kl need held-out text: pass --data FILE")
+    if "kl" in tasks and not args.reference:
+        raise InputProblem("task kl needs a reference model: pass --reference DIR (the dense source)")
+    if args.reference and "kl" not in tasks:
+        raise InputProblem("--reference is used by task kl only; add kl to --tasks or drop --reference")
+    return tasks
+
+
+def _unknown_option(parser, args, extras: list[str]) -> str:
+    """The message for arguments argparse did not recognise: the nearest real option where there is
+    one (an old family option without its prefix, `--block-size`, gets `--spla-block-size`)."""
+    word = next((a.split("=")[0] for a in extras if a.startswith("-")), None)
+    if word is None:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    command = parser.commands[args.command]
+    flags = [s for a in command._actions for s in a.option_strings if s.startswith("--")]
+    renamed = []
+    if args.command == "convert":
+        target = parser.target_family.get(getattr(args, "to", None))
+        renamed = [flag for fam, dests in parser.family_dests.items() for flag, _, _ in dests
+                   if flag.endswith("-" + word.lstrip("-")) and flag.startswith(f"--{fam}-")
+                   and fam == (target or fam)]
+    near = renamed or difflib.get_close_matches(word, flags, n=2, cutoff=0.6)
+    if not near:
+        return f"unrecognized argument {word}"
+    said = " or ".join(near)
+    if renamed:
+        return f"unrecognized argument {word}: did you mean {said}? (family options carry the family's prefix)"
+    return f"unrecognized argument {word}: did you mean {said}?"
+
+
+# --- the commands -----------------------------------------------------------------------------------
 
 
 def _adapt(args) -> None:
@@ -181,7 +336,6 @@ def _adapt(args) -> None:
 def _adapt_card_evaluation(args):
     """`adapt --eval-data`: the hook that measures the adapted folder's perplexity (with --teacher, also
     the teacher's and the KL to it) once training ends, and writes the table into its card."""
-    _check_eval_data(args)
 
     def hook(out, device) -> None:
         from .evaluation import evaluate, evaluate_conversion, load_model, write_card_evaluation
@@ -197,19 +351,6 @@ def _adapt_card_evaluation(args):
         write_card_evaluation(out, results, note=note)
 
     return hook
-
-
-def _check_eval_data(args) -> None:
-    """The --eval-* flags of convert and adapt, checked before any work."""
-    from pathlib import Path
-
-    from .data import DataError
-    from .evaluation import EvaluationError
-
-    if not Path(args.eval_data).expanduser().is_file():
-        raise DataError(f"--eval-data {args.eval_data} does not exist; give a .txt, .jsonl, .json or .parquet file")
-    if args.eval_max_windows < 1 or any(L < 2 for L in args.eval_seq_len or []):
-        raise EvaluationError("--eval-max-windows must be >= 1 and --eval-seq-len values >= 2")
 
 
 def _one_line(text: str) -> str:
@@ -234,25 +375,24 @@ def _push(folder, repo: str, private: bool) -> str:
         ) from None
 
 
-def _convert(parser, args) -> None:
+def _flags_for_fields(parser, args, message: str) -> str:
+    """A config error of `convert` with the target family's field names spelled as its flags
+    ("top_k_blocks (2) is smaller ..." -> "--spla-top-k-blocks (2) is smaller ...")."""
+    for flag, _, option in parser.family_dests[parser.target_family[args.to]]:
+        message = re.sub(rf"(?<![\w-]){re.escape(option)}(?![\w-])", flag, message)
+    return message
+
+
+def _convert(parser, args, command: str) -> None:
     from .conversion import ConversionError, convert
 
-    options = {}
-    for fam, dests in parser.family_dests.items():
-        for flag, dest, option in dests:
-            value = getattr(args, dest)
-            if value is None:
-                continue
-            if fam != parser.target_family[args.to]:
-                raise ConversionError(f"{flag} is an option of --to {fam}, not --to {args.to}")
-            options[option] = value
-    if args.private and not args.push_to_hub:
-        raise ConversionError("--private applies to --push-to-hub REPO; add it or drop --private")
-    before_finish = None
-    if args.eval_data:
-        before_finish = _card_evaluation(args)
-    out = convert(args.src, args.out, args.to, options=options, dtype=args.dtype,
-                  overwrite=args.overwrite, progress=not args.no_progress, before_finish=before_finish)
+    before_finish = _card_evaluation(args) if args.eval_data else None
+    try:
+        out = convert(args.src, args.out, args.to, options=_family_options(parser, args), dtype=args.dtype,
+                      overwrite=args.overwrite, progress=not args.no_progress, before_finish=before_finish,
+                      command=command)
+    except ConversionError as e:
+        raise ConversionError(_flags_for_fields(parser, args, str(e))) from None
     print(f"wrote {out}")
     if args.push_to_hub:
         print(f"pushed to {_push(out, args.push_to_hub, args.private)}")
@@ -260,7 +400,6 @@ def _convert(parser, args) -> None:
 
 def _card_evaluation(args):
     """`convert --eval-data`: the hook that evaluates the finished temporary folder and writes its card."""
-    _check_eval_data(args)
 
     def hook(folder, src_folder) -> None:
         from .evaluation import evaluate_conversion, markdown_table, write_card_evaluation
@@ -282,7 +421,9 @@ def _card_evaluation(args):
 def _eval(args) -> None:
     from pathlib import Path
 
-    from .data import DataError
+    from tqdm.auto import tqdm
+
+    from .data import load_stream
     from .evaluation import (
         EvaluationError,
         evaluate,
@@ -292,45 +433,68 @@ def _eval(args) -> None:
         write_card_evaluation,
         write_json,
     )
-    from .evaluation.suite import check_tasks, resolve_device
+    from .evaluation.suite import load_tokenizer, plan, resolve_device, skipped_line
 
-    tasks = check_tasks((args.tasks or "ppl,passkey,niah,mqar" + (",kl" if args.reference else "")).split(","))
-    if args.max_windows < 0 or args.batch_size < 1 or args.trials < 1 or args.needles < 1:
-        raise EvaluationError("--max-windows must be >= 0 and --batch-size, --trials, --needles >= 1")
-    if args.reference and "kl" not in tasks:
-        raise EvaluationError("--reference is used by task kl only; add kl to --tasks or drop --reference")
-    for m in args.models:
-        if not (Path(m).expanduser() / "config.json").is_file():
-            raise EvaluationError(f"{m} is not a checkpoint folder (no config.json); give local folders")
-    if args.data and not Path(args.data).expanduser().is_file():
-        raise DataError(f"--data {args.data} does not exist; give a .txt, .jsonl, .json or .parquet file")
-    if args.plot_dir:
-        from .evaluation.report import require_matplotlib
-
-        require_matplotlib()  # fail before the work, not after it
+    tasks = _eval_tasks(args)
     resolve_device(args.device)
     if args.no_progress:
         from transformers.utils import logging
 
         logging.disable_progress_bar()
+    settings = dict(max_windows=args.max_windows or None, trials=args.trials, template=args.template,
+                    num_needles=args.needles, mqar_examples=args.mqar_examples)
+    work, skipped = [], {}  # per model: (tokenizer, token stream, jobs); what is left out, why
+    for m in args.models:  # the plan of the whole run, from the tokenizers alone
+        tokenizer = load_tokenizer(m)
+        stream = load_stream(args.data, tokenizer, args.text_field) if {"ppl", "kl"} & set(tasks) else None
+        jobs, left_out = plan(tokenizer, tasks, args.seq_len, stream_tokens=None if stream is None else stream.numel(),
+                              **settings)
+        work.append((stream, jobs))
+        skipped.update(left_out)
+    if args.tasks is None and not args.data:
+        skipped = {"ppl": "(needs --data)", **skipped}
+    planned = {j.task for _, jobs in work for j in jobs}
+    asked = [t for t in tasks if t not in planned]
+    if asked and (args.tasks is not None or not planned):  # a task asked for that runs nowhere
+        raise EvaluationError(f"every length is too short for {', '.join(asked)}: {skipped_line(skipped)}; "
+                              "add a longer --seq-len or leave the task out of --tasks")
+    if skipped:
+        print(skipped_line(skipped), file=sys.stderr)
     reference = None
     if "kl" in tasks:
-        if not args.reference:
-            raise EvaluationError("task kl needs a reference model: pass --reference DIR (the dense source)")
         reference, _ = load_model(args.reference, device=args.device, dtype=args.dtype)
-    results = []
-    for m in args.models:
-        model, tokenizer = load_model(m, device=args.device, dtype=args.dtype)
-        results.append(evaluate(
-            model, tokenizer, name=m, tasks=tasks, seq_lens=args.seq_len, data=args.data, reference=reference,
-            max_windows=args.max_windows or None, batch_size=args.batch_size, trials=args.trials,
-            template=args.template, num_needles=args.needles, text_field=args.text_field, seed=args.seed,
-            progress=not args.no_progress,
-        ))
-        del model
+    results: list[dict] = []
+    running: list[dict] = []  # the result of the model being evaluated, as far as it got
+
+    def save(partial: dict) -> None:  # after each task at each length
+        partial["settings"]["data"] = args.data
+        running[:] = [partial]
+        if args.json:
+            write_json([*results, partial], args.json)
+
+    bar = tqdm(total=sum(j.tokens for _, jobs in work for j in jobs), desc="eval", unit="tok", unit_scale=True,
+               disable=args.no_progress)
+    try:
+        for m, (stream, _) in zip(args.models, work, strict=True):
+            model, tokenizer = load_model(m, device=args.device, dtype=args.dtype)
+            running.clear()
+            results.append(evaluate(model, tokenizer, name=m, tasks=tasks, seq_lens=args.seq_len, data=stream,
+                                    reference=reference, batch_size=args.batch_size, seed=args.seed,
+                                    progress=bar, on_result=save, **settings))
+            running.clear()
+            del model
+    except BaseException:  # an error or an interruption: what was measured is shown, and kept in --json
+        bar.close()
+        done = [*results, *running]
+        if done:
+            print(markdown_table(done))
+            if args.json:
+                print(f"kept in {args.json}: every task finished before the run stopped")
+        raise
+    bar.close()
     print(markdown_table(results))
     if args.json:
-        print(f"wrote {write_json(results, args.json)}")
+        print(f"wrote {args.json}")
     if args.plot_dir:
         for path in plot_results(results, args.plot_dir):
             print(f"wrote {path}")
@@ -339,15 +503,26 @@ def _eval(args) -> None:
             print(f"wrote {write_card_evaluation(r['model'], {**r, 'model': Path(r['model']).name})}")
 
 
+def _fail(command: str | None, message: str) -> int:
+    print(f"subquadratic{' ' + command if command else ''}: error: {_one_line(message)}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    from .conversion import ConversionError  # imports torch: only once a command runs
-    from .evaluation import EvaluationError
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        parser.commands[args.command].error(_unknown_option(parser, args, extras))
+    try:
+        _precheck(parser, args)
+    except InputProblem as e:
+        return _fail(args.command, str(e))
+    from .checks import InputError
 
     try:
         if args.command == "convert":
-            _convert(parser, args)
+            _convert(parser, args, shlex.join(["subquadratic", *argv]))
         elif args.command == "adapt":
             _adapt(args)
         elif args.command == "eval":
@@ -355,28 +530,15 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "push":
             from pathlib import Path
 
-            folder = Path(args.folder)
-            if not (folder / "config.json").is_file():
-                raise ConversionError(f"{folder} has no config.json; give the folder that convert wrote")
-            print(f"pushed to {_push(folder, args.repo, args.private)}")
+            print(f"pushed to {_push(Path(args.folder), args.repo, args.private)}")
         elif args.command == "demo":
             from .demo import run_demo
 
             run_demo(to=args.to, prompt=args.prompt, max_new_tokens=args.max_new_tokens, workdir=args.workdir)
-    except (ConversionError, EvaluationError) as e:
-        print(f"subquadratic: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # AdaptError, DataError: bad settings or data
-        from .adaptation import AdaptError
-        from .data import DataError
-
-        if not isinstance(e, AdaptError | DataError):
-            raise
-        print(f"subquadratic: error: {_one_line(e)}", file=sys.stderr)
-        return 2
+    except InputError as e:  # ConversionError, EvaluationError, AdaptError, DataError
+        return _fail(args.command, str(e))
     except OSError as e:  # disk full, permissions: nothing was left half-written (convert writes atomically)
-        print(f"subquadratic: error: {_one_line(e)}; check the path, its permissions and free space", file=sys.stderr)
-        return 2
+        return _fail(args.command, f"{_one_line(e)}; check the path, its permissions and free space")
     return 0
 
 

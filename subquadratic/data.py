@@ -24,6 +24,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .checks import InputError
+
 if TYPE_CHECKING:
     import torch
     from datasets import Dataset
@@ -37,7 +39,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """Data that cannot be used (a file that does not exist or does not parse, no text, too few
     tokens): the message names the problem and the fix, printed as one line with exit status 2."""
 
@@ -62,6 +64,21 @@ def _expand(source: str) -> list[Path]:
     if path.is_file():
         return [path]
     return []
+
+
+def source_problem(source: str) -> str | None:
+    """The problem with one `--data` source that needs no reading (a path that does not exist, or
+    is neither a file nor a folder), or None; a name that is not a path is taken for a cached Hub
+    dataset."""
+    path = Path(source).expanduser()
+    if path.exists():
+        if not (path.is_file() or path.is_dir()):
+            return (f"{source} is neither a readable file nor a folder; give text, jsonl or parquet files or a "
+                    "folder of them")
+        return None
+    if source.startswith(("/", ".", "~")) or Path(source).suffix:
+        return f"{source} does not exist; check the path"
+    return None
 
 
 def load_texts(sources: str | os.PathLike | Sequence[str | os.PathLike], text_field: str = "text",
@@ -98,11 +115,8 @@ def _load_texts(sources, text_field, text_unit, split, load_dataset, concatenate
     for source in sources:
         files = _expand(source)
         if not files:
-            if Path(source).expanduser().exists():
-                raise DataError(f"{source} is neither a readable file nor a folder; give text, jsonl or parquet "
-                                "files or a folder of them")
-            if source.startswith(("/", ".", "~")) or Path(source).suffix:
-                raise DataError(f"{source} does not exist; check the path")
+            if (problem := source_problem(source)) is not None:
+                raise DataError(problem)
             try:
                 ds = load_dataset(source, split=split)
             except Exception as e:

@@ -1,11 +1,16 @@
-"""The command line: every failure is one line naming the problem and the fix, exit status 2, and
-nothing half-written; a failed push keeps the complete folder and says how to push it later;
-`convert --help` answers without importing torch."""
+"""The command line: every failure is one line, `subquadratic COMMAND: error: ...`, naming the
+problem and the fix, exit status 2, and nothing half-written; what needs no model is refused before
+torch is imported (in well under a second), an unknown or renamed option gets the nearest real one;
+a failed push keeps the complete folder and says how to push it later; `--help` answers without
+importing torch and shows readable value names."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -24,10 +29,14 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
 
+#: the one error prefix: the command's name, then "error:"
+ERROR_PREFIX = re.compile(r"^subquadratic( (convert|adapt|eval|push|demo))?: error: ")
+
+
 def one_error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
-    assert lines[0].startswith("subquadratic"), err
+    assert ERROR_PREFIX.match(lines[0]), err
     return lines[0]
 
 
@@ -42,12 +51,116 @@ def test_help_is_fast_lists_every_family_and_imports_no_torch():
         assert flag in r.stdout
     assert "float16" in r.stdout and "source's" in r.stdout  # --dtype says what it does
     assert elapsed < 2.0, f"convert --help took {elapsed:.1f} s"
+    for command in ("convert", "adapt", "eval", "push", "demo"):  # no internal names as value names
+        shown = r.stdout if command == "convert" else run_cli("-m", "subquadratic", command, "--help").stdout
+        assert not re.findall(r"(?<!\$)\b[A-Z0-9]+_[A-Z0-9_]+\b", shown), shown
+    for shown in ("--spla-block-size N", "--sse-partitions N", "--sse-top-k K", "--hla-softmax-layers I,J",
+                  "--sse-softmax-every 6"):  # value names, and the preset said in flags
+        assert shown in r.stdout
+
+
+def test_top_level_help_says_the_whole_first_sentence():
+    r = run_cli("-m", "subquadratic", "--help")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "`eval` models, `push` a folder to the Hub, `demo` the embedded default." in text
+
+
+def test_the_light_tables_of_the_command_line_follow_the_evaluation_suite():
+    from subquadratic.cli import EVAL_LENGTHS, EVAL_TASKS
+    from subquadratic.evaluation.retrieval import KEYS
+    from subquadratic.evaluation.suite import DEFAULT_LENGTHS, TASKS
+
+    assert EVAL_TASKS == TASKS and EVAL_LENGTHS == DEFAULT_LENGTHS and len(KEYS) == 16  # --needles 1..16
+
+
+def _folder(path: Path, config: dict | None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_input_errors_are_refused_before_torch_is_imported(tmp_path):
+    """Every mistake that needs no model: one line with the fix, exit 2, torch never imported, each
+    answered well under a second (the whole command, interpreter start included, is timed too)."""
+    dense = _folder(tmp_path / "dense", {"model_type": "llama"})
+    student = _folder(tmp_path / "student", {"model_type": "spla"})
+    full = _folder(tmp_path / "full", None)
+    (full / "x").write_text("x")
+    text = tmp_path / "a.txt"
+    text.write_text("hello")
+    d, s, f, t = map(str, (dense, student, full, text))
+    cases = [
+        (["convert", d, f, "--to", "spla"], "output " + f + " is not empty; pass --overwrite"),
+        (["convert", d, "o", "--to", "spla", "--spla-block-size", "48"],
+         "argument --spla-block-size: 48 is not a power of two; give 32 or 64"),
+        (["convert", d, "o", "--to", "spla", "--block-size", "64"], "did you mean --spla-block-size?"),
+        (["convert", d, "o", "--to", "spla", "--top-k-blocks", "8"], "did you mean --spla-top-k-blocks?"),
+        (["convert", d, "o", "--to", "sse-h", "--softmax-every", "3"], "did you mean --sse-softmax-every?"),
+        (["convert", d, "o", "--to", "spla", "--spla-blok-size", "8"], "did you mean --spla-block-size"),
+        (["convert", d, "o", "--to", "spla", "--sse-top-k", "2"], "--sse-top-k is an option of --to sse"),
+        (["convert", d, "o", "--to", "hla", "--hla-softmax-layers", "1;2"], "not a comma list of layer indices"),
+        (["convert", str(tmp_path / "none"), "o", "--to", "spla"], "does not exist; give a checkpoint folder"),
+        (["convert", t, "o", "--to", "spla"], "is a file; give the checkpoint folder (or a .gguf file)"),
+        (["convert", d, "o", "--to", "spla", "--push-to-hub", "bad id!!"], "is not a valid Hub repo id"),
+        (["convert", d, "o", "--to", "spla", "--private"], "--private applies to --push-to-hub"),
+        (["convert", d, "o", "--to", "spla", "--eval-data", "none.txt"], "--eval-data none.txt does not exist"),
+        (["push", s, "bad id!!"], "REPO 'bad id!!' is not a valid Hub repo id"),
+        (["push", f, "me/x"], "is not a checkpoint folder (no config.json)"),
+        (["adapt", s, "-o", f, "--data", t], "is not empty; pass --resume to continue its run or --overwrite"),
+        (["adapt", s, "-o", "o", "--data", str(tmp_path / "missing.txt")], "missing.txt does not exist"),
+        (["adapt", s, "-o", "o", "--data", t, "--loss", "kl"], "--loss kl distils from the dense model"),
+        (["adapt", d, "-o", "o", "--data", t], "is a llama model, not a converted one; convert it first"),
+        (["adapt", s, "-o", "o", "--data", t, "--teacher", f], "has no config.json"),
+        (["adapt", s, "-o", "o", "--data", t, "--max-steps", "0"], "argument --max-steps: 0 is below 1"),
+        (["eval", s, "--tasks", "ppl"], "tasks ppl and kl need held-out text: pass --data FILE"),
+        (["eval", s, "--tasks", "mqar,bleu"], "unknown task(s) bleu"),
+        (["eval", f], "is not a checkpoint folder (no config.json)"),
+        (["eval", s, "--device", "gpu0"], "unknown device 'gpu0'"),
+        (["eval", s, "--needles", "17"], "--needles must be in 1..16"),
+        (["eval", s, "--seq-ln", "64"], "did you mean --seq-len?"),
+        (["eval", s, "--seq-len", "1"], "argument --seq-len: 1 is below 2"),
+        (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: 0 is below 1"),
+    ]
+    code = textwrap.dedent(f"""
+        import contextlib, io, json, sys, time
+        from subquadratic.cli import main
+        out = []
+        for argv, _ in {cases!r}:
+            err = io.StringIO()
+            t0 = time.perf_counter()
+            with contextlib.redirect_stderr(err):
+                try:
+                    code = main(argv)
+                except SystemExit as e:
+                    code = e.code
+            out.append((code, err.getvalue(), time.perf_counter() - t0))
+        heavy = sorted(m for m in ("torch", "transformers", "datasets", "safetensors") if m in sys.modules)
+        print(json.dumps({{"results": out, "heavy": heavy}}))
+    """)
+    t0 = time.perf_counter()
+    r = run_cli("-c", code)
+    elapsed = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.splitlines()[-1])
+    assert report["heavy"] == []  # no check imported torch, Transformers or datasets
+    for (argv, expect), (code, err, seconds) in zip(cases, report["results"], strict=True):
+        assert code == 2, (argv, err)
+        assert expect in one_error_line(err), (argv, err)
+        assert seconds < 0.5, (argv, seconds)
+    assert elapsed < 5.0, f"{len(cases)} refusals took {elapsed:.1f} s in one interpreter"
+    one = time.perf_counter()
+    r = run_cli("-m", "subquadratic", "convert", d, f, "--to", "spla")
+    assert r.returncode == 2 and "is not empty" in one_error_line(r.stderr)
+    assert time.perf_counter() - one < 2.0  # the whole command, interpreter start included
 
 
 @pytest.mark.parametrize(("argv", "expect"), [
     (["convert", "a", "b", "--to", "spla2"], "invalid choice: 'spla2' (choose from 'hla', 'spla', 'sse', 'sse-h')"),
     (["convert", "a", "b"], "required: --to"),
-    (["convert", "a", "b", "--to", "spla", "--spla-block-size", "x"], "invalid int value: 'x'"),
+    (["convert", "a", "b", "--to", "spla", "--spla-block-size", "x"], "argument --spla-block-size: 'x' is not an "
+                                                                      "integer"),
     (["nope"], "invalid choice: 'nope'"),
 ])
 def test_usage_errors_are_one_line(argv, expect, capsys):
@@ -70,27 +183,33 @@ def _no_leftovers(folder: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(("extra", "expect"), [
-    (["--spla-block-size", "3"], "block_size must be a power of two"),
-    (["--sse-top-k", "2"], "--sse-top-k is an option of --to sse, not --to spla"),
-    (["--private"], "--private applies to --push-to-hub"),
+    # a setting the config refuses, its field names spelled as the flags
+    (["--spla-top-k-blocks", "2"], "subquadratic convert: error: invalid settings: --spla-top-k-blocks (2) is "
+                                   "smaller than sink + local blocks (1 + 2); raise --spla-top-k-blocks"),
+    (["--spla-sink-blocks", "0", "--spla-local-blocks", "1", "--spla-top-k-blocks", "1"], None),
 ])
 def test_conversion_errors_are_one_line_and_write_nothing(dense_checkpoint, tmp_path, capsys, extra, expect):
     _, src = dense_checkpoint("llama")
     out = tmp_path / "out"
     capsys.readouterr()
-    assert main(["convert", str(src), str(out), "--to", "spla", "--no-progress", *extra]) == 2
+    code = main(["convert", str(src), str(out), "--to", "spla", "--no-progress", *extra])
+    if expect is None:  # the smallest valid setting converts
+        assert code == 0 and out.is_dir()
+        return
+    assert code == 2
     assert expect in one_error_line(capsys.readouterr().err)
     assert not out.exists() and not _no_leftovers(tmp_path)
 
 
-def test_gguf_source_gets_a_hint(tmp_path, capsys):
+def test_a_file_that_is_not_gguf_is_one_line(tmp_path, capsys):
     (tmp_path / "smollm2").mkdir()
     gguf = tmp_path / "smollm2" / "model-q4.gguf"
     gguf.write_bytes(b"GGUF")
     for src in (gguf, gguf.parent):
-        assert main(["convert", str(src), str(tmp_path / "out"), "--to", "spla"]) == 2
+        assert main(["convert", str(src), str(tmp_path / "out"), "--to", "spla", "--no-progress"]) == 2
         line = one_error_line(capsys.readouterr().err)
-        assert "GGUF" in line and "gguf_file='model-q4.gguf'" in line and "save_pretrained" in line
+        assert "model-q4.gguf is not a readable GGUF file" in line and "download it again" in line
+    assert not (tmp_path / "out").exists() and not _no_leftovers(tmp_path)
 
 
 def test_mistyped_hub_id_is_one_line(tmp_path, capsys, monkeypatch):
@@ -143,4 +262,21 @@ def test_failed_push_keeps_the_complete_folder_and_says_how_to_push_later(dense_
     assert main(["push", str(out), "me/llama-spla", "--private"]) == 0
     assert uploads[0]["folder_path"] == str(out) and uploads[0]["repo_id"] == "me/llama-spla"
     assert main(["push", str(tmp_path), "me/x"]) == 2
-    assert "has no config.json" in one_error_line(capsys.readouterr().err)
+    assert "no config.json" in one_error_line(capsys.readouterr().err)
+
+
+def test_push_to_an_invalid_repo_id_is_refused_offline(dense_checkpoint, tmp_path, capsys, monkeypatch):
+    """No login and no network before the id is known to be valid (huggingface_hub's own check)."""
+    import huggingface_hub
+
+    def online(*a, **kw):
+        raise AssertionError("went online")
+
+    for name in ("create_repo", "upload_folder", "whoami"):
+        monkeypatch.setattr(huggingface_hub.HfApi, name, online)
+    _, src = dense_checkpoint("llama")
+    capsys.readouterr()
+    for repo in ("me/bad name", "a/b/c", "me/x--y"):
+        assert main(["push", str(src), repo]) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert line.startswith("subquadratic push: error: REPO") and "is not a valid Hub repo id" in line

@@ -3,8 +3,10 @@ clear DataError for every kind of unusable data."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,12 +92,14 @@ def test_one_dtype_map():
 
 
 def test_the_module_imports_neither_torch_nor_datasets():
-    """The command line reads DTYPE_CHOICES for --help: the module itself (loaded alone, without the
-    package) leaves torch and datasets unimported."""
-    import subquadratic.data
+    """The command line reads DTYPE_CHOICES for --help and runs the checks that need no model before
+    anything heavy: importing `subquadratic.data` and `subquadratic.checks` leaves torch, datasets and
+    Transformers unimported."""
+    import subquadratic
 
-    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('data', sys.argv[1]); "
-            "spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
+    code = ("import sys; import subquadratic.data, subquadratic.checks; "
             "print(sorted({'torch', 'datasets', 'transformers'} & set(sys.modules)))")
-    r = subprocess.run([sys.executable, "-c", code, subquadratic.data.__file__], capture_output=True, text=True)
+    root = str(Path(subquadratic.__file__).parent.parent)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                       env={**os.environ, "PYTHONPATH": root})
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr

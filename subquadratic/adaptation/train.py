@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from ..cards import replace_section
+from ..checks import STATE_FILE, InputError, adapt_problem, latest_checkpoint
 from ..data import IGNORE_INDEX, batches, load_texts, tokenize_and_pack, torch_dtype
 
 LOG_FILE = "adapt_log.jsonl"
-STATE_FILE = "trainer_state.json"
 TRAIN_CHOICES = ("full", "mixer", "new", "lora")
 LOSS_CHOICES = ("lm", "kl")
 #: the compute dtype (a `data.DTYPE_NAMES` name) of each --mixed-precision choice
@@ -49,7 +49,7 @@ COMPUTE_DTYPES = {"no": "float32", "bf16": "bfloat16", "fp16": "float16"}
 PRECISION_CHOICES = tuple(COMPUTE_DTYPES)
 
 
-class AdaptError(ValueError):
+class AdaptError(InputError):
     """A problem with the user's input to `adapt`: one line naming the problem and the fix."""
 
 
@@ -64,7 +64,8 @@ class AdaptConfig:
     max_steps: int = 1000
     #: attention-transfer steps at the start (default: a quarter of max_steps, rounded up, with a teacher; else 0)
     stage1_steps: int | None = None
-    loss: str = "lm"
+    #: the stage-2 loss (default: kl with a teacher, else lm)
+    loss: str | None = None
     train: str = "full"
     seq_len: int = 2048
     batch_size: int = 8
@@ -93,6 +94,10 @@ class AdaptConfig:
     stop_after: int | None = None
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.loss is None:
+            self.loss = "kl" if self.teacher is not None else "lm"
+
     def check(self) -> None:
         if self.train not in TRAIN_CHOICES:
             raise AdaptError(f"unknown --train {self.train!r}; use {', '.join(TRAIN_CHOICES)}")
@@ -100,35 +105,11 @@ class AdaptConfig:
             raise AdaptError(f"unknown --loss {self.loss!r}; use {', '.join(LOSS_CHOICES)}")
         if self.mixed_precision not in PRECISION_CHOICES:
             raise AdaptError(f"unknown --mixed-precision {self.mixed_precision!r}; use {', '.join(PRECISION_CHOICES)}")
-        for name in ("max_steps", "seq_len", "batch_size", "grad_accum", "save_every", "save_total_limit"):
-            if getattr(self, name) < 1:
-                raise AdaptError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.num_proc is not None and self.num_proc < 1:
-            raise AdaptError(f"--num-proc must be at least 1, got {self.num_proc}")
-        if self.stage1_steps is not None and not 0 <= self.stage1_steps <= self.max_steps:
-            raise AdaptError(f"--stage1-steps must lie in 0..--max-steps ({self.max_steps}), got {self.stage1_steps}")
-        if self.teacher is None and self.loss == "kl":
-            raise AdaptError("--loss kl distils from the dense model: give it with --teacher")
-        if self.teacher is None and self.stage1_steps:
-            raise AdaptError("attention transfer (--stage1-steps) matches the dense layers: give them with --teacher")
-        if Path(self.output_dir).expanduser().resolve() == Path(self.student).expanduser().resolve():
-            raise AdaptError("--output-dir is the student folder; write the adapted model elsewhere")
+        if (problem := adapt_problem(self)) is not None:  # what the command line checks before importing torch
+            raise AdaptError(problem)
 
 
 # --- the pieces ---------------------------------------------------------------------------------
-
-
-def _check_student_folder(path: str) -> None:
-    """The student folder holds a model of a registered family (read from config.json alone)."""
-    from ..registry import families
-
-    config = Path(path).expanduser() / "config.json"
-    if not config.is_file():
-        raise AdaptError(f"{path} has no config.json; give a folder written by subquadratic convert (or adapt)")
-    model_type = json.loads(config.read_text()).get("model_type")
-    if model_type not in {f.model_type for f in families()}:
-        raise AdaptError(f"{path} is a {model_type} model, not a converted one; convert it first "
-                         "(subquadratic convert SRC OUT --to spla|hla|sse-h)")
 
 
 def _load_student(path: str):
@@ -281,21 +262,10 @@ def _lr_lambda(stage1: int, total: int, warmup_ratio: float, stage1_lr: float, l
     return rate
 
 
-def latest_checkpoint(out: Path) -> Path | None:
-    done = [p for p in (out / "checkpoints").glob("step-*") if (p / STATE_FILE).is_file()]
-    return max(done, key=lambda p: int(p.name.split("-")[1])) if done else None
-
-
 def _prepare_output(cfg: AdaptConfig) -> tuple[Path, Path | None]:
+    """(OUT, the checkpoint to resume from or None); `cfg.check` has refused an OUT in the way."""
     out = Path(cfg.output_dir).expanduser()
-    resume_from = latest_checkpoint(out) if cfg.resume and out.is_dir() else None
-    if out.exists() and any(out.iterdir()) and resume_from is None:
-        if cfg.resume:
-            raise AdaptError(f"{out} holds no checkpoint to resume from; "
-                             "drop --resume (with --overwrite) to start anew")
-        if not cfg.overwrite:
-            raise AdaptError(f"{out} is not empty; pass --resume to continue its run or --overwrite to start anew")
-    return out, resume_from
+    return out, latest_checkpoint(out) if cfg.resume and out.is_dir() else None
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -345,7 +315,6 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
     accelerator.wait_for_everyone()
     set_seed(cfg.seed)
 
-    _check_student_folder(cfg.student)
     tokenizer = AutoTokenizer.from_pretrained(cfg.student)
     with accelerator.main_process_first():  # the data first: its problems show before any model loads
         rows = tokenize_and_pack(load_texts(cfg.data, cfg.text_field, cfg.text_unit), tokenizer, cfg.seq_len,
@@ -382,6 +351,7 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
         optimizer, _lr_lambda(stage1, cfg.max_steps, cfg.warmup_ratio, cfg.stage1_lr, cfg.lr))
     model, optimizer = accelerator.prepare(Trainee(student, teacher, cfg.loss), optimizer)
     accelerator.register_for_checkpointing(scheduler)
+    accelerator.register_save_state_pre_hook(_drop_tied_copies)
     trainee = accelerator.unwrap_model(model)
     trainee.sharded = sharded
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP replaces the parameters with shards
@@ -426,7 +396,8 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"the loss is {loss_value} at step {step}; lower --lr / --stage1-lr "
                                      "or use --mixed-precision bf16 instead of fp16")
-        last = {"step": step, "stage": stage, "loss": loss_value, "lr": lr,
+        column = "loss_transfer" if stage == 1 else f"loss_{cfg.loss}"  # stage 1: MSE; stage 2: kl or lm
+        last = {"step": step, "stage": stage, "loss": loss_value, column: loss_value, "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "tokens": step * tokens_per_step, "seconds": round(time.perf_counter() - started, 3)}
         if accelerator.device.type == "cuda":  # peak memory of each process's GPU so far
@@ -436,7 +407,7 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
         if main:
             with log_path.open("a") as f:
                 f.write(json.dumps(last) + "\n")
-        bar.set_postfix(stage=stage, loss=f"{loss_value:.4f}")
+        bar.set_postfix({column: f"{loss_value:.4f}"})
         bar.update(1)
         stopping = cfg.stop_after is not None and step >= cfg.stop_after
         if step % cfg.save_every == 0 or stopping or step == stage1:
@@ -510,6 +481,21 @@ class Trainee(torch.nn.Module):
         if out.aux_loss is not None and weight:
             loss = loss + weight * out.aux_loss
         return loss
+
+
+def _drop_tied_copies(models, weights, output_dir) -> None:
+    """accelerate's `save_state` pre-hook: each tied parameter (the LM head of tied embeddings) once
+    in the state it saves. The copy shares its storage with the embedding and is tied again when the
+    state loads; left in, accelerate drops it itself with a warning on every checkpoint."""
+    for state in weights:
+        seen = set()
+        for name, t in list(state.items()):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            if key in seen:
+                del state[name]
+            seen.add(key)
 
 
 def save_model(accelerator, model, tokenizer, folder: Path, lora: bool = False) -> None:

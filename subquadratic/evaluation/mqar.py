@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .ppl import progress_meter
+
 IGNORE = -100
 
 
@@ -239,23 +241,25 @@ def mqar_eval(
     examples: int = 32,
     batch_size: int = 8,
     seed: int = 0,
-    progress: bool = False,
+    progress=False,
 ) -> dict[int, dict]:
     """In-context MQAR accuracy of a trained LM (no training) at each length: {L: {"accuracy",
     "kv_pairs", "examples", "chance"}}.
 
     Keys and values come from token ids [vocab_size // 4, vocab_size) (clear of the low ids where
     tokenizers keep special and byte tokens), the filler is id vocab_size // 4 - 1, and
-    P = min(L // 8, the number of key ids) pairs are stored and all queried."""
-    from tqdm.auto import tqdm
-
+    P = min(L // 8, the number of key ids) pairs are stored and all queried. `progress`: see
+    `ppl.progress_meter` (examples x L tokens per length)."""
+    lengths = list(lengths)
     lo = vocab_size // 4
     out = {}
-    for L in tqdm(list(lengths), desc="mqar", disable=not progress, leave=False):
-        pairs = max(1, min(L // 8, (vocab_size - lo) // 2))
-        g = torch.Generator().manual_seed(seed + L)
-        ids, labels = mqar_batch(examples, L, pairs, vocab_size, token_range=(lo, vocab_size),
-                                 filler_id=max(lo - 1, 0), generator=g)
-        out[L] = {"accuracy": mqar_accuracy(model, ids, labels, batch_size), "kv_pairs": pairs,
-                  "examples": examples, "chance": 1.0 / (vocab_size - lo - (vocab_size - lo) // 2)}
+    with progress_meter(progress, examples * sum(lengths), "mqar") as meter:
+        for L in lengths:
+            pairs = max(1, min(L // 8, (vocab_size - lo) // 2))
+            g = torch.Generator().manual_seed(seed + L)
+            ids, labels = mqar_batch(examples, L, pairs, vocab_size, token_range=(lo, vocab_size),
+                                     filler_id=max(lo - 1, 0), generator=g)
+            out[L] = {"accuracy": mqar_accuracy(model, ids, labels, batch_size), "kv_pairs": pairs,
+                      "examples": examples, "chance": 1.0 / (vocab_size - lo - (vocab_size - lo) // 2)}
+            meter.update(examples * L)
     return out

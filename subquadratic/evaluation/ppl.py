@@ -9,7 +9,8 @@ tokens; perplexity = exp(NLL).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,23 @@ CHUNK = 1024
 
 def model_device(model) -> torch.device:
     return next(model.parameters()).device
+
+
+@contextmanager
+def progress_meter(progress, total: int, desc: str) -> Iterator:
+    """What a task advances as it works, in tokens forwarded: `progress` False (nothing shown), True (a
+    bar of this call's own, of `total` tokens), or a bar shared by a whole run (anything with
+    `update(n)`, such as a tqdm the caller made and closes)."""
+    if progress is True or progress is False:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc=desc, unit="tok", unit_scale=True, disable=not progress, leave=False)
+        try:
+            yield bar
+        finally:
+            bar.close()
+    else:
+        yield progress
 
 
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
@@ -44,21 +62,23 @@ def token_nll(model, ids: torch.Tensor) -> torch.Tensor:
 
 def window_means(
     per_token, ids: torch.Tensor, seq_lens: Iterable[int], *, max_windows: int | None, batch_size: int,
-    progress: bool, desc: str,
+    progress, desc: str, forwards: int = 1,
 ) -> dict[int, dict]:
     """{L: {"mean", "windows", "tokens"}}: the mean of `per_token(batch)` (a [B, *] tensor per batch of
-    windows) over every window of each length (`data.windows`)."""
-    from tqdm.auto import tqdm
-
+    windows) over every window of each length (`data.windows`). `progress` (see `progress_meter`)
+    advances by `forwards` x the batch's tokens per batch (`forwards`: models run on each window)."""
+    seq_lens = list(seq_lens)
+    rows_of = {L: windows(ids, L, max_windows) for L in seq_lens}
     out = {}
-    for L in seq_lens:
-        rows = windows(ids, L, max_windows)
-        total, count = 0.0, 0
-        for batch in tqdm(rows.split(batch_size), desc=f"{desc} @ {L}", disable=not progress, leave=False):
-            values = per_token(batch)
-            total += values.double().sum().item()
-            count += values.numel()
-        out[L] = {"mean": total / count, "windows": rows.shape[0], "tokens": count}
+    with progress_meter(progress, forwards * sum(r.numel() for r in rows_of.values()), desc) as meter:
+        for L, rows in rows_of.items():
+            total, count = 0.0, 0
+            for batch in rows.split(batch_size):
+                values = per_token(batch)
+                total += values.double().sum().item()
+                count += values.numel()
+                meter.update(forwards * batch.numel())
+            out[L] = {"mean": total / count, "windows": rows.shape[0], "tokens": count}
     return out
 
 
@@ -69,12 +89,12 @@ def perplexity(
     *,
     max_windows: int | None = None,
     batch_size: int = 1,
-    progress: bool = False,
+    progress=False,
 ) -> dict[int, dict]:
     """Perplexity of `model` on the token stream `ids` [N] at each length in `seq_lens`.
 
     Returns {L: {"ppl", "nll", "windows", "tokens"}} (see the module doc); `max_windows` caps the
-    number of windows per length (the first ones of the stream)."""
+    number of windows per length (the first ones of the stream); `progress`: see `progress_meter`."""
     was_training = model.training
     model.eval()
     means = window_means(lambda b: token_nll(model, b), ids, seq_lens, max_windows=max_windows,

@@ -1,14 +1,15 @@
-"""Evaluation results as a markdown table, JSON, one PNG plot per model, and the "## Evaluation"
-section of a model card.
+"""Evaluation results as a markdown table, JSON, one PNG plot per metric (a line per model), and the
+"## Evaluation" section of a model card.
 
-A result (what `suite.evaluate` returns) is {"model": name, "tasks": {task: {length: metrics}}, ...};
-the table has one row per model and length and one column per metric present.
+A result (what `suite.evaluate` returns) is {"model": name, "tasks": {task: {length: metrics}},
+"skipped": {task: why}, ...}; the table has one row per model and length, one column per metric
+present, and a last column saying what the row rests on (windows, prompts, sequences).
 """
 
 from __future__ import annotations
 
 import json
-import re
+import os
 from pathlib import Path
 
 from ..cards import replace_section
@@ -55,23 +56,48 @@ def _value(result: dict, task: str, metric: str, L: int):
     return None if row is None else row.get(metric)
 
 
+def _count(n: int, what: str) -> str:
+    return f"1 {what} only" if n == 1 else f"{n} {what}s"
+
+
+def basis(result: dict, L: int) -> str:
+    """What the row of `result` at length L rests on: "8 windows, 6 passkey + 6 NIAH prompts, 8 MQAR
+    sequences" (one window or prompt is said: "1 window only")."""
+    parts = []
+    windows = _value(result, "ppl", "windows", L) or _value(result, "kl", "windows", L)
+    if windows:
+        parts.append(_count(windows, "window"))
+    prompts = [(n, title) for task, title in (("passkey", "passkey"), ("niah", "NIAH"))
+               if (n := _value(result, task, "prompts", L))]
+    if prompts:
+        parts.append(" + ".join(f"{n} {title}" for n, title in prompts)
+                     + (" prompt only" if len(prompts) == 1 and prompts[0][0] == 1 else " prompts"))
+    if examples := _value(result, "mqar", "examples", L):
+        parts.append(_count(examples, "MQAR sequence"))
+    return ", ".join(parts) or "-"
+
+
 def markdown_table(results: list[dict]) -> str:
-    """One row per (model, length), one column per metric any result has; "-" where one has none."""
+    """One row per (model, length), one column per metric any result has ("-" where one has none),
+    and the "measured on" column (`basis`)."""
     cols = _columns(results)
-    lines = ["| model | length | " + " | ".join(c[2] for c in cols) + " |",
-             "| --- | ---: | " + " | ".join("---:" for _ in cols) + " |"]
+    lines = ["| model | length | " + " | ".join(c[2] for c in cols) + " | measured on |",
+             "| --- | ---: | " + " | ".join("---:" for _ in cols) + " | --- |"]
     for r in results:
         for L in _lengths(r):
             cells = [_fmt(metric, _value(r, task, metric, L)) for task, metric, _ in cols]
-            lines.append(f"| {r['model']} | {L} | " + " | ".join(cells) + " |")
+            lines.append(f"| {r['model']} | {L} | " + " | ".join(cells) + f" | {basis(r, L)} |")
     return "\n".join(lines)
 
 
 def write_json(results: list[dict], path: str | Path) -> Path:
-    """All results as one JSON list (lengths become string keys)."""
+    """All results as one JSON list (lengths become string keys), replaced whole (a run that writes
+    it after each task leaves a complete file at every moment)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(tmp, path)
     return path
 
 
@@ -89,39 +115,51 @@ def require_matplotlib():
     return plt
 
 
-def plot_name(model: str) -> str:
-    """A file name for the plot of `model` (its folder name, unsafe characters replaced)."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model.rstrip("/")).name or model) + ".png"
+def plot_name(task: str, metric: str) -> str:
+    """The file of a metric's plot: "ppl.png", "kl.png", "passkey_accuracy.png", ..."""
+    return (task if metric == task else f"{task}_{metric}") + ".png"
 
 
-def plot_result(result: dict, path: str | Path) -> Path:
-    """One PNG for one model: a panel per metric, the metric against the context length."""
+def _labels(results: list[dict]) -> list[str]:
+    """Each model's legend label: its folder name, or the name as given where two folder names clash."""
+    short = [Path(str(r["model"]).rstrip("/")).name or str(r["model"]) for r in results]
+    return [s if short.count(s) == 1 else str(r["model"]) for s, r in zip(short, results, strict=True)]
+
+
+def metric_figures(results: list[dict]) -> list[tuple[str, object]]:
+    """[(file name, matplotlib Figure)]: one figure per metric that any model has, one line per model
+    that has it (the metric against the context length, log2 axis), labelled in a legend."""
     plt = require_matplotlib()
-    cols = _columns([result])
-    ncols = min(4, len(cols))
-    nrows = -(-len(cols) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.8 * nrows), squeeze=False)
-    for ax in axes.flat[len(cols):]:
-        ax.set_visible(False)
-    for ax, (task, metric, title) in zip(axes.flat, cols, strict=False):
-        pts = [(L, v) for L in _lengths(result) if (v := _value(result, task, metric, L)) is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")
+    figures = []
+    for task, metric, title in _columns(results):
+        fig, ax = plt.subplots(figsize=(5.0, 3.4))
+        for r, label in zip(results, _labels(results), strict=True):
+            pts = [(L, v) for L in _lengths(r) if (v := _value(r, task, metric, L)) is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_title(title)
         ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(title)
         ax.grid(True, alpha=0.3)
-    fig.suptitle(result["model"])
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+        ax.legend()
+        fig.tight_layout()
+        figures.append((plot_name(task, metric), fig))
+    return figures
 
 
 def plot_results(results: list[dict], folder: str | Path) -> list[Path]:
-    """`plot_result` for each model into `folder`, named by `plot_name`."""
-    return [plot_result(r, Path(folder) / plot_name(r["model"])) for r in results]
+    """One PNG per metric into `folder` (`metric_figures`, named by `plot_name`): every model of
+    `results` overlaid, so a converted model and its dense source are compared in one figure."""
+    plt = require_matplotlib()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fig in metric_figures(results):
+        fig.savefig(folder / name, dpi=100)
+        plt.close(fig)
+        paths.append(folder / name)
+    return paths
 
 
 def card_section(results: list[dict], note: str | None = None) -> str:
@@ -137,6 +175,9 @@ def card_section(results: list[dict], note: str | None = None) -> str:
         + ". " + "; ".join(measures) + "."
     ))
     lines += ["", markdown_table(results), ""]
+    left_out = dict.fromkeys(f"{task} {why}" for r in results for task, why in r.get("skipped", {}).items())
+    if left_out:
+        lines += ["Left out: " + "; ".join(left_out) + ".", ""]
     return "\n".join(lines)
 
 

@@ -11,11 +11,14 @@ PASSKEY ==`), for small models pretrained on source code only. Each piece is tok
 (no special tokens) and the pieces are concatenated, so the answer tokens are exactly those scored.
 
 Per prompt: `correct` = greedy generation (Transformers' `generate`, `do_sample=False`, answer length
-plus 2 new tokens) starts with the value as a whole number (the first run of digits after optional
-spaces equals it); `logprob` = mean over the answer tokens of log p(answer token | prompt, earlier
-answer tokens), teacher-forced in one forward pass: a graded signal where exact matches are rare.
-Reported per length: accuracy (mean of `correct`), mean `logprob`, the number of prompts and the
-accuracy at each depth.
+plus 2 new tokens) starts with the value as a whole number, after optional spaces and the needle's
+own punctuation (`answer_matches`: the prose needle reads "... is: 43936." and its question ends
+"... is", so a model that retrieved it writes ": 43936."); `logprob` = mean over the answer tokens
+of log p(answer token | prompt, earlier answer tokens), teacher-forced in one forward pass: a graded
+signal where exact matches are rare. The answer scored is the needle's own continuation of the
+question (" 48213" after "The pass key is", ": 43936" after "... magic number for apple is").
+Reported per length: accuracy (mean of `correct`), mean `logprob`, the number of prompts, the
+accuracy at each depth, and every prompt's sample (depth, value, generated text, correct, logprob).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import EvaluationError
-from .ppl import model_device
+from .ppl import model_device, progress_meter
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ TEMPLATES: dict[tuple[str, str], Template] = {
         filler=_PROSE_FILLER,
         needle=" One of the special magic numbers for {key} is: {value}.",
         question=" What is the special magic number for {key}? The special magic number for {key} is",
+        answer=": {value}",  # the needle's own punctuation
     ),
     ("niah", "code"): Template(
         intro="VALUES = {}\n", filler=_CODE_FILLER, needle='\nVALUES["{key}"] = {value}\n',
@@ -78,9 +82,16 @@ KEYS = ("apple", "river", "garden", "silver", "window", "forest", "rocket", "pen
 DEPTHS = (0.1, 0.5, 0.9)
 
 
+#: what may stand before the number in a correct answer: spaces, and the punctuation a needle puts
+#: between its key and its value (": 43936", "= 43936", quotes or emphasis around the number)
+ANSWER_LEAD = r"[\s:=\"'`*]*"
+
+
 def answer_matches(text: str, value: str) -> bool:
-    """True when `text` (a generated continuation) starts, after optional spaces, with the number `value`."""
-    m = re.match(r"\s*(\d+)", text)
+    """True when `text` (a generated continuation) starts with the number `value` as a whole number,
+    after optional spaces and punctuation (`ANSWER_LEAD`): " 48213.", ": 48213.", "= 48213" match
+    48213; " 482130", " x 48213", ": 4821" do not."""
+    m = re.match(ANSWER_LEAD + r"(\d+)", text)
     return m is not None and m.group(1) == value
 
 
@@ -132,6 +143,11 @@ def min_length(tokenizer, task: str = "passkey", template: str = "prose", num_ne
     return len(fixed) + question + needles + 2 * (num_needles + 1)
 
 
+#: forward passes over a prompt per scored prompt (the teacher-forced answer, then generation): what a
+#: progress bar counts, in prompt tokens
+FORWARDS_PER_PROMPT = 2
+
+
 @torch.no_grad()
 def score_answer(model, tokenizer, prompt: list[int], answer: list[int], value: str) -> dict:
     """{"correct", "logprob", "generated"} of one prompt (see the module doc)."""
@@ -139,7 +155,8 @@ def score_answer(model, tokenizer, prompt: list[int], answer: list[int], value: 
 
     device = model_device(model)
     full = torch.tensor([prompt + answer], device=device)
-    logp = model(input_ids=full, use_cache=False).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+    logits = model(input_ids=full, use_cache=False, logits_to_keep=len(answer) + 1).logits  # [1, A + 1, V]
+    logp = logits[0, :-1].float().log_softmax(-1)
     logprob = logp.gather(-1, full[0, len(prompt):, None]).mean().item()
     ids = full[:, :len(prompt)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -162,15 +179,15 @@ def retrieval(
     trials: int = 2,
     digits: int = 5,
     seed: int = 0,
-    progress: bool = False,
+    progress=False,
 ) -> dict[int, dict]:
-    """Retrieval accuracy at each length: {L: {"accuracy", "logprob", "prompts", "by_depth": {depth: acc}}}.
+    """Retrieval accuracy at each length: {L: {"accuracy", "logprob", "prompts", "by_depth": {depth: acc},
+    "samples": [{"depth", "value", "generated", "correct", "logprob"}, ...]}}.
 
     Lengths shorter than `min_length` (too short to hold the prompt) are left out; none left is an error.
     `task` "passkey" or "niah" picks the templates; `trials` prompts per (length, depth), each with fresh
-    random values (and keys), from `seed`."""
-    from tqdm.auto import tqdm
-
+    random values (and keys), from `seed`. `progress`: see `ppl.progress_meter` (it counts
+    `FORWARDS_PER_PROMPT` x L tokens per prompt)."""
     if (task, template) not in TEMPLATES:
         raise EvaluationError(f"no {task} template {template!r}; available: "
                               f"{', '.join(t for k, t in TEMPLATES if k == task)}")
@@ -188,22 +205,28 @@ def retrieval(
     was_training = model.training
     model.eval()
     out = {}
-    for L in lengths:
-        rng = random.Random(f"{seed}-{task}-{L}")
-        rows = []
-        for depth in tqdm(depths, desc=f"{task} @ {L}", disable=not progress, leave=False):
-            for _ in range(trials):
-                keys = rng.sample(KEYS, num_needles)
-                needles = [(k, str(rng.randrange(10 ** (digits - 1), 10 ** digits))) for k in keys]
-                query = rng.randrange(num_needles)
-                prompt, answer = build_prompt(tokenizer, tpl, L, needles, query, depth, rng)
-                rows.append((depth, score_answer(model, tokenizer, prompt, answer, needles[query][1])))
-        out[L] = {
-            "accuracy": sum(r["correct"] for _, r in rows) / len(rows),
-            "logprob": sum(r["logprob"] for _, r in rows) / len(rows),
-            "prompts": len(rows),
-            "by_depth": {d: sum(r["correct"] for dd, r in rows if dd == d) / trials for d in depths},
-        }
+    total = FORWARDS_PER_PROMPT * trials * len(depths) * sum(lengths)
+    with progress_meter(progress, total, task) as meter:
+        for L in lengths:
+            rng = random.Random(f"{seed}-{task}-{L}")
+            rows = []
+            for depth in depths:
+                for _ in range(trials):
+                    keys = rng.sample(KEYS, num_needles)
+                    needles = [(k, str(rng.randrange(10 ** (digits - 1), 10 ** digits))) for k in keys]
+                    query = rng.randrange(num_needles)
+                    prompt, answer = build_prompt(tokenizer, tpl, L, needles, query, depth, rng)
+                    value = needles[query][1]
+                    rows.append({"depth": depth, "value": value,
+                                 **score_answer(model, tokenizer, prompt, answer, value)})
+                    meter.update(FORWARDS_PER_PROMPT * L)
+            out[L] = {
+                "accuracy": sum(r["correct"] for r in rows) / len(rows),
+                "logprob": sum(r["logprob"] for r in rows) / len(rows),
+                "prompts": len(rows),
+                "by_depth": {d: sum(r["correct"] for r in rows if r["depth"] == d) / trials for d in depths},
+                "samples": rows,
+            }
     model.train(was_training)
     return out
 

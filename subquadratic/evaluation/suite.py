@@ -1,50 +1,69 @@
-"""Every task on one model: what `subquadratic eval` runs per model, and the evaluation `convert
---eval-data` writes into a converted model's card."""
+"""Every task on one model: the plan of a run (which task runs at which length, what is left out and
+why, how many tokens each part forwards: `plan`), what `subquadratic eval` runs per model
+(`evaluate`), and the evaluation `convert --eval-data` writes into a converted model's card
+(`evaluate_conversion`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..checks import device_problem
 from ..data import DTYPE_CHOICES, load_stream, torch_dtype
 from .errors import EvaluationError
 from .kl import next_token_kl
 from .mqar import mqar_eval
-from .ppl import perplexity
-from .retrieval import min_length, niah, passkey
+from .ppl import perplexity, progress_meter
+from .retrieval import DEPTHS, FORWARDS_PER_PROMPT, KEYS, min_length, niah, passkey
 
 TASKS = ("ppl", "passkey", "niah", "mqar", "kl")
+#: the tasks `evaluate` runs unless told; `subquadratic eval` runs ppl only with --data and adds kl
+#: with --reference. With the defaults below a 135M model takes a few minutes on a 2-core CPU.
+DEFAULT_TASKS = ("ppl", "passkey", "niah", "mqar")
+#: the context lengths `subquadratic eval` measures unless told
+DEFAULT_LENGTHS = (512, 1024, 2048)
+#: MQAR sequences per length (`mqar_eval`'s `examples`) unless told
+MQAR_EXAMPLES = 8
+#: the shortest MQAR sequence: one stored pair and one query slot
+MQAR_MIN_LENGTH = 4
 
 
 def resolve_device(device: str) -> torch.device:
     """"auto": CUDA when available, else the CPU; otherwise the named device."""
+    if (problem := device_problem(device)) is not None:
+        raise EvaluationError(problem)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        d = torch.device(device)
-    except RuntimeError:
-        raise EvaluationError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    d = torch.device(device)
     if d.type == "cuda" and not torch.cuda.is_available():
         raise EvaluationError(f"device {device} asked for but CUDA is not available; use --device cpu")
     return d
 
 
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a checkpoint folder; a folder without one is an EvaluationError."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(Path(path).expanduser())
+    except Exception as e:  # no tokenizer files
+        raise EvaluationError(f"{path} has no loadable tokenizer ({type(e).__name__}); save the tokenizer of "
+                              "its source model into the folder (tokenizer.save_pretrained)") from None
+
+
 def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "auto"):
     """(model in eval mode on `device`, tokenizer) of a local checkpoint folder, dense or ours."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = Path(path).expanduser()
     if not (path / "config.json").is_file():
         raise EvaluationError(f"{path} has no config.json; give a checkpoint folder")
     if dtype not in DTYPE_CHOICES:
         raise EvaluationError(f"unknown dtype {dtype!r}; use {', '.join(DTYPE_CHOICES)}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # no tokenizer files
-        raise EvaluationError(f"{path} has no loadable tokenizer ({type(e).__name__}); save the tokenizer of "
-                              "its source model into the folder (tokenizer.save_pretrained)") from None
+    tokenizer = load_tokenizer(path)
     weights = dtype if dtype == "auto" else torch_dtype(dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=weights).to(resolve_device(device)).eval()
     return model, tokenizer
@@ -66,12 +85,70 @@ def check_tasks(tasks: Iterable[str]) -> list[str]:
     return tasks
 
 
+@dataclass(frozen=True)
+class Job:
+    """One task at one length: `units` windows (ppl, kl), prompts (passkey, niah) or sequences (mqar),
+    and the `tokens` its forward passes take in (what a progress bar counts)."""
+
+    task: str
+    length: int
+    units: int
+    tokens: int
+
+
+def plan(
+    tokenizer,
+    tasks: Iterable[str],
+    seq_lens: Iterable[int],
+    *,
+    stream_tokens: int | None = None,
+    max_windows: int | None = 8,
+    trials: int = 2,
+    template: str = "prose",
+    num_needles: int = 4,
+    mqar_examples: int = MQAR_EXAMPLES,
+) -> tuple[list[Job], dict[str, str]]:
+    """The jobs of a run, task by task and each task's lengths in ascending order, and for each task
+    left out at some length, why: {"passkey": "at 128 (a prompt needs 248 tokens)"}. `stream_tokens`
+    is the length of the held-out token stream (ppl, kl)."""
+    jobs: list[Job] = []
+    skipped: dict[str, str] = {}
+    for task in check_tasks(tasks):
+        short, why = [], ""
+        for L in sorted(set(seq_lens)):
+            if task in ("ppl", "kl"):
+                n = (stream_tokens or 0) // L
+                n = n if max_windows is None else min(n, max_windows)
+                why = f"the data holds {stream_tokens or 0} tokens"
+                job = Job(task, L, n, (2 if task == "kl" else 1) * n * L) if n else None
+            elif task in ("passkey", "niah"):
+                need = min_length(tokenizer, task, template, 1 if task == "passkey" else num_needles)
+                why = f"a prompt needs {need} tokens"
+                units = trials * len(DEPTHS)
+                job = Job(task, L, units, FORWARDS_PER_PROMPT * units * L) if L >= need else None
+            else:  # mqar
+                why = f"a sequence needs {MQAR_MIN_LENGTH} tokens"
+                job = Job(task, L, mqar_examples, mqar_examples * L) if L >= MQAR_MIN_LENGTH else None
+            if job is None:
+                short.append(L)
+            else:
+                jobs.append(job)
+        if short:
+            skipped[task] = f"at {', '.join(map(str, short))} ({why})"
+    return jobs, skipped
+
+
+def skipped_line(skipped: dict[str, str]) -> str:
+    """One line naming what a run left out and why: "skipped: passkey at 128 (a prompt needs 248 tokens)"."""
+    return "skipped: " + "; ".join(f"{task} {why}" for task, why in skipped.items())
+
+
 def evaluate(
     model,
     tokenizer,
     *,
     name: str,
-    tasks: Iterable[str] = ("ppl", "passkey", "niah", "mqar"),
+    tasks: Iterable[str] = DEFAULT_TASKS,
     seq_lens: Iterable[int],
     data: str | Path | torch.Tensor | None = None,
     reference=None,
@@ -80,50 +157,66 @@ def evaluate(
     trials: int = 2,
     template: str = "prose",
     num_needles: int = 4,
+    mqar_examples: int = MQAR_EXAMPLES,
     text_field: str = "text",
     seed: int = 0,
-    progress: bool = False,
+    progress=False,
+    on_result: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Run `tasks` on `model` at each length: {"model": name, "tasks": {task: {L: metrics}}, "settings"}.
+    """Run `tasks` on `model` at each length that fits them: {"model": name, "tasks": {task: {L:
+    metrics}}, "skipped": {task: why}, "settings"}.
 
     `data` (a file path or a token stream [N]) is needed by ppl and kl, `reference` (a model with the
-    same tokenizer) by kl. Other arguments go to the task functions."""
+    same tokenizer) by kl. A task is left out at the lengths too short for it (`plan`; the reason goes
+    to "skipped"); an error only if nothing is left to run. `progress`: False, True (one bar over
+    the whole call) or a bar shared by a longer run (`ppl.progress_meter`). `on_result(result)` runs
+    after each task at each length, with the result so far (the command line writes its JSON there,
+    so an interrupted run keeps what it measured). Other arguments go to the task functions."""
     tasks = check_tasks(tasks)
     seq_lens = sorted(set(seq_lens))
     if not seq_lens or min(seq_lens) < 2:
         raise EvaluationError(f"context lengths must be >= 2 tokens, got {seq_lens}")
     if "kl" in tasks and reference is None:
         raise EvaluationError("task kl needs a reference model: pass --reference DIR (the dense source)")
-    for task, needles in (("passkey", 1), ("niah", num_needles)):
-        shortest = min_length(tokenizer, task, template, needles) if task in tasks else 0
-        if seq_lens[-1] < shortest:  # fail before any work; shorter lengths are left out of that task
-            raise EvaluationError(f"every length is too short for a {task} prompt (at least {shortest} tokens "
-                                  "with this tokenizer); add a longer --seq-len or leave the task out of --tasks")
+    if "niah" in tasks and not 1 <= num_needles <= len(KEYS):
+        raise EvaluationError(f"--needles must be in 1..{len(KEYS)}, got {num_needles}")
     ids = None
     if {"ppl", "kl"} & set(tasks):
         if data is None:
             raise EvaluationError("tasks ppl and kl need held-out text: pass --data FILE")
         ids = data if isinstance(data, torch.Tensor) else load_stream(data, tokenizer, text_field)
-    common = dict(max_windows=max_windows, batch_size=batch_size, progress=progress)
-    out: dict[str, dict] = {}
-    for task in tasks:
-        if task == "ppl":
-            out[task] = perplexity(model, ids, seq_lens, **common)
-        elif task == "kl":
-            out[task] = next_token_kl(model, reference, ids, seq_lens, **common)
-        elif task == "passkey":
-            out[task] = passkey(model, tokenizer, seq_lens, template=template, trials=trials, seed=seed,
-                                progress=progress)
-        elif task == "niah":
-            out[task] = niah(model, tokenizer, seq_lens, template=template, num_needles=num_needles,
-                             trials=trials, seed=seed, progress=progress)
-        elif task == "mqar":
-            vocab = min(model.config.vocab_size, len(tokenizer))
-            out[task] = mqar_eval(model, seq_lens, vocab, seed=seed, progress=progress)
+    jobs, skipped = plan(tokenizer, tasks, seq_lens, stream_tokens=None if ids is None else ids.numel(),
+                         max_windows=max_windows, trials=trials, template=template, num_needles=num_needles,
+                         mqar_examples=mqar_examples)
+    if not jobs:
+        raise EvaluationError(f"nothing to evaluate: {skipped_line(skipped)}; give a longer --seq-len")
     settings = {"data": None if data is None or isinstance(data, torch.Tensor) else str(data),
                 "seq_lens": seq_lens, "max_windows": max_windows, "trials": trials, "template": template,
-                "num_needles": num_needles, "seed": seed}
-    return {"model": name, "tasks": out, "settings": settings}
+                "num_needles": num_needles, "mqar_examples": mqar_examples, "seed": seed}
+    result = {"model": name, "tasks": {}, "skipped": skipped, "settings": settings}
+    label = Path(str(name).rstrip("/")).name or str(name)
+    windowed = dict(max_windows=max_windows, batch_size=batch_size)
+    retrieval = dict(template=template, trials=trials, seed=seed)
+    with progress_meter(progress, sum(j.tokens for j in jobs), label) as meter:
+        for job in jobs:
+            if hasattr(meter, "set_description"):
+                meter.set_description(f"{label}: {job.task} @ {job.length}")
+            L = [job.length]
+            if job.task == "ppl":
+                out = perplexity(model, ids, L, progress=meter, **windowed)
+            elif job.task == "kl":
+                out = next_token_kl(model, reference, ids, L, progress=meter, **windowed)
+            elif job.task == "passkey":
+                out = passkey(model, tokenizer, L, progress=meter, **retrieval)
+            elif job.task == "niah":
+                out = niah(model, tokenizer, L, num_needles=num_needles, progress=meter, **retrieval)
+            else:
+                vocab = min(model.config.vocab_size, len(tokenizer))
+                out = mqar_eval(model, L, vocab, examples=mqar_examples, seed=seed, progress=meter)
+            result["tasks"].setdefault(job.task, {}).update(out)
+            if on_result is not None:
+                on_result(result)
+    return result
 
 
 def evaluate_conversion(

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from subquadratic.adaptation import AdaptConfig, adapt, kl_to_teacher
-from subquadratic.adaptation.train import converted_layers, new_parameter_names
+from subquadratic.adaptation.train import _drop_tied_copies, converted_layers, new_parameter_names
 from subquadratic.data import DataError, load_texts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -153,15 +153,20 @@ def test_cli_adapts_and_refuses_bad_input_in_one_line(tmp_path, corpus, converte
     files = [str(f) for f in corpus[0]]
     out = tmp_path / "out"
     r = cli("adapt", student, "-o", out, "--data", *files, "--teacher", dense_folder, "--max-steps", 3,
-            "--seq-len", 64, "--batch-size", 2, "--no-progress", "--loss", "kl", "--eval-data", corpus[1],
+            "--seq-len", 64, "--batch-size", 2, "--no-progress", "--eval-data", corpus[1],
             "--eval-seq-len", 64, 128, "--eval-max-windows", 2, "--num-proc", 2)
     assert r.returncode == 0, r.stderr
-    assert [e["stage"] for e in log(out)] == [1, 2, 2]  # a quarter of the steps transfer attention by default
+    assert "Removed shared tensor" not in r.stderr  # the checkpoint after stage 1 holds each tied weight once
+    entries = log(out)
+    assert [e["stage"] for e in entries] == [1, 2, 2]  # a quarter of the steps transfer attention by default
+    # each stage's loss under its own name; with a teacher, stage 2 distils (--loss kl) unless told
+    assert [next(k for k in e if k.startswith("loss_")) for e in entries] == ["loss_transfer", "loss_kl", "loss_kl"]
+    assert all(e["loss"] == e[k] for e in entries for k in e if k.startswith("loss_"))
     card = (out / "README.md").read_text()
     assert card.count("## Adaptation") == 1 and card.count("## Evaluation") == 1
     rows = [line.split("|")[1:-1] for line in card[card.index("## Evaluation"):].splitlines()
             if line.startswith("| ") and "---" not in line][1:]
-    cells = {(m.strip(), int(n)): (float(ppl), kl.strip()) for m, n, ppl, kl in rows}
+    cells = {(m.strip(), int(n)): (float(ppl), kl.strip()) for m, n, ppl, kl, _ in rows}  # _: measured on
     assert set(cells) == {("out", 64), ("out", 128), ("llama (dense source)", 64), ("llama (dense source)", 128)}
     assert all(v[0] > 1 for v in cells.values()) and float(cells[("out", 64)][1]) > 0  # computed, not placeholders
     bad = [
@@ -191,7 +196,8 @@ def test_cli_adapt_without_teacher_measures_perplexity_at_the_training_length(tm
     section = card[card.index("## Evaluation"):]
     assert "Measured by `subquadratic adapt --eval-data" in section and "KL" not in section
     rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert [(m.strip(), int(n)) for m, n, _ in rows] == [("out", 64)] and float(rows[0][2]) > 1
+    assert [(m.strip(), int(n)) for m, n, _, _ in rows] == [("out", 64)] and float(rows[0][2]) > 1
+    assert rows[0][3].strip() == "2 windows"  # what the row rests on
 
 
 @pytest.mark.slow
@@ -290,3 +296,16 @@ def test_gradient_checkpointing_follows_the_same_run(tmp_path, corpus, converted
     checkpointed = log(run(student, tmp_path / "ckpt", corpus[0], gradient_checkpointing=True, **kw))
     for x, y in zip(plain, checkpointed, strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-8), (x, y)
+
+
+def test_a_checkpoint_state_keeps_each_tied_weight_once():
+    """accelerate's save_state warns "Removed shared tensor" for every tied pair it finds; the pre-hook
+    keeps the first name of each shared tensor and every other tensor, views of one storage included."""
+    emb = torch.randn(8, 4)
+    other = torch.randn(8, 4)
+    flat = torch.randn(32)
+    state = {"embed.weight": emb, "lm_head.weight": emb, "mlp.weight": other, "a": flat[:16].view(4, 4),
+             "b": flat[16:].view(4, 4), "step": 3}
+    _drop_tied_copies([None], [state], "unused")
+    assert list(state) == ["embed.weight", "mlp.weight", "a", "b", "step"]
+    assert state["embed.weight"] is emb

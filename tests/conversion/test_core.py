@@ -35,7 +35,11 @@ def expect_error(capsys, args, text, out):
     before = _siblings(out)
     inside = tree_digest(out) if out.exists() else None
     capsys.readouterr()  # drop earlier output (e.g. progress bars of the fixture's save)
-    assert main(["convert", *map(str, args), "--no-progress"]) == 2
+    try:
+        code = main(["convert", *map(str, args), "--no-progress"])
+    except SystemExit as e:  # a usage error (a bad option value): refused while the arguments are parsed
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and text in err[0], err
     assert _siblings(out) == before  # nothing half-written next to OUT

@@ -38,7 +38,7 @@ def test_logits_equal_dense_while_budget_covers_context(kind, dense_checkpoint, 
     assert (got[:, :64] - ref[:, :64]).abs().max().item() <= 1e-4  # causal: these positions see <= 64 keys
     assert (got[:, 64:] - ref[:, 64:]).abs().max().item() > 1e-2  # later ones do not see every key
     card = (out / "README.md").read_text()
-    assert "base_model: dense-" in card and "`block_size`: 16" in card
+    assert "# dense-" in card and "`block_size`: 16" in card
 
 
 def test_dtype_option_and_untouched_gamma(dense_checkpoint, tmp_path):

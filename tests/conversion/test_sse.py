@@ -157,9 +157,14 @@ def test_convert_bad_options_exit_2_and_leave_nothing(tmp_path, capsys):
     parent.mkdir()
     capsys.readouterr()
     for opts in BAD_OPTIONS:
-        rc = cli_main(["convert", str(tmp_path / "src"), str(parent / "m"), "--to", "sse-h", "--no-progress", *opts])
+        try:
+            rc = cli_main(["convert", str(tmp_path / "src"), str(parent / "m"), "--to", "sse-h", "--no-progress",
+                           *opts])
+        except SystemExit as e:  # a value refused while the arguments are parsed
+            rc = e.code
         err = capsys.readouterr().err
-        assert rc == 2 and err.startswith("subquadratic: error:") and len(err.strip().splitlines()) == 1, (opts, err)
+        assert rc == 2 and err.startswith("subquadratic convert: error:") and len(err.strip().splitlines()) == 1, \
+            (opts, err)
         assert list(parent.iterdir()) == [], opts
     with pytest.raises(SystemExit) as e:  # argparse: not an integer
         cli_main(["convert", str(tmp_path / "src"), str(parent / "m"), "--to", "sse-h", "--sse-partitions", "four"])

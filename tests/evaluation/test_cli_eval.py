@@ -1,5 +1,7 @@
-"""`subquadratic eval` end to end (table, JSON, PNG, card section), its one-line errors, and
-`convert --eval-data`, which writes the evaluation into the converted model's card."""
+"""`subquadratic eval` end to end (table, JSON with each prompt's generation, one PNG per metric,
+card section), what it leaves out and says so, one progress bar over the whole run, the JSON kept by
+a run that fails part way, its one-line errors, and `convert --eval-data`, which writes the
+evaluation into the converted model's card."""
 
 from __future__ import annotations
 
@@ -38,8 +40,14 @@ def test_eval_writes_table_json_plots_and_cards(checkpoints, corpus, tokenizer, 
             "--trials", "1", "--max-windows", "2", "--json", str(tmp_path / "r.json"),
             "--plot-dir", str(tmp_path / "plots"), "--device", "cpu", "--no-progress"]
     assert main([*argv, "--card"]) == 0
-    out = capsys.readouterr().out
-    assert "| model | length | perplexity | KL to reference | passkey acc | passkey log p | MQAR acc |" in out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "| model | length | perplexity | KL to reference | passkey acc | passkey log p | MQAR acc | measured on |" \
+        in out
+    assert f"| {L} |" in out and "| 2 windows, 3 passkey prompts, 8 MQAR sequences |" in out
+    assert "| 2 windows, 8 MQAR sequences |" in out  # at 32 tokens: no passkey prompt fits
+    skipped = [line for line in captured.err.splitlines() if line.startswith("skipped:")]
+    assert skipped == [f"skipped: passkey at 32 (a prompt needs {L} tokens)"]
     results = json.loads((tmp_path / "r.json").read_text())
     assert [r["model"] for r in results] == [str(spla), str(checkpoints["dense"])]
     ids = load_stream(corpus, tokenizer)
@@ -51,7 +59,12 @@ def test_eval_writes_table_json_plots_and_cards(checkpoints, corpus, tokenizer, 
         assert 0.0 <= t["passkey"][str(L)]["accuracy"] <= 1.0 and 0.0 <= t["mqar"]["32"]["accuracy"] <= 1.0
         assert (t["kl"][str(L)]["kl"] < 1e-9) == kl_zero  # SPLA is sparse beyond its 32-token budget
     assert results[0]["tasks"]["ppl"][str(L)]["ppl"] == pytest.approx(want[L]["ppl"], rel=1e-6)
-    for name in ("spla.png", "dense.png"):
+    samples = results[0]["tasks"]["passkey"][str(L)]["samples"]  # each prompt's generated text is kept
+    assert len(samples) == 3 and all(isinstance(x["generated"], str) and x["value"].isdigit() for x in samples)
+    assert results[0]["skipped"] == {"passkey": f"at 32 (a prompt needs {L} tokens)"}
+    plots = sorted(p.name for p in (tmp_path / "plots").iterdir())  # one per metric, both models in each
+    assert plots == ["kl.png", "mqar_accuracy.png", "passkey_accuracy.png", "passkey_logprob.png", "ppl.png"]
+    for name in plots:
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     card = (spla / "README.md").read_text()
     assert card.startswith(card_before.rstrip("\n")) and card.count("## Evaluation") == 1
@@ -66,7 +79,8 @@ def test_eval_writes_table_json_plots_and_cards(checkpoints, corpus, tokenizer, 
     (["--tasks", "ppl,bleu"], "unknown task(s) bleu; choose from ppl,passkey,niah,mqar,kl"),
     (["--tasks", "mqar", "--reference", "DENSE"], "--reference is used by task kl only"),
     (["--data", "nowhere.jsonl"], "--data nowhere.jsonl does not exist"),
-    (["--tasks", "passkey", "--seq-len", "16"], "every length is too short for a passkey prompt"),
+    (["--tasks", "passkey", "--seq-len", "16"], "every length is too short for passkey: skipped: passkey at 16 "
+                                                "(a prompt needs"),
     (["--device", "gpu0"], "unknown device 'gpu0'"),
 ])
 def test_eval_errors_are_one_line(checkpoints, corpus, capsys, extra, expect):
@@ -79,6 +93,76 @@ def test_eval_errors_are_one_line(checkpoints, corpus, capsys, extra, expect):
 def test_eval_of_a_folder_without_config_is_one_line(tmp_path, capsys):
     assert main(["eval", str(tmp_path), "--tasks", "mqar"]) == 2
     assert "is not a checkpoint folder (no config.json)" in one_error_line(capsys.readouterr().err)
+
+
+def test_the_defaults_run_what_fits_and_one_line_says_what_was_left_out(checkpoints, tokenizer, capsys, one_thread):
+    """No --tasks, no --data, lengths too short for a retrieval prompt: MQAR runs, and one line names
+    the rest and why (the run does not fail)."""
+    need = min_length(tokenizer, "passkey", "prose")
+    assert main(["eval", str(checkpoints["dense"]), "--seq-len", "32", "64", "--device", "cpu", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    niah = min_length(tokenizer, "niah", "prose", 4)
+    assert lines == [f"skipped: ppl (needs --data); passkey at 32, 64 (a prompt needs {need} tokens); "
+                     f"niah at 32, 64 (a prompt needs {niah} tokens)"]
+    dense = checkpoints["dense"]
+    assert f"| {dense} | 32 | 0." in captured.out and f"| {dense} | 64 | 0." in captured.out
+
+
+class Bar:
+    """A stand-in for tqdm that records what the run does with it."""
+
+    made: list[Bar] = []
+
+    def __init__(self, total=None, desc=None, **kw):
+        self.total, self.n, self.descriptions = total, 0, [desc]
+        Bar.made.append(self)
+
+    def update(self, n=1):
+        self.n += n
+
+    def set_description(self, desc):
+        self.descriptions.append(desc)
+
+    def close(self):
+        pass
+
+
+def test_one_progress_bar_covers_every_task_of_every_model(checkpoints, corpus, monkeypatch, capsys, one_thread):
+    import tqdm.auto
+
+    Bar.made = []
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    argv = ["eval", str(checkpoints["spla"]), str(checkpoints["dense"]), "--data", str(corpus), "--seq-len", "32",
+            "64", "--tasks", "ppl,mqar,kl", "--reference", str(checkpoints["dense"]), "--max-windows", "2",
+            "--device", "cpu"]
+    assert main(argv) == 0
+    (bar,) = Bar.made  # one bar, made before the first task, for the whole run
+    windows = 2 * (32 + 64)
+    assert bar.total == bar.n == 2 * (windows + 8 * (32 + 64) + 2 * windows)  # ppl + mqar + kl (two models each)
+    assert bar.descriptions[0] == "eval"
+    assert bar.descriptions[1:] == [f"{m}: {t} @ {L}" for m in ("spla", "dense") for t in ("ppl", "mqar", "kl")
+                                    for L in (32, 64)]
+
+
+def test_a_run_that_fails_part_way_keeps_what_it_measured(checkpoints, corpus, tmp_path, monkeypatch, capsys,
+                                                          one_thread):
+    from subquadratic.evaluation import suite
+
+    def broken(*a, **kw):
+        raise RuntimeError("mqar broke")
+
+    monkeypatch.setattr(suite, "mqar_eval", broken)
+    out = tmp_path / "r.json"
+    argv = ["eval", str(checkpoints["dense"]), "--data", str(corpus), "--seq-len", "32", "64", "--tasks",
+            "ppl,mqar", "--max-windows", "2", "--json", str(out), "--device", "cpu", "--no-progress"]
+    with pytest.raises(RuntimeError, match="mqar broke"):
+        main(argv)
+    (result,) = json.loads(out.read_text())  # written after each task at each length
+    assert list(result["tasks"]) == ["ppl"] and list(result["tasks"]["ppl"]) == ["32", "64"]
+    assert result["settings"]["data"] == str(corpus)
+    printed = capsys.readouterr().out
+    assert f"| {checkpoints['dense']} | 64 |" in printed and f"kept in {out}" in printed  # what was measured
 
 
 def test_convert_eval_data_writes_the_table_into_the_card(checkpoints, corpus, tmp_path, capsys, one_thread):

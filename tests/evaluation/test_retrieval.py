@@ -25,6 +25,39 @@ def test_answer_matcher():
         assert not answer_matches(wrong, "48213")
 
 
+#: what SmolLM2-135M-Instruct wrote (greedy, 400-token prose prompts) after each question, and the
+#: value its needle held: the NIAH needle reads "... is: 22429." and the question ends "... is"
+REAL_ANSWERS = [
+    ("niah", ": 22429. The grass", "22429", True),
+    ("niah", ": 83375. The grass", "83375", True),
+    ("niah", ": 77013. The special", "73691", False),  # another needle's value
+    ("passkey", " 82420. Remember it.", "82420", True),
+    ("passkey", " 81919. The pass key", "81919", True),
+]
+
+
+@pytest.mark.parametrize(("task", "text", "value", "right"), REAL_ANSWERS)
+def test_the_scorer_takes_answers_as_the_model_writes_them(task, text, value, right):
+    assert answer_matches(text, value) == right
+    near = (text.replace(value, value[:-1]), text.replace(value, value + "7"), " the number " + text.lstrip(" :"))
+    for wrong in near:
+        assert not answer_matches(wrong, value), wrong
+
+
+def test_the_scored_answer_is_the_needle_s_own_continuation(tokenizer):
+    """The log-probability is of what follows the question in the needle's own words: ": 22429" after
+    "... magic number for apple is" (the prose needle's "is: 22429."), " 48213" after "pass key is"."""
+    niah_prose = TEMPLATES["niah", "prose"]
+    value = "22429"
+    assert niah_prose.question.endswith(" is")
+    needle = niah_prose.needle.format(key="apple", value=value)
+    assert needle.endswith(" is" + niah_prose.answer.format(value=value) + ".")
+    assert TEMPLATES["passkey", "prose"].answer.format(value=value) == " " + value
+    _, answer = build_prompt(tokenizer, niah_prose, min_length(tokenizer, "niah", "prose", 1) + 50,
+                             [("apple", value)], 0, 0.5, random.Random(0))
+    assert tokenizer.decode(answer) == ": 22429"
+
+
 @pytest.mark.parametrize("template", ["prose", "code"])
 def test_prompt_has_the_length_and_the_needles_at_their_depth(tokenizer, template):
     tpl = TEMPLATES["niah", template]
@@ -37,7 +70,7 @@ def test_prompt_has_the_length_and_the_needles_at_their_depth(tokenizer, templat
         for k, v in needles:
             assert tpl.needle.format(key=k, value=v) in text
         assert text.endswith(tpl.question.format(key="river", value=""))
-        assert tokenizer.decode(answer).strip() == "22222"
+        assert tokenizer.decode(answer).strip(" :") == "22222"
         where = text.index(tpl.needle.format(key="river", value="22222")) / len(text)
         assert abs(where - depth) < 0.25  # nearest filler boundary; the ends hold the intro and question
     with pytest.raises(EvaluationError, match="too short"):
@@ -63,6 +96,9 @@ def test_scorer_marks_the_true_continuation_correct(model, tokenizer, monkeypatc
     right = passkey(model, tokenizer, [L], template="code", trials=2)[L]
     assert right["accuracy"] == 1.0 and right["prompts"] == 6 and len(set(seen)) == 6
     assert right["by_depth"] == {0.1: 1.0, 0.5: 1.0, 0.9: 1.0}
+    samples = right["samples"]  # every prompt's generated text is kept, with its value and score
+    assert [s["depth"] for s in samples] == [0.1, 0.1, 0.5, 0.5, 0.9, 0.9] and [s["value"] for s in samples] == seen
+    assert all(s["generated"].strip() == s["value"] and s["correct"] for s in samples)
     monkeypatch.setattr(model, "generate", oracle(1))
     wrong = passkey(model, tokenizer, [L], template="code", trials=2)[L]
     assert wrong["accuracy"] == 0.0 and wrong["logprob"] == right["logprob"]  # same prompts, same scoring

@@ -35,6 +35,8 @@ def card_notes(config: HLAConfig) -> dict[str, str]:
         "num_layers": str(config.num_hidden_layers),
         "num_hla_layers": str(config.num_hidden_layers - len(soft)),
         "softmax_layers": softmax_layer_notes(config) or "none (pure HLA)",
+        "summary": (f"{config.hla_variant}, {config.decay_mode} decay, "
+                    f"softmax layers: {softmax_layer_notes(config) or 'none'}"),
     }
 
 

@@ -72,6 +72,9 @@ def card_notes(config: SSEConfig) -> dict[str, str]:
         "num_sse_layers": str(config.num_hidden_layers - len(soft)),
         "softmax_layers": softmax_layer_notes(config) or "none (pure SSE)",
         "sliding_window": f"{config.sse_sliding_window} tokens" if config.sse_sliding_window else "off",
+        "hybrid_tag": "\n- sse-h" if soft else "",
+        "summary": (f"{config.sse_num_partitions} partitions, top-{config.sse_top_k}, {config.sse_base} base, "
+                    f"softmax layers: {softmax_layer_notes(config) or 'none'}"),
     }
 
 

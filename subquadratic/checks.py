@@ -1,0 +1,208 @@
+"""The user's input errors, and the checks of them that need no model (no torch, no Transformers).
+
+`InputError` is the base of every error the package raises for input a user can fix (a path, a
+folder, an option value, a Hub id, data): `ConversionError`, `EvaluationError`, `AdaptError` and
+`DataError` derive from it, and the command line prints any of them as one line
+(`subquadratic COMMAND: error: ...`) with exit status 2.
+
+The option types (`int_at_least`, `power_of_two`, `layer_list`) are what argparse calls on an option's
+value: a bad value is refused while the command line is parsed, with the flag named. The `*_problem`
+functions look at paths, folders and names only; each returns the one-line problem (what is wrong
+and what to do) or None. The command line runs them before it imports anything heavy, so such a
+mistake is reported at once; the library functions run the same ones (`conversion.convert`,
+`adaptation.adapt`) and raise their own error class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class InputError(ValueError):
+    """Input the user can fix: printed as one line naming the problem and the fix, exit status 2."""
+
+
+# --- option value types -------------------------------------------------------------------------
+
+
+def int_at_least(low: int, metavar: str = "N") -> Callable[[str], int]:
+    """An argparse type: an integer >= `low` (its `metavar` is what --help shows)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}; give an integer >= {low}")
+        return value
+
+    parse.__name__ = f"int_at_least_{low}"
+    parse.metavar = metavar
+    return parse
+
+
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+
+
+def power_of_two(text: str) -> int:
+    """An argparse type: a power of two (1, 2, 4, ...)."""
+    value = positive_int(text)
+    if value & (value - 1):
+        lower = 1 << (value.bit_length() - 1)
+        raise argparse.ArgumentTypeError(f"{value} is not a power of two; give {lower} or {2 * lower}")
+    return value
+
+
+power_of_two.metavar = "N"
+
+
+def layer_list(text: str) -> str:
+    """An argparse type: a comma list of layer indices like 5,11,17 (kept as the text)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of layer indices like 5,11,17")
+    return ",".join(parts)
+
+
+layer_list.metavar = "I,J"
+
+
+# --- paths, folders, names ----------------------------------------------------------------------
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """`org/name`, not a path (no leading ., / or ~, no file suffix the converter reads)."""
+    return (name.count("/") == 1 and not name.startswith((".", "/", "~"))
+            and not name.endswith((".gguf", ".safetensors", ".json")))
+
+
+def source_problem(src: str) -> str | None:
+    """SRC of `convert`: a checkpoint folder, a .gguf file, or a Hub id."""
+    p = Path(src).expanduser()
+    if p.exists():
+        if p.is_file() and p.suffix != ".gguf":
+            return f"source {src} is a file; give the checkpoint folder (or a .gguf file)"
+        return None
+    if not looks_like_hub_id(src):
+        return f"source {src} does not exist; give a checkpoint folder, a .gguf file or a Hub id like org/name"
+    return None
+
+
+def output_problem(out: str | Path, overwrite: bool, src: str | Path | None = None) -> str | None:
+    """OUT of `convert`: not a file, not inside (or around) a local source, empty unless `overwrite`."""
+    o = Path(out).expanduser().resolve()
+    if src is not None and Path(src).expanduser().exists():
+        s = Path(src).expanduser().resolve()
+        s = s.parent if s.is_file() else s
+        if o == s or s in o.parents or o in s.parents:
+            return f"output {out} overlaps the source {src}; choose a folder outside it"
+    if o.exists() and not o.is_dir():
+        return f"output {out} exists and is a file; choose a folder path"
+    if o.is_dir() and any(o.iterdir()) and not overwrite:
+        return f"output {out} is not empty; pass --overwrite to replace it"
+    return None
+
+
+def repo_id_problem(repo: str, flag: str = "REPO") -> str | None:
+    """A Hub repo id as huggingface_hub validates it (offline)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        return f"{flag} {repo!r} is not a valid Hub repo id ({' '.join(str(e).split())}); use org/name"
+    return None
+
+
+def file_problem(path: str | Path | None, flag: str) -> str | None:
+    """A held-out data file given with `flag`: it must exist."""
+    if path is not None and not Path(path).expanduser().is_file():
+        return f"{flag} {path} does not exist; give a .txt, .jsonl, .json or .parquet file"
+    return None
+
+
+def checkpoint_problem(path: str | Path, what: str = "model") -> str | None:
+    """A checkpoint folder: it must hold a config.json."""
+    if not (Path(path).expanduser() / "config.json").is_file():
+        return f"{what} {path} is not a checkpoint folder (no config.json); give a local model folder"
+    return None
+
+
+def device_problem(device: str) -> str | None:
+    """The spelling of a --device value (whether it is present is checked once torch is imported)."""
+    if re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", device):
+        return None
+    return f"unknown device {device!r}; use auto, cpu, cuda or cuda:N"
+
+
+# --- adapt ----------------------------------------------------------------------------------------
+
+#: the file a finished checkpoint of `adapt` holds (`OUT/checkpoints/step-N/trainer_state.json`)
+STATE_FILE = "trainer_state.json"
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest finished checkpoint of an `adapt` run in `out`, or None."""
+    done = [p for p in (Path(out) / "checkpoints").glob("step-*") if (p / STATE_FILE).is_file()]
+    return max(done, key=lambda p: int(p.name.split("-")[1])) if done else None
+
+
+def converted_model_types() -> set[str]:
+    """The model types of every family known without loading any: the built-ins and those registered."""
+    from .families import BUILTIN
+    from .registry import families
+
+    return {m.NAME for m in BUILTIN} | {f.name for f in families(load=False)}
+
+
+def adapt_problem(s: Any) -> str | None:
+    """The settings of `adapt` (an `AdaptConfig`, or the command line's arguments: the same names)
+    that can be checked before any model loads: numbers, the teacher the losses need, the folders,
+    the data paths."""
+    from .data import source_problem as data_problem
+
+    for name in ("max_steps", "seq_len", "batch_size", "grad_accum", "save_every", "save_total_limit"):
+        if getattr(s, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1, got {getattr(s, name)}"
+    if s.num_proc is not None and s.num_proc < 1:
+        return f"--num-proc must be at least 1, got {s.num_proc}"
+    if s.stage1_steps is not None and not 0 <= s.stage1_steps <= s.max_steps:
+        return f"--stage1-steps must lie in 0..--max-steps ({s.max_steps}), got {s.stage1_steps}"
+    if s.teacher is None and s.loss == "kl":
+        return "--loss kl distils from the dense model: give it with --teacher"
+    if s.teacher is None and s.stage1_steps:
+        return "attention transfer (--stage1-steps) matches the dense layers: give them with --teacher"
+    out = Path(s.output_dir).expanduser()
+    if out.resolve() == Path(s.student).expanduser().resolve():
+        return "--output-dir is the student folder; write the adapted model elsewhere"
+    config = Path(s.student).expanduser() / "config.json"
+    if not config.is_file():
+        return f"{s.student} has no config.json; give a folder written by subquadratic convert (or adapt)"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except json.JSONDecodeError as e:
+        return f"{config} is not valid JSON ({e}); convert the model again"
+    if model_type not in converted_model_types():
+        return (f"{s.student} is a {model_type} model, not a converted one; convert it first "
+                "(subquadratic convert SRC OUT --to spla|hla|sse-h)")
+    if s.teacher is not None and not (Path(s.teacher).expanduser() / "config.json").is_file():
+        return f"teacher {s.teacher} has no config.json; give the dense checkpoint the student came from"
+    for source in s.data:
+        if (problem := data_problem(str(source))) is not None:
+            return problem
+    if out.exists() and not out.is_dir():
+        return f"--output-dir {out} is a file; give a folder"
+    if out.is_dir() and any(out.iterdir()):
+        if s.resume and latest_checkpoint(out) is None:
+            return f"{out} holds no checkpoint to resume from; drop --resume (with --overwrite) to start anew"
+        if not s.resume and not s.overwrite:
+            return f"{out} is not empty; pass --resume to continue its run or --overwrite to start anew"
+    return None
