@@ -154,11 +154,11 @@ def segments(terms, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...],
     the carry runs ceil(max_len / C) steps over every segment at once, masked where a segment has
     no chunk left. Returns (o [M, H, Dv] in q.dtype, final states [S, H, Dk, Dv]).
 
-    `fixed_shapes=False` (the default on the CPU, where reading lengths on the host costs nothing)
+    `fixed_shapes=False` (the default on the CPU outside tracing, where reading lengths on the host costs nothing)
     runs the compact form instead: the segments' real lengths (`varlen`), so the carry runs as many
     steps as the longest segment has chunks and no step touches a finished segment; same values."""
-    if fixed_shapes is None:
-        fixed_shapes = q.device.type != "cpu"
+    if fixed_shapes is None:   # traced (export, compile): fixed shapes on every device
+        fixed_shapes = q.device.type != "cpu" or torch.compiler.is_compiling()
     if not fixed_shapes:
         return _segments_compact(terms, q, k, v, decays, seg, pos, initial_state, max_len, chunk_size)
     M, H, Dk = q.shape

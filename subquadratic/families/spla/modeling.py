@@ -101,9 +101,11 @@ class SPLAAttention(AttentionBase):
                 k.transpose(1, 2), seq.positions, cfg.block_size)
             sbar = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
         params = SPLAParams.from_config(cfg)
-        if params.use_rla and q.device.type == "cpu" and not torch.is_grad_enabled() and not self.rla_norm.weight.any():
+        if (params.use_rla and q.device.type == "cpu" and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not self.rla_norm.weight.any()):
             # gamma = 0 (a converted model): o + RMSNorm_0(o_rla) is o exactly, so the residual term is not
-            # computed (Sbar is still kept); read on the CPU only, where the check costs no synchronisation
+            # computed (Sbar is still kept); read eagerly on the CPU only, where the check costs no
+            # synchronisation
             params = dataclasses.replace(params, use_rla=False)
         # the op takes [B, T, H, D]: transposed views of q and of the [B, H, S, D] cache, no copies
         o_sp, o_rla, sbar = spla_attention(
