@@ -3,7 +3,8 @@ settings against the dense source, measured in the same run (fp32, batch 1).
 
   python scripts/bench_cpu.py [--prompts 1024,4096] [--new-tokens 32] [--families spla,hla,sse,sse-h]
 
-`sse` is SSE-H converted with `softmax_every=0` (pure SSE layers), `hla` keeps no softmax layer.
+`sse` is pure SSE (`--to sse`), `sse-h` the preset keeping softmax every 6th layer, `hla` keeps no
+softmax layer.
 For each prompt length it prints the prefill time, the decode tokens/s and both as ratios to the
 dense model (higher is faster). The checkpoints go to a temporary folder (about 0.6 GB each, fp32),
 the SmolLM2 folder to the demo's cache (`subquadratic.demo.assets`). Rounds alternate between the
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = {"spla": ("spla", {}), "hla": ("hla", {}), "sse": ("sse-h", {"softmax_every": 0}),
+FAMILIES = {"spla": ("spla", {}), "hla": ("hla", {}), "sse": ("sse", {}),
             "sse-h": ("sse-h", {})}
 
 

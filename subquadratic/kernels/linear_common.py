@@ -62,6 +62,7 @@ class _ChunkPlan:
     order: Tensor       # [S] segment in each slot (inverse of rank)
     sizes: list[int]    # active segments at each carry step (non-increasing)
     chunk_size: int
+    identity: bool      # dest is 0, 1, ..., M - 1 (no padding, chunks in token order)
 
     @property
     def num_chunks(self) -> int:
@@ -70,13 +71,16 @@ class _ChunkPlan:
     def to_chunks(self, x: Tensor) -> Tensor:
         """[M, H, *D] packed tokens (D may be empty) -> [Nc, H, C, *D], zero at padding."""
         _, H, *D = x.shape
-        buf = x.new_zeros(self.num_chunks * self.chunk_size, H, *D).index_put((self.dest,), x)
-        return buf.view(self.num_chunks, self.chunk_size, H, *D).transpose(1, 2)
+        Nc, C = self.num_chunks, self.chunk_size
+        if self.identity:    # one segment, whole chunks: the buffer is x itself
+            return x.view(Nc, C, H, *D).transpose(1, 2).contiguous()
+        buf = x.new_zeros(Nc * C, H, *D).index_put_((self.dest,), x)
+        return buf.view(Nc, C, H, *D).transpose(1, 2).contiguous()   # contiguous for the matmuls
 
     def from_chunks(self, x: Tensor) -> Tensor:
-        """[Nc, H, C, *D] -> [M, H, *D] (drops padding)."""
-        Nc, H, C, *D = x.shape
-        return x.transpose(1, 2).reshape(Nc * C, H, *D)[self.dest]
+        """[Nc, H, C, *D] -> [M, H, *D] (drops padding; reads the rows without a transposed copy)."""
+        C = self.chunk_size
+        return x[self.dest // C, :, self.dest % C]
 
 
 def _plan(cu_seqlens: Tensor, chunk_size: int, num_tokens: int) -> _ChunkPlan:
@@ -100,7 +104,8 @@ def _plan(cu_seqlens: Tensor, chunk_size: int, num_tokens: int) -> _ChunkPlan:
     seg = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens)  # [M]
     pos = torch.arange(num_tokens, device=cu.device) - cu[:-1][seg]
     dest = (step_start[pos // C] + rank[seg]) * C + pos % C
-    return _ChunkPlan(dest, rank, order, sizes.tolist(), C)
+    identity = lens.numel() == 1 and num_tokens % C == 0
+    return _ChunkPlan(dest, rank, order, sizes.tolist(), C, identity)
 
 
 def _carry(trans, inject: Tensor, S0: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor]:
@@ -140,14 +145,22 @@ def varlen(terms, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...],
 
 def segments(terms, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...], seg: Tensor, pos: Tensor,
              initial_state: Tensor, max_len: int, chunk_size: int,
-             num_chunks: int | None = None) -> tuple[Tensor, Tensor]:
+             num_chunks: int | None = None, fixed_shapes: bool | None = None) -> tuple[Tensor, Tensor]:
     """The packed form with fixed shapes and no host synchronisation: tokens [M, H, *] of
     `initial_state.shape[0]` segments, token i at position pos[i] of segment seg[i] (each segment's
     positions 0, 1, ... without gaps, in any row order), no segment longer than `max_len` (a bound
     known from shapes). Each segment is cut into chunks of C tokens (compact, at most
     M // C + num_segments chunks in all, or `num_chunks` when the caller knows the exact count);
     the carry runs ceil(max_len / C) steps over every segment at once, masked where a segment has
-    no chunk left. Returns (o [M, H, Dv] in q.dtype, final states [S, H, Dk, Dv])."""
+    no chunk left. Returns (o [M, H, Dv] in q.dtype, final states [S, H, Dk, Dv]).
+
+    `fixed_shapes=False` (the default on the CPU outside tracing, where reading lengths on the host costs nothing)
+    runs the compact form instead: the segments' real lengths (`varlen`), so the carry runs as many
+    steps as the longest segment has chunks and no step touches a finished segment; same values."""
+    if fixed_shapes is None:   # traced (export, compile): fixed shapes on every device
+        fixed_shapes = q.device.type != "cpu" or torch.compiler.is_compiling()
+    if not fixed_shapes:
+        return _segments_compact(terms, q, k, v, decays, seg, pos, initial_state, max_len, chunk_size)
     M, H, Dk = q.shape
     Dv = v.shape[-1]
     S_n = initial_state.shape[0]
@@ -160,9 +173,9 @@ def segments(terms, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...],
     Nc = M // C + S_n if num_chunks is None else num_chunks
     dest = (first[seg] + pos // C) * C + pos % C                     # [M] row in the chunk buffer
 
-    def to_chunks(x: Tensor) -> Tensor:
-        buf = x.new_zeros(Nc * C, *x.shape[1:]).index_put((dest,), x)
-        return buf.view(Nc, C, *x.shape[1:]).transpose(1, 2)
+    def to_chunks(x: Tensor) -> Tensor:  # a fresh zero buffer filled in place (no copy of it)
+        buf = x.new_zeros(Nc * C, *x.shape[1:]).index_put_((dest,), x)
+        return buf.view(Nc, C, *x.shape[1:]).transpose(1, 2).contiguous()   # contiguous for the matmuls
 
     trans, inject, out = terms(*(to_chunks(x.to(dt)) for x in (q, k, v, *decays)))
     S = initial_state.to(dt)
@@ -171,15 +184,34 @@ def segments(terms, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...],
         live = n_chunks > j                                          # [S] segments with a chunk j
         idx = torch.where(live, first + j, 0).clamp(max=Nc - 1)      # dead ones read chunk 0, masked
         gate = live[:, None, None, None]
-        before = before.index_add(0, idx, S * gate)                  # every live index is distinct
+        before.index_add_(0, idx, S * gate)                          # every live index is distinct
         S = torch.where(gate, trans(idx, S) + inject[idx], S)
-    o = out(before).transpose(1, 2).reshape(Nc * C, H, Dv)[dest]
+    o = out(before)[dest // C, :, dest % C]                          # [M, H, Dv]
     return o.to(q.dtype), S
+
+
+def _segments_compact(terms, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...], seg: Tensor,
+                      pos: Tensor, initial_state: Tensor, max_len: int,
+                      chunk_size: int) -> tuple[Tensor, Tensor]:
+    """`segments` through `varlen`: rows sorted by (segment, position) where they are not already."""
+    S_n = initial_state.shape[0]
+    key = seg * max_len + pos                                        # [M]
+    perm = None
+    if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
+        perm = torch.argsort(key)
+        q, k, v, decays = q[perm], k[perm], v[perm], tuple(x[perm] for x in decays)
+    lens = torch.bincount(seg, minlength=S_n)                        # [S]
+    cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    o, S = varlen(terms, q, k, v, decays, cu, initial_state, chunk_size)
+    if perm is not None:
+        o = torch.empty_like(o).index_put_((perm,), o)
+    return o, S
 
 
 def dense(terms, q: Tensor, k: Tensor, v: Tensor, decays: tuple[Tensor, ...],
            state: Tensor | None, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """[B, T, H, *] as B segments of length T of the packed form (`segments`; fixed shapes)."""
+    """[B, T, H, *] as B segments of length T of the packed form (`segments`: fixed shapes except on
+    the CPU)."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     dev = q.device

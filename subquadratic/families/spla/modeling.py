@@ -8,6 +8,8 @@ attention (and as the dense model while the budget covers the context).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import GenerationMixin
 from transformers import initialization as init
@@ -98,10 +100,17 @@ class SPLAAttention(AttentionBase):
             stats = BlockStats.empty(B, H, D, k.device, acc, num_blocks=nb).add_(
                 k.transpose(1, 2), seq.positions, cfg.block_size)
             sbar = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
+        params = SPLAParams.from_config(cfg)
+        if (params.use_rla and q.device.type == "cpu" and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not self.rla_norm.weight.any()):
+            # gamma = 0 (a converted model): o + RMSNorm_0(o_rla) is o exactly, so the residual term is not
+            # computed (Sbar is still kept); read eagerly on the CPU only, where the check costs no
+            # synchronisation
+            params = dataclasses.replace(params, use_rla=False)
         # the op takes [B, T, H, D]: transposed views of q and of the [B, H, S, D] cache, no copies
         o_sp, o_rla, sbar = spla_attention(
             q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), seq.positions, seq.key_positions, stats, sbar,
-            SPLAParams.from_config(cfg), backend=cfg.kernel_backend, k_offsets=seq.key_offsets, new_kv=new_kv,
+            params, backend=cfg.kernel_backend, k_offsets=seq.key_offsets, new_kv=new_kv,
             causal=seq.causal, precision=cfg.kernel_precision,
         )
         if cache_layer is not None:

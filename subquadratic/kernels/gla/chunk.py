@@ -6,79 +6,97 @@ Chunk layout and carry: `linear_common`. Equal to `gla_recurrent` up to rounding
 Numerical safety (GLA). The intra-chunk score is A[t, s] = sum_d q_td k_sd
 exp(sum_{s<u<=t} g_ud), s <= t. The usual factorisation (q exp b)(k exp -b)^T,
 b = cumsum g, exponentiates -b, which is large and positive when decays are
-strong. We use secondary chunking instead: the chunk is split into sub-chunks
-of 16 tokens. For a query sub-chunk i and an earlier key sub-chunk j < i the
-product is factored at the start of sub-chunk i: exp(decay from the start of i
-to t) * exp(decay from s to the start of i), both exponents <= 0. Inside a
-diagonal sub-chunk the decays are formed pairwise from in-sub-chunk cumsums,
-with the upper triangle masked to -inf before exp. No exponent is ever
-positive, and each is summed over the span it covers (suffix sums, sub-chunk
-cumsums) rather than as a difference of chunk-wide cumsums, which keeps float32
-accurate under strong decay. (GDN has one scalar decay per head, so its [C, C]
-decay matrix is formed pairwise directly, masked the same way.)
+strong. We bisect the chunk instead (`_gla_chunk_parts`): at the level of
+blocks of 2w tokens, a query t in the second half and a key s in the first
+half of the same block are split at the block's midpoint p:
+exp(sum_{p<=u<=t} g) * exp(sum_{s<u<p} g), both exponents <= 0, so the pairs
+of one level are one batched matmul of decayed queries and keys; the levels
+w = 1, 2, 4, ..., C/2 cover every pair s < t once, and s = t is q_t . k_t.
+Each exponent is a sum over exactly the span it covers: the decayed queries and
+keys are carried from level to level, each multiplied by exp of the neighbouring
+half's total (a factor <= 1) when the halves double, never by a difference of
+cumulative sums, which keeps float32 accurate under strong decay; the last
+level's factors are the chunk-wide decays of the inter-chunk terms. A chunk
+whose length is not a power of two is padded with zero tokens (no write, no
+decay) for the intra-chunk part.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from ..linear_common import check_dense, dense, suffix_sum, varlen
-
-_SUB_CHUNK = 16  # GLA secondary-chunk size (used when it divides chunk_size)
+from ..linear_common import check_dense, dense, varlen
 
 
-def _gla_intra_scores(q: Tensor, k: Tensor, g: Tensor, c: int) -> Tensor:
-    """Causal decayed scores A[t, s] = sum_d q_td k_sd exp(sum_{s<u<=t} g_ud), s <= t,
-    by secondary chunking (see module docstring). q, k, g: [Nc, H, C, Dk] -> [Nc, H, C, C].
+def _gla_chunk_parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The intra-chunk output and the chunk-wide decayed factors of GLA, by bisection (see the
+    module docstring). q, k, g: [Nc, H, C, Dk] (g <= 0), v: [Nc, H, C, Dv]. Returns
+    (o_intra = A v [Nc, H, C, Dv], q_dec = q exp(decay from the chunk start through t),
+    k_dec = k exp(decay after s to the chunk end) [Nc, H, C, Dk], decay of the chunk [Nc, H, Dk]).
 
-    Every exponent is <= 0 and is summed within a sub-chunk where it can be
-    small (rather than as a difference of chunk-wide cumsums), for accuracy
-    under strong decay."""
+    The decayed queries and keys are carried from level to level: zq = q exp(in-half prefix sum)
+    and zk = k exp(in-half suffix sum); going from halves of w to halves of 2w multiplies the second
+    half's zq by exp(first half's total) and the first half's zk by exp(second half's total), each
+    factor <= 1 (so no intermediate is larger than its final value, and nothing overflows)."""
     Nc, H, C, Dk = q.shape
-    m = C // c
-    qs, ks, gs = (x.view(Nc, H, m, c, Dk) for x in (q, k, g))
-    L = gs.cumsum(3)                        # in-sub-chunk inclusive cumsum   [Nc, H, m, c, Dk]
-    neg_inf = float("-inf")
-    # diagonal sub-chunks, pairwise: exp(L_t - L_s) for s <= t            [Nc, H, m, c, c, Dk]
-    upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
-    pair = (L[..., :, None, :] - L[..., None, :, :]).masked_fill(upper[..., None], neg_inf)
-    A_diag = torch.einsum("nhitd,nhitsd,nhisd->nhits", qs, pair.exp(), ks)
-    eye = torch.eye(m, dtype=q.dtype, device=q.device)
-    A = torch.einsum("nhits,ij->nhitjs", A_diag, eye)                 # [Nc, H, m, c, m, c]
-    if m > 1:
-        # query t in sub-chunk i, key s in sub-chunk j < i, split at r_i = the
-        # start of sub-chunk i: exp(L_t) * exp(sum of g over (s, start_i))
-        q_rel = qs * L.exp()
-        tot = L[..., -1, :]                                           # [Nc, H, m, Dk]
-        incl = tot.cumsum(2)                                          # through sub-chunk j
-        excl = torch.cat([torch.zeros_like(incl[:, :, :1]), incl[:, :, :-1]], dim=2)  # before i
-        between = excl[:, :, :, None] - incl[:, :, None]              # sub-chunks j < l < i
-        e = suffix_sum(gs, 3)[:, :, None] + between[..., None, :]    # [Nc, H, m(i), m(j), c, Dk]
-        not_before = torch.ones(m, m, dtype=torch.bool, device=q.device).triu()
-        e = e.masked_fill(not_before[..., None, None], neg_inf)
-        k_rel = ks[:, :, None] * e.exp()
-        A = A + torch.einsum("nhitd,nhijsd->nhitjs", q_rel, k_rel)
-    return A.reshape(Nc, H, C, C)
+    Cp = 1 << max(C - 1, 0).bit_length()                  # the bisection runs on a power of two
+    if Cp != C:
+        q, k, v, g = (F.pad(x, (0, 0, 0, Cp - C)) for x in (q, k, v, g))
+    inplace = not torch.is_grad_enabled() or not any(x.requires_grad for x in (q, k, v, g))
+    eg = torch.exp(g)
+    zq = eg * q                                                   # halves of w = 1: q_t exp(g_t)
+    zk = k.clone() if inplace else k                              # k_s exp(0)
+    tot = g                     # [Nc, H, Cp / w, Dk]: the sum of g over each half of width w
+    A = q.new_zeros(Nc, H, Cp, Cp)
+    torch.diagonal(A, dim1=-2, dim2=-1).copy_((q * k).sum(-1))
+    w = 1
+    while w < Cp:
+        nb = Cp // (2 * w)                                 # blocks of 2w tokens: halves 0 and 1 of width w
+        zq_h, zk_h = (x.view(Nc, H, nb, 2, w, Dk) for x in (zq, zk))   # [Nc, H, block, half, w, Dk]
+        a, b = zq_h[:, :, :, 1], zk_h[:, :, :, 0]          # queries of the second halves, keys of the first
+        if w <= 2:   # tiny blocks: a broadcast product beats a batch of tiny matmuls
+            blk = (a[..., :, None, :] * b[..., None, :, :]).sum(-1)
+        else:
+            blk = a @ b.transpose(-1, -2)                                # [Nc, H, nb, w, w]
+        diag = torch.diagonal(A.view(Nc, H, nb, 2 * w, nb, 2 * w), dim1=2, dim2=4)  # [Nc, H, 2w, 2w, nb]
+        diag[:, :, w:, :w].copy_(blk.permute(0, 1, 3, 4, 2))
+        tot = tot.view(Nc, H, nb, 2, Dk)
+        e = eg.view(Nc, H, nb, 2, Dk) if w == 1 else torch.exp(tot)   # exp of each half's total
+        # halves of 2w: the second half's prefixes start at the first half's start, the first half's
+        # suffixes run on through the second half
+        e_first, e_second = e[:, :, :, 0, None], e[:, :, :, 1, None]   # [Nc, H, nb, 1, Dk]
+        if inplace:
+            zq_h[:, :, :, 1].mul_(e_first)
+            zk_h[:, :, :, 0].mul_(e_second)
+        else:
+            one = torch.ones_like(e_first)
+            zq = (zq_h * torch.stack([one, e_first], 3)).view_as(zq)
+            zk = (zk_h * torch.stack([e_second, one], 3)).view_as(zk)
+        tot = tot.sum(3)                                   # [Nc, H, nb, Dk]: halves of 2w
+        w *= 2
+    o_intra = A @ v
+    decay = tot.reshape(Nc, H, Dk)                         # the whole chunk (padding adds no decay)
+    if Cp != C:
+        o_intra, zq, zk = o_intra[:, :, :C], zq[:, :, :C], zk[:, :, :C]
+    return o_intra, zq, zk, decay.exp()
 
 
 def gla_chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor):
     """The chunk terms (trans, inject, out) of GLA for `linear_common`'s carry (SSE's fixed-shape
     segments use them too). q, k, g: [Nc, H, C, Dk], v: [Nc, H, C, Dv]."""
-    C = q.shape[2]
-    b = g.cumsum(2)                                       # [Nc, H, C, Dk], <= 0
-    c = _SUB_CHUNK if C % _SUB_CHUNK == 0 else C
-    o_intra = _gla_intra_scores(q, k, g, c) @ v           # [Nc, H, C, Dv]
-    q_dec = q * b.exp()                                   # decay from the chunk start
-    k_dec = k * suffix_sum(g, 2).exp()                   # decay to the chunk end
+    Nc, H, C, Dk = q.shape
+    Dv = v.shape[-1]
+    o_intra, q_dec, k_dec, decay = _gla_chunk_parts(q, k, v, g)
     inject = k_dec.transpose(-1, -2) @ v                  # [Nc, H, Dk, Dv]
-    decay = b[:, :, -1].exp()                             # [Nc, H, Dk]
 
     def trans(sl: slice, S: Tensor) -> Tensor:
         return decay[sl, :, :, None] * S
 
-    def out(S_before: Tensor) -> Tensor:
-        return o_intra + q_dec @ S_before
+    def out(S_before: Tensor) -> Tensor:                   # o_intra + q_dec S_before
+        return torch.baddbmm(o_intra.reshape(-1, C, Dv), q_dec.reshape(-1, C, Dk),
+                             S_before.reshape(-1, Dk, Dv)).view(Nc, H, C, Dv)
 
     return trans, inject, out
 

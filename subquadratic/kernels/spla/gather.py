@@ -16,7 +16,7 @@ import torch
 
 from ..utils import acc_dtype
 from .plan import SPLAParams
-from .select import NEG, select_blocks
+from .select import NEG
 from .stats import BlockStats, feature_map, new_tokens
 
 
@@ -60,33 +60,59 @@ def spla_decode_gather(
     G = HQ // H
     acc = acc_dtype(q)
     dev = q.device
-    block_size = params.block_size
-    sel = select_blocks(q, stats, q_pos, params)[:, :, 0]                 # [B, H, NB] bool
-    kk = min(params.top_k_blocks, sel.shape[-1])
-    live, blocks = sel.to(torch.int8).topk(kk, dim=-1)                   # [B, H, kk]
+    bs = params.block_size
     qp = q_pos[:, 0]                                                      # [B]
-    pos = blocks[..., None] * block_size + torch.arange(block_size, device=dev)  # [B, H, kk, bs]
-    ok = live.bool()[..., None] & (pos <= qp[:, None, None, None]) & (qp >= 0)[:, None, None, None]
-    slot = (k_offsets.long()[:, None, None, None] + pos).clamp(0, S - 1)
-    slot, ok = slot.reshape(B, H, -1), ok.reshape(B, H, -1)              # [B, H, L]
+    qf = q[:, 0].to(acc).reshape(B, H, G, D)
+    blocks, live = _decode_blocks(qf, stats, qp, params)                 # [B, H, kk]
+    pos = blocks[..., None] * bs + torch.arange(bs, device=dev)          # [B, H, kk, bs]
+    ok = (live[..., None] & (pos <= qp[:, None, None, None])).reshape(B, H, -1)   # [B, H, L]
+    slot = (k_offsets.long()[:, None, None, None] + pos).clamp_(0, S - 1).reshape(B, H, -1)
     kg = gather_slots(k.transpose(1, 2), slot).to(acc)                    # [B, H, L, D]
     vg = gather_slots(v.transpose(1, 2), slot).to(acc)
-    qf = q[:, 0].to(acc).reshape(B, H, G, D)
-    logits = torch.einsum("bhgd,bhld->bhgl", qf, kg) / math.sqrt(D)
-    attn = torch.softmax(logits.masked_fill(~ok[:, :, None], NEG), dim=-1)
-    o_sp = torch.einsum("bhgl,bhld->bhgd", attn, vg)
+    logits = (qf @ kg.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))       # [B, H, G, L]
+    masked = ~ok[:, :, None]
+    attn = torch.softmax(logits.masked_fill_(masked, NEG), dim=-1)
 
     k_new, v_new = new_tokens(k, v, 1, new_kv)                           # [B, 1, H, D]
     phik_new = feature_map(k_new[:, 0]) * (qp >= 0)[:, None, None]       # [B, H, D]
-    sbar = sbar.to(acc) + torch.einsum("bhd,bhe->bhde", phik_new, v_new[:, 0].to(acc))
-    o_rla = None
+    sbar = torch.baddbmm(sbar.to(acc).reshape(B * H, D, D), phik_new.reshape(B * H, D, 1),
+                         v_new[:, 0].to(acc).reshape(B * H, 1, D)).view(B, H, D, D)
     if params.use_rla:
         phiq = feature_map(qf)                                            # [B, H, G, D]
-        full = torch.einsum("bhgd,bhde->bhge", phiq, sbar)
-        a_sel = torch.einsum("bhgd,bhld->bhgl", phiq, feature_map(kg) * ok[..., None])
-        rla = full - torch.einsum("bhgl,bhld->bhgd", a_sel, vg)
+        a_sel = (phiq @ feature_map(kg).transpose(-1, -2)).masked_fill_(masked, 0.0)   # [B, H, G, L]
+        both = torch.cat([attn, a_sel], 2) @ vg                           # [B, H, 2G, D]: o_sp, the selected part
+        o_sp = both[:, :, :G]
+        rla = phiq @ sbar - both[:, :, G:]
         every = ok.sum(-1) == (qp + 1)[:, None]                          # all causal keys selected
-        o_rla = rla.masked_fill(every[:, :, None, None], 0.0)
+        o_rla = rla.masked_fill_(every[:, :, None, None], 0.0)
+    else:
+        o_sp, o_rla = attn @ vg, None
     q_ok = (qp >= 0)[:, None, None, None]
     out = [(x.reshape(B, 1, HQ, D) * q_ok).to(q.dtype) if x is not None else None for x in (o_sp, o_rla)]
     return out[0], out[1], sbar
+
+
+def _decode_blocks(qf: torch.Tensor, stats: BlockStats, qp: torch.Tensor,
+                   params: SPLAParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select.select_blocks` for one query per row, as block indices: qf [B, H, G, D] (acc dtype),
+    qp [B] -> (blocks [B, H, kk] long, live [B, H, kk] bool), kk = min(top_k_blocks, NB). The forced
+    blocks rank above every candidate and the candidates by their group score, so one top-k gives
+    the forced blocks and the best candidates of the free budget (the same selection)."""
+    B, H, G, D = qf.shape
+    NB = stats.num_blocks
+    b = torch.arange(NB, device=qf.device)
+    cur = torch.where(qp >= 0, qp // params.block_size, -1)[:, None]      # [B, 1]
+    exists = b <= cur
+    forced = exists & ((b < params.num_sink_blocks) | (b > cur - params.num_local_blocks))   # [B, NB]
+    cand = exists & ~forced
+    cnt = stats.count.clamp(min=1.0)[:, None, :, None]
+    mu = stats.sum_k / cnt                                                # [B, H, NB, D]
+    qs = qf.to(mu.dtype) * (1.0 / math.sqrt(D))
+    score = qs @ mu.transpose(-1, -2)                                     # [B, H, G, NB]
+    if params.selection == "taylor":
+        s2 = (stats.sum_k2 / cnt).sub_(mu * mu).clamp_(min=0.0)
+        score = score.add_(torch.log1p((qs * qs @ s2.transpose(-1, -2)).mul_(0.5)))
+    prob = torch.softmax(score.masked_fill_(~cand[:, None, None], NEG), dim=-1).sum(2)   # [B, H, NB]
+    rank = torch.where(forced[:, None], 2.0 * G, prob.masked_fill_(~cand[:, None], -1.0))
+    vals, blocks = rank.topk(min(params.top_k_blocks, NB), dim=-1)       # [B, H, kk]
+    return blocks, vals >= 0

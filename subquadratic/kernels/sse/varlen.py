@@ -5,7 +5,8 @@ segments, each starting from its partition's state, outputs scattered back. Cost
 Fixed shapes, no host synchronisation: every token contributes K rows (its top-K partitions; K is
 given, or N as a bound), rows of padded tokens are kept with zero inputs (no write, no decay), the
 sort is an argsort of a fixed-size key, and the segments run through `linear_common.segments`
-(a chunk count bounded from shapes, the carry masked per segment, no segment longer than T)."""
+(a chunk count bounded from shapes, the carry masked per segment, no segment longer than T).
+On the CPU outside tracing `segments` runs the segments' real lengths instead (same values)."""
 
 from __future__ import annotations
 

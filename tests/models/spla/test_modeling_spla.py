@@ -39,6 +39,34 @@ def test_prefill_then_decode_equals_full_forward(use_rla):
     assert torch.allclose(layer.state["count"], fresh.count)
 
 
+
+def test_zero_gamma_skips_the_residual_term_exactly(monkeypatch):
+    """A converted model (gamma = 0): inference on the CPU does not compute the residual term (the
+    shortcut of `SPLAAttention.forward`), yet gives the logits of the forward that computes it (grad
+    enabled) and keeps the same Sbar in its cache, prefill past the budget and decode steps alike."""
+    model = tiny_spla(gamma=None)
+    assert not any(p.any() for n, p in model.named_parameters() if "rla_norm" in n)
+    x = torch.randint(1, 128, (2, 70))
+    from subquadratic.families.spla import modeling
+
+    seen = []
+    real = modeling.spla_attention
+    monkeypatch.setattr(modeling, "spla_attention", lambda *a, **kw: seen.append(a[7].use_rla) or real(*a, **kw))
+    with torch.enable_grad():
+        out_ref = model(x, use_cache=True)
+        ref, cache_ref = out_ref.logits.detach(), cache_of(out_ref)
+    with torch.no_grad():
+        out = model(x[:, :50], use_cache=True)
+        steps, cache = [out.logits], cache_of(out)
+        for t in range(50, 70):
+            out = model(x[:, t:t + 1], use_cache=True, **{CACHE_FIELD: cache})
+            steps.append(out.logits)
+    n = len(cache.layers)
+    assert seen[:n] == [True] * n and set(seen[n:]) == {False}     # computed with grad, skipped without
+    assert (torch.cat(steps, dim=1) - ref).abs().max() < 1e-4
+    for a, b in zip(cache.layers, cache_ref.layers, strict=True):
+        assert torch.allclose(a.state["sbar"], b.state["sbar"].detach(), atol=1e-4)
+
 class TestSPLASparse(ModelTesterMixin):
     """Budget 3 blocks x 4 = 12 tokens (sink, most recent, one chosen by score) under 40-token inputs:
     the selection and the residual linear term both shape every check."""
