@@ -104,14 +104,106 @@ def test_hidden_states_from_keyword_and_config(case):
     assert torch.equal(by_kw[0], model.model.embed_tokens(x))
 
 
-def test_output_attentions_is_a_clear_error_where_mixers_form_no_weights(case):
+STATE_ONLY = ("sse", "hla")  # every layer keeps a state: no attention weights anywhere
+
+
+@pytest.mark.parametrize("case", STATE_ONLY)
+def test_output_attentions_is_a_clear_error_for_models_of_state_layers_only(case):
     model = make(case)
-    with pytest.raises(ValueError, match=r"output_attentions is not available: the '(spla|sse|hla)' layers"):
+    with pytest.raises(ValueError, match=r"output_attentions is not available: every layer of this model is a state "
+                                         r"layer \('(sse|hla)'\)"):
         model(ids(), output_attentions=True)
     model.set_attn_implementation("eager")  # Transformers allows the config switch with eager only
     model.config.output_attentions = True
     with pytest.raises(ValueError, match="output_attentions is not available"):
         model(ids())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in STATE_ONLY])
+def test_output_attentions_gives_each_layer_its_weights_or_none(case):
+    """One entry per layer, [B, HQ, T, T] for softmax and SPLA layers (rows summing to one, causal,
+    real queries never on padding), None for state layers (SSE, HLA); asking changes no logit."""
+    model = make(case)
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        out = model(x, attention_mask=mask, output_attentions=True)
+        plain = model(x, attention_mask=mask)
+    torch.testing.assert_close(out.logits, plain.logits, rtol=1e-5, atol=1e-5)
+    kinds = model.config.mixer_types
+    assert len(out.attentions) == len(kinds)
+    for kind, a in zip(kinds, out.attentions, strict=True):
+        if kind in ("sse", "hla"):
+            assert a is None
+            continue
+        assert a.shape == (2, model.config.num_attention_heads, T, T)
+        torch.testing.assert_close(a[0].sum(-1), torch.ones_like(a[0, :, :, 0]))
+        torch.testing.assert_close(a[1, :, 5:].sum(-1), torch.ones_like(a[1, :, 5:, 0]))
+        assert torch.all(a[0].triu(1) == 0) and torch.all(a[1, :, 5:].triu(6) == 0)  # causal (row 1 from 5 on)
+        assert torch.all(a[1, :, 5:, :5] == 0)
+
+
+def test_spla_weights_inside_the_budget_are_the_dense_model_weights():
+    """Inside its budget SPLA is softmax attention: its weights equal those of the same model with
+    softmax layers (the same parameters)."""
+    spla = make("spla")
+    dense = make("spla", mixer_types=["full_attention"] * 2)
+    dense.load_state_dict(spla.state_dict(), strict=False)
+    x = ids()
+    with torch.no_grad():
+        a, b = spla(x, output_attentions=True), dense(x, output_attentions=True)
+    for wa, wb in zip(a.attentions, b.attentions, strict=True):
+        torch.testing.assert_close(wa, wb, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_spla_weights_sit_on_the_selected_blocks():
+    """Beyond the budget each query's weights cover exactly its selected blocks (the model's own
+    selection, recomputed from the layer's keys) and at most top_k_blocks x block_size keys."""
+    from subquadratic.kernels.spla import BlockStats, SPLAParams, select_blocks
+
+    model = make("spla-sparse")
+    cfg = model.config
+    x = ids(B=1)
+    keys = {}
+    layer = model.model.layers[0].self_attn
+    hook = layer.register_forward_hook(lambda m, args, out: keys.update(args=args))
+    with torch.no_grad():
+        out = model(x, output_attentions=True, use_cache=False)
+    hook.remove()
+    w = out.attentions[0]  # [1, HQ, T, T]
+    hidden, pe, seq = keys["args"][:3]
+    with torch.no_grad():
+        q, k, _ = layer.project(hidden, pe, heads_first=False)
+    params = SPLAParams.from_config(cfg)
+    stats = BlockStats.empty(1, k.shape[2], k.shape[3], "cpu").add(k, seq.positions, cfg.block_size)
+    sel = select_blocks(q, stats, seq.positions, params)  # [1, H, T, NB]
+    blocks = torch.arange(T) // cfg.block_size
+    chosen = sel[..., blocks] & (torch.arange(T)[None, :] <= torch.arange(T)[:, None])  # [1, H, T, T]
+    chosen = chosen.repeat_interleave(cfg.num_attention_heads // cfg.num_key_value_heads, dim=1)
+    assert torch.equal(w > 0, chosen)
+    assert int((w[0] > 0).sum(-1).max()) <= cfg.budget_tokens < T
+
+
+def test_attentions_of_generate_and_their_gradients():
+    """generate(output_attentions=True, return_dict_in_generate=True) returns every step's weights
+    (prefill [B, HQ, T, T], then [B, HQ, 1, T + i]); the weights join the graph (retain_grad)."""
+    model = make("spla-sparse")
+    x = ids(B=2)
+    out = model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
+                         output_attentions=True, return_dict_in_generate=True)
+    assert len(out.attentions) == 3
+    assert out.attentions[0][0].shape == (2, 4, T, T)
+    assert [step[1].shape for step in out.attentions[1:]] == [(2, 4, 1, T + 1), (2, 4, 1, T + 2)]
+    for step in out.attentions[1:]:
+        torch.testing.assert_close(step[0].sum(-1), torch.ones(2, 4, 1))
+    model.train()
+    res = model(x, output_attentions=True, output_hidden_states=True, use_cache=False)
+    res.attentions[0].retain_grad()
+    res.hidden_states[0].retain_grad()
+    res.logits.sum().backward()
+    assert res.attentions[0].grad is not None and res.attentions[0].grad.abs().sum() > 0
+    assert res.hidden_states[0].grad is not None
 
 
 @pytest.mark.parametrize("family", ["spla", "sse", "hla"])
@@ -190,10 +282,6 @@ def test_training_gives_every_parameter_a_gradient(case):
     out = model(x, labels=x)
     out.loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
-    if model.config.model_type == "spla" and model.config.budget_tokens >= T:
-        # inside the budget SPLA is exact softmax attention: the residual term, and gamma with it,
-        # takes no part (the sparse case below trains gamma)
-        missing = [n for n in missing if "rla_norm" not in n]
     assert not missing, f"no gradient for {missing}"
     assert torch.isfinite(out.loss)
 
