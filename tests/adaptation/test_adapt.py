@@ -14,7 +14,13 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from subquadratic.adaptation import AdaptConfig, adapt, kl_to_teacher
-from subquadratic.adaptation.train import converted_layers, new_parameter_names
+from subquadratic.adaptation.train import (
+    Trainee,
+    Transfer,
+    converted_layers,
+    mixer_parameters,
+    new_parameter_names,
+)
 from subquadratic.data import DataError, load_texts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -60,6 +66,36 @@ def test_fresh_spla_with_the_whole_row_in_budget_matches_its_teacher_exactly(tmp
     first, second = log(out)
     assert first["stage"] == 1 and first["loss"] < 1e-10
     assert second["stage"] == 2 and abs(second["loss"]) < 1e-5
+
+
+@pytest.mark.parametrize("to, options", [("spla", dict(block_size=4, top_k_blocks=3)), ("sse-h", {}), ("hla", {})])
+def test_both_stages_reach_every_trainable_parameter(converted, dense_folder, to, options):
+    """Each stage's loss gives every trainable parameter a gradient, as plain DDP (no unused-parameter
+    search) needs: in stage 1 the converted mixers get the transfer loss's and every other parameter
+    an exact zero (which `adapt` drops before the step); stage 2 reaches everything. Stage 1's mixer
+    gradients are those of the transfer loss alone."""
+    student = AutoModelForCausalLM.from_pretrained(converted(to, **options)).train()  # SPLA beyond its budget
+    teacher = AutoModelForCausalLM.from_pretrained(dense_folder).eval().requires_grad_(False)
+    layers = converted_layers(student.config)
+    trainee = Trainee(student, teacher, "kl")
+    ids = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "position_ids": torch.cat([torch.arange(25), torch.arange(15)]).expand(2, 40),
+             "labels": ids}
+    trainee.transfer = Transfer(teacher, student, layers)
+    loss = trainee(batch, 1)
+    mixers = mixer_parameters(trainee, layers)
+    in_mixers = [p for p in trainee.parameters() if id(p) in mixers]
+    alone = torch.autograd.grad(torch.stack(trainee.transfer.losses).mean(), in_mixers, retain_graph=True)
+    loss.backward()
+    assert mixers and all(p.grad is not None for p in trainee.parameters()), "stage 1 leaves a parameter out"
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in trainee.parameters() if id(p) not in mixers)
+    assert all(torch.equal(p.grad, g) for p, g in zip(in_mixers, alone, strict=True))  # the transfer loss's own
+    assert any(g.abs().max() > 0 for g in alone)
+    trainee.transfer.remove()
+    trainee.transfer = None
+    trainee.zero_grad(set_to_none=True)
+    trainee(batch, 2).backward()
+    assert all(p.grad is not None for p in trainee.parameters()), "stage 2 leaves a parameter out"
 
 
 def heldout_kl(folder, dense_folder, held) -> float:
