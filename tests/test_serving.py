@@ -150,6 +150,10 @@ def test_completions_streaming_and_not(server, folder):
 
 
 def test_models_lists_the_pinned_folder(server, folder):
+    from transformers.cli.serving.model_manager import ModelManager
+
+    if not hasattr(ModelManager, "list_models"):
+        pytest.skip("this Transformers' /v1/models lists the Hub cache only (and fails where there is none)")
     with urllib.request.urlopen(server + "/v1/models", timeout=30) as resp:
         listed = json.loads(resp.read())
     assert [m["id"] for m in listed["data"]] == [folder]
