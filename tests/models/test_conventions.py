@@ -144,6 +144,27 @@ def test_output_attentions_gives_each_layer_its_weights_or_none(case):
         assert torch.all(a[1, :, 5:, :5] == 0)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c not in STATE_ONLY])
+def test_outputs_with_attentions_agree_across_return_types_and_implementations(case, tmp_path):
+    """As Transformers' test_model_outputs_equivalence and test_eager_matches_sdpa_inference (with
+    output_attentions) check: the tuple holds the dict's fields, and an eager model asked for weights
+    gives the logits of an SDPA model that is not."""
+    model = make(case)
+    x = ids()
+    with torch.no_grad():
+        d = model(x, output_attentions=True, output_hidden_states=True, use_cache=False)
+        t = model(x, output_attentions=True, output_hidden_states=True, use_cache=False, return_dict=False)
+    logits, hidden, attentions = t
+    assert torch.equal(logits, d.logits) and len(hidden) == len(d.hidden_states)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(attentions, d.attentions, strict=True))
+    model.save_pretrained(tmp_path)
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        with_weights = eager(x, output_attentions=True).logits
+        sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()(x).logits
+    torch.testing.assert_close(with_weights, sdpa, rtol=1e-4, atol=1e-5)
+
+
 def test_spla_weights_inside_the_budget_are_the_dense_model_weights():
     """Inside its budget SPLA is softmax attention: its weights equal those of the same model with
     softmax layers (the same parameters)."""
