@@ -25,6 +25,7 @@ from subquadratic import (
 from subquadratic.families.hla.configuration import TINY_PRESETS as HLA_PRESETS
 from subquadratic.families.sse.configuration import PRESETS as SSE_PRESETS
 from subquadratic.modeling.base import CACHE_FIELD
+from subquadratic.registry import mixer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -134,7 +135,7 @@ def test_output_attentions_gives_each_layer_its_weights_or_none(case):
     kinds = model.config.mixer_types
     assert len(out.attentions) == len(kinds)
     for kind, a in zip(kinds, out.attentions, strict=True):
-        if kind in ("sse", "hla"):
+        if not mixer(kind).computes_attention_weights:  # a state layer
             assert a is None
             continue
         assert a.shape == (2, model.config.num_attention_heads, T, T)
@@ -206,24 +207,32 @@ def test_sparse_spla_weights_sit_on_the_selected_blocks():
     assert int((w[0] > 0).sum(-1).max()) <= cfg.budget_tokens < T
 
 
-def test_attentions_of_generate_and_their_gradients():
+@pytest.mark.parametrize("case", [c for c in CASES if c not in STATE_ONLY])
+def test_attentions_of_generate_and_their_gradients(case):
     """generate(output_attentions=True, return_dict_in_generate=True) returns every step's weights
-    (prefill [B, HQ, T, T], then [B, HQ, 1, T + i]); the weights join the graph (retain_grad)."""
-    model = make("spla-sparse")
+    per layer (prefill [B, HQ, T, T], then [B, HQ, 1, T + i]; None for state layers), as
+    Transformers' *_generate_dict_output* tests check; the weights join the graph
+    (test_retain_grad_hidden_states_attentions)."""
+    model = make(case)
+    kinds, HQ = model.config.mixer_types, model.config.num_attention_heads
     x = ids(B=2)
     out = model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
                          output_attentions=True, return_dict_in_generate=True)
-    assert len(out.attentions) == 3
-    assert out.attentions[0][0].shape == (2, 4, T, T)
-    assert [step[1].shape for step in out.attentions[1:]] == [(2, 4, 1, T + 1), (2, 4, 1, T + 2)]
-    for step in out.attentions[1:]:
-        torch.testing.assert_close(step[0].sum(-1), torch.ones(2, 4, 1))
+    assert len(out.attentions) == 3 and all(len(step) == len(kinds) for step in out.attentions)
+    for i, step in enumerate(out.attentions):
+        for kind, a in zip(kinds, step, strict=True):
+            if not mixer(kind).computes_attention_weights:  # a state layer
+                assert a is None
+                continue
+            assert a.shape == ((2, HQ, T, T) if i == 0 else (2, HQ, 1, T + i))
+            torch.testing.assert_close(a.sum(-1), torch.ones(a.shape[:-1]))
     model.train()
     res = model(x, output_attentions=True, output_hidden_states=True, use_cache=False)
-    res.attentions[0].retain_grad()
+    first = next(a for a in res.attentions if a is not None)
+    first.retain_grad()
     res.hidden_states[0].retain_grad()
     res.logits.sum().backward()
-    assert res.attentions[0].grad is not None and res.attentions[0].grad.abs().sum() > 0
+    assert first.grad is not None and first.grad.abs().sum() > 0
     assert res.hidden_states[0].grad is not None
 
 
