@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,14 +35,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import replicate  # noqa: E402  (corpus, tokenizer, pretraining)
+from _fsdp import accelerate_launch, child_env, read_log, run_child, shell_line, throughput  # noqa: E402
 from replicate import log  # noqa: E402
 
 from subquadratic.conversion import convert  # noqa: E402
 from subquadratic.evaluation import evaluate  # noqa: E402
 
 FAMILIES = {"spla": dict(stage1_share=0.0, lr=1e-4), "sse-h": dict(stage1_share=0.25, lr=3e-4)}
-#: NVLink multicast stays off (the GPU host's rule for NCCL)
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def prepare(scale: replicate.Scale, work: Path, device: torch.device, steps: int, batch: int) -> dict:
@@ -85,35 +82,18 @@ def adapt_command(family: str, prep: dict, out: Path, gpus: int, steps: int, bat
             "--num-proc", str(min(16, os.cpu_count() or 1))]
     if cuda:
         args += ["--mixed-precision", "bf16"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = child_env(cuda)
     if gpus == 1:
-        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
         return [sys.executable, "-m", "subquadratic", *args], env
-    if cuda:
-        env.update(NCCL_ENV)
-        launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                  str(ROOT / "configs" / "accelerate" / "fsdp.yaml"), "--num_processes", str(gpus)]
-    else:  # CPU processes: data-parallel over gloo
-        env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus)]
-    return [*launch, "-m", "subquadratic", *args], env
+    return [*accelerate_launch(gpus), "-m", "subquadratic", *args], env  # on CPU: data-parallel over gloo
 
 
 def run_adapt(cmd: list[str], env: dict, out: Path) -> dict:
-    started = time.perf_counter()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"adaptation failed ({shlex.join(cmd)}):\n{r.stderr[-4000:]}")
-    entries = [json.loads(line) for line in (out / "adapt_log.jsonl").read_text().splitlines()]
-    return {"wall_seconds": round(time.perf_counter() - started, 1), "log": entries}
-
-
-def throughput(entries: list[dict], gpus: int) -> float:
-    """Tokens/s per GPU past the first steps (compilation, autotuning, caches warming)."""
-    k = min(10, len(entries) // 4)
-    first, last = entries[k], entries[-1]
-    return (last["tokens"] - first["tokens"]) / (last["seconds"] - first["seconds"]) / gpus
+    run = run_child(cmd, env, out.with_name(out.name + ".log"))
+    if run.status != "ok":
+        raise SystemExit(f"adaptation failed ({run.status}: {shell_line(cmd, env)}):\n{run.tail}")
+    return {"wall_seconds": run.seconds, "log": read_log(out)}
 
 
 def compare_losses(la: list[float], lb: list[float]) -> dict:
@@ -203,7 +183,8 @@ def main() -> None:
             cmd, env = adapt_command(family, prep, folder, gpus, args.steps, args.batch, scale.seq_len, cuda)
             run = run_adapt(cmd, env, folder)
             entries = run.pop("log")
-            run.update(command=shlex.join(cmd), tokens_per_s_per_gpu=throughput(entries, gpus),
+            warmup = min(10, len(entries) // 4) + 1  # compilation, autotuning, caches warming
+            run.update(command=shell_line(cmd, env), tokens_per_s_per_gpu=throughput(entries, gpus, warmup),
                        peak_memory_gib=entries[-1].get("peak_memory_gib"), losses=[e["loss"] for e in entries],
                        ppl=perplexity(folder, prep["dense"], prep["held"], scale.seq_len, device, scale.ppl_windows))
             r[key] = run

@@ -84,11 +84,11 @@ def test_command_line_answers_help_and_usage_errors_without_torch(argv):
 
 
 def test_builtin_declarations_name_their_model_type():
-    from subquadratic.families import BUILTIN
+    from subquadratic import families
     from subquadratic.registry import get_family
 
-    for module in BUILTIN:
-        assert module.config_class().model_type == module.NAME
+    for module in families.BUILTIN:
+        assert families.config_class(module).model_type == module.NAME
         family = get_family(module.NAME)
         assert family.name == family.model_type == module.NAME and family.card == module.CARD
         assert family.card.is_file() and family.cli_options() == {f"--{module.NAME}-{k}": v for k, v in

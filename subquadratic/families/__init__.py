@@ -1,9 +1,10 @@
 """The built-in families, one folder each (`families/<name>/`, the name being the model type).
 
-Each folder's `__init__.py` is the family's declaration: a light part the command line reads
-without importing torch (`NAME`, `OPTIONS`, `CARD` and, where the family has some, `CONVERT_PRESETS`)
-and two functions that import the family's modules: `config_class()` (`configuration.py` alone) and
-`family()`, the full `registry.Family` (also `modeling.py` and `conversion.py`).
+Each folder's `__init__.py` is the family's declaration, as data: a light part the command line
+reads without importing torch (`NAME`, `OPTIONS`, `CARD` and, where the family has some,
+`CONVERT_PRESETS`), and `PARTS` / `MIXERS`, naming the "module:attribute" of the rest. Two functions
+here import them: `config_class(module)` (`configuration.py` alone) and `family(module)`, the full
+`registry.Family` (also `modeling.py` and `conversion.py`).
 
 `import subquadratic` calls `install()`, which registers the built-ins once, when first needed,
 without importing torch itself:
@@ -20,10 +21,34 @@ So `import subquadratic` then `AutoModelForCausalLM.from_pretrained(folder)` wor
 order, while `subquadratic --help` imports neither torch nor Transformers.
 """
 
-from ..registry import cli_flags, families, load_with, register_family
+from importlib import import_module
+from types import ModuleType
+
+from ..registry import Family, cli_flags, families, load_with, register_family
 from . import hla, spla, sse
 
 BUILTIN = (spla, sse, hla)
+
+
+def _part(declaration: ModuleType, ref: str):
+    """The object a declaration names as "module:attribute" of its own folder."""
+    module, attr = ref.split(":")
+    return getattr(import_module(f"{declaration.__name__}.{module}"), attr)
+
+
+def config_class(declaration: ModuleType) -> type:
+    """A declaration's config class alone (what AutoConfig needs; imports no model code)."""
+    return _part(declaration, declaration.PARTS["config_class"])
+
+
+def family(declaration: ModuleType) -> Family:
+    """The full `registry.Family` of a declaration (imports the configuration, model and converter modules)."""
+    return Family(
+        **{field: _part(declaration, ref) for field, ref in declaration.PARTS.items()},
+        mixers={name: _part(declaration, ref) for name, ref in declaration.MIXERS.items()},
+        card=declaration.CARD, options=declaration.OPTIONS,
+        convert_presets=getattr(declaration, "CONVERT_PRESETS", {}),
+    )
 
 
 def register_builtin() -> None:
@@ -31,18 +56,18 @@ def register_builtin() -> None:
     registered = {f.name for f in families(load=False)}
     for module in BUILTIN:
         if module.NAME not in registered:
-            family = module.family()
-            if family.name != module.NAME:
+            fam = family(module)
+            if fam.name != module.NAME:
                 raise RuntimeError(f"{module.__name__} declares NAME {module.NAME!r} but its config's model_type is "
-                                   f"{family.name!r}; make them equal")
-            register_family(family)
+                                   f"{fam.name!r}; make them equal")
+            register_family(fam)
 
 
 def _auto_configs(configuration_auto) -> None:
     """Post-import hook of `transformers.models.auto.configuration_auto`: AutoConfig learns the
     built-in model types."""
     for module in BUILTIN:
-        configuration_auto.AutoConfig.register(module.NAME, module.config_class(), exist_ok=True)
+        configuration_auto.AutoConfig.register(module.NAME, config_class(module), exist_ok=True)
 
 
 def install() -> None:

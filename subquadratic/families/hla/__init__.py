@@ -1,15 +1,12 @@
 """HLA (`hla`): second-order Higher-order Linear Attention, declared once.
 
-The light part (`NAME`, `OPTIONS`, `CARD`; no torch needed: the command line reads it), then
-`config_class()` (the configuration module alone) and `family()`, the full declaration
-(`registry.Family`), which import the folder's modules: `configuration.py` (HLAConfig, tiny
-presets), `modeling.py` (the mixer, its cache layer, the model classes), `conversion.py` (the
-Converter); `card.md` is the model card template.
+The whole declaration is data: `NAME`, `OPTIONS`, `CARD` (read by the command line without torch),
+then `PARTS` and `MIXERS`, naming where `families.family()` finds the rest of the `registry.Family`
+in this folder: `configuration.py` (HLAConfig, tiny presets), `modeling.py` (the mixer, its cache
+layer, the model classes), `conversion.py` (the Converter); `card.md` is the model card template.
 """
 
 from pathlib import Path
-
-from ...registry import Family
 
 #: The family's one name: its model type and `convert --to` target.
 NAME = "hla"
@@ -24,28 +21,14 @@ OPTIONS: dict[str, dict] = {
     "normalize": dict(action="store_const", const=True, dest="hla_normalize", help="normalised form"),
     "rope": dict(action="store_const", const=True, dest="hla_rope", help="apply the source's RoPE to q and k"),
 }
-
-
-def config_class() -> type:
-    """The config class alone (what AutoConfig needs; imports no model code)."""
-    from .configuration import HLAConfig
-
-    return HLAConfig
-
-
-def family() -> Family:
-    """The full declaration (imports the configuration, model and converter modules)."""
-    from .configuration import TINY_PRESETS, HLAConfig
-    from .conversion import CONVERTER
-    from .modeling import HLAAttention, HLAForCausalLM, HLAModel
-
-    return Family(
-        config_class=HLAConfig,
-        model_class=HLAModel,
-        causal_lm_class=HLAForCausalLM,
-        mixers={"hla": HLAAttention},  # cache layer: HLALayer
-        converter=CONVERTER,
-        card=CARD,
-        presets=TINY_PRESETS,
-        options=OPTIONS,
-    )
+#: Where the rest of the declaration lives: `registry.Family` field -> "module:attribute" of this
+#: folder, imported by `families.family()` (the config class alone by `families.config_class()`).
+PARTS: dict[str, str] = {
+    "config_class": "configuration:HLAConfig",
+    "model_class": "modeling:HLAModel",
+    "causal_lm_class": "modeling:HLAForCausalLM",
+    "converter": "conversion:CONVERTER",
+    "presets": "configuration:TINY_PRESETS",
+}
+#: The token mixers the family adds: name in `config.mixer_types` -> "module:class" (cache layer: HLALayer).
+MIXERS: dict[str, str] = {"hla": "modeling:HLAAttention"}

@@ -1,15 +1,12 @@
 """SPLA (`spla`): block-sparse attention plus residual linear attention, declared once.
 
-The light part (`NAME`, `OPTIONS`, `CARD`; no torch needed: the command line reads it), then
-`config_class()` (the configuration module alone) and `family()`, the full declaration
-(`registry.Family`), which import the folder's modules: `configuration.py` (SPLAConfig),
-`modeling.py` (the mixer, its cache layer, the model classes), `conversion.py` (the Converter);
-`card.md` is the model card template.
+The whole declaration is data: `NAME`, `OPTIONS`, `CARD` (read by the command line without torch),
+then `PARTS` and `MIXERS`, naming where `families.family()` finds the rest of the `registry.Family`
+in this folder: `configuration.py` (SPLAConfig), `modeling.py` (the mixer, its cache layer, the model
+classes), `conversion.py` (the Converter); `card.md` is the model card template.
 """
 
 from pathlib import Path
-
-from ...registry import Family
 
 #: The family's one name: its model type and `convert --to` target.
 NAME = "spla"
@@ -24,27 +21,13 @@ OPTIONS: dict[str, dict] = {
     "no-rla": dict(action="store_const", const=False, dest="use_rla",
                    help="no residual linear-attention term: sparse attention alone (the SPA ablation)"),
 }
-
-
-def config_class() -> type:
-    """The config class alone (what AutoConfig needs; imports no model code)."""
-    from .configuration import SPLAConfig
-
-    return SPLAConfig
-
-
-def family() -> Family:
-    """The full declaration (imports the configuration, model and converter modules)."""
-    from .configuration import SPLAConfig
-    from .conversion import CONVERTER
-    from .modeling import SPLAAttention, SPLAForCausalLM, SPLAModel
-
-    return Family(
-        config_class=SPLAConfig,
-        model_class=SPLAModel,
-        causal_lm_class=SPLAForCausalLM,
-        mixers={"spla": SPLAAttention},  # cache layer: SPLALayer
-        converter=CONVERTER,
-        card=CARD,
-        options=OPTIONS,
-    )
+#: Where the rest of the declaration lives: `registry.Family` field -> "module:attribute" of this
+#: folder, imported by `families.family()` (the config class alone by `families.config_class()`).
+PARTS: dict[str, str] = {
+    "config_class": "configuration:SPLAConfig",
+    "model_class": "modeling:SPLAModel",
+    "causal_lm_class": "modeling:SPLAForCausalLM",
+    "converter": "conversion:CONVERTER",
+}
+#: The token mixers the family adds: name in `config.mixer_types` -> "module:class" (cache layer: SPLALayer).
+MIXERS: dict[str, str] = {"spla": "modeling:SPLAAttention"}

@@ -1,18 +1,16 @@
 """SSE (`sse`): Sparse State Expansion, declared once; SSE-H is its convert preset `sse-h`.
 
-The light part (`NAME`, `OPTIONS`, `CONVERT_PRESETS`, `CARD`; no torch needed: the command line
-reads it), then `config_class()` (the configuration module alone) and `family()`, the full
-declaration (`registry.Family`), which import the folder's modules: `configuration.py` (SSEConfig,
-presets), `modeling.py` (the mixer, its cache layer, the model classes), `conversion.py` (the
-Converter); `card.md` is the model card template.
+The whole declaration is data: `NAME`, `OPTIONS`, `CONVERT_PRESETS`, `CARD` (read by the command line
+without torch), then `PARTS` and `MIXERS`, naming where `families.family()` finds the rest of the
+`registry.Family` in this folder: `configuration.py` (SSEConfig, presets), `modeling.py` (the mixer,
+its cache layer, the model classes), `conversion.py` (the Converter); `card.md` is the model card
+template.
 
 `convert --to sse` makes every layer an SSE layer (pure SSE, like `--to hla`); `--to sse-h` keeps
 softmax attention in every 6th layer (five SSE layers, then one softmax layer: the paper's SSE-H).
 """
 
 from pathlib import Path
-
-from ...registry import Family
 
 #: The family's one name: its model type and `convert --to` target.
 NAME = "sse"
@@ -37,29 +35,14 @@ OPTIONS: dict[str, dict] = {
 }
 #: Conversion targets beside `sse`: option sets under the given options.
 CONVERT_PRESETS: dict[str, dict] = {"sse-h": {"softmax_every": 6}}
-
-
-def config_class() -> type:
-    """The config class alone (what AutoConfig needs; imports no model code)."""
-    from .configuration import SSEConfig
-
-    return SSEConfig
-
-
-def family() -> Family:
-    """The full declaration (imports the configuration, model and converter modules)."""
-    from .configuration import PRESETS, SSEConfig
-    from .conversion import CONVERTER
-    from .modeling import SSEAttention, SSEForCausalLM, SSEModel
-
-    return Family(
-        config_class=SSEConfig,
-        model_class=SSEModel,
-        causal_lm_class=SSEForCausalLM,
-        mixers={"sse": SSEAttention},  # cache layer: SSELayer
-        converter=CONVERTER,
-        card=CARD,
-        presets=PRESETS,
-        options=OPTIONS,
-        convert_presets=CONVERT_PRESETS,
-    )
+#: Where the rest of the declaration lives: `registry.Family` field -> "module:attribute" of this
+#: folder, imported by `families.family()` (the config class alone by `families.config_class()`).
+PARTS: dict[str, str] = {
+    "config_class": "configuration:SSEConfig",
+    "model_class": "modeling:SSEModel",
+    "causal_lm_class": "modeling:SSEForCausalLM",
+    "converter": "conversion:CONVERTER",
+    "presets": "configuration:PRESETS",
+}
+#: The token mixers the family adds: name in `config.mixer_types` -> "module:class" (cache layer: SSELayer).
+MIXERS: dict[str, str] = {"sse": "modeling:SSEAttention"}
