@@ -14,7 +14,7 @@ from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 from subquadratic import HLAConfig, HLAForCausalLM, SPLAConfig, SPLAForCausalLM, SSEConfig, SSEForCausalLM
 from tests.adaptation.conftest import VOCAB, corpus_files, train_tokenizer
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_accelerator_state")
 
 _SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, pad_token_id=0, eos_token_id=1)
@@ -27,6 +27,18 @@ FAMILIES = {
     "hla": (HLAConfig, HLAForCausalLM, dict(_SMALL, hla_chunk_size=16)),
 }
 MAX_LEN = 96  # tokens per document
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """Trainer keeps Accelerate's process-wide state (its mixed precision, its device) after it
+    returns; it is dropped before and after each test, so `adapt`'s own Accelerator, elsewhere in
+    the run, starts from none."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def make(family: str):
