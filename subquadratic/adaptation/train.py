@@ -473,7 +473,7 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
 
 class Trainee(torch.nn.Module):
     """The student with its training objective: `forward(batch, stage)` returns the step's loss, so
-    that data-parallel wrappers (DDP's unused-parameter search, FSDP) see exactly what the loss uses.
+    that data-parallel wrappers (DDP, FSDP) wrap the whole loss, computed inside the wrapped forward.
     The teacher and the stage-1 hooks are held outside the module's parameters."""
 
     def __init__(self, student, teacher, loss: str) -> None:
