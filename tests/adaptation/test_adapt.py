@@ -4,7 +4,6 @@ command line and its errors."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from subquadratic.adaptation.train import (
     new_parameter_names,
 )
 from subquadratic.data import DataError, load_texts
+from tests.processes import clean_env, run_child
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -181,7 +181,7 @@ def test_a_resumed_run_continues_where_it_stopped(tmp_path, corpus, converted, d
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "subquadratic", *map(str, args)], capture_output=True, text=True)
+    return run_child([sys.executable, "-m", "subquadratic", *args], timeout=300)
 
 
 def test_cli_adapts_and_refuses_bad_input_in_one_line(tmp_path, corpus, converted, dense_folder):
@@ -236,17 +236,14 @@ def test_two_processes_train_as_one_with_the_same_global_batch(tmp_path, corpus,
     a multi-GPU or FSDP configuration is the same command on GPUs): two processes of 2 rows follow the
     run of one process of 4 rows. Stage 1 matches to rounding; stage 2 averages per-process token
     means, so it matches to 2%."""
-    import os
-
     student = converted("hla")
     common = ["adapt", student, "--data", *[str(f) for f in corpus[0]], "--teacher", dense_folder, "--max-steps", 4,
               "--stage1-steps", 2, "--seq-len", 64, "--no-progress", "--loss", "kl", "--save-every", 100]
     one = cli(*common, "-o", tmp_path / "one", "--batch-size", 4)
     assert one.returncode == 0, one.stderr
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "subquadratic",
-                          *map(str, common), "-o", str(tmp_path / "two"), "--batch-size", "2"],
-                         capture_output=True, text=True, env=env)
+    two = run_child([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                     "subquadratic", *common, "-o", tmp_path / "two", "--batch-size", 2], timeout=450,
+                    env=clean_env(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1"))
     assert two.returncode == 0, two.stderr[-2000:]
     a, b = log(tmp_path / "one"), log(tmp_path / "two")
     assert [e["tokens"] for e in a] == [e["tokens"] for e in b] == [256, 512, 768, 1024]
@@ -293,13 +290,11 @@ def test_fsdp_two_processes_shard_each_layer_and_train_as_one(tmp_path, monkeypa
     assert one.returncode == 0, one.stderr
     units = tmp_path / "units"
     config = Path(__file__).parents[2] / "configs" / "accelerate" / "fsdp.yaml"
-    env = {**os.environ, **fsdp_env(str(config)), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
-           "FSDP_UNITS_FILE": str(units),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          str(Path(__file__).parent / "fsdp_cpu.py"), "adapt", str(student), *map(str, common),
-                          "-o", str(tmp_path / "two"), "--batch-size", "2", "--gradient-checkpointing"],
-                         capture_output=True, text=True, env=env)
+    env = clean_env(**fsdp_env(str(config)), ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", FSDP_UNITS_FILE=str(units),
+                    PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    two = run_child([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                     Path(__file__).parent / "fsdp_cpu.py", "adapt", student, *common, "-o", tmp_path / "two",
+                     "--batch-size", 2, "--gradient-checkpointing"], timeout=450, env=env)
     assert two.returncode == 0, two.stderr[-3000:]
     sharded = json.loads(Path(f"{units}.0").read_text())
     layers = AutoConfig.from_pretrained(student).num_hidden_layers
