@@ -154,6 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens generated per case (default 40)")
     d.add_argument("--workdir", default=None, metavar="DIR",
                    help="where to keep the checkpoints (default ~/.cache/subquadratic, or $SUBQUADRATIC_CACHE)")
+    s = sub.add_parser("serve", help="serve a model folder through Transformers' OpenAI-compatible server "
+                                     "(chat and completions, streaming); needs subquadratic[serve]",
+                       description="Run `transformers serve` on FOLDER with this package's model classes: "
+                                   "POST /v1/chat/completions and /v1/completions (streaming or not), GET "
+                                   "/v1/models and /health. Options after FOLDER go to `transformers serve` "
+                                   "(--host, --port, --device, --dtype, --compile, ...; `subquadratic serve "
+                                   "FOLDER --help` lists them).")
+    s.add_argument("folder", metavar="FOLDER", help="model folder with tokenizer files (convert or adapt output)")
+    s.add_argument("server_args", nargs=argparse.REMAINDER, metavar="...",
+                   help="options of `transformers serve`, e.g. --port 8000 --host 127.0.0.1 --compile")
     return p
 
 
@@ -555,6 +565,10 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             run_demo(to=args.to, prompt=args.prompt, max_new_tokens=args.max_new_tokens, workdir=args.workdir)
+        elif args.command == "serve":
+            from .serving import main as serve_main
+
+            return serve_main(args.folder, args.server_args)
     except InputError as e:  # ConversionError, EvaluationError, AdaptError, DataError
         return _fail(args.command, str(e))
     except OSError as e:  # disk full, permissions: nothing was left half-written (convert writes atomically)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
 import warnings
@@ -162,6 +163,12 @@ def new_parameter_names(config) -> set[str]:
     return set(fam.converter.fresh_tensors(config))
 
 
+def mixer_parameters(model: torch.nn.Module, layers: list[int]) -> set[int]:
+    """ids of the parameters of the mixers of `layers` in `model` (any wrapper: Trainee, DDP, PEFT)."""
+    pattern = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.self_attn\.")
+    return {id(p) for name, p in model.named_parameters() if (m := pattern.search(name)) and int(m[1]) in layers}
+
+
 def _lora(model, layers: list[int], rank: int, alpha: float):
     try:
         from peft import LoraConfig, get_peft_model
@@ -213,7 +220,8 @@ class Transfer:
             x = self.captured[i][0]
             if x.shape != args[0].shape:
                 raise RuntimeError(f"layer {i}: teacher input {tuple(x.shape)} vs student {tuple(args[0].shape)}")
-            return (x.to(args[0].dtype), *args[1:]), kwargs
+            # the student's own input stays in the graph through an exact zero (its norm gets a gradient)
+            return (x.to(args[0].dtype) + 0.0 * args[0], *args[1:]), kwargs
         return hook
 
     def _compare(self, i):
@@ -307,15 +315,15 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
     `after_training(out, device)` runs on the main process once `out` holds the final model and its
     card, before the checkpoints are removed (`subquadratic adapt --eval-data` evaluates the model
     there and writes the card's Evaluation section)."""
-    from accelerate import Accelerator, DistributedDataParallelKwargs
+    from accelerate import Accelerator
     from accelerate.utils import DistributedType, set_seed
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
     cfg.check()
     out, resume_from = _prepare_output(cfg)
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, fsdp_plugin=_fsdp_plugin(cfg.mixed_precision),
-                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    # every trainable parameter gets a gradient on every step (`Trainee`), so DDP needs no unused-parameter search
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, fsdp_plugin=_fsdp_plugin(cfg.mixed_precision))
     main = accelerator.is_main_process
     sharded = accelerator.distributed_type == DistributedType.FSDP
     if main and _fsdp_launch() and not sharded:
@@ -377,6 +385,9 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
     trainee = accelerator.unwrap_model(model)
     trainee.sharded = sharded
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP replaces the parameters with shards
+    # stage 1 trains the converted mixers; the other parameters' gradients are exact zeros, dropped before the step
+    transferred = mixer_parameters(model, layers)
+    outside_transfer = [p for p in params if id(p) not in transferred]
     student_lm = trainee.student.get_base_model() if cfg.train == "lora" else trainee.student
 
     if resume_from is not None:
@@ -413,6 +424,9 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
                 loss = model(batch, stage)
                 accelerator.backward(loss / cfg.grad_accum)
             total += loss.detach() / cfg.grad_accum
+        if stage == 1:
+            for p in outside_transfer:
+                p.grad = None
         grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else None
         optimizer.step()
         lr = scheduler.get_last_lr()[0]
@@ -458,7 +472,7 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
 
 class Trainee(torch.nn.Module):
     """The student with its training objective: `forward(batch, stage)` returns the step's loss, so
-    that data-parallel wrappers (DDP's unused-parameter search, FSDP) see exactly what the loss uses.
+    that data-parallel wrappers (DDP, FSDP) wrap the whole loss, computed inside the wrapped forward.
     The teacher and the stage-1 hooks are held outside the module's parameters."""
 
     def __init__(self, student, teacher, loss: str) -> None:
@@ -466,7 +480,8 @@ class Trainee(torch.nn.Module):
         self.student = student
         self.loss_kind = loss
         self._outside = {"teacher": teacher, "transfer": None}
-        #: under FSDP the stage-1 loss also reaches every layer's output (with a zero gradient)
+        #: under FSDP stage 2 takes the full-logit losses through the student's own forward
+        #: (FSDP gathers the head's weight inside the head's forward only)
         self.sharded = False
         # what FSDP's auto-wrap reads: one shard unit per decoder layer, the embeddings carved apart
         base = student.get_base_model() if hasattr(student, "get_base_model") else student
@@ -496,10 +511,9 @@ class Trainee(torch.nn.Module):
             with torch.no_grad():
                 _teacher_hidden(teacher, batch)
             out = self.student(input_ids=ids, position_ids=pos, logits_to_keep=1)
-            loss = torch.stack(self.transfer.losses).mean()
-            if self.sharded:  # FSDP gathers a layer's weights for backward when a gradient reaches its output
-                loss = loss + 0.0 * out.logits.sum()
-            return loss
+            # plus an exact zero through the logits: every parameter joins the graph (DDP without an
+            # unused-parameter search; FSDP gathers a layer's weights when a gradient reaches its output)
+            return torch.stack(self.transfer.losses).mean() + 0.0 * out.logits.sum()
         if self.sharded:  # FSDP gathers the head's weight inside the head's own forward only: full logits
             return self._sharded_loss(teacher, batch)
         # the final hidden states and the head's weights: the losses apply the head chunk by chunk

@@ -43,7 +43,8 @@ class SequenceInfo:
     key_positions: torch.Tensor
     _key_offsets: tuple = ()
     #: Set when the caller asked for attention weights: mixers that compute them
-    #: (`computes_attention_weights`) record theirs here by layer index, [B, HQ, T, S] each.
+    #: (`computes_attention_weights`) record theirs here by layer index, [B, HQ, T, S] each; the
+    #: model returns None for the other layers.
     attentions: dict | None = None
     #: A packed batch's documents (`packing.Documents`) when the layers run one document per row.
     documents: object | None = None
@@ -299,19 +300,19 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         self, output_hidden_states: bool | None, output_attentions: bool | None, return_dict: bool | None
     ) -> tuple[bool, bool, bool]:
         """The forward's output switches, each defaulting to the config's (`output_hidden_states`,
-        `output_attentions`, `return_dict`). Attention weights exist only where every layer forms
-        them (softmax attention): asking a model with other mixers raises a ValueError naming them."""
+        `output_attentions`, `return_dict`). Attention weights come from the layers whose mixer forms
+        them (`computes_attention_weights`: softmax attention, SPLA's exact branch), None for the
+        others (state layers); a model none of whose layers forms them raises a ValueError."""
         cfg = self.config
         hidden = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         attentions = cfg.output_attentions if output_attentions is None else output_attentions
         ret = cfg.return_dict if return_dict is None else return_dict
-        if attentions:
-            lacking = sorted({t for t in cfg.mixer_types if not mixer(t).computes_attention_weights})
-            if lacking:
-                raise ValueError(
-                    f"output_attentions is not available: the {', '.join(map(repr, lacking))} layers do not form "
-                    "softmax attention weights; call the model with output_attentions=False"
-                )
+        if attentions and not any(mixer(t).computes_attention_weights for t in cfg.mixer_types):
+            kinds = ", ".join(map(repr, sorted(set(cfg.mixer_types))))
+            raise ValueError(
+                f"output_attentions is not available: every layer of this model is a state layer ({kinds}), which "
+                "keeps a running state and forms no attention weights; call the model with output_attentions=False"
+            )
         return bool(hidden), bool(attentions), ret is not False
 
     def new_cache(self, max_length: int | None = None, cuda_graph: bool = True, fuse: bool = True) -> SubquadraticCache:
@@ -431,7 +432,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
                                                          output_hidden_states)
         out = SubquadraticModelOutput(
             last_hidden_state=hidden, hidden_states=all_hidden, aux_loss=aux_total,
-            attentions=tuple(seq.attentions[i] for i in range(len(self.layers))) if output_attentions else None,
+            attentions=tuple(seq.attentions.get(i) for i in range(len(self.layers))) if output_attentions else None,
             **{CACHE_FIELD: cache if use_cache else None},
         )
         return out if return_dict else out.to_tuple()

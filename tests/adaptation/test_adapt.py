@@ -4,7 +4,6 @@ command line and its errors."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,8 +13,16 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from subquadratic.adaptation import AdaptConfig, adapt, kl_to_teacher
-from subquadratic.adaptation.train import _drop_tied_copies, converted_layers, new_parameter_names
+from subquadratic.adaptation.train import (
+    Trainee,
+    Transfer,
+    _drop_tied_copies,
+    converted_layers,
+    mixer_parameters,
+    new_parameter_names,
+)
 from subquadratic.data import DataError, load_texts
+from tests.processes import clean_env, run_child
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,6 +67,36 @@ def test_fresh_spla_with_the_whole_row_in_budget_matches_its_teacher_exactly(tmp
     first, second = log(out)
     assert first["stage"] == 1 and first["loss"] < 1e-10
     assert second["stage"] == 2 and abs(second["loss"]) < 1e-5
+
+
+@pytest.mark.parametrize("to, options", [("spla", dict(block_size=4, top_k_blocks=3)), ("sse-h", {}), ("hla", {})])
+def test_both_stages_reach_every_trainable_parameter(converted, dense_folder, to, options):
+    """Each stage's loss gives every trainable parameter a gradient, as plain DDP (no unused-parameter
+    search) needs: in stage 1 the converted mixers get the transfer loss's and every other parameter
+    an exact zero (which `adapt` drops before the step); stage 2 reaches everything. Stage 1's mixer
+    gradients are those of the transfer loss alone."""
+    student = AutoModelForCausalLM.from_pretrained(converted(to, **options)).train()  # SPLA beyond its budget
+    teacher = AutoModelForCausalLM.from_pretrained(dense_folder).eval().requires_grad_(False)
+    layers = converted_layers(student.config)
+    trainee = Trainee(student, teacher, "kl")
+    ids = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "position_ids": torch.cat([torch.arange(25), torch.arange(15)]).expand(2, 40),
+             "labels": ids}
+    trainee.transfer = Transfer(teacher, student, layers)
+    loss = trainee(batch, 1)
+    mixers = mixer_parameters(trainee, layers)
+    in_mixers = [p for p in trainee.parameters() if id(p) in mixers]
+    alone = torch.autograd.grad(torch.stack(trainee.transfer.losses).mean(), in_mixers, retain_graph=True)
+    loss.backward()
+    assert mixers and all(p.grad is not None for p in trainee.parameters()), "stage 1 leaves a parameter out"
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in trainee.parameters() if id(p) not in mixers)
+    assert all(torch.equal(p.grad, g) for p, g in zip(in_mixers, alone, strict=True))  # the transfer loss's own
+    assert any(g.abs().max() > 0 for g in alone)
+    trainee.transfer.remove()
+    trainee.transfer = None
+    trainee.zero_grad(set_to_none=True)
+    trainee(batch, 2).backward()
+    assert all(p.grad is not None for p in trainee.parameters()), "stage 2 leaves a parameter out"
 
 
 def heldout_kl(folder, dense_folder, held) -> float:
@@ -145,7 +182,7 @@ def test_a_resumed_run_continues_where_it_stopped(tmp_path, corpus, converted, d
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "subquadratic", *map(str, args)], capture_output=True, text=True)
+    return run_child([sys.executable, "-m", "subquadratic", *args], timeout=300)
 
 
 def test_cli_adapts_and_refuses_bad_input_in_one_line(tmp_path, corpus, converted, dense_folder):
@@ -206,17 +243,14 @@ def test_two_processes_train_as_one_with_the_same_global_batch(tmp_path, corpus,
     a multi-GPU or FSDP configuration is the same command on GPUs): two processes of 2 rows follow the
     run of one process of 4 rows. Stage 1 matches to rounding; stage 2 averages per-process token
     means, so it matches to 2%."""
-    import os
-
     student = converted("hla")
     common = ["adapt", student, "--data", *[str(f) for f in corpus[0]], "--teacher", dense_folder, "--max-steps", 4,
               "--stage1-steps", 2, "--seq-len", 64, "--no-progress", "--loss", "kl", "--save-every", 100]
     one = cli(*common, "-o", tmp_path / "one", "--batch-size", 4)
     assert one.returncode == 0, one.stderr
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "subquadratic",
-                          *map(str, common), "-o", str(tmp_path / "two"), "--batch-size", "2"],
-                         capture_output=True, text=True, env=env)
+    two = run_child([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                     "subquadratic", *common, "-o", tmp_path / "two", "--batch-size", 2], timeout=450,
+                    env=clean_env(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1"))
     assert two.returncode == 0, two.stderr[-2000:]
     a, b = log(tmp_path / "one"), log(tmp_path / "two")
     assert [e["tokens"] for e in a] == [e["tokens"] for e in b] == [256, 512, 768, 1024]
@@ -263,13 +297,11 @@ def test_fsdp_two_processes_shard_each_layer_and_train_as_one(tmp_path, monkeypa
     assert one.returncode == 0, one.stderr
     units = tmp_path / "units"
     config = Path(__file__).parents[2] / "configs" / "accelerate" / "fsdp.yaml"
-    env = {**os.environ, **fsdp_env(str(config)), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
-           "FSDP_UNITS_FILE": str(units),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          str(Path(__file__).parent / "fsdp_cpu.py"), "adapt", str(student), *map(str, common),
-                          "-o", str(tmp_path / "two"), "--batch-size", "2", "--gradient-checkpointing"],
-                         capture_output=True, text=True, env=env)
+    env = clean_env(**fsdp_env(str(config)), ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", FSDP_UNITS_FILE=str(units),
+                    PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    two = run_child([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                     Path(__file__).parent / "fsdp_cpu.py", "adapt", student, *common, "-o", tmp_path / "two",
+                     "--batch-size", 2, "--gradient-checkpointing"], timeout=450, env=env)
     assert two.returncode == 0, two.stderr[-3000:]
     sharded = json.loads(Path(f"{units}.0").read_text())
     layers = AutoConfig.from_pretrained(student).num_hidden_layers

@@ -25,6 +25,7 @@ from subquadratic import (
 from subquadratic.families.hla.configuration import TINY_PRESETS as HLA_PRESETS
 from subquadratic.families.sse.configuration import PRESETS as SSE_PRESETS
 from subquadratic.modeling.base import CACHE_FIELD
+from subquadratic.registry import mixer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,14 +105,135 @@ def test_hidden_states_from_keyword_and_config(case):
     assert torch.equal(by_kw[0], model.model.embed_tokens(x))
 
 
-def test_output_attentions_is_a_clear_error_where_mixers_form_no_weights(case):
+STATE_ONLY = ("sse", "hla")  # every layer keeps a state: no attention weights anywhere
+
+
+@pytest.mark.parametrize("case", STATE_ONLY)
+def test_output_attentions_is_a_clear_error_for_models_of_state_layers_only(case):
     model = make(case)
-    with pytest.raises(ValueError, match=r"output_attentions is not available: the '(spla|sse|hla)' layers"):
+    with pytest.raises(ValueError, match=r"output_attentions is not available: every layer of this model is a state "
+                                         r"layer \('(sse|hla)'\)"):
         model(ids(), output_attentions=True)
     model.set_attn_implementation("eager")  # Transformers allows the config switch with eager only
     model.config.output_attentions = True
     with pytest.raises(ValueError, match="output_attentions is not available"):
         model(ids())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in STATE_ONLY])
+def test_output_attentions_gives_each_layer_its_weights_or_none(case):
+    """One entry per layer, [B, HQ, T, T] for softmax and SPLA layers (rows summing to one, causal,
+    real queries never on padding), None for state layers (SSE, HLA); asking changes no logit."""
+    model = make(case)
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        out = model(x, attention_mask=mask, output_attentions=True)
+        plain = model(x, attention_mask=mask)
+    torch.testing.assert_close(out.logits, plain.logits, rtol=1e-5, atol=1e-5)
+    kinds = model.config.mixer_types
+    assert len(out.attentions) == len(kinds)
+    for kind, a in zip(kinds, out.attentions, strict=True):
+        if not mixer(kind).computes_attention_weights:  # a state layer
+            assert a is None
+            continue
+        assert a.shape == (2, model.config.num_attention_heads, T, T)
+        torch.testing.assert_close(a[0].sum(-1), torch.ones_like(a[0, :, :, 0]))
+        torch.testing.assert_close(a[1, :, 5:].sum(-1), torch.ones_like(a[1, :, 5:, 0]))
+        assert torch.all(a[0].triu(1) == 0) and torch.all(a[1, :, 5:].triu(6) == 0)  # causal (row 1 from 5 on)
+        assert torch.all(a[1, :, 5:, :5] == 0)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in STATE_ONLY])
+def test_outputs_with_attentions_agree_across_return_types_and_implementations(case, tmp_path):
+    """As Transformers' test_model_outputs_equivalence and test_eager_matches_sdpa_inference (with
+    output_attentions) check: the tuple holds the dict's fields, and an eager model asked for weights
+    gives the logits of an SDPA model that is not."""
+    model = make(case)
+    x = ids()
+    with torch.no_grad():
+        d = model(x, output_attentions=True, output_hidden_states=True, use_cache=False)
+        t = model(x, output_attentions=True, output_hidden_states=True, use_cache=False, return_dict=False)
+    logits, hidden, attentions = t
+    assert torch.equal(logits, d.logits) and len(hidden) == len(d.hidden_states)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(attentions, d.attentions, strict=True))
+    model.save_pretrained(tmp_path)
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        with_weights = eager(x, output_attentions=True).logits
+        sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()(x).logits
+    torch.testing.assert_close(with_weights, sdpa, rtol=1e-4, atol=1e-5)
+
+
+def test_spla_weights_inside_the_budget_are_the_dense_model_weights():
+    """Inside its budget SPLA is softmax attention: its weights equal those of the same model with
+    softmax layers (the same parameters)."""
+    spla = make("spla")
+    dense = make("spla", mixer_types=["full_attention"] * 2)
+    dense.load_state_dict(spla.state_dict(), strict=False)
+    x = ids()
+    with torch.no_grad():
+        a, b = spla(x, output_attentions=True), dense(x, output_attentions=True)
+    for wa, wb in zip(a.attentions, b.attentions, strict=True):
+        torch.testing.assert_close(wa, wb, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_spla_weights_sit_on_the_selected_blocks():
+    """Beyond the budget each query's weights cover exactly its selected blocks (the model's own
+    selection, recomputed from the layer's keys) and at most top_k_blocks x block_size keys."""
+    from subquadratic.kernels.spla import BlockStats, SPLAParams, select_blocks
+
+    model = make("spla-sparse")
+    cfg = model.config
+    x = ids(B=1)
+    keys = {}
+    layer = model.model.layers[0].self_attn
+    hook = layer.register_forward_hook(lambda m, args, out: keys.update(args=args))
+    with torch.no_grad():
+        out = model(x, output_attentions=True, use_cache=False)
+    hook.remove()
+    w = out.attentions[0]  # [1, HQ, T, T]
+    hidden, pe, seq = keys["args"][:3]
+    with torch.no_grad():
+        q, k, _ = layer.project(hidden, pe, heads_first=False)
+    params = SPLAParams.from_config(cfg)
+    stats = BlockStats.empty(1, k.shape[2], k.shape[3], "cpu").add(k, seq.positions, cfg.block_size)
+    sel = select_blocks(q, stats, seq.positions, params)  # [1, H, T, NB]
+    blocks = torch.arange(T) // cfg.block_size
+    chosen = sel[..., blocks] & (torch.arange(T)[None, :] <= torch.arange(T)[:, None])  # [1, H, T, T]
+    chosen = chosen.repeat_interleave(cfg.num_attention_heads // cfg.num_key_value_heads, dim=1)
+    assert torch.equal(w > 0, chosen)
+    assert int((w[0] > 0).sum(-1).max()) <= cfg.budget_tokens < T
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in STATE_ONLY])
+def test_attentions_of_generate_and_their_gradients(case):
+    """generate(output_attentions=True, return_dict_in_generate=True) returns every step's weights
+    per layer (prefill [B, HQ, T, T], then [B, HQ, 1, T + i]; None for state layers), as
+    Transformers' *_generate_dict_output* tests check; the weights join the graph
+    (test_retain_grad_hidden_states_attentions)."""
+    model = make(case)
+    kinds, HQ = model.config.mixer_types, model.config.num_attention_heads
+    x = ids(B=2)
+    out = model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
+                         output_attentions=True, return_dict_in_generate=True)
+    assert len(out.attentions) == 3 and all(len(step) == len(kinds) for step in out.attentions)
+    for i, step in enumerate(out.attentions):
+        for kind, a in zip(kinds, step, strict=True):
+            if not mixer(kind).computes_attention_weights:  # a state layer
+                assert a is None
+                continue
+            assert a.shape == ((2, HQ, T, T) if i == 0 else (2, HQ, 1, T + i))
+            torch.testing.assert_close(a.sum(-1), torch.ones(a.shape[:-1]))
+    model.train()
+    res = model(x, output_attentions=True, output_hidden_states=True, use_cache=False)
+    first = next(a for a in res.attentions if a is not None)
+    first.retain_grad()
+    res.hidden_states[0].retain_grad()
+    res.logits.sum().backward()
+    assert first.grad is not None and first.grad.abs().sum() > 0
+    assert res.hidden_states[0].grad is not None
 
 
 @pytest.mark.parametrize("family", ["spla", "sse", "hla"])
@@ -190,10 +312,6 @@ def test_training_gives_every_parameter_a_gradient(case):
     out = model(x, labels=x)
     out.loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
-    if model.config.model_type == "spla" and model.config.budget_tokens >= T:
-        # inside the budget SPLA is exact softmax attention: the residual term, and gamma with it,
-        # takes no part (the sparse case below trains gamma)
-        missing = [n for n in missing if "rla_norm" not in n]
     assert not missing, f"no gradient for {missing}"
     assert torch.isfinite(out.loss)
 

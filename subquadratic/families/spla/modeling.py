@@ -4,6 +4,10 @@ o = o_sp + RMSNorm_gamma(o_rla), then W_o: o_sp is exact softmax attention over 
 blocks, o_rla the residual linear attention over everything else, obtained by subtraction. gamma
 [HQ, D] are the only new parameters; they start at 0, so a converted model begins as exact sparse
 attention (and as the dense model while the budget covers the context).
+
+Asked for attention weights (`output_attentions=True`), the layer runs the masked PyTorch form
+(`spla_parallel(..., return_weights=True)`) and records the exact branch's softmax weights over the
+selected keys; otherwise the fast paths run as planned.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 from transformers import GenerationMixin
 from transformers import initialization as init
 
-from ...kernels.spla import BlockStats, SPLAParams, append_token, spla_attention
+from ...kernels.spla import BlockStats, SPLAParams, append_token, spla_attention, spla_parallel
 from ...modeling.base import (
     AttentionBase,
     SequenceInfo,
@@ -73,6 +77,7 @@ class SPLAAttention(AttentionBase):
     """SPLA mixer: the source's q/k/v/o (`AttentionBase`) plus gamma (`rla_norm`), 0 at initialisation."""
 
     cache_layer_cls = SPLALayer
+    computes_attention_weights = True  # the exact branch's softmax over the selected keys
 
     def __init__(self, config: SPLAConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -108,16 +113,24 @@ class SPLAAttention(AttentionBase):
             # synchronisation
             params = dataclasses.replace(params, use_rla=False)
         # the op takes [B, T, H, D]: transposed views of q and of the [B, H, S, D] cache, no copies
-        o_sp, o_rla, sbar = spla_attention(
-            q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), seq.positions, seq.key_positions, stats, sbar,
-            params, backend=cfg.kernel_backend, k_offsets=seq.key_offsets, new_kv=new_kv,
-            causal=seq.causal, precision=cfg.kernel_precision,
-        )
+        args = (q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), seq.positions, seq.key_positions, stats,
+                sbar, params)
+        if seq.attentions is not None:  # the exact branch's weights [B, HQ, T, S], through the PyTorch form
+            o_sp, o_rla, sbar, seq.attentions[self.layer_idx] = spla_parallel(*args, new_kv=new_kv,
+                                                                             return_weights=True)
+        else:
+            o_sp, o_rla, sbar = spla_attention(*args, backend=cfg.kernel_backend, k_offsets=seq.key_offsets,
+                                               new_kv=new_kv, causal=seq.causal, precision=cfg.kernel_precision)
         if cache_layer is not None:
             cache_layer.set_sbar(sbar)
         o = o_sp.transpose(1, 2)  # [B, HQ, T, D]
         if o_rla is not None:
             o = self.rla_norm.add(o, o_rla.transpose(1, 2))  # o + RMSNorm_gamma(o_rla)
+        elif torch.is_grad_enabled() and self.rla_norm.weight.requires_grad:
+            # the residual term is exactly zero here (inside the budget, or use_rla=False): gamma joins
+            # the graph through an exact zero (an empty sum), so every parameter receives a gradient
+            # and DDP needs no unused-parameter search
+            o = o + self.rla_norm.weight[:0].sum()
         return self.output(o), None
 
 

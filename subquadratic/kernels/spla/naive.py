@@ -20,9 +20,11 @@ def spla_naive(
     k: torch.Tensor,
     v: torch.Tensor,
     params: SPLAParams,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_weights: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """q: [T, HQ, D], k, v: [T, H, D] of one unpadded sequence. Returns (o_sp, o_rla), both [T, HQ, D]
-    (o_rla whatever `params.use_rla` says)."""
+    (o_rla whatever `params.use_rla` says), and with `return_weights` the sparse branch's softmax
+    weights [HQ, T, T] (zeros outside each query's selected causal keys)."""
     block_size, top_k_blocks = params.block_size, params.top_k_blocks
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [heads, T, D] below
     HQ, T, D = q.shape
@@ -30,6 +32,7 @@ def spla_naive(
     G = HQ // H
     o_sp = torch.zeros_like(q)
     o_rla = torch.zeros_like(q)
+    weights = q.new_zeros(HQ, T, T)
     for t in range(T):
         cur = t // block_size
         forced = {b for b in range(cur + 1) if b < params.num_sink_blocks or b > cur - params.num_local_blocks}
@@ -56,7 +59,11 @@ def spla_naive(
                 hq = h * G + g
                 logits = (k[h, : t + 1] @ q[hq, t]) / math.sqrt(D)
                 logits = logits.masked_fill(~sel, float("-inf"))
-                o_sp[hq, t] = torch.softmax(logits, -1) @ v[h, : t + 1]
+                p = torch.softmax(logits, -1)
+                weights[hq, t, : t + 1] = p
+                o_sp[hq, t] = p @ v[h, : t + 1]
                 w = feature_map(k[h, : t + 1]).to(q.dtype) @ feature_map(q[hq, t]).to(q.dtype)
                 o_rla[hq, t] = (w * (~sel)) @ v[h, : t + 1]
+    if return_weights:
+        return o_sp.transpose(0, 1), o_rla.transpose(0, 1), weights
     return o_sp.transpose(0, 1), o_rla.transpose(0, 1)

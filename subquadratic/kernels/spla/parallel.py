@@ -14,6 +14,10 @@ sum_{j <= t, j not in Sel(t)} (phi(q_t).phi(k_j)) v_j, plus phi(q_t)^T (Sbar - s
 keys' phi(k_j) v_j^T), the part of the given Sbar that the cached keys do not account for (0 up to
 rounding in a model's cache), and set to exactly 0 where every causal key is selected. The Triton
 kernels take the subtraction form, which reads the selected blocks only.
+
+With `return_weights` the sparse branch is written out instead of calling SDPA: the softmax
+weights of each query over its selected causal keys ([B, HQ, Tq, S], zeros elsewhere, the layout of
+Transformers' eager attention), from which o_sp is computed, so the weights are part of the graph.
 """
 
 from __future__ import annotations
@@ -41,9 +45,12 @@ def spla_parallel(
     *,
     query_chunk: int | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    return_weights: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """SPLA for the new tokens as masked dense PyTorch (every cached key read, in query chunks).
-    Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D] or None, new Sbar).
+    Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D] or None, new Sbar), and with `return_weights`
+    the exact branch's attention weights [B, HQ, Tq, S] in q's dtype (one query chunk: the softmax
+    over each query's selected causal keys, zeros at the other keys and for padded queries).
 
     q: [B, Tq, HQ, D] post-RoPE queries of the new tokens, which are the last Tq entries of
     k, v: [B, S, H, D]. `stats` must already include the new keys; `sbar` [B, H, D, D] covers the
@@ -61,7 +68,9 @@ def spla_parallel(
     sel_blocks = select_blocks(q.transpose(1, 2), stats, q_pos, params)  # [B, H, Tq, NB]
     k_valid = k_pos >= 0
     k_blk = torch.where(k_valid, k_pos // block_size, 0)  # [B, S]
-    if query_chunk is None:
+    if return_weights:
+        query_chunk = max(1, Tq)  # the weights are returned whole: one chunk
+    elif query_chunk is None:
         query_chunk = min(1024, max(128, (1 << 23) // max(1, B * HQ * S)))  # ~32 MB score tiles
     acc = acc_dtype(q)
     kf = k.to(acc)
@@ -73,6 +82,7 @@ def spla_parallel(
     v_new = v_new.to(acc)
     o_sp = q.new_zeros(B, HQ, Tq, D, dtype=acc)
     o_rla = torch.zeros_like(o_sp) if use_rla else None
+    weights = None
     if use_rla:  # what Sbar holds beyond the cached keys' own sum (0 up to rounding in a model's cache)
         drift = sbar - (phik.transpose(-1, -2) @ vf - phik_new.transpose(-1, -2) @ v_new)
     for c0 in range(0, Tq, query_chunk):
@@ -87,14 +97,23 @@ def spla_parallel(
         )  # [B, H, C, Sc]
         mask = blk_sel & causal[:, None]  # selected causal keys [B, H, C, Sc]
         qc = q[:, :, c0:c1].to(acc).reshape(B, H, G, C, D)
-        # the sparse branch through SDPA: batch x KV head as the batch, the group's G query heads
-        # sharing the KV head and the mask; every real query has a key (its own block is always
+        # the sparse branch (through SDPA: batch x KV head as the batch, the group's G query heads
+        # sharing the KV head and the mask); every real query has a key (its own block is always
         # selected), padded ones get any (zeroed below)
-        rows = (mask | (qp < 0)[:, None, :, None]).reshape(B * H, 1, C, Sc)
-        o_sp[:, :, c0:c1] = F.scaled_dot_product_attention(
-            qc.reshape(B * H, G, C, D), kf[:, :, None, :Sc].reshape(B * H, 1, Sc, D),
-            vf[:, :, None, :Sc].reshape(B * H, 1, Sc, D), attn_mask=rows, scale=scale, enable_gqa=True,
-        ).reshape(B, HQ, C, D)
+        allowed = mask | (qp < 0)[:, None, :, None]  # [B, H, C, Sc]
+        rows = allowed.reshape(B * H, 1, C, Sc)
+        if return_weights:  # the softmax written out, as eager attention does (weights in q's dtype)
+            scores = torch.matmul(qc, kf[:, :, None, :Sc].transpose(-1, -2)) * scale  # [B, H, G, C, Sc]
+            scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
+            p = torch.softmax(scores, dim=-1) * (qp >= 0)[:, None, None, :, None]  # padded queries: zeros
+            weights = p.to(q.dtype).reshape(B, HQ, C, Sc)
+            o_sp[:, :, c0:c1] = torch.matmul(weights.view(B, H, G, C, Sc).to(acc), vf[:, :, None, :Sc]).reshape(
+                B, HQ, C, D)
+        else:
+            o_sp[:, :, c0:c1] = F.scaled_dot_product_attention(
+                qc.reshape(B * H, G, C, D), kf[:, :, None, :Sc].reshape(B * H, 1, Sc, D),
+                vf[:, :, None, :Sc].reshape(B * H, 1, Sc, D), attn_mask=rows, scale=scale, enable_gqa=True,
+            ).reshape(B, HQ, C, D)
         if use_rla:  # the unselected causal keys' linear term, summed directly (module docstring)
             unsel = causal[:, None] & ~blk_sel  # [B, H, C, Sc]
             phiq = feature_map(qc).reshape(B, H, G * C, D)
@@ -109,4 +128,6 @@ def spla_parallel(
         o_rla = (o_rla.transpose(1, 2) * q_ok).to(q.dtype)
     if Tq:
         sbar = sbar + torch.einsum("bhsd,bhse->bhde", phik_new, v_new)
+    if return_weights:  # one chunk of every slot (Sc = S), or none for no new token
+        return o_sp, o_rla, sbar, q.new_zeros(B, HQ, Tq, S) if weights is None else weights
     return o_sp, o_rla, sbar

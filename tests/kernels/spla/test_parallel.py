@@ -161,3 +161,61 @@ def test_gather_slots_equals_gather_on_every_layout():
     for x in layouts:
         want = x.gather(2, slot[..., None].expand(-1, -1, -1, D))
         assert torch.equal(gather_slots(x, slot), want)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_weights_match_bruteforce_fp64(case):
+    """`return_weights`: the exact branch's softmax over each query's selected causal keys, zeros
+    elsewhere ([B, HQ, T, S]), equals the definition's weights; o_sp is computed from them and equals
+    the SDPA form's, and gradients through the weights (and the outputs) equal the definition's."""
+    HQ, H, T, bs, top, sink, local, sel = case
+    torch.manual_seed(hash(case) % 997)
+    D = 8
+    q = torch.randn(HQ, T, D, dtype=torch.float64, requires_grad=True)
+    k = (torch.randn(H, T, D, dtype=torch.float64) * 1.5).requires_grad_()
+    v = torch.randn(H, T, D, dtype=torch.float64, requires_grad=True)
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, selection=sel)
+    want_sp, want_rla, want_w = spla_naive(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), params,
+                                           return_weights=True)
+    pos = torch.arange(T)[None]
+    stats = BlockStats.empty(1, H, D, "cpu", torch.float64).add(k.transpose(0, 1)[None], pos, bs)
+    sbar = torch.zeros(1, H, D, D, dtype=torch.float64)
+    o_sp, o_rla, _, w = spla_parallel(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], pos,
+                                      pos, stats, sbar, params, return_weights=True)
+    assert w.shape == (1, HQ, T, T) and w.dtype == q.dtype
+    assert (w[0] - want_w).abs().max() < 1e-12
+    assert (o_sp[0] - want_sp).abs().max() < 1e-10 and (o_rla[0] - want_rla).abs().max() < 1e-10
+    plain = spla_parallel(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], pos, pos, stats,
+                          sbar, params)
+    assert (plain[0] - o_sp).abs().max() < 1e-10
+    assert torch.all(w[0].triu(1) == 0) and torch.allclose(w[0].sum(-1), torch.ones(HQ, T, dtype=torch.float64))
+    assert (w[0] == 0).any(-1)[:, -1].all()  # beyond the budget: the last query leaves keys out
+    r1, r2 = torch.randn_like(want_w), torch.randn_like(want_sp)
+    ga = torch.autograd.grad((want_w * r1).sum() + (want_sp * r2).sum(), (q, k, v))
+    gb = torch.autograd.grad((w[0] * r1).sum() + (o_sp[0] * r2).sum(), (q, k, v))
+    for x, y in zip(ga, gb, strict=True):
+        assert x.abs().max() > 0 and (x - y).abs().max() / x.abs().max() < 1e-10
+
+
+def test_attention_weights_of_padded_rows_and_a_cached_prefix():
+    """Left padding: the padded slots get no weight and padded queries none at all; new tokens on a
+    cached prefix see the cached keys' slots (S = cached + new)."""
+    torch.manual_seed(5)
+    HQ, H, T, D, p = 4, 2, 30, 8, 6
+    params = SPLAParams(block_size=4, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1)
+    q, k, v = torch.randn(1, T, HQ, D), torch.randn(1, T, H, D), torch.randn(1, T, H, D)
+    pos = torch.arange(T)[None]
+    stats = BlockStats.empty(1, H, D, "cpu").add(k, pos, 4)
+    *_, alone = spla_parallel(q, k, v, pos, pos, stats, torch.zeros(1, H, D, D), params, return_weights=True)
+    pad = lambda x: torch.cat([torch.randn(1, p, *x.shape[2:]) * 5, x], dim=1)  # noqa: E731
+    ppos = torch.cat([torch.full((1, p), -1), pos], dim=1)
+    pstats = BlockStats.empty(1, H, D, "cpu").add(pad(k), ppos, 4)
+    *_, padded = spla_parallel(pad(q), pad(k), pad(v), ppos, ppos, pstats, torch.zeros(1, H, D, D), params,
+                               return_weights=True)
+    assert torch.equal(padded[:, :, :p], torch.zeros_like(padded[:, :, :p]))
+    assert torch.equal(padded[:, :, :, :p], torch.zeros_like(padded[:, :, :, :p]))
+    torch.testing.assert_close(padded[:, :, p:, p:], alone, rtol=1e-5, atol=1e-6)
+    *_, tail = spla_parallel(q[:, -5:], k, v, pos[:, -5:], pos, stats, torch.zeros(1, H, D, D), params,
+                             return_weights=True)  # 5 new tokens after 25 cached ones
+    assert tail.shape == (1, HQ, 5, T)
+    torch.testing.assert_close(tail, alone[:, :, -5:], rtol=1e-5, atol=1e-6)

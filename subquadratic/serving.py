@@ -1,0 +1,96 @@
+"""`subquadratic serve FOLDER`: a model folder (converted or adapted) behind Transformers'
+OpenAI-compatible server (`transformers serve`: /v1/chat/completions and /v1/completions, streaming
+or not, /v1/models, /health).
+
+Transformers' server loads a folder as `getattr(transformers, config.architectures[0])`, which
+knows only Transformers' own classes; `expose_model_classes` makes every registered family's model
+classes attributes of the `transformers` module, and `serve` then runs Transformers' own `serve`
+command with the folder pinned and the remaining options passed through (`--host`, `--port`,
+`--device`, `--dtype`, `--compile`, ...). Generation is the model's own `generate()`, with its
+cache; `--compile` asks it for a static cache (`cache_implementation="static"`), whose one-token
+steps replay a CUDA graph on CUDA. The serving dependencies (Transformers' `serving` extra) install
+with `pip install 'subquadratic[serve]'`. Nothing here imports PyTorch before the checks pass.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+#: the modules Transformers' server imports (its `serving` extra), by the package that provides them
+SERVING_PACKAGES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "openai": "openai", "pydantic": "pydantic",
+                    "starlette": "starlette", "typer": "typer"}
+#: `transformers serve` options that cannot apply: continuous batching needs a paged key/value cache
+REFUSED_OPTIONS = {
+    "--continuous-batching": "continuous batching runs a paged key/value cache, which the SPLA, SSE and HLA "
+                             "states are not; drop --continuous-batching (requests run one by one, each with "
+                             "the model's own cache)",
+}
+
+
+class ServeError(ValueError):
+    """A `subquadratic serve` setting that cannot work: one line naming it and the fix."""
+
+
+def missing_packages() -> list[str]:
+    """The serving packages that are not installed (no import)."""
+    return [pkg for module, pkg in SERVING_PACKAGES.items() if find_spec(module) is None]
+
+
+def check(folder: str, server_args: list[str]) -> None:
+    """Every check that needs no model: the folder, the options, the dependencies (ServeError)."""
+    if not (Path(folder).expanduser() / "config.json").is_file():
+        raise ServeError(f"{folder} is not a model folder (no config.json); give the folder convert or adapt wrote")
+    for arg in server_args:
+        if arg.split("=", 1)[0] in REFUSED_OPTIONS:
+            raise ServeError(REFUSED_OPTIONS[arg.split("=", 1)[0]])
+    missing = missing_packages()
+    if missing:
+        raise ServeError(f"serving needs {', '.join(missing)} (Transformers' serving dependencies); install them "
+                         "with: pip install 'subquadratic[serve]'")
+
+
+def expose_model_classes() -> list[str]:
+    """Make every registered family's model classes attributes of the `transformers` module, where
+    Transformers' server looks a folder's `architectures[0]` up; returns the names added.
+
+    Transformers replaces its module object in `sys.modules` once while its modules load
+    (`processing_utils` imports the package afresh), so the classes go onto the module object
+    the server's model manager holds and onto the current one, after every import."""
+    from transformers.cli.serving import model_manager
+
+    from .registry import families
+
+    found = families()  # registers the families, importing their model code
+    targets = {id(m): m for m in (sys.modules["transformers"], getattr(model_manager, "transformers", None)) if m}
+    added = []
+    for fam in found:
+        for cls in (fam.model_class, fam.causal_lm_class):
+            for module in targets.values():
+                if getattr(module, cls.__name__, None) is not cls:
+                    setattr(module, cls.__name__, cls)
+                    added.append(cls.__name__)
+    return sorted(set(added))
+
+
+def serve(folder: str, server_args: list[str] = ()) -> None:
+    """Run Transformers' `serve` command on `folder` (pinned: requests name it as given, or name no
+    model) with `server_args`, its own options; blocks until the server stops."""
+    server_args = list(server_args)
+    check(folder, server_args)
+    from transformers.cli.transformers import app
+
+    expose_model_classes()
+
+    app(["serve", folder, *server_args], prog_name="subquadratic serve")
+
+
+def main(folder: str, server_args: list[str]) -> int:
+    """The `subquadratic serve` command: 2 and one line on stderr for a setting that cannot work."""
+    try:
+        serve(folder, server_args)
+    except ServeError as e:
+        print(f"subquadratic: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,191 @@
+"""`subquadratic serve`: a converted folder behind Transformers' OpenAI-compatible server, end to
+end over HTTP on 127.0.0.1 (chat and text completions, streaming and not, the same text as the
+model's own greedy `generate()`), Transformers' model manager loading our classes, and the
+one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from subquadratic import serving
+from tests.conftest import make_dense
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+pytest.importorskip("fastapi", reason="serving needs subquadratic[serve]")
+pytest.importorskip("uvicorn", reason="serving needs subquadratic[serve]")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("the a of to and in is it that for on with as was by this be at from or an are not which but can has "
+         "value list file name line return error data model text time first last new old long short word").split()
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def word_tokenizer():
+    """A word-level tokenizer with a chat template (built offline): every token decodes to a whole
+    word, so streamed text and decoded text agree."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    vocab = {w: i for i, w in enumerate(specials + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                  additional_special_tokens=specials[3:])
+    out.chat_template = CHAT_TEMPLATE
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny Llama with the word tokenizer, converted to SPLA with a 12-token budget (a chat prompt
+    and its answer outgrow it, so decoding runs the sparse path)."""
+    from subquadratic.conversion import convert
+
+    tok = word_tokenizer()
+    root = tmp_path_factory.mktemp("serve")
+    dense = make_dense("llama", vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    dense.save_pretrained(root / "dense")
+    tok.save_pretrained(root / "dense")
+    out = convert(str(root / "dense"), str(root / "spla"), "spla", options={"block_size": 4, "top_k_blocks": 3},
+                  progress=False)
+    return str(out)
+
+
+def greedy(folder: str, text: str, max_new_tokens: int) -> str:
+    """What the model's own generate() writes after `text`, decoded as the server decodes it."""
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict, stream: bool = False):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        if not stream:
+            return json.loads(resp.read())
+        events = []
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+        return events
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    """`subquadratic serve FOLDER` as a subprocess on a free loopback port; killed at the end."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    log = open(Path(folder).parent / "server.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen([sys.executable, "-m", "subquadratic", "serve", folder, "--host", "127.0.0.1", "--port",
+                             str(port), "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"the server exited: {Path(log.name).read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"no /health within 120 s: {Path(log.name).read_text()[-3000:]}"
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+        log.close()
+
+
+def test_chat_completions_streaming_and_not(server, folder):
+    messages = [{"role": "user", "content": "the value of the first line"}]
+    body = {"model": folder, "messages": messages, "max_tokens": 8, "temperature": 0}
+    reply = post(server + "/v1/chat/completions", body)
+    text = reply["choices"][0]["message"]["content"]
+    prompt = word_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == greedy(folder, prompt, 8) and text.strip()
+    assert reply["usage"]["completion_tokens"] <= 8
+    events = post(server + "/v1/chat/completions", {**body, "stream": True}, stream=True)
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+    assert streamed == text
+    assert any(e["choices"][0].get("finish_reason") for e in events if e.get("choices"))
+
+
+def test_completions_streaming_and_not(server, folder):
+    body = {"model": folder, "prompt": "a list of the data", "max_tokens": 6, "temperature": 0}
+    reply = post(server + "/v1/completions", body)
+    text = reply["choices"][0]["text"]
+    assert text == greedy(folder, body["prompt"], 6) and text.strip()
+    events = post(server + "/v1/completions", {**body, "stream": True}, stream=True)
+    assert "".join(e["choices"][0].get("text") or "" for e in events if e.get("choices")) == text
+
+
+def test_models_lists_the_pinned_folder(server, folder):
+    from transformers.cli.serving.model_manager import ModelManager
+
+    if not hasattr(ModelManager, "list_models"):
+        pytest.skip("this Transformers' /v1/models lists the Hub cache only (and fails where there is none)")
+    with urllib.request.urlopen(server + "/v1/models", timeout=30) as resp:
+        listed = json.loads(resp.read())
+    assert [m["id"] for m in listed["data"]] == [folder]
+
+
+def test_transformers_model_manager_loads_the_family_classes(folder):
+    """The class lookup of Transformers' server (`getattr(transformers, architectures[0])`) finds the
+    family's class once exposed, on the module object the model manager holds."""
+    from transformers.cli.serving.model_manager import ModelManager
+
+    from subquadratic import SPLAForCausalLM
+
+    serving.expose_model_classes()
+    manager = ModelManager(device="cpu")
+    model, processor = manager.load_model_and_processor(manager.process_model_name(folder))
+    try:
+        assert type(model) is SPLAForCausalLM and processor.chat_template == CHAT_TEMPLATE
+    finally:
+        manager.shutdown()
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "subquadratic", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_refusals_are_one_line(tmp_path, folder, monkeypatch):
+    missing = run_cli("serve", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no config.json" in missing.stderr
+    batching = run_cli("serve", folder, "--continuous-batching")
+    assert batching.returncode == 2 and "drop --continuous-batching" in batching.stderr
+    monkeypatch.setattr(serving, "find_spec", lambda name: None if name in ("fastapi", "uvicorn") else object())
+    with pytest.raises(serving.ServeError, match=r"needs fastapi, uvicorn .*pip install 'subquadratic\[serve\]'"):
+        serving.check(folder, [])
