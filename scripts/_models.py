@@ -67,6 +67,21 @@ def dense_model(shape: dict, max_positions: int, device: torch.device, dtype: to
     return model
 
 
+def dense_and_conversions(work: Path, shape: dict, max_positions: int, device: torch.device, dtype: torch.dtype,
+                          families, options: dict | None = None):
+    """The dense model of `shape` (random weights, `dense_model`) saved to work / "dense" and converted
+    by the package's converter to work / <family> for each of `families` (options[family]: its
+    conversion options, default none). Returns the dense model, on `device` in `dtype`."""
+    from subquadratic.conversion import convert
+
+    log("building the dense model and converting it")
+    dense = dense_model(shape, max_positions, device, dtype)
+    dense.save_pretrained(work / "dense")
+    for fam in families:
+        convert(str(work / "dense"), str(work / fam), fam, options=(options or {}).get(fam, {}), progress=False)
+    return dense
+
+
 def load_converted(folder: Path, device: torch.device, dtype: torch.dtype):
     """A converted checkpoint loaded as a user would, on `device`, in eval mode."""
     from transformers import AutoModelForCausalLM

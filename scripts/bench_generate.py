@@ -42,7 +42,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from _models import LLAMA_1B, PAD, TINY, dense_model, free, load_converted, log, timed
+from _models import LLAMA_1B, PAD, TINY, dense_and_conversions, free, load_converted, log, timed
 
 
 def cache_of(out):
@@ -239,8 +239,6 @@ def main() -> None:
     args = ap.parse_args()
     import transformers
 
-    from subquadratic.conversion import convert
-
     if args.quick:
         device, dtype, shape = torch.device("cpu"), torch.float32, TINY
         contexts, new_tokens, chunk = [256, 1024], 8, 512
@@ -285,12 +283,7 @@ def main() -> None:
     prompts = {c: torch.randint(1, shape["vocab_size"], (args.batch, c), generator=g).to(device) for c in contexts}
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
-        log("building the dense model and converting it")
-        dense = dense_model(shape, max_pos, device, dtype)
-        dense.save_pretrained(work / "dense")
-        for fam in families:
-            opts = spla_options if fam == "spla" else {}
-            convert(str(work / "dense"), str(work / fam), fam, options=opts, progress=False)
+        dense = dense_and_conversions(work, shape, max_pos, device, dtype, families, {"spla": spla_options})
 
         if "spla" in families:
             spla = load_converted(work / "spla", device, dtype)

@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from _models import LLAMA_1B, TINY, dense_model, free, load_converted, log, timed, versions
+from _models import LLAMA_1B, TINY, dense_and_conversions, free, load_converted, log, timed, versions
 
 TARGETS = {  # (measure, family) -> {length: target ratio}, from BENCHMARKS.md M1 / M2
     ("ttft", "spla"): {16384: 1.0, 32768: 1.3, 131072: 2.5},
@@ -142,8 +142,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, short lengths (smoke run)")
     args = ap.parse_args()
 
-    from subquadratic.conversion import convert
-
     if args.quick:
         device, dtype, shape = torch.device("cpu"), torch.float32, TINY
         lengths, train_lengths = [128, 320], [128]
@@ -176,11 +174,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
-        log("building the dense model and converting it")
-        dense = dense_model(shape, max_pos, device, dtype)
-        dense.save_pretrained(work / "dense")
-        for fam in families:
-            convert(str(work / "dense"), str(work / fam), fam, options=options.get(fam, {}), progress=False)
+        dense = dense_and_conversions(work, shape, max_pos, device, dtype, families, options)
         run_model("dense", dense, measures, prompts, device, args.repeats, results, emit)
         del dense
         free(device)
