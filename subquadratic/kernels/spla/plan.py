@@ -136,6 +136,15 @@ class SPLAPlan:
             raise ValueError(f"SPLAPlan.splits and tile_rows must be >= 1, got {self.splits} and {self.tile_rows}")
 
 
+def selection_precision(select: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The dot precision selection `select` runs at by default for `dtype` inputs on `device`: the
+    streamed one in the inputs' 16-bit dtype on CUDA (`STREAM_DTYPES`), every other in tf32x3 on
+    CUDA (within fp32 rounding of exact) and exact ("ieee") elsewhere."""
+    if select == "stream" and device.type == "cuda" and dtype in STREAM_DTYPES:
+        return STREAM_DTYPES[dtype]
+    return "tf32x3" if device.type == "cuda" else "ieee"
+
+
 def within_budget(num_key_slots: int, params: SPLAParams) -> bool:
     """True when every row of a cache with `num_key_slots` slots (padding included) has at most
     `top_k_blocks` blocks, i.e. every causal block of every query is selected."""
@@ -192,7 +201,6 @@ def plan_spla(
     prec = resolve_precision(precision, device, dtype)
     B, Tq, _, D = q_shape
     S, H = k_shape[1], k_shape[2]
-    default_prec = "tf32x3" if device.type == "cuda" else "ieee"  # of the tile and kernel selections
     if backend in ("auto", "torch") and within_budget(S, params):
         plan = SPLAPlan("dense", grad, precision=prec)
     elif resolve_backend(backend, device, op="SPLA", has_triton=True, has_naive=False,
@@ -202,17 +210,15 @@ def plan_spla(
         long_call = Tq >= TILE_MIN_TQ
         # 16-bit inputs on CUDA: the streamed selection (scores on the tensor cores in the inputs'
         # dtype); fp32 inputs keep the exact tile selection
-        streamed = device.type == "cuda" and dtype in STREAM_DTYPES
-        select = "stream" if streamed else "tile"
-        select_prec = STREAM_DTYPES[dtype] if streamed else default_prec
+        select = ("stream" if device.type == "cuda" and dtype in STREAM_DTYPES else "tile") if long_call else "kernel"
         splits = 1
         if not grad and Tq <= SPLIT_K_MAX_TQ:
             splits = max(1, min(params.num_selected, SPLIT_K_PROGRAMS // max(1, B * H * Tq)))
         plan = SPLAPlan(
             "triton_decode" if Tq == 1 and not grad and dtype != torch.float64 else "triton", grad,
-            form=("blocks" if grad else "tile") if long_call else "token", select=select if long_call else "kernel",
+            form=("blocks" if grad else "tile") if long_call else "token", select=select,
             splits=splits, precompute_phik=params.use_rla and Tq >= PHIK_PRECOMPUTE_MIN_TQ,
-            tile_rows=64 if grad else 128, select_prec=select_prec if long_call else default_prec,
+            tile_rows=64 if grad else 128, select_prec=selection_precision(select, device, dtype),
             precision=prec,
         )
     if not fields_set:
@@ -223,8 +229,7 @@ def plan_spla(
                         f"its fields: {', '.join(f.name for f in fields(SPLAPlan))}")
     if "select" in fields_set and "select_prec" not in fields_set and plan.path == "triton":
         # a selection asked for without its precision: that selection's default for these inputs
-        streamed = fields_set["select"] == "stream" and device.type == "cuda" and dtype in STREAM_DTYPES
-        fields_set["select_prec"] = STREAM_DTYPES[dtype] if streamed else default_prec
+        fields_set["select_prec"] = selection_precision(fields_set["select"], device, dtype)
     return replace(plan, **fields_set)
 
 
