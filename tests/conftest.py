@@ -48,6 +48,21 @@ def make_dense(kind: str, seed: int = 0, **overrides):
     return model
 
 
+def count_calls(monkeypatch, targets: dict) -> dict[str, int]:
+    """Wrap each function targets[name] = (module, function name) so that its calls are counted;
+    returns the counts {name: calls}, updated as the test runs."""
+    calls = dict.fromkeys(targets, 0)
+    for name, (module, fn_name) in targets.items():
+        fn = getattr(module, fn_name)
+
+        def counted(*a, _fn=fn, _name=name, **kw):
+            calls[_name] += 1
+            return _fn(*a, **kw)
+
+        monkeypatch.setattr(module, fn_name, counted)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny matmuls: one thread is as fast as several and suffers far less on a busy machine."""

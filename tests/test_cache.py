@@ -13,6 +13,7 @@ from subquadratic.kernels.spla import BlockStats
 from subquadratic.modeling import cache as cache_module
 from subquadratic.modeling.base import CACHE_FIELD
 from subquadratic.modeling.cache import GrowingBuffer
+from tests.conftest import count_calls
 
 from .models.spla.tiny import tiny_spla
 
@@ -293,16 +294,9 @@ def test_fused_chains_equal_the_modules_they_stand_for(monkeypatch):
     from subquadratic.modeling import fused
 
     chains = ("rms_norm", "add_rms_norm", "rope", "add_head_norm", "silu_mul")
-    calls = dict.fromkeys(chains, 0)
+    calls = count_calls(monkeypatch, {name: (getattr(fused, name), "fn") for name in chains})
     for name in chains:
-        chain = getattr(fused, name)
-
-        def counted(*args, _name=name, _fn=chain.fn):
-            calls[_name] += 1
-            return _fn(*args)
-
-        monkeypatch.setattr(chain, "compiled", False)
-        monkeypatch.setattr(chain, "fn", counted)
+        monkeypatch.setattr(getattr(fused, name), "compiled", False)
     model = tiny_spla(mixer_types=MIXED, block_size=4, top_k_blocks=3)  # budget 12 tokens: the residual term runs
     ids = torch.randint(1, 128, (2, 30))
     got = {}

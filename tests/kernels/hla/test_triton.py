@@ -25,6 +25,7 @@ from subquadratic.kernels.hla import (  # noqa: E402
     triton_fused_recurrent,
     triton_unsupported,
 )
+from tests.conftest import count_calls  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -32,17 +33,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Count the calls of the chunked and the fused recurrent kernels' entry points."""
-    calls = {"chunked": 0, "recurrent": 0}
-    for name, mod, fn_name in (("chunked", triton_chunk, "hla_chunked_triton"),
-                               ("recurrent", triton_fused_recurrent, "hla_recurrent_triton")):
-        fn = getattr(mod, fn_name)
-
-        def spy(*a, _fn=fn, _name=name, **kw):
-            calls[_name] += 1
-            return _fn(*a, **kw)
-
-        monkeypatch.setattr(mod, fn_name, spy)
-    return calls
+    return count_calls(monkeypatch, {"chunked": (triton_chunk, "hla_chunked_triton"),
+                                     "recurrent": (triton_fused_recurrent, "hla_recurrent_triton")})
 
 
 def triton_path(*args, **kw):

@@ -23,28 +23,22 @@ from subquadratic.kernels.spla import (  # noqa: E402
     tile_union,
     triton_parallel,
 )
+from tests.conftest import count_calls  # noqa: E402
 
 # the same random inputs and Triton plans as the per-token kernel tests
 from .test_triton import make, spla_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+#: The entry point of each sparse form the executor runs (the per-token form runs `sparse_forward`,
+#: with or without gradients), as `count_calls` takes them.
+SPARSE_FORMS = {"blocks": (triton_parallel, "blocks_sparse_attention"),
+                "tile": (triton_parallel, "tile_sparse_attention"), "token": (triton_parallel, "sparse_forward")}
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Count the calls of each sparse form the executor runs (the per-token form runs
-    `sparse_forward`, with or without gradients)."""
-    calls = {"blocks": 0, "tile": 0, "token": 0}
-    for form, fn_name in (("blocks", "blocks_sparse_attention"), ("tile", "tile_sparse_attention"),
-                          ("token", "sparse_forward")):
-        fn = getattr(triton_parallel, fn_name)
-
-        def spy(*a, _fn=fn, _form=form, **kw):
-            calls[_form] += 1
-            return _fn(*a, **kw)
-
-        monkeypatch.setattr(triton_parallel, fn_name, spy)
-    return calls
+    """Count the calls of each sparse form the executor runs."""
+    return count_calls(monkeypatch, SPARSE_FORMS)
 
 
 def rel(a, b):

@@ -9,7 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 from subquadratic.kernels import spla as spla_kernels  # noqa: E402
-from subquadratic.kernels.spla import triton_parallel  # noqa: E402
+from tests.conftest import count_calls  # noqa: E402
+from tests.kernels.spla.test_tile import SPARSE_FORMS  # noqa: E402
 
 from .tiny import tiny_spla  # noqa: E402
 
@@ -24,17 +25,7 @@ def on_cuda_plans(monkeypatch) -> dict[str, int]:
         return real_plan(q_shape, k_shape, dtype, "cuda", params, **kw)
 
     monkeypatch.setattr(spla_kernels, "plan_spla", plan)
-    calls = {"blocks": 0, "tile": 0, "token": 0}
-    for form, name in (("blocks", "blocks_sparse_attention"), ("tile", "tile_sparse_attention"),
-                       ("token", "sparse_forward")):
-        fn = getattr(triton_parallel, name)
-
-        def counted(*a, _fn=fn, _form=form, **k):
-            calls[_form] += 1
-            return _fn(*a, **k)
-
-        monkeypatch.setattr(triton_parallel, name, counted)
-    return calls
+    return count_calls(monkeypatch, SPARSE_FORMS)
 
 
 def loss_and_grads(model, ids):
