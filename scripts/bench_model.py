@@ -6,6 +6,7 @@ measured in the same run, with the peak GPU memory of each call.
   python scripts/bench_model.py [--lengths 4096,16384,32768,131072] [--train-lengths 8192,32768]
                                 [--families spla,sse-h,hla] [--repeats 3] [--out r.json]
   python scripts/bench_model.py --quick    # tiny model on CPU (PyTorch forms): a smoke run
+  python scripts/bench_model.py --lengths 16384 --train-lengths 8192 --profile 16384,8192 --profile-out prof.txt
 
 Measures, each warm (one untimed call of the same shape first, so kernels are compiled and autotuned):
   ttft:  one `model(ids, use_cache=True, logits_to_keep=1)` call on B x T random token ids, no gradients:
@@ -15,7 +16,10 @@ Measures, each warm (one untimed call of the same shape first, so kernels are co
 The time of a call is the median of --repeats synchronised wall-clock runs; the ratio is dense time over
 ours (above 1: ours is faster). Peak memory is torch.cuda.max_memory_allocated over the timed runs. A
 call that fails (out of memory, say) is recorded with its error and the run goes on. The table is
-printed at the end as Markdown and, with --out, written as JSON after every row.
+printed at the end as Markdown and, with --out, written as JSON after every row. `--profile T[,T..]`
+adds, for each model and each measure at those lengths, a torch.profiler table of one warm call (the
+kernels by device time beside the call's wall time: `_profile.kernel_table`), to --profile-out (else
+stderr).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from _profile import kernel_table
 from _models import LLAMA_1B, TINY, dense_and_conversions, free, load_converted, log, timed, versions
 
 TARGETS = {  # (measure, family) -> {length: target ratio}, from BENCHMARKS.md M1 / M2
@@ -68,8 +73,10 @@ def measure(fn, device: torch.device, repeats: int) -> dict:
     return dict(s=statistics.median(times), runs=times, peak_bytes=peak)
 
 
-def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: int, results: dict, emit) -> None:
-    """Every (measure, length) of `measures` on one model, into results[name, measure, length]."""
+def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: int, results: dict, emit,
+              profile: tuple = (), report=None) -> None:
+    """Every (measure, length) of `measures` on one model, into results[name, measure, length]; at the
+    lengths of `profile`, a profiler table of one more call, given to `report`."""
     for what, lengths in measures.items():
         if what == "train":
             model.train()
@@ -78,6 +85,10 @@ def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: 
             fn = (train_call if what == "train" else ttft_call)(model, prompts[T])
             try:
                 res = measure(fn, device, repeats)
+                if T in profile:
+                    table, busy = kernel_table(fn, calls=1, rows=30, title=f"{name} {what} T={T}")
+                    res["profiled_device_ms"] = busy
+                    report(table)
             except Exception as e:  # noqa: BLE001 (out of memory, say: record it and go on)
                 log(f"  failed:\n{traceback.format_exc()}")
                 res = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -140,7 +151,17 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, short lengths (smoke run)")
+    ap.add_argument("--profile", default="", help="comma list of lengths whose calls are also profiled")
+    ap.add_argument("--profile-out", default=None, help="append the profiler tables here (default: stderr)")
     args = ap.parse_args()
+    profile = tuple(int(x) for x in args.profile.split(",") if x)
+
+    def report(table: str) -> None:
+        if args.profile_out:
+            with open(args.profile_out, "a") as f:
+                f.write(table + "\n\n")
+        else:
+            log("\n" + table)
 
     if args.quick:
         device, dtype, shape = torch.device("cpu"), torch.float32, TINY
@@ -175,12 +196,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
         dense = dense_and_conversions(work, shape, max_pos, device, dtype, families, options)
-        run_model("dense", dense, measures, prompts, device, args.repeats, results, emit)
+        run_model("dense", dense, measures, prompts, device, args.repeats, results, emit, profile, report)
         del dense
         free(device)
         for fam in families:
             model = load_converted(work / fam, device, dtype)
-            run_model(fam, model, measures, prompts, device, args.repeats, results, emit)
+            run_model(fam, model, measures, prompts, device, args.repeats, results, emit, profile, report)
             del model
             free(device)
     rows = rows_of(results, families, measures)

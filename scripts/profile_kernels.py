@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_hla  # noqa: E402
 import bench_sse  # noqa: E402
+from _profile import kernel_table  # noqa: E402
 
 
 def make(op: str, T: int, bwd: bool):
@@ -59,30 +60,12 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels.py needs a CUDA GPU")
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     for op in args.op:
         run = make(op, args.T, args.bwd)
         for _ in range(3):
             run()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.calls):
-                run()
-            torch.cuda.synchronize()
-        events = prof.key_averages()
-        key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-        kernel = lambda e: e.device_type != DeviceType.CPU  # noqa: E731  (ops and Functions: the CPU rows)
-        total = sum(getattr(e, key) for e in events if kernel(e)) / args.calls / 1e3
-        print(f"\n{op} T={args.T} {'fwd+bwd' if args.bwd else 'fwd'}: {total:.3f} ms of GPU time per call "
-              f"({args.calls} calls); kernels, and the ops / autograd Functions that launched them, by GPU time",
-              flush=True)
-        rows = sorted((e for e in events if getattr(e, key) > 0), key=lambda e: -getattr(e, key))
-        for e in rows[:args.rows]:
-            t = getattr(e, key) / args.calls / 1e3
-            print(f"  {t:8.3f} ms {100 * t / total:5.1f}%  x{e.count // args.calls:<4} "
-                  f"{'kernel' if kernel(e) else 'op    '} {e.key[:100]}", flush=True)
+        table, _ = kernel_table(run, args.calls, args.rows, f"{op} T={args.T} {'fwd+bwd' if args.bwd else 'fwd'}")
+        print("\n" + table, flush=True)
         del run
         torch.cuda.empty_cache()
 

@@ -1,0 +1,44 @@
+"""Where a call's time goes, from torch.profiler (shared by the benchmark scripts, run as
+`python scripts/<name>.py`): the kernels and the ops / autograd Functions that launched them, by
+device time, beside the wall time of the profiled calls, so a host-bound call (wall time well above
+the device time) shows as such. On a machine without CUDA the rows are CPU times."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def kernel_table(run, calls: int = 3, rows: int = 25, title: str = "") -> tuple[str, float]:
+    """Profile `calls` calls of the no-argument `run` (already warm). Returns (the table as text, device
+    ms per call: the sum of the kernels' self times; on CPU the sum of the ops' self CPU times)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            run()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / calls * 1e3
+    events = prof.key_averages()
+    if cuda:
+        key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+        on_device = lambda e: e.device_type != DeviceType.CPU  # noqa: E731  (ops and Functions: the CPU rows)
+    else:
+        key, on_device = "self_cpu_time_total", (lambda e: True)
+    total = sum(getattr(e, key) for e in events if on_device(e)) / calls / 1e3
+    lines = [f"{title}: {total:.3f} ms of {'GPU' if cuda else 'CPU'} time per call, {wall:.3f} ms wall per call "
+             f"under the profiler ({calls} calls); by {'GPU' if cuda else 'CPU'} time:"]
+    ordered = sorted((e for e in events if getattr(e, key) > 0), key=lambda e: -getattr(e, key))
+    for e in ordered[:rows]:
+        t = getattr(e, key) / calls / 1e3
+        kind = "kernel" if cuda and on_device(e) else "op    "
+        lines.append(f"  {t:9.3f} ms {100 * t / max(total, 1e-9):5.1f}%  x{e.count // calls:<5} {kind} {e.key[:110]}")
+    return "\n".join(lines), total
