@@ -9,10 +9,17 @@ import time
 
 import torch
 
+#: host-side events counted per call in the host listing: launches and the calls that wait on the device
+HOST_COUNTED = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
+                "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMalloc", "cudaFree")
 
-def kernel_table(run, calls: int = 3, rows: int = 25, title: str = "") -> tuple[str, float]:
+
+def kernel_table(run, calls: int = 3, rows: int = 25, title: str = "", host: int = 0) -> tuple[str, float]:
     """Profile `calls` calls of the no-argument `run` (already warm). Returns (the table as text, device
-    ms per call: the sum of the kernels' self times; on CPU the sum of the ops' self CPU times)."""
+    ms per call: the sum of the kernels' self times; on CPU the sum of the ops' self CPU times). With
+    `host` > 0 a second listing follows: the launches and device waits per call (`HOST_COUNTED`), then
+    the `host` Python functions and ops with the most CPU time per call (inclusive; Python functions
+    recorded through the profiler's stack tracing): where a host-bound call spends its wall time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -21,7 +28,7 @@ def kernel_table(run, calls: int = 3, rows: int = 25, title: str = "") -> tuple[
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=host > 0) as prof:
         for _ in range(calls):
             run()
         if cuda:
@@ -41,4 +48,14 @@ def kernel_table(run, calls: int = 3, rows: int = 25, title: str = "") -> tuple[
         t = getattr(e, key) / calls / 1e3
         kind = "kernel" if cuda and on_device(e) else "op    "
         lines.append(f"  {t:9.3f} ms {100 * t / max(total, 1e-9):5.1f}%  x{e.count // calls:<5} {kind} {e.key[:110]}")
+    if host:
+        cpu = [e for e in events if e.device_type == DeviceType.CPU]
+        counts = {n: 0 for n in HOST_COUNTED}
+        for e in cpu:
+            if e.key in counts:
+                counts[e.key] += e.count
+        lines.append("  host, per call: " + ", ".join(f"{n} x{c // calls}" for n, c in counts.items() if c))
+        for e in sorted(cpu, key=lambda e: -e.cpu_time_total)[:host]:
+            lines.append(f"  {e.cpu_time_total / calls / 1e3:9.3f} ms incl, {e.self_cpu_time_total / calls / 1e3:8.3f} "
+                         f"ms self  x{e.count // calls:<5} host   {e.key[:110]}")
     return "\n".join(lines), total

@@ -33,8 +33,8 @@ import traceback
 from pathlib import Path
 
 import torch
-from _profile import kernel_table
 from _models import LLAMA_1B, TINY, dense_and_conversions, free, load_converted, log, timed, versions
+from _profile import kernel_table
 
 TARGETS = {  # (measure, family) -> {length: target ratio}, from BENCHMARKS.md M1 / M2
     ("ttft", "spla"): {16384: 1.0, 32768: 1.3, 131072: 2.5},
@@ -74,7 +74,7 @@ def measure(fn, device: torch.device, repeats: int) -> dict:
 
 
 def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: int, results: dict, emit,
-              profile: tuple = (), report=None) -> None:
+              profile: tuple = (), report=None, host: int = 0) -> None:
     """Every (measure, length) of `measures` on one model, into results[name, measure, length]; at the
     lengths of `profile`, a profiler table of one more call, given to `report`."""
     for what, lengths in measures.items():
@@ -86,7 +86,7 @@ def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: 
             try:
                 res = measure(fn, device, repeats)
                 if T in profile:
-                    table, busy = kernel_table(fn, calls=1, rows=30, title=f"{name} {what} T={T}")
+                    table, busy = kernel_table(fn, calls=1, rows=30, title=f"{name} {what} T={T}", host=host)
                     res["profiled_device_ms"] = busy
                     report(table)
             except Exception as e:  # noqa: BLE001 (out of memory, say: record it and go on)
@@ -152,6 +152,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, short lengths (smoke run)")
     ap.add_argument("--profile", default="", help="comma list of lengths whose calls are also profiled")
+    ap.add_argument("--profile-host", type=int, default=0,
+                    help="with --profile, also list this many host functions / ops by CPU time, and the launches")
     ap.add_argument("--profile-out", default=None, help="append the profiler tables here (default: stderr)")
     args = ap.parse_args()
     profile = tuple(int(x) for x in args.profile.split(",") if x)
@@ -196,12 +198,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
         dense = dense_and_conversions(work, shape, max_pos, device, dtype, families, options)
-        run_model("dense", dense, measures, prompts, device, args.repeats, results, emit, profile, report)
+        run_model("dense", dense, measures, prompts, device, args.repeats, results, emit, profile, report,
+                  args.profile_host)
         del dense
         free(device)
         for fam in families:
             model = load_converted(work / fam, device, dtype)
-            run_model(fam, model, measures, prompts, device, args.repeats, results, emit, profile, report)
+            run_model(fam, model, measures, prompts, device, args.repeats, results, emit, profile, report,
+                  args.profile_host)
             del model
             free(device)
     rows = rows_of(results, families, measures)

@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--bwd", action="store_true", help="profile forward + backward (default: forward)")
     ap.add_argument("--calls", type=int, default=5, help="calls profiled after three warm-up calls")
     ap.add_argument("--rows", type=int, default=25, help="kernels listed, by total GPU time")
+    ap.add_argument("--host", type=int, default=0, help="also list this many host functions / ops by CPU time")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels.py needs a CUDA GPU")
@@ -64,7 +65,8 @@ def main() -> None:
         run = make(op, args.T, args.bwd)
         for _ in range(3):
             run()
-        table, _ = kernel_table(run, args.calls, args.rows, f"{op} T={args.T} {'fwd+bwd' if args.bwd else 'fwd'}")
+        table, _ = kernel_table(run, args.calls, args.rows, f"{op} T={args.T} {'fwd+bwd' if args.bwd else 'fwd'}",
+                                args.host)
         print("\n" + table, flush=True)
         del run
         torch.cuda.empty_cache()

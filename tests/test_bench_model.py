@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_model_quick_smoke(tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_model.py"), "--quick", "--repeats", "1", "--out", str(out),
-           "--profile", "128", "--profile-out", str(tmp_path / "prof.txt")]
+           "--profile", "128", "--profile-host", "5", "--profile-out", str(tmp_path / "prof.txt")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
