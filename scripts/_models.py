@@ -6,6 +6,7 @@ the weights are random (speed does not depend on them), built with Transformers'
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,22 +69,45 @@ def dense_model(shape: dict, max_positions: int, device: torch.device, dtype: to
 
 
 def dense_and_conversions(work: Path, shape: dict, max_positions: int, device: torch.device, dtype: torch.dtype,
-                          families, options: dict | None = None):
-    """The dense model of `shape` (random weights, `dense_model`) saved to work / "dense" and converted
-    by the package's converter to work / <family> for each of `families` (options[family]: its
-    conversion options, default none). Returns the dense model, on `device` in `dtype`."""
+                          families, options: dict | None = None, source: Path | None = None):
+    """The dense model of `shape` (random weights, `dense_model`) saved to work / "dense", or the
+    checkpoint folder `source` (a real model) as it is, converted by the package's converter to
+    work / <family> for each of `families` (options[family]: its conversion options, default none).
+    Returns the dense model, on `device` in `dtype`."""
     from subquadratic.conversion import convert
 
     log("building the dense model and converting it")
-    dense = dense_model(shape, max_positions, device, dtype)
-    dense.save_pretrained(work / "dense")
+    if source is None:
+        dense = dense_model(shape, max_positions, device, dtype)
+        dense.save_pretrained(work / "dense")
+        source = work / "dense"
+    else:
+        dense = load_converted(source, device, dtype)
     for fam in families:
-        convert(str(work / "dense"), str(work / fam), fam, options=(options or {}).get(fam, {}), progress=False)
+        base = VARIANTS.get(fam, fam)
+        if not (work / fam).exists():
+            convert(str(source), str(work / fam), base, options=(options or {}).get(base, {}), progress=False)
     return dense
 
 
+#: benchmark rows that are a family's conversion with a change made after loading: "spla-adapted" is
+#: the SPLA conversion with gamma = 0.1 in every layer, as after adaptation (a fresh conversion has
+#: gamma = 0, whose residual term adds exactly nothing and is skipped at inference)
+VARIANTS = {"spla-adapted": "spla"}
+
+
+def as_variant(model, name: str):
+    """`model` changed in place into the benchmark row `name` of `VARIANTS` (else unchanged)."""
+    if name == "spla-adapted":
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("rla_norm.weight"):
+                    p.fill_(0.1)
+    return model
+
+
 def load_converted(folder: Path, device: torch.device, dtype: torch.dtype):
-    """A converted checkpoint loaded as a user would, on `device`, in eval mode."""
+    """A (converted) checkpoint loaded as a user would, on `device`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
     import subquadratic  # noqa: F401  (registers the model types)
@@ -91,7 +115,7 @@ def load_converted(folder: Path, device: torch.device, dtype: torch.dtype):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     model.generation_config.pad_token_id = PAD
     model.generation_config.eos_token_id = None
-    return model
+    return as_variant(model, folder.name)
 
 
 def versions(device: torch.device) -> dict:
@@ -109,6 +133,9 @@ def versions(device: torch.device) -> dict:
         out["triton"] = triton.__version__
     except ImportError:
         pass
+    if os.environ.get("BENCH_COMMIT"):  # a copy of the tree whose git metadata is not the tree's own
+        out["commit"] = os.environ["BENCH_COMMIT"]
+        return out
     try:
         out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=Path(__file__).parent, timeout=10).stdout.strip() or None

@@ -1,11 +1,15 @@
 """Whole-model speed where a user waits (BENCHMARKS.md M1, M2): time to first token and a training step
 of a 1B-class Llama with random bf16 weights (Llama-3.2-1B shapes) against its SPLA, SSE-H and HLA
 conversions made by the package's converter with the defaults, every row a ratio to the dense model
-measured in the same run, with the peak GPU memory of each call.
+measured in the same run, with the peak GPU memory of each call. `spla` is the fresh conversion
+(gamma = 0: exactly sparse attention, and inference skips the residual term, which adds nothing);
+`spla-adapted` the same checkpoint with gamma = 0.1 in every layer, as after adaptation, which
+computes it.
 
   python scripts/bench_model.py [--lengths 4096,16384,32768,131072] [--train-lengths 8192,32768]
-                                [--families spla,sse-h,hla] [--repeats 3] [--out r.json]
+                                [--families spla,spla-adapted,sse-h,hla] [--repeats 3] [--out r.json]
   python scripts/bench_model.py --quick    # tiny model on CPU (PyTorch forms): a smoke run
+  python scripts/bench_model.py --checkpoint DIR --text python   # a real model on real text (Python sources)
   python scripts/bench_model.py --lengths 16384 --train-lengths 8192 --profile 16384,8192 --profile-out prof.txt
 
 Measures, each warm (one untimed call of the same shape first, so kernels are compiled and autotuned):
@@ -38,9 +42,11 @@ from _profile import kernel_table
 
 TARGETS = {  # (measure, family) -> {length: target ratio}, from BENCHMARKS.md M1 / M2
     ("ttft", "spla"): {16384: 1.0, 32768: 1.3, 131072: 2.5},
+    ("ttft", "spla-adapted"): {16384: 1.0, 32768: 1.3, 131072: 2.5},
     ("ttft", "sse-h"): {4096: 1.0, 32768: 1.5, 131072: 2.0},
     ("ttft", "hla"): {4096: 1.0, 131072: 4.0},
     ("train", "spla"): {8192: 1.0, 32768: 1.3},
+    ("train", "spla-adapted"): {8192: 1.0, 32768: 1.3},
     ("train", "sse-h"): {8192: 1.0},
     ("train", "hla"): {8192: 1.0},
 }
@@ -139,6 +145,26 @@ def markdown(rows: list[dict], batch: int) -> str:
     return "\n".join(lines)
 
 
+def text_ids(checkpoint: str, text: str, n: int) -> torch.Tensor:
+    """The first n token ids [n] of real text, tokenised by the checkpoint's tokenizer: the *.py files of
+    the folder `text` (or, for "python", of the installed torch package), sorted by path, concatenated
+    (repeated from the start if they hold fewer than n tokens)."""
+    from transformers import AutoTokenizer
+
+    root = Path(torch.__file__).parent if text == "python" else Path(text)
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    ids: list[int] = []
+    for f in sorted(root.rglob("*.py")):
+        ids += tok(f.read_text(errors="replace"), add_special_tokens=False)["input_ids"]
+        if len(ids) >= n:
+            break
+    if not ids:
+        raise SystemExit(f"no *.py text under {root}")
+    while len(ids) < n:
+        ids += ids
+    return torch.tensor(ids[:n])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default=None, help="comma list of prompt lengths for time to first token "
@@ -146,11 +172,19 @@ def main() -> None:
     ap.add_argument("--train-lengths", default=None, help="comma list of row lengths of the training step "
                                                           "(default 8192,32768; empty: none)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--families", default="spla,sse-h,hla", help="conversions to measure beside the dense model")
+    ap.add_argument("--families", default="spla,spla-adapted,sse-h,hla",
+                    help="conversions to measure beside the dense model (spla-adapted: SPLA with gamma = 0.1, as "
+                         "after adaptation: its residual term is computed)")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per measure (median)")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, short lengths (smoke run)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="a dense checkpoint folder (a real model) to measure instead of the random 1B Llama")
+    ap.add_argument("--text", default=None,
+                    help="prompts from real text instead of random ids: a folder (its *.py files, sorted, "
+                         "concatenated) or 'python' (the installed torch package's sources); needs --checkpoint "
+                         "(its tokenizer)")
     ap.add_argument("--profile", default="", help="comma list of lengths whose calls are also profiled")
     ap.add_argument("--profile-host", type=int, default=0,
                     help="with --profile, also list this many host functions / ops by CPU time, and the launches")
@@ -184,10 +218,25 @@ def main() -> None:
     meta = dict(versions(device), batch=args.batch, dtype=str(dtype), model=shape, families=families,
                 lengths=lengths, train_lengths=train_lengths, repeats=args.repeats, quick=args.quick,
                 options=options)
+    if args.text and not args.checkpoint:
+        raise SystemExit("--text needs --checkpoint (its tokenizer)")
+    if args.checkpoint:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(args.checkpoint)
+        shape = dict(model=args.checkpoint, vocab_size=cfg.vocab_size, num_hidden_layers=cfg.num_hidden_layers,
+                     hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                     num_key_value_heads=cfg.num_key_value_heads)
+        meta.update(model=shape, text=args.text)
     print(json.dumps(meta), flush=True)
-    g = torch.Generator().manual_seed(1)
-    prompts = {T: torch.randint(1, shape["vocab_size"], (args.batch, T), generator=g).to(device)
-               for T in sorted({*lengths, *train_lengths})}
+    all_lengths = sorted({*lengths, *train_lengths})
+    if args.text:
+        ids = text_ids(args.checkpoint, args.text, args.batch * max(all_lengths))
+        prompts = {T: ids[: args.batch * T].view(args.batch, T).to(device) for T in all_lengths}
+    else:
+        g = torch.Generator().manual_seed(1)
+        prompts = {T: torch.randint(1, shape["vocab_size"], (args.batch, T), generator=g).to(device)
+                   for T in all_lengths}
     results: dict = {}
 
     def emit() -> None:
@@ -197,7 +246,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
-        dense = dense_and_conversions(work, shape, max_pos, device, dtype, families, options)
+        dense = dense_and_conversions(work, shape, max_pos, device, dtype, families, options,
+                                      source=Path(args.checkpoint) if args.checkpoint else None)
         run_model("dense", dense, measures, prompts, device, args.repeats, results, emit, profile, report,
                   args.profile_host)
         del dense

@@ -20,7 +20,7 @@ def test_bench_model_quick_smoke(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     keys = {(r["measure"], r["T"], r["family"]) for r in rows}
-    families = ("spla", "sse-h", "hla")
+    families = ("spla", "spla-adapted", "sse-h", "hla")
     assert keys == {("ttft", T, f) for T in (128, 320) for f in families} | {("train", 128, f) for f in families}
     assert all(r["error"] is None and r["dense_ms"] > 0 and r["ours_ms"] > 0 and r["ratio"] > 0 for r in rows)
     assert "| M1 | time to first token | 320 | spla |" in res.stdout  # the Markdown table for docs/benchmarks.md
@@ -28,3 +28,29 @@ def test_bench_model_quick_smoke(tmp_path):
     for name in ("dense", *families):
         for what in ("ttft", "train"):
             assert f"{name} {what} T=128: " in tables
+
+
+def test_bench_model_on_a_checkpoint_and_real_text(tmp_path):
+    """--checkpoint measures a given dense model and its conversions; --text takes the prompts from
+    real text through the checkpoint's tokenizer (here this test folder's Python sources)."""
+    from tests.conftest import make_dense
+    from tests.evaluation.conftest import tiny_tokenizer
+
+    ckpt = tmp_path / "dense"
+    make_dense("llama").save_pretrained(ckpt)
+    tiny_tokenizer().save_pretrained(ckpt)
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_model.py"), "--quick", "--repeats", "1", "--out", str(out),
+           "--checkpoint", str(ckpt), "--text", str(ROOT / "tests" / "models"), "--families", "spla,hla",
+           "--lengths", "96", "--train-lengths", "64"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["model"]["model"] == str(ckpt) and data["meta"]["text"].endswith("models")
+    keys = {(r["measure"], r["T"], r["family"]) for r in data["rows"]}
+    assert keys == {("ttft", 96, f) for f in ("spla", "hla")} | {("train", 64, f) for f in ("spla", "hla")}
+    assert all(r["error"] is None and r["ratio"] > 0 for r in data["rows"])
+    bad = subprocess.run([*cmd[:2], "--quick", "--text", "python"], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=120)
+    assert bad.returncode != 0 and "--text needs --checkpoint" in bad.stderr

@@ -89,6 +89,23 @@ class SPLAAttention(AttentionBase):
         """gamma = 0: a fresh or converted model is exactly sparse attention."""
         init.zeros_(self.rla_norm.weight)
 
+    def gamma_is_zero(self) -> bool:
+        """Whether gamma is exactly 0 (a converted model before adaptation), read on the host once per
+        value of the weight: the answer is kept with the weight's storage and in-place version counter
+        (an optimizer step, `load_state_dict` or any in-place write bumps it), so steady-state calls
+        never synchronise with the device. False (the residual term is computed) while compiling or
+        capturing a CUDA graph: a compiled or captured step then stays right for any later gamma."""
+        w = self.rla_norm.weight
+        if torch.compiler.is_compiling() or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return False
+        key = (w.data_ptr(), w.device, w._version)
+        cached = getattr(self, "_gamma_zero", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        zero = not bool(w.detach().any())
+        self._gamma_zero = (key, zero)
+        return zero
+
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
         cfg = self.config
         q, k, v = self.project(hidden_states, position_embeddings)
@@ -106,11 +123,9 @@ class SPLAAttention(AttentionBase):
                 k.transpose(1, 2), seq.positions, cfg.block_size)
             sbar = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
         params = SPLAParams.from_config(cfg)
-        if (params.use_rla and q.device.type == "cpu" and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and not self.rla_norm.weight.any()):
+        if params.use_rla and not torch.is_grad_enabled() and self.gamma_is_zero():
             # gamma = 0 (a converted model): o + RMSNorm_0(o_rla) is o exactly, so the residual term is not
-            # computed (Sbar is still kept); read eagerly on the CPU only, where the check costs no
-            # synchronisation
+            # computed (Sbar is still kept)
             params = dataclasses.replace(params, use_rla=False)
         # the op takes [B, T, H, D]: transposed views of q and of the [B, H, S, D] cache, no copies
         args = (q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), seq.positions, seq.key_positions, stats,

@@ -41,7 +41,7 @@ def test_prefill_then_decode_equals_full_forward(use_rla):
 
 
 def test_zero_gamma_skips_the_residual_term_exactly(monkeypatch):
-    """A converted model (gamma = 0): inference on the CPU does not compute the residual term (the
+    """A converted model (gamma = 0): inference does not compute the residual term (the
     shortcut of `SPLAAttention.forward`), yet gives the logits of the forward that computes it (grad
     enabled) and keeps the same Sbar in its cache, prefill past the budget and decode steps alike."""
     model = tiny_spla(gamma=None)
@@ -66,6 +66,39 @@ def test_zero_gamma_skips_the_residual_term_exactly(monkeypatch):
     assert (torch.cat(steps, dim=1) - ref).abs().max() < 1e-4
     for a, b in zip(cache.layers, cache_ref.layers, strict=True):
         assert torch.allclose(a.state["sbar"], b.state["sbar"].detach(), atol=1e-4)
+
+def test_zero_gamma_check_follows_in_place_writes(monkeypatch):
+    """The gamma = 0 shortcut is decided once per value of gamma: an in-place write (an optimizer
+    step) or `load_state_dict` makes the next no-grad call read gamma again and compute the residual
+    term, with the logits of the forward that always computes it."""
+    model = tiny_spla(gamma=None)
+    x = torch.randint(1, 128, (2, 70))
+    from subquadratic.families.spla import modeling
+
+    seen = []
+    real = modeling.spla_attention
+    monkeypatch.setattr(modeling, "spla_attention", lambda *a, **kw: seen.append(a[7].use_rla) or real(*a, **kw))
+    layers = [m for m in model.modules() if isinstance(m, modeling.SPLAAttention)]
+    with torch.no_grad():
+        model(x)
+        assert set(seen) == {False} and all(m.gamma_is_zero() for m in layers)
+        seen.clear()
+        layers[0].rla_norm.weight.add_(0.5)            # in place, as an optimizer step writes it
+        out = model(x).logits
+    assert seen[0] is True and set(seen[1:]) == {False}
+    with torch.enable_grad():
+        ref = model(x).logits.detach()
+    assert (out - ref).abs().max() < 1e-5
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for n in state:
+        if "rla_norm" in n:
+            state[n].fill_(0.25)
+    model.load_state_dict(state)
+    seen.clear()
+    with torch.no_grad():
+        model(x)
+    assert seen == [True] * len(layers)
+
 
 class TestSPLASparse(ModelTesterMixin):
     """Budget 3 blocks x 4 = 12 tokens (sink, most recent, one chosen by score) under 40-token inputs:
