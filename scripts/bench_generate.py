@@ -16,7 +16,10 @@ that cache, each run synchronised and timed:
   generate: model.generate(prompt, cache=copy, max_new_tokens=N, min_new_tokens=N), which runs N
             single-token forward steps (the first one reads the prompt's last token);
   loop:     the same N steps as plain cached forward calls with argmax, without generate()'s
-            processors and bookkeeping.
+            processors and bookkeeping;
+  default:  (--modes default) model.generate(prompt, max_new_tokens=...) with no cache given, what a
+            user runs: each model's own default cache and step (`measure_default`), the decode rate
+            from the times of N + 1 and of 1 new tokens.
 An untimed run of the same N steps comes first, so that every Triton kernel variant the steps need
 (they depend on the number of blocks) is compiled before the clock starts. Decode tokens/s is
 batch x N / seconds. The dense peer's DynamicCache grows by concatenation, as in stock generate().
@@ -36,6 +39,7 @@ import copy
 import datetime
 import json
 import math
+import os
 import statistics
 import tempfile
 import traceback
@@ -173,6 +177,23 @@ def measure_static(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int
     return res
 
 
+def measure_default(model, prompt: torch.Tensor, n: int, repeats: int, device: torch.device) -> dict:
+    """Decode tokens/s of a plain `model.generate(prompt, max_new_tokens=...)`, what a user runs: the
+    cache and the step are the model's defaults (the dense model: Transformers' growing cache, eager;
+    SPLA on CUDA: its static cache with the captured step). Prefill is inside every call, so the decode
+    rate is B x n over the median time of n + 1 new tokens less that of 1 new token (the prefill and
+    the first token alone), after one untimed call of each (compiles, captures, tunes)."""
+    def gen(k: int):
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=k, min_new_tokens=k,
+                              do_sample=False, pad_token_id=PAD, eos_token_id=None)
+
+    gen(n + 1)
+    gen(1)
+    t1 = statistics.median(timed(lambda: gen(1), device)[0] for _ in range(repeats))
+    tn = statistics.median(timed(lambda: gen(n + 1), device)[0] for _ in range(repeats))
+    return dict(default_tok_s=prompt.shape[0] * n / max(tn - t1, 1e-9), first_token_s=t1, all_tokens_s=tn)
+
+
 def cache_bytes(cache) -> int:
     """Bytes of the keys/values or states in use: ours report them; DynamicCache layers hold keys and values."""
     if hasattr(cache, "nbytes"):
@@ -229,8 +250,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measure (median)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default 8192)")
     ap.add_argument("--families", default="spla,hla,sse-h", help="conversions to run (spla: speed; hla, sse-h: bytes)")
-    ap.add_argument("--modes", default="dynamic,static",
-                    help="caches to time: dynamic (growing, eager), static (static cache, step compiled / captured)")
+    ap.add_argument("--modes", default="dynamic,static,default",
+                    help="caches to time: dynamic (growing, eager), static (static cache, step compiled / captured), "
+                         "default (a plain generate() call: the model's own default cache)")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
@@ -260,7 +282,7 @@ def main() -> None:
     meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if device.type == "cuda"
                 else "cpu", torch=torch.__version__, transformers=transformers.__version__, batch=args.batch,
                 new_tokens=new_tokens, contexts=contexts, prefill_chunk=chunk, dtype=str(dtype), model=shape,
-                spla_options=spla_options, quick=args.quick)
+                spla_options=spla_options, quick=args.quick, commit=os.environ.get("BENCH_COMMIT"))
     try:
         import triton
 
@@ -290,14 +312,16 @@ def main() -> None:
             for c in contexts:
                 res = {}
                 runs = [("spla", "dynamic"), ("dense", "dynamic"), ("spla", "static"), ("spla", "static-unfused"),
-                        ("dense", "static")]
+                        ("dense", "static"), ("spla", "default"), ("dense", "default")]
                 for name, mode in runs:
                     if mode.split("-")[0] not in modes:
                         continue
                     model = spla if name == "spla" else dense
                     log(f"{name}, {mode} cache, context {c}")
                     try:
-                        if mode == "dynamic":
+                        if mode == "default":
+                            res[name, mode] = measure_default(model, prompts[c], new_tokens, args.repeats, device)
+                        elif mode == "dynamic":
                             res[name, mode] = measure_decode(model, prompts[c], new_tokens, chunk, args.repeats,
                                                              device, keep_logits=True)
                         else:
@@ -315,8 +339,10 @@ def main() -> None:
                     free(device)
                 label = {("dense", "dynamic"): "dense eager", ("dense", "static"): "dense static+compile",
                          ("spla", "dynamic"): "SPLA eager", ("spla", "static"): "SPLA static+graph",
-                         ("spla", "static-unfused"): "SPLA static+graph unfused"}
-                pairs = [(("dense", "dynamic"), ("spla", "dynamic"), "generate", ">= 5x at 128k"),
+                         ("spla", "static-unfused"): "SPLA static+graph unfused", ("dense", "default"): "dense default",
+                         ("spla", "default"): "SPLA default"}
+                pairs = [(("dense", "default"), ("spla", "default"), "default", ">= 5x at 128k, B1 and B4"),
+                         (("dense", "dynamic"), ("spla", "dynamic"), "generate", ">= 5x at 128k"),
                          (("dense", "dynamic"), ("spla", "static"), "generate", ">= 5x at 128k"),
                          (("dense", "static"), ("spla", "static"), "generate", ">= 2x at B1, 5x at B4"),
                          (("dense", "dynamic"), ("spla", "static-unfused"), "generate", "(info)"),
