@@ -283,14 +283,15 @@ class SSEAttention(AttentionBase):
         g1, g2, beta = self.decays(x)
         probs, sel = router_topk(self.router(x), cfg.sse_top_k, seq.valid)  # [B, T, N], sel False at padding
 
-        # padding: no read, no write, no decay
+        # padding: no read, no write, no decay (nothing to mask where the caller knows there is no padding)
         valid = seq.valid
         tok = valid[:, :, None, None]
-        q1, k1, q2, k2, v = (torch.where(tok, t, 0.0) for t in (q1, k1, q2, k2, v))
-        gmask = tok if g1.dim() == 4 else valid[:, :, None]
-        g1, g2 = torch.where(gmask, g1, 0.0), torch.where(gmask, g2, 0.0)
-        if beta is not None:
-            beta = torch.where(valid[:, :, None], beta, 0.0)
+        if not seq.causal:
+            q1, k1, q2, k2, v = (torch.where(tok, t, 0.0) for t in (q1, k1, q2, k2, v))
+            gmask = tok if g1.dim() == 4 else valid[:, :, None]
+            g1, g2 = torch.where(gmask, g1, 0.0), torch.where(gmask, g2, 0.0)
+            if beta is not None:
+                beta = torch.where(valid[:, :, None], beta, 0.0)
 
         state = cache_layer.read() if cache_layer is not None else None
         o, state = sse_attention(
@@ -302,7 +303,7 @@ class SSEAttention(AttentionBase):
             cache_layer.write(state)
 
         o = self.o_norm(o) * F.silu(self.g_proj(x)).view(B, T, self.num_heads, self.head_dim)
-        out = self.o_proj((o * tok).reshape(B, T, -1))
+        out = self.o_proj((o if seq.causal else o * tok).reshape(B, T, -1))
         if self.window:
             o_swa = self.window_attention(x, position_embeddings, seq, cache_layer)
             out = (self.sse_merge_norm(out) + self.swa_merge_norm(o_swa)) / 2

@@ -6,6 +6,12 @@ the correction term; here the block scores read the block sums only, the top-k g
 selected blocks, and their keys and values are gathered (top_k_blocks x block_size slots) for the
 softmax and the correction. The global linear term reads Sbar, as before. Same contract and same
 values as `spla_parallel` for one token per row.
+
+Without the residual term (`use_rla=False`, or gamma = 0, which the model turns into it), when the
+cached slots are at most `READ_ALL_RATIO` times the selected ones, the exact branch reads every
+cached key in place under a mask of the selected blocks instead (`read="all"`): the same softmax
+over the same keys, without the two gather copies, which on the CPU cost more than reading the
+unselected keys (docs/benchmarks.md, "CPU prefill and decode").
 """
 
 from __future__ import annotations
@@ -18,6 +24,11 @@ from ..utils import acc_dtype
 from .plan import SPLAParams
 from .select import NEG
 from .stats import BlockStats, feature_map, new_tokens
+
+#: `read="auto"` reads every cached slot under a mask (no gathers) when the slots are at most this
+#: many times the selected ones (top_k_blocks x block_size) and the residual term is not computed.
+READ_ALL_RATIO = 2.0
+READS = ("auto", "blocks", "all")
 
 
 def gather_slots(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -49,13 +60,20 @@ def spla_decode_gather(
     params: SPLAParams,
     *,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    read: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """q [B, 1, HQ, D] (one new token per row, already written into k, v [B, S, H, D]), q_pos [B, 1],
     `k_offsets` [B]: the slot of each row's position 0. Returns (o_sp, o_rla or None, new Sbar) as
-    `spla_parallel` does."""
+    `spla_parallel` does. `read`: "blocks" gathers the selected blocks' keys and values, "all" reads
+    every cached key under a mask of the selected blocks (use_rla=False only), "auto" picks "all" where
+    it is cheaper (`READ_ALL_RATIO`)."""
     B, Tq, HQ, D = q.shape
     if Tq != 1:
         raise ValueError(f"spla_decode_gather takes one token per row, got {Tq}")
+    if read not in READS:
+        raise ValueError(f"read must be one of {', '.join(READS)}; got {read!r}")
+    if read == "all" and params.use_rla:
+        raise ValueError('read="all" computes no residual term: pass params with use_rla=False or read="blocks"')
     S, H = k.shape[1], k.shape[2]
     G = HQ // H
     acc = acc_dtype(q)
@@ -64,6 +82,13 @@ def spla_decode_gather(
     qp = q_pos[:, 0]                                                      # [B]
     qf = q[:, 0].to(acc).reshape(B, H, G, D)
     blocks, live = _decode_blocks(qf, stats, qp, params)                 # [B, H, kk]
+    if read == "auto":
+        read = "all" if not params.use_rla and S <= READ_ALL_RATIO * blocks.shape[-1] * bs else "blocks"
+    if read == "all":
+        o_sp = _attend_all(qf, k, v, qp, k_offsets, blocks, live, stats.num_blocks, bs)
+        k_new, v_new = new_tokens(k, v, 1, new_kv)
+        sbar = _add_sbar(sbar, k_new, v_new, qp, acc)
+        return torch.where((qp >= 0)[:, None, None, None], o_sp.reshape(B, 1, HQ, D), 0.0).to(q.dtype), None, sbar
     pos = blocks[..., None] * bs + torch.arange(bs, device=dev)          # [B, H, kk, bs]
     ok = (live[..., None] & (pos <= qp[:, None, None, None])).reshape(B, H, -1)   # [B, H, L]
     slot = (k_offsets.long()[:, None, None, None] + pos).clamp_(0, S - 1).reshape(B, H, -1)
@@ -74,9 +99,7 @@ def spla_decode_gather(
     attn = torch.softmax(logits.masked_fill_(masked, NEG), dim=-1)
 
     k_new, v_new = new_tokens(k, v, 1, new_kv)                           # [B, 1, H, D]
-    phik_new = feature_map(k_new[:, 0]) * (qp >= 0)[:, None, None]       # [B, H, D]
-    sbar = torch.baddbmm(sbar.to(acc).reshape(B * H, D, D), phik_new.reshape(B * H, D, 1),
-                         v_new[:, 0].to(acc).reshape(B * H, 1, D)).view(B, H, D, D)
+    sbar = _add_sbar(sbar, k_new, v_new, qp, acc)
     if params.use_rla:
         phiq = feature_map(qf)                                            # [B, H, G, D]
         a_sel = (phiq @ feature_map(kg).transpose(-1, -2)).masked_fill_(masked, 0.0)   # [B, H, G, L]
@@ -90,6 +113,31 @@ def spla_decode_gather(
     q_ok = (qp >= 0)[:, None, None, None]
     out = [(x.reshape(B, 1, HQ, D) * q_ok).to(q.dtype) if x is not None else None for x in (o_sp, o_rla)]
     return out[0], out[1], sbar
+
+
+def _add_sbar(sbar: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qp: torch.Tensor,
+              acc: torch.dtype) -> torch.Tensor:
+    """Sbar [B, H, D, D] + phi(k_new) v_new^T for the new token [B, 1, H, D] of each real row (qp >= 0)."""
+    B, _, H, D = k_new.shape
+    phik_new = feature_map(k_new[:, 0]) * (qp >= 0)[:, None, None]       # [B, H, D]
+    return torch.baddbmm(sbar.to(acc).reshape(B * H, D, D), phik_new.reshape(B * H, D, 1),
+                         v_new[:, 0].to(acc).reshape(B * H, 1, D)).view(B, H, D, D)
+
+
+def _attend_all(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tensor, k_offsets: torch.Tensor,
+                blocks: torch.Tensor, live: torch.Tensor, nb: int, bs: int) -> torch.Tensor:
+    """Softmax attention of qf [B, H, G, D] (acc dtype) over every cached slot of k, v [B, S, H, D] in
+    place, masked to the selected blocks (blocks, live [B, H, kk]) up to the query's position qp [B]:
+    the exact branch over the same keys as the gathered form. Returns o_sp [B, H, G, D]."""
+    B, H, G, D = qf.shape
+    S = k.shape[1]
+    kpos = torch.arange(S, device=qf.device) - k_offsets.long()[:, None]               # [B, S] logical positions
+    kblk = torch.where((kpos >= 0) & (kpos <= qp[:, None]), kpos // bs, nb)           # [B, S]; nb: not a key
+    chosen = torch.zeros(B, H, nb + 1, dtype=torch.bool, device=qf.device).scatter_(-1, blocks, live)
+    ok = chosen.gather(-1, kblk[:, None].expand(B, H, S))                              # [B, H, S]
+    K, V = k.transpose(1, 2).to(qf.dtype), v.transpose(1, 2).to(qf.dtype)               # [B, H, S, D] views
+    logits = (qf @ K.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))                      # [B, H, G, S]
+    return torch.softmax(logits.masked_fill_(~ok[:, :, None], NEG), dim=-1) @ V
 
 
 def _decode_blocks(qf: torch.Tensor, stats: BlockStats, qp: torch.Tensor,

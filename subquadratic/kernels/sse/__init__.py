@@ -2,7 +2,8 @@
 `kernels/gated_delta`.
 
 Forms: `recurrent.sse_recurrent` (the serial oracle and the decode step: only the selected
-partitions are read and written), `masked.sse_masked` ((N+1)-heads form, a second reference),
+partitions are read and written; `recurrent.sse_decode_step` is the same for one token in few ops,
+the "torch" path's decode), `masked.sse_masked` ((N+1)-heads form, a second reference),
 `varlen.sse_varlen` (sorted variable-length form); `router.py` holds the router (`router_topk`) and
 the load-balancing loss (`sse_aux_loss`). Triton (CUDA, GLA base): `triton_sse.sse_triton` (the
 sorted variable-length form on the varlen chunked GLA kernels of `gla/triton_chunk.py`, fixed
@@ -17,13 +18,13 @@ from torch import Tensor
 
 from ..utils import resolve_backend, resolve_precision
 from .masked import sse_masked
-from .recurrent import SSEState, sse_recurrent
+from .recurrent import SSEState, sse_decode_step, sse_recurrent
 from .router import router_topk, sse_aux_loss
 from .varlen import sse_varlen
 
 __all__ = [
-    "SSEState", "router_topk", "sse_attention", "sse_aux_loss", "sse_masked", "sse_recurrent", "sse_varlen",
-    "triton_unsupported",
+    "SSEState", "router_topk", "sse_attention", "sse_aux_loss", "sse_decode_step", "sse_masked", "sse_recurrent",
+    "sse_varlen", "triton_unsupported",
 ]
 
 
@@ -36,7 +37,7 @@ def sse_attention(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
     (o [B, T, H, Dv] in q1's dtype, new state). Backends as in `kernels.utils`: "auto" takes the
     Triton kernels on CUDA for the GLA base in fp32/bf16/fp16 with chunk_size 16, 32 or 64 and head
     dims up to 128 (keys) / 256 (values), else "torch": the recurrent step for one token (decode)
-    and the sorted variable-length form otherwise; "naive" the serial recurrence at every length.
+    (`sse_decode_step`) and the sorted variable-length form otherwise; "naive" the serial recurrence at every length.
     `topk`: the router's K (selections per token), which sizes the fixed-shape grouping of every
     form (default N).
     `inplace=True` (inference with a cache) lets the one-token forms write the new states into
@@ -51,6 +52,9 @@ def sse_attention(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
         return sse_triton(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=base, beta=beta,
                           chunk_size=chunk_size, topk=topk, inplace=inplace and state is not None,
                           precision=resolve_precision(precision, q1.device, q1.dtype))
+    if path == "torch" and q1.shape[1] == 1:
+        return sse_decode_step(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=base, beta=beta,
+                               inplace=inplace and state is not None, topk=topk)
     if path == "naive" or q1.shape[1] == 1:
         return sse_recurrent(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=base, beta=beta,
                              inplace=inplace and state is not None, topk=topk)

@@ -172,3 +172,63 @@ def sse_recurrent(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
         state.shared.copy_(S0)
         return o.to(out_dtype), state
     return o.to(out_dtype), SSEState(S0, parts)
+
+
+def sse_decode_step(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor,
+                    g2: Tensor, probs: Tensor, sel: Tensor, state: SSEState | None = None, *,
+                    base: str = "gla", beta: Tensor | None = None,
+                    inplace: bool = False, topk: int | None = None) -> tuple[Tensor, SSEState]:
+    """`sse_recurrent` for one token (T = 1) in few ops: the decode step.
+
+    The K routed partitions of each row are read with one index_select over the flattened
+    [B N, H, Dk, Dv] states and written back with one index_copy; a routed-but-unselected slot
+    (padding) gets decay exp(0) = 1 and key 0, so its state is written back unchanged without a
+    masked select. With `inplace=True` the shared state is updated in place and only the routed rows
+    of `state.parts` are written; otherwise new tensors are returned (autograd works). No host
+    synchronisation. Same contract and values (up to rounding) as `sse_recurrent`."""
+    ops, extra, state = setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
+    B, T, H, Dk = q1.shape
+    if T != 1:
+        raise ValueError(f"sse_decode_step takes one token per row; got T={T} (use sse_recurrent)")
+    dt, out_dtype = acc_dtype(q1), q1.dtype
+    if inplace and (state.shared.dtype != dt or state.parts.dtype != dt):
+        raise ValueError(f"inplace=True needs the state in the compute dtype {dt}")
+    N, Dv = probs.shape[-1], v.shape[-1]
+    K = N if topk is None else min(topk, N)
+    q1, k1, q2, k2, v, g1, g2 = (x[:, 0].to(dt) for x in (q1, k1, q2, k2, v, g1, g2))  # [B, H, *]
+    extra = tuple(x[:, 0].to(dt) for x in extra)                                        # beta [B, H]
+    sel0 = sel[:, 0]                                                                    # [B, N]
+    n = sel0.to(torch.int8).topk(K, dim=-1).indices                                     # [B, K] distinct
+    live = sel0.gather(-1, n)                                                           # [B, K]
+    p = probs[:, 0].to(dt).gather(-1, n) * live                                         # [B, K]; 0: no write
+    flat = n.reshape(-1) if B == 1 else (n + N * torch.arange(B, device=n.device)[:, None]).reshape(-1)
+
+    S0 = state.shared if inplace else state.shared.to(dt)                               # [B, H, Dk, Dv]
+    parts = state.parts.view(B * N, H, Dk, Dv) if inplace else state.parts.to(dt).reshape(B * N, H, Dk, Dv)
+    old = parts.index_select(0, flat).view(B, K, H, Dk, Dv)
+    if base == "gla":
+        g2 = g2[:, None] * live[:, :, None, None]                                       # [B, K, H, Dk]
+        dec2 = g2.exp()[..., None]
+        if inplace:
+            S0.mul_(g1.exp()[..., None]).addcmul_(k1[..., :, None], v[..., None, :])
+            new = old.mul_(dec2)
+        else:
+            S0 = torch.addcmul(S0 * g1.exp()[..., None], k1[..., :, None], v[..., None, :])
+            new = old * dec2
+        new = new.addcmul_(p[:, :, None, None, None] * k2[:, None, :, :, None], v[:, None, :, None, :])
+    else:
+        S1 = ops.step(S0, k1, v, g1, *extra)
+        S0 = S0.copy_(S1) if inplace else S1
+        g2 = g2[:, None] * live[:, :, None]                                             # [B, K, H]
+        new = ops.step(old, p[:, :, None, None] * k2[:, None], v[:, None], g2, *(x[:, None] for x in extra))
+    if inplace:
+        parts.index_copy_(0, flat, new.view(B * K, H, Dk, Dv))
+        parts_out = state.parts
+    else:
+        parts_out = parts.index_copy(0, flat, new.reshape(B * K, H, Dk, Dv)).view(B, N, H, Dk, Dv)
+    o = (q1[..., None, :] @ S0).squeeze(-2)                                             # [B, H, Dv]
+    r = ((p[:, :, None, None] * q2[:, None])[..., None, :] @ new).squeeze(-2)         # [B, K, H, Dv]
+    o = (o + r.sum(1))[:, None].to(out_dtype)                                           # [B, 1, H, Dv]
+    if inplace:
+        return o, state
+    return o, SSEState(S0, parts_out)

@@ -113,11 +113,13 @@ def test_block_stats_running_sums_equal_recomputation():
     assert whole.count[0].tolist() == [8.0] * 6 + [2.0]
 
 
+@pytest.mark.parametrize("read", ["blocks", "all", "auto"])
 @pytest.mark.parametrize("use_rla", [True, False])
 @pytest.mark.parametrize("case", CASES)
-def test_decode_gather_equals_the_masked_form(case, use_rla):
-    """One decode step reading only the selected blocks (`spla_decode_gather`, the torch path's decode)
-    equals the masked form that reads every key: left-padded rows, fp64, and through `spla_attention`'s
+def test_decode_gather_equals_the_masked_form(case, use_rla, read):
+    """One decode step reading only the selected blocks (`spla_decode_gather`, the torch path's decode),
+    or every cached key under the selected blocks' mask (read="all", without the residual term), equals
+    the masked form that reads every key: left-padded rows, fp64, and through `spla_attention`'s
     dispatch, which takes it for one token per row without gradients."""
     from subquadratic.kernels.spla import spla_attention, spla_decode_gather
     from subquadratic.kernels.utils import slot_offsets
@@ -135,15 +137,46 @@ def test_decode_gather_equals_the_masked_form(case, use_rla):
     params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local,
                         selection=selection, use_rla=use_rla)
     args = (q[:, -1:], k, v, pos[:, -1:], pos, stats, sbar, params)
+    gather = (q[:, -1:], k, v, pos[:, -1:], stats, sbar, slot_offsets(pos), params)
+    if read == "all" and use_rla:
+        with pytest.raises(ValueError, match="residual term"):
+            spla_decode_gather(*gather, read=read)
+        return
     want = spla_parallel(*args)
-    got = spla_decode_gather(q[:, -1:], k, v, pos[:, -1:], stats, sbar, slot_offsets(pos), params)
+    got = spla_decode_gather(*gather, read=read)
     routed = spla_attention(*args, backend="torch")
+    other = spla_decode_gather(*gather, read="blocks" if read == "all" else "all") if not use_rla else got
+    assert want[0].abs().max() > 0.1
     for a, b, c in zip(got, want, routed, strict=True):
         if b is None:
             assert a is None and c is None
             continue
         assert torch.allclose(a, b, atol=1e-10, rtol=1e-9), (a - b).abs().max()
-        assert torch.equal(a, c)
+        if read == "auto":
+            assert torch.equal(a, c)
+    assert torch.allclose(got[0], other[0], atol=1e-10, rtol=1e-9)
+
+
+def test_decode_reads_every_key_where_that_is_cheaper(monkeypatch):
+    """read="auto" reads every cached key in place (no gathers) when the slots are at most
+    READ_ALL_RATIO times the selected ones and the residual term is off, else gathers the blocks."""
+    from subquadratic.kernels.spla import gather
+    from subquadratic.kernels.utils import slot_offsets
+
+    calls = []
+    real = gather.gather_slots
+    monkeypatch.setattr(gather, "gather_slots", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(5)
+    B, H, D, bs, top = 1, 2, 8, 4, 4
+    for S, use_rla, gathers in ((30, False, 0), (33, False, 2), (30, True, 2)):
+        calls.clear()
+        q, k, v = (torch.randn(B, S, n, D, generator=g) for n in (2 * H, H, H))
+        pos = torch.arange(S)[None]
+        stats = BlockStats.empty(B, H, D, "cpu").add(k, pos, bs)
+        params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=1, use_rla=use_rla)
+        gather.spla_decode_gather(q[:, -1:], k, v, pos[:, -1:], stats, torch.zeros(B, H, D, D), slot_offsets(pos),
+                                  params)
+        assert len(calls) == gathers, (S, use_rla)
 
 
 def test_gather_slots_equals_gather_on_every_layout():

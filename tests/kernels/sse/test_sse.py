@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from subquadratic.kernels.sse import (
     SSEState,
     router_topk,
+    sse_attention,
     sse_aux_loss,
+    sse_decode_step,
     sse_masked,
     sse_recurrent,
     sse_varlen,
@@ -78,13 +80,13 @@ def test_sse_forms_match_recurrent(base, N, K, form):
         assert rel_err(a, b) <= TOL[F64], name
 
 
-@pytest.mark.parametrize("form", ["recurrent", "masked", "varlen"])
+@pytest.mark.parametrize("form", ["recurrent", "decode", "masked", "varlen"])
 @pytest.mark.parametrize("base", ["gla", "gdn"])
 def test_unselected_partitions_unchanged(form, base):
     N, K = 4, 2
     x, kw, state = sse_inputs(2, 5, 2, 8, 6, N, K, base, seed=3)
     x["sel"][..., 0] = False          # partition 0 never selected in this window
-    fn = {"recurrent": sse_recurrent, "masked": sse_masked, "varlen": sse_varlen}[form]
+    fn = {"recurrent": sse_recurrent, "decode": sse_decode_step, "masked": sse_masked, "varlen": sse_varlen}[form]
     for t in range(5):                # one decode-sized step at a time
         step = {n: a[:, t : t + 1] for n, a in x.items()}
         kw_t = dict(kw, beta=None if kw["beta"] is None else kw["beta"][:, t : t + 1])
@@ -95,14 +97,14 @@ def test_unselected_partitions_unchanged(form, base):
         state = new
 
 
-@pytest.mark.parametrize("form", ["recurrent", "masked", "varlen"])
+@pytest.mark.parametrize("form", ["recurrent", "decode", "masked", "varlen"])
 @pytest.mark.parametrize("base", ["gla", "gdn"])
 def test_padding_token_leaves_state_unchanged(form, base):
     x, kw, state = sse_inputs(2, 3, 2, 8, 6, 4, 2, base, seed=4)
     x["sel"][:, 1] = False
     x["k1"][:, 1] = 0.0
     x["g1"][:, 1] = 0.0
-    fn = {"recurrent": sse_recurrent, "masked": sse_masked, "varlen": sse_varlen}[form]
+    fn = {"recurrent": sse_recurrent, "decode": sse_decode_step, "masked": sse_masked, "varlen": sse_varlen}[form]
     pad = {n: a[:, 1:2] for n, a in x.items()}
     kw_p = dict(kw, beta=None if kw["beta"] is None else kw["beta"][:, 1:2])
     _, new = fn(**pad, state=state, **kw_p)
@@ -127,6 +129,62 @@ def test_decode_inplace_and_handover():
     assert rel_err(torch.cat(outs, 1), o_ref) <= TOL[F64]
     assert rel_err(s.parts, s_ref.parts) <= TOL[F64]
     assert rel_err(s.shared, s_ref.shared) <= TOL[F64]
+
+
+@pytest.mark.parametrize("base", ["gla", "gdn"])
+@pytest.mark.parametrize("N,K", [(4, 1), (5, 2)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_decode_step_equals_recurrent(base, N, K, inplace):
+    """`sse_decode_step` (one index_select / index_copy over the flattened partitions) equals the
+    serial recurrence token by token: outputs, states and (out of place) gradients, fp64, with a
+    padding token in one row and a row routed to fewer than K partitions."""
+    B, T = 3, 6
+    x, kw, state = sse_inputs(B, T, 2, 8, 6, N, K, base, seed=20 + N + K)
+    x["sel"][1, 2] = False                      # padding: no write, no decay
+    x["k1"][1, 2], x["g1"][1, 2] = 0.0, 0.0
+    x["sel"][2, 4, x["sel"][2, 4].nonzero()[0]] = False  # one fewer than K selected
+    s_ref, s = SSEState(state.shared.clone(), state.parts.clone()), SSEState(state.shared.clone(), state.parts.clone())
+    for t in range(T):
+        step = {n: a[:, t:t + 1] for n, a in x.items()}
+        kw_t = dict(kw, beta=None if kw["beta"] is None else kw["beta"][:, t:t + 1])
+        o_ref, s_ref = sse_recurrent(**step, state=s_ref, **kw_t, topk=K)
+        before = SSEState(s.shared.clone(), s.parts.clone())
+        o, s2 = sse_decode_step(**step, state=s, **kw_t, topk=K, inplace=inplace)
+        assert (s2 is s) == inplace
+        if not inplace:
+            assert torch.equal(s.shared, before.shared) and torch.equal(s.parts, before.parts)
+        s = s2
+        assert o.shape == o_ref.shape and o.dtype == o_ref.dtype
+        assert rel_err(o, o_ref) <= TOL[F64]
+        assert rel_err(s.shared, s_ref.shared) <= TOL[F64]
+        assert rel_err(s.parts, s_ref.parts) <= TOL[F64]
+        assert torch.equal(s.parts[~step["sel"][:, 0]], before.parts[~step["sel"][:, 0]])
+    if inplace:
+        return
+    step = {n: a[:, :1].clone().requires_grad_(n in GRAD_NAMES) for n, a in x.items()}
+    kw_0 = dict(kw, beta=None if kw["beta"] is None else kw["beta"][:, :1])
+    gen = torch.Generator().manual_seed(2)
+    outs = [sse_recurrent(**step, state=state, **kw_0, topk=K), sse_decode_step(**step, state=state, **kw_0, topk=K)]
+    w = [torch.randn(t.shape, generator=gen, dtype=F64) for t in (outs[0][0], state.shared, state.parts)]
+    grads = [torch.autograd.grad((o * w[0]).sum() + (s.shared * w[1]).sum() + (s.parts * w[2]).sum(),
+                                 [step[n] for n in GRAD_NAMES]) for o, s in outs]
+    for name, a, b in zip(GRAD_NAMES, grads[1], grads[0], strict=True):
+        assert b.abs().max() > 0, name
+        assert rel_err(a, b) <= TOL[F64], name
+
+
+def test_dispatch_takes_the_decode_step(monkeypatch):
+    """The torch path runs `sse_decode_step` for one token and the varlen form for more."""
+    import subquadratic.kernels.sse as sse
+
+    calls = []
+    real = sse.sse_decode_step
+    monkeypatch.setattr(sse, "sse_decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, kw, state = sse_inputs(1, 3, 2, 8, 6, 4, 1, "gla", seed=9)
+    sse_attention(**{n: a[:, :1] for n, a in x.items()}, state=state, **kw, backend="torch", topk=1)
+    assert calls == [1]
+    sse_attention(**x, state=state, **kw, backend="torch", topk=1)
+    assert calls == [1]
 
 
 def test_sse_fp32_forms_agree():
