@@ -106,3 +106,28 @@ class TestSPLASparse(ModelTesterMixin):
 
     tester = ModelTester("spla-sparse", lambda seed: tiny_spla(seed, block_size=4, top_k_blocks=3, num_sink_blocks=1,
                                                                num_local_blocks=1), seq_len=40)
+
+
+@pytest.mark.gpu
+def test_zero_gamma_shortcut_on_gpu_equals_the_residual_forward():
+    """On CUDA (the Triton prefill and decode kernels), a converted model's no-grad forward skips the
+    residual term and gives the logits of the forward that computes it (grad enabled), prefill past
+    the budget and decode steps alike, with the same Sbar in the cache."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = tiny_spla(gamma=None, block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1,
+                      kernel_precision="ieee").cuda()  # exact fp32 dots: the same selection on every path
+    x = torch.randint(1, 128, (2, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.enable_grad():
+        out_ref = model(x, use_cache=True)
+        ref, cache_ref = out_ref.logits.detach(), cache_of(out_ref)
+    with torch.no_grad():
+        out = model(x[:, :160], use_cache=True)
+        steps, cache = [out.logits], cache_of(out)
+        for t in range(160, 200):
+            out = model(x[:, t:t + 1], use_cache=True, **{CACHE_FIELD: cache})
+            steps.append(out.logits)
+    assert all(m.gamma_is_zero() for m in model.modules() if hasattr(m, "gamma_is_zero"))
+    assert (torch.cat(steps, dim=1) - ref).abs().max() < 1e-3
+    for a, b in zip(cache.layers, cache_ref.layers, strict=True):
+        torch.testing.assert_close(a.state["sbar"], b.state["sbar"].detach(), rtol=1e-4, atol=1e-4)
