@@ -453,13 +453,20 @@ def row_kind(row: Row) -> str:
     return "dense" if row.to is None else (row.recipe or "fresh")
 
 
-def estimate_seconds(row: Row, measured: dict, scale: Scale) -> float:
+def estimate_seconds(row: Row, measured: dict, scale: Scale, steps: int | None = None) -> float:
     """Seconds `row` is expected to take: the longest measured row of its kind and row length (from
     the rows of `measured`, this run's and kept ones), else of its kind with rows of another length
-    (x1.5 for longer rows), else the scale's prior; plus the layer-cost measurement of an auto:K row."""
+    (x1.5 for longer rows), else the scale's prior; plus the layer-cost measurement of an auto:K row.
+    With `steps` (the row's adaptation steps), a measured row's adaptation time is scaled to them."""
+    def scaled(e: dict) -> float:
+        done_steps = (e.get("adapt") or {}).get("max_steps")
+        if steps is None or not done_steps or "adapt_seconds" not in e:
+            return e["seconds"]
+        return e["seconds"] + e["adapt_seconds"] * (steps / done_steps - 1.0)
+
     done = [e for e in measured.values() if "seconds" in e and e.get("kind") == row_kind(row)]
-    same = [e["seconds"] for e in done if e.get("seq_len_kind", "base") == row.seq_len]
-    other = [e["seconds"] for e in done if e.get("seq_len_kind", "base") != row.seq_len]
+    same = [scaled(e) for e in done if e.get("seq_len_kind", "base") == row.seq_len]
+    other = [scaled(e) for e in done if e.get("seq_len_kind", "base") != row.seq_len]
     seconds = max(same) if same else 1.5 * max(other) if other else scale.prior_seconds.get(row_kind(row), 0.0)
     def auto(options: dict) -> bool:
         return str(options.get("softmax_layers", "")).startswith("auto")
@@ -849,7 +856,8 @@ def run_jobs(jobs: list, results: dict, ctx: dict, clock, save) -> None:
             log(f"[{clock()}] {name}: kept from the earlier run (--remeasure measures it again)")
             continue
         if budget is not None:
-            need, left = estimate_seconds(row, results["rows"], scale), budget - (time.perf_counter() - t0)
+            steps = adapt_settings(row, scale, args)["max_steps"] if row.recipe else None
+            need, left = estimate_seconds(row, results["rows"], scale, steps), budget - (time.perf_counter() - t0)
             if need > left:
                 results["skipped"].append({"name": name, "needs_seconds": round(need), "left_seconds": round(left)})
                 log(f"[{clock()}] {name} not started: it needs about {need:.0f} s, {max(left, 0):.0f} s are left")

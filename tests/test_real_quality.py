@@ -144,6 +144,11 @@ def test_estimates_follow_measured_rows_of_the_same_kind(rq):
     assert rq.estimate_seconds(table["spla"], measured, scale) == scale.prior_seconds["spla"]
     assert rq.estimate_seconds(table["sse-h/auto-layers"], measured, scale) == 170.0 + \
         scale.prior_seconds["calibration"]
+    # more adaptation steps than a measured row: its adaptation time scales with them, its evaluation does not
+    timed = {"sse-h": {"seconds": 150.0, "adapt_seconds": 100.0, "adapt": {"max_steps": 200}, "kind": "linear",
+                       "seq_len_kind": "base"}}
+    assert rq.estimate_seconds(table["sse-h"], timed, scale, steps=800) == 150.0 + 300.0
+    assert rq.estimate_seconds(table["sse-h"], timed, scale) == 150.0
 
 
 def test_missing_packages_are_named_before_the_run(rq, monkeypatch, tmp_path, capsys):
@@ -179,8 +184,9 @@ def test_a_row_past_the_budget_is_stopped_and_the_rest_listed(rq, monkeypatch, t
         return {row.name: {"row": row.name, "seconds": 0.0, "kind": rq.row_kind(row), "metrics": {}}}
 
     monkeypatch.setattr(rq, "run_row", fake_row)
-    monkeypatch.setattr(rq, "estimate_seconds", lambda row, measured, scale: 0.0)
-    args = SimpleNamespace(time_budget=0.5, t0=time.perf_counter(), remeasure=False, fail_fast=True)
+    monkeypatch.setattr(rq, "estimate_seconds", lambda row, measured, scale, steps=None: 0.0)
+    args = SimpleNamespace(time_budget=0.5, t0=time.perf_counter(), remeasure=False, fail_fast=True, tokens=None,
+                           spla_seq_len=None, device_type="cpu")
     ctx = dict(args=args, scale=scale, out=tmp_path, device=rq.torch.device("cpu"))
     results = {"protocol": {}, "rows": {}, "skipped": []}
     saved = []
