@@ -39,7 +39,15 @@ SPLIT_K_PROGRAMS = 264
 #: Forms of the sparse kernels on the "triton" path: "blocks" (block-major, `triton_blocks`: the
 #: selected (token, block) pairs grouped by block), "tile" (query tiles over the union of their
 #: tokens' blocks, `triton_tile`) and "token" (one program per token, `triton_parallel`).
-FORMS = ("blocks", "tile", "token")
+FORMS = ("blocks", "tile", "token", "union")
+#: Form "union" (prefill without gradients past UNION_MIN_BLOCKS key blocks, from UNION_MIN_TQ new
+#: tokens): the tile form when the query tiles' unions hold at most UNION_TILE_MAX blocks on average,
+#: else the block-major one, whose time does not grow with the union (on iid selections at 32k, unions
+#: of 187 blocks: 12.8 ms against the tile form's 40.6; on real 8k selections, unions of 21-24: the
+#: tile form 0.43 ms against 1.5). The mean is read on the host: one synchronisation per such call.
+UNION_MIN_BLOCKS = 64
+UNION_MIN_TQ = 4096
+UNION_TILE_MAX = 64
 #: Selections on the "triton" path (see `SPLAPlan`).
 SELECTIONS = ("tile", "stream", "kernel", "matmul")
 #: Input dtypes whose calls from TILE_MIN_TQ tokens on CUDA take the streamed selection, with the
@@ -100,7 +108,8 @@ class SPLAPlan:
     """The path of one SPLA call and the kernels on it. Fields past `grad` matter on the Triton paths
     only: `form` of the sparse kernels on "triton" ("blocks": the selected (token, block) pairs
     grouped by block, forward and backward, `triton_blocks`; "tile": one program per query tile over
-    the union of its tokens' blocks; "token": one program per token), `select` ("tile": one launch
+    the union of its tokens' blocks; "token": one program per token; "union": "tile" or "blocks" by
+    the measured mean union, `UNION_TILE_MAX`), `select` ("tile": one launch
     per query tile, `select_indices_fast`; "stream": the streamed selection, scores on the tensor
     cores and the group top-k in registers, `select_indices_stream`; "kernel": the scoring kernel
     then the group top-k kernel, for a few queries; "matmul": fp32 score matmuls then the top-k
@@ -193,7 +202,9 @@ def plan_spla(
     selection from TILE_MIN_TQ tokens and there the block-major kernels with gradients (training:
     forward and backward faster than the tile and per-token forms on every input measured) and the
     tile kernels without (prefill: faster forward on real selections, whose query tiles share
-    blocks); below TILE_MIN_TQ the per-token kernels. From TILE_MIN_TQ tokens, bf16 / fp16 inputs
+    blocks), or, for prefill calls from UNION_MIN_TQ tokens over more than UNION_MIN_BLOCKS key
+    blocks, "union" (tile or block-major by the measured union: one host read); below TILE_MIN_TQ
+    the per-token kernels. From TILE_MIN_TQ tokens, bf16 / fp16 inputs
     on CUDA select with the streamed selection (`STREAM_DTYPES`), fp32 ones with the tile selection
     in tf32x3 (exact up to fp32 rounding); select="tile" asks for the latter on any dtype."""
     check_backend(backend)
@@ -216,7 +227,8 @@ def plan_spla(
             splits = max(1, min(params.num_selected, SPLIT_K_PROGRAMS // max(1, B * H * Tq)))
         plan = SPLAPlan(
             "triton_decode" if Tq == 1 and not grad and dtype != torch.float64 else "triton", grad,
-            form=("blocks" if grad else "tile") if long_call else "token", select=select,
+            form=("blocks" if grad else "union" if Tq >= UNION_MIN_TQ and -(-S // params.block_size) > UNION_MIN_BLOCKS
+                  else "tile") if long_call else "token", select=select,
             splits=splits, precompute_phik=params.use_rla and Tq >= PHIK_PRECOMPUTE_MIN_TQ,
             tile_rows=64 if grad else 128, select_prec=selection_precision(select, device, dtype),
             precision=prec,

@@ -26,14 +26,14 @@ import torch
 
 from ..gla.triton_chunk import chunk_linear_attention
 from ..utils import acc_dtype, import_triton, new_output
-from .plan import SPLAParams, SPLAPlan
+from .plan import UNION_TILE_MAX, SPLAParams, SPLAPlan
 from .stats import BlockStats, feature_map, new_tokens
 from .triton_blocks import blocks_sparse_attention
 from .triton_common import key_features, selected_blocks, softmax_rows
 from .triton_parallel_bwd import sparse_backward
 from .triton_select import select_indices
 from .triton_select_stream import select_indices_stream
-from .triton_tile import select_indices_fast, tile_sparse_attention
+from .triton_tile import select_indices_fast, tile_shape, tile_sparse_attention, tile_union
 
 triton, tl = import_triton()
 
@@ -182,11 +182,15 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     if q.dtype == torch.float64:
         kq, kk, kv = kq.float(), kk.float(), kv.float()
     pre, prec = plan.precompute_phik, plan.precision
-    if plan.form == "blocks":  # differentiable when gradients are needed; else the forward alone
+    form, union = plan.form, None
+    if form == "union":  # tile or block-major by the measured union (one host read)
+        union = tile_union(idx.contiguous(), triton.cdiv(kk.shape[2], block_size), tile_shape(G, plan.tile_rows)[1])
+        form = "blocks" if float(union[2].float().mean()) > UNION_TILE_MAX else "tile"
+    if form == "blocks":  # differentiable when gradients are needed; else the forward alone
         o_sp, otilde = blocks_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, precision=prec)
-    elif plan.form == "tile":  # differentiable with plan.grad; without, the forward alone
+    elif form == "tile":  # differentiable with plan.grad; without, the forward alone
         o_sp, otilde = tile_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre, grad=plan.grad,
-                                             rows=plan.tile_rows, precision=prec)
+                                             rows=plan.tile_rows, precision=prec, union=union)
     elif plan.grad:
         o_sp, otilde = SparseAttention.apply(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre, prec)
     else:

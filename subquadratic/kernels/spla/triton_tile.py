@@ -579,15 +579,16 @@ class TileSparseAttention(torch.autograd.Function):
 
 
 def tile_sparse_attention(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik, *, grad: bool,
-                          rows: int, precision: str = "ieee"):
+                          rows: int, precision: str = "ieee", union=None):
     """The tile form of `triton_parallel.SparseAttention.apply` (same operands, q [B, HQ, Tq, D] and
     k, v [B, H, S, D] views) over query tiles of about `rows` rows, dots of fp32 operands at
     `precision` ("ieee" or "tf32"): (o_sp, otilde) [B, Tq, HQ, D] fp32; with `grad` differentiable
-    through `TileSparseAttention`, else the forward alone."""
+    through `TileSparseAttention`, else the forward alone (over `union`, the tiles' `tile_union` for
+    these rows, when the caller has it)."""
     if grad:
         return TileSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, precompute_phik, rows,
                                          precision)
     phik = key_features(k) if use_rla and precompute_phik else None
     o, ot, _, _ = tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, rows=rows, phik=phik,
-                                      precision=precision)
+                                      union=union, precision=precision)
     return o, ot
