@@ -137,6 +137,8 @@ class Row:
     recipe: str | None = None  # "spla" or "linear"
     seq_len: str = "base"  # "base" (the adaptation length), "4x", or "spla" (--spla-seq-len)
     stage1_4x: bool = False
+    stage1: bool = True  # attention transfer for the recipe's share of the steps (False: none)
+    autocast: bool = True  # bf16 autocast on the GPU (False: fp32, the kernels' fp32 operands)
     base: str | None = None
     change: str = ""
 
@@ -168,6 +170,8 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
             ("partitions-8", "8 partitions", dict(sse_num_partitions=8), {}),
             ("auto-layers", f"softmax at the {k} costliest layers (auto:{k})", dict(softmax_layers=f"auto:{k}"), {}),
             ("gdn", "gated delta rule base (L2-normalised feature maps)", dict(sse_base="gdn"), {}),
+            ("fp32", "adapted in fp32 (no bf16 autocast: fp32 kernel operands, TF32 dots)", {}, dict(autocast=False)),
+            ("no-stage1", "no attention transfer (every step KL)", {}, dict(stage1=False)),
         ],
         "hla-hybrid": [
             ("rows-4x", "rows of 4x the length (same tokens per step)", {}, dict(seq_len="4x")),
@@ -442,10 +446,11 @@ def adapt_settings(row: Row, scale: Scale, args) -> dict:
     steps = args.tokens // scale.tokens_per_step if args.tokens else scale.steps[row.recipe]
     if steps * scale.tokens_per_step > MAX_TOKENS:
         raise SystemExit(f"--tokens {args.tokens} is over the {MAX_TOKENS:,}-token cap of one model's adaptation")
-    return dict(max_steps=steps, stage1_steps=round(recipe["stage1_share"] * steps), loss="kl", train="full",
+    return dict(max_steps=steps, stage1_steps=round(recipe["stage1_share"] * steps) if row.stage1 else 0,
+                loss="kl", train="full",
                 seq_len=seq_len, batch_size=scale.tokens_per_step // seq_len,
                 stage1_seq_len=4 * base if row.stage1_4x else None, lr=recipe["lr"], stage1_lr=1e-3,
-                mixed_precision="bf16" if args.device_type == "cuda" else "no")
+                mixed_precision="bf16" if args.device_type == "cuda" and row.autocast else "no")
 
 
 def row_kind(row: Row) -> str:

@@ -211,3 +211,19 @@ def test_deadline_cancelled_in_time_interrupts_nothing(rq):
     deadline.cancel()
     time.sleep(0.4)
     assert not deadline.fired
+
+
+def test_precision_and_stage1_ablations_change_only_their_setting(rq):
+    """`sse-h/fp32` adapts without autocast on the GPU and `sse-h/no-stage1` without attention
+    transfer; every other adaptation setting is the base row's."""
+    from types import SimpleNamespace
+
+    scale = rq.SCALES["h200"]
+    table = rq.rows_of(scale, 30)
+    args = SimpleNamespace(tokens=None, spla_seq_len=None, device_type="cuda")
+    base = rq.adapt_settings(table["sse-h"], scale, args)
+    fp32 = rq.adapt_settings(table["sse-h/fp32"], scale, args)
+    plain = rq.adapt_settings(table["sse-h/no-stage1"], scale, args)
+    assert base["mixed_precision"] == "bf16" and base["stage1_steps"] > 0
+    assert fp32 == {**base, "mixed_precision": "no"}
+    assert plain == {**base, "stage1_steps": 0}
