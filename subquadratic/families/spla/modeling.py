@@ -126,7 +126,10 @@ class SPLAAttention(AttentionBase):
         if params.use_rla and not torch.is_grad_enabled() and self.gamma_is_zero():
             # gamma = 0 (a converted model): o + RMSNorm_0(o_rla) is o exactly, so the residual term is not
             # computed (Sbar is still kept)
-            params = dataclasses.replace(params, use_rla=False)
+            cached = getattr(self, "_without_rla", None)  # (params, the same without the residual term)
+            if cached is None or cached[0] != params:
+                cached = self._without_rla = (params, dataclasses.replace(params, use_rla=False))
+            params = cached[1]
         # the op takes [B, T, H, D]: transposed views of q and of the [B, H, S, D] cache, no copies
         args = (q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), seq.positions, seq.key_positions, stats,
                 sbar, params)

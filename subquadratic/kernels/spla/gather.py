@@ -150,9 +150,10 @@ def _decode_blocks(qf: torch.Tensor, stats: BlockStats, qp: torch.Tensor,
     NB = stats.num_blocks
     b = torch.arange(NB, device=qf.device)
     cur = torch.where(qp >= 0, qp // params.block_size, -1)[:, None]      # [B, 1]
-    exists = b <= cur
-    forced = exists & ((b < params.num_sink_blocks) | (b > cur - params.num_local_blocks))   # [B, NB]
-    cand = exists & ~forced
+    back = cur - b                                                        # [B, NB]: blocks back from the current
+    exists = back >= 0
+    # candidates: complete past blocks that are neither sink nor local; the forced blocks are the other existing ones
+    cand = (back >= params.num_local_blocks) & (b >= params.num_sink_blocks)
     cnt = stats.count.clamp(min=1.0)[:, None, :, None]
     mu = stats.sum_k / cnt                                                # [B, H, NB, D]
     qs = qf.to(mu.dtype) * (1.0 / math.sqrt(D))
@@ -160,7 +161,9 @@ def _decode_blocks(qf: torch.Tensor, stats: BlockStats, qp: torch.Tensor,
     if params.selection == "taylor":
         s2 = (stats.sum_k2 / cnt).sub_(mu * mu).clamp_(min=0.0)
         score = score.add_(torch.log1p((qs * qs @ s2.transpose(-1, -2)).mul_(0.5)))
-    prob = torch.softmax(score.masked_fill_(~cand[:, None, None], NEG), dim=-1).sum(2)   # [B, H, NB]
-    rank = torch.where(forced[:, None], 2.0 * G, prob.masked_fill_(~cand[:, None], -1.0))
+    cand = cand[:, None]                                                  # [B, 1, NB]
+    prob = torch.softmax(torch.where(cand[:, :, None], score, NEG), dim=-1).sum(2)   # [B, H, NB]
+    # forced 2G (above any group score), candidates their score, blocks not yet started -1
+    rank = torch.where(cand, prob, torch.where(exists, 2.0 * G, -1.0)[:, None])
     vals, blocks = rank.topk(min(params.top_k_blocks, NB), dim=-1)       # [B, H, kk]
     return blocks, vals >= 0

@@ -131,3 +131,23 @@ def test_zero_gamma_shortcut_on_gpu_equals_the_residual_forward():
     assert (torch.cat(steps, dim=1) - ref).abs().max() < 1e-3
     for a, b in zip(cache.layers, cache_ref.layers, strict=True):
         torch.testing.assert_close(a.state["sbar"], b.state["sbar"].detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_zero_gamma_params_follow_a_config_change(monkeypatch):
+    """The layer keeps its hyper-parameters without the residual term between calls; a changed
+    config (here the budget) reaches the next call, with the residual term still skipped."""
+    model = tiny_spla(gamma=None)
+    x = torch.randint(1, 128, (2, 70))
+    from subquadratic.families.spla import modeling
+
+    seen = []
+    real = modeling.spla_attention
+    monkeypatch.setattr(modeling, "spla_attention", lambda *a, **kw: seen.append(a[7]) or real(*a, **kw))
+    with torch.no_grad():
+        model(x)
+        first = {p.top_k_blocks for p in seen}
+        seen.clear()
+        model.config.top_k_blocks += 1                 # the config every layer reads
+        model(x)
+    assert len(first) == 1 and {p.top_k_blocks for p in seen} == {first.pop() + 1}
+    assert not any(p.use_rla for p in seen)
