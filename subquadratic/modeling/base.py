@@ -49,7 +49,7 @@ class SequenceInfo:
     #: A packed batch's documents (`packing.Documents`) when the layers run one document per row.
     documents: object | None = None
     #: Whether each row's real tokens are known to sit in consecutive slots (a static cache checks
-    #: it at prefill), so `key_offsets` needs no check (no host sync).
+    #: it at prefill; `causal` implies it), so `key_offsets` needs no check (no host sync).
     consecutive: bool = False
     #: Whether every key slot holds a real token in position order and the new tokens are the last
     #: T slots (no padding anywhere, a growing cache or none): a query then sees exactly the slots up
@@ -210,7 +210,8 @@ class SoftmaxAttention(AttentionBase):
         )
         if seq.attentions is not None:
             seq.attentions[self.layer_idx] = weights
-        o = o * seq.valid[:, :, None, None]  # [B, T, HQ, D]
+        if not seq.causal:  # causal: every new token is real, nothing to zero
+            o = o * seq.valid[:, :, None, None]  # [B, T, HQ, D]
         return self.o_proj(o.reshape(*o.shape[:2], -1)), None
 
 
@@ -426,7 +427,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         causal = cache.all_real if cache is not None else all_real(full_valid if attention_mask is not None else None)
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos, causal=causal,
                            attentions={} if output_attentions else None,
-                           consecutive=cache is not None and cache.static is not None)
+                           consecutive=causal or (cache is not None and cache.static is not None))
 
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, cache,
                                                          output_hidden_states)

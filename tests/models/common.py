@@ -173,6 +173,38 @@ class ModelTesterMixin:
             assert diff <= self.tester.atol, (i, diff)
             assert torch.equal(generated[i], m.generate(r[None], **kw)[0, len(r) :]), i
 
+    def test_unpadded_fast_path_equals_the_masked_path(self, monkeypatch):
+        """Without padding (`SequenceInfo.causal`) the mixers skip their padding masks and the key
+        offsets' check: logits (with and without a cache) and gradients equal those of the masked path
+        (padding unknown)."""
+        from subquadratic.modeling import base, cache
+
+        m, T = self.tester.model(), self.tester.seq_len
+        ids = self.tester.ids(2)
+        seen = []  # SequenceInfo.causal as the first mixer sees it
+        m.model.layers[0].self_attn.register_forward_pre_hook(lambda mod, args: seen.append(args[2].causal))
+        results = []
+        for known in (True, False):
+            if not known:
+                monkeypatch.setattr(base, "all_real", lambda valid: False)
+                monkeypatch.setattr(cache, "all_real", lambda valid: False)
+            m.zero_grad()
+            out = m(ids, labels=ids, use_cache=False)
+            out.loss.backward()
+            with torch.no_grad():
+                kv = m.new_cache()
+                cached = torch.cat([m(ids[:, : T // 2], past_key_values=kv).logits,
+                                    m(ids[:, T // 2 :], past_key_values=kv).logits], 1)
+            results.append((out.logits.detach(), cached, {n: p.grad.clone() for n, p in m.named_parameters()
+                                                          if p.grad is not None}))
+        assert seen == [True] * 3 + [False] * 3
+        (fast, fast_cached, fast_grads), (masked, masked_cached, masked_grads) = results
+        assert torch.allclose(fast, masked, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(fast_cached, masked_cached, rtol=1e-5, atol=1e-6)
+        assert fast_grads.keys() == masked_grads.keys() and fast_grads
+        for n, g in fast_grads.items():
+            assert torch.allclose(g, masked_grads[n], rtol=1e-5, atol=1e-7), n
+
     def test_packed_batch_keeps_documents_apart(self):
         """Documents packed into rows with position_ids restarting at each (DataCollatorWithFlattening's
         layout), a right-padded tail included, give each document's logits alone, and their gradients

@@ -108,10 +108,11 @@ class HLAAttention(AttentionBase):
         v = v.repeat_interleave(self.num_key_value_groups, dim=2)
         log_alpha = self.log_alpha(hidden_states)  # [B, T, HQ]
 
-        # padding: q = k = v = 0 and log alpha = 0 leave every state unchanged
+        # padding: q = k = v = 0 and log alpha = 0 leave every state unchanged (seq.causal: no padding)
         valid = seq.valid[:, :, None]  # [B, T, 1]
-        q, k, v = (torch.where(valid[..., None], x, 0.0) for x in (q, k, v))
-        log_alpha = torch.where(valid, log_alpha, 0.0)
+        if not seq.causal:
+            q, k, v = (torch.where(valid[..., None], x, 0.0) for x in (q, k, v))
+            log_alpha = torch.where(valid, log_alpha, 0.0)
 
         state = cache_layer.read() if cache_layer is not None else None
         o, state = hla_attention(
@@ -125,7 +126,8 @@ class HLAAttention(AttentionBase):
             o = self.o_norm(o.transpose(1, 2)).transpose(1, 2)
         if cfg.output_gate:
             o = o * Fn.silu(self.g_proj(hidden_states)).view(B, T, self.num_heads, self.head_dim)
-        o = o * valid[..., None]
+        if not seq.causal:
+            o = o * valid[..., None]
         return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim)), None
 
 

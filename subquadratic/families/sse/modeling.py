@@ -281,7 +281,8 @@ class SSEAttention(AttentionBase):
             q1, q2, k1, k2 = (F.normalize(F.silu(t), dim=-1) for t in (q1, q2, k1, k2))
         v = F.silu(v)
         g1, g2, beta = self.decays(x)
-        probs, sel = router_topk(self.router(x), cfg.sse_top_k, seq.valid)  # [B, T, N], sel False at padding
+        # [B, T, N], sel False at padding
+        probs, sel = router_topk(self.router(x), cfg.sse_top_k, None if seq.causal else seq.valid)
 
         # padding: no read, no write, no decay (nothing to mask where the caller knows there is no padding)
         valid = seq.valid
@@ -315,7 +316,8 @@ class SSEAttention(AttentionBase):
         """Softmax attention over the last `sse_sliding_window` tokens, through the shared
         `SoftmaxAttention`, with the window's keys/values in the cache layer's ring (`_WindowRing`)."""
         if cache_layer is None:
-            return self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, seq.positions), None)[0]
+            window_seq = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=seq.causal)
+            return self.swa(x, position_embeddings, window_seq, None)[0]
         ring = _WindowRing(cache_layer, seq.positions, self.window)
         out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, ring.key_positions()), ring)
         return out

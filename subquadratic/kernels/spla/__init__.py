@@ -103,7 +103,7 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, params: SPLAParams, *, ba
     form); a given plan raises. `new_kv`: the new tokens' keys and values [B, Tq, H, D] where they are
     not the last Tq slots of k, v (a static cache's whole buffers, where unused slots have position
     -1). `causal`: the caller knows every slot is a real token in position order with the new tokens
-    last (`SequenceInfo.causal`), so the dense path may skip the mask. `precision`: the dot precision
+    last (`SequenceInfo.causal`), so the dense and Triton paths may skip the masks. `precision`: the dot precision
     of the Triton kernels for fp32 operands (`utils.KERNEL_PRECISIONS`; "auto": TF32 on CUDA) of a
     plan made here."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -135,4 +135,4 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, params: SPLAParams, *, ba
                                   precision=plan.precision)
     from .triton_parallel import spla_parallel_triton
 
-    return spla_parallel_triton(q, k, v, q_pos, k_pos, stats, sbar, koff, params, plan, new_kv=new_kv)
+    return spla_parallel_triton(q, k, v, q_pos, k_pos, stats, sbar, koff, params, plan, new_kv=new_kv, causal=causal)

@@ -88,9 +88,11 @@ def causal_linear_term(phiq, phik, v, sbar, valid, precision=None):
     """phi(q_t)^T (Sbar + sum_{new j <= t} phi(k_j) v_j^T) for the new tokens on the chunked kernels of
     `kernels/gla` (the chunk states once per KV head, read by its G query heads); returns (o [B, T, HQ, D]
     fp32, new Sbar). phiq: [B, T, HQ, D], phik, v: [B, T, H, D] of one dtype (fp64 runs in fp32), valid:
-    [B, T] (padding writes nothing); `precision` for fp32: "tf32" (default) or "ieee"."""
+    [B, T] (padding writes nothing; None: every token real); `precision` for fp32: "tf32" (default) or
+    "ieee"."""
     dt = torch.float32 if phiq.dtype == torch.float64 else phiq.dtype
-    o, s = chunk_linear_attention(phiq.to(dt), phik.to(dt) * valid[..., None, None], v.to(dt), initial_state=sbar,
+    phik = phik.to(dt) if valid is None else phik.to(dt) * valid[..., None, None]
+    o, s = chunk_linear_attention(phiq.to(dt), phik, v.to(dt), initial_state=sbar,
                                   precision=precision or "tf32", out_dtype=torch.float32)
     return o, s.to(sbar.dtype)
 
@@ -158,13 +160,14 @@ class SparseAttention(torch.autograd.Function):
 
 
 def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, params: SPLAParams, plan: SPLAPlan,
-                         new_kv=None):
+                         new_kv=None, causal: bool = False):
     """SPLA of the new tokens with the Triton kernels the plan names, the contract of
     `parallel.spla_parallel`: q [B, Tq, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D)
     with the new tokens last; koff [B] int32: the slot of each row's position 0 (`slot_offsets`, not
     None: each row's tokens in consecutive slots); returns (o_sp [B, Tq, HQ, D], o_rla or None, new
     Sbar). Differentiable (Triton backward) when `plan.grad`. fp64 inputs (tests) run the kernels in
-    fp32 (exact dots). `new_kv`: as in `parallel.spla_parallel`."""
+    fp32 (exact dots). `new_kv`: as in `parallel.spla_parallel`. `causal`: every query is a real token
+    (`SequenceInfo.causal`), so no output or new key needs the padding mask."""
     B, Tq, HQ, D = q.shape
     H = k.shape[2]
     G = HQ // H
@@ -196,18 +199,22 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     else:
         o_sp, otilde, _ = sparse_forward(kq, kk, kv, idx, qpos, koff, use_rla, block_size, plan.splits,
                                          phik=key_features(kk) if use_rla and pre else None, precision=prec)
-    q_ok = (q_pos >= 0)[:, :, None, None]
-    o_sp = o_sp * q_ok  # [B, Tq, HQ, D]
+    q_ok = None if causal else (q_pos >= 0)[:, :, None, None]
+    if q_ok is not None:
+        o_sp = o_sp * q_ok  # [B, Tq, HQ, D]
     out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
     acc = acc_dtype(sbar)
     k_tok, v_tok = new_tokens(k, v, Tq, new_kv)  # [B, Tq, H, D]
     if not use_rla:
         k_new, v_new = (x.transpose(1, 2) for x in (k_tok, v_tok))  # [B, H, Tq, D]
-        kv_new = torch.einsum("bhsd,bhse->bhde", feature_map(k_new).to(acc) * (q_pos >= 0)[:, None, :, None],
-                              v_new.to(acc))
+        phik = feature_map(k_new).to(acc)
+        if not causal:
+            phik = phik * (q_pos >= 0)[:, None, :, None]
+        kv_new = torch.einsum("bhsd,bhse->bhde", phik, v_new.to(acc))
         return o_sp.to(out_dtype), None, sbar + kv_new
     o_lin, sbar_new = causal_linear_term(  # the kernels' dtype: q's, at the sparse kernels' precision
-        feature_map(q).to(kq.dtype), feature_map(k_tok).to(kq.dtype), v_tok, sbar.to(acc), q_pos >= 0, prec)
+        feature_map(q).to(kq.dtype), feature_map(k_tok).to(kq.dtype), v_tok, sbar.to(acc),
+        None if causal else q_pos >= 0, prec)
     o_rla = o_lin - otilde.to(acc)  # [B, Tq, HQ, D]
     # every causal key selected -> the residual term is exactly zero (not a cancellation)
     start = idx.long() * block_size  # [B, Tq, H, K]
@@ -215,4 +222,4 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     n_sel = torch.where(idx >= 0, (tp - start + 1).clamp(0, block_size), 0).sum(-1)  # [B, Tq, H]
     all_sel = n_sel == (q_pos[:, :, None] + 1)  # [B, Tq, H]
     o_rla = o_rla.reshape(B, Tq, H, G, D).masked_fill(all_sel[..., None, None], 0.0).reshape(B, Tq, HQ, D)
-    return o_sp.to(out_dtype), (o_rla * q_ok).to(out_dtype), sbar_new
+    return o_sp.to(out_dtype), (o_rla if q_ok is None else o_rla * q_ok).to(out_dtype), sbar_new

@@ -141,6 +141,32 @@ def test_backward_matches_reference(case, precompute_phik):
         assert torch.equal(got[3][-1, pads], torch.zeros_like(got[3][-1, pads]))
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1] == 0])
+def test_causal_inputs_skip_the_padding_masks_exactly(case):
+    """Unpadded inputs with causal=True (`SequenceInfo.causal`: the padding masks are skipped): the
+    values and gradients of the fp64 reference, and exactly those of causal=False."""
+    B, HQ, H, T, D, bs, top, sink, local, use_rla, _ = case
+    q, k, v, pos, stats, sbar = make(B, HQ, H, T, D, bs, seed=sum(case[:5]) + 2)
+    params = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=sink, num_local_blocks=local, use_rla=use_rla)
+    g = torch.Generator().manual_seed(T + 1)
+    grads = [torch.randn(B, T, HQ, D, generator=g, dtype=torch.float64).to(DEV) for _ in range(2)]
+
+    def fn(q, k, v, q_pos, k_pos, stats, sbar, params, causal):
+        return spla_attention(q, k, v, q_pos, k_pos, stats, sbar, params, causal=causal,
+                              plan=triton_plan(q, k, v, params))
+
+    want = forward_backward(spla_parallel, q, k, v, pos, stats, sbar, grads, torch.float64, params)
+    got = forward_backward(fn, q, k, v, pos, stats, sbar, grads, torch.float32, params, causal=True)
+    masked = forward_backward(fn, q, k, v, pos, stats, sbar, grads, torch.float32, params, causal=False)
+    for name, a, b, c in zip(["o_sp", "o_rla", "dq", "dk", "dv"], got, want, masked, strict=True):
+        if b is None:
+            assert a is None and c is None
+            continue
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) <= 1e-4, (name, rel(a, b))
+        assert torch.equal(a, c), name
+
+
 def test_queries_by_block_inverts_the_selection():
     g = torch.Generator().manual_seed(3)
     idx = torch.randint(-1, 6, (2, 9, 3, 4), generator=g).to(DEV, torch.int32)
