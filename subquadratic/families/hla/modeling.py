@@ -21,6 +21,7 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ...kernels.hla import HLAState, hla_attention
+from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel
 from ...modeling.base import (
     AttentionBase,
     SequenceInfo,
@@ -122,10 +123,16 @@ class HLAAttention(AttentionBase):
         if cache_layer is not None:
             cache_layer.write(state)
 
-        if cfg.output_norm:
-            o = self.o_norm(o.transpose(1, 2)).transpose(1, 2)
-        if cfg.output_gate:
-            o = o * Fn.silu(self.g_proj(hidden_states)).view(B, T, self.num_heads, self.head_dim)
+        gate = self.g_proj(hidden_states).view(B, T, self.num_heads, self.head_dim) if cfg.output_gate else None
+        if (cfg.output_norm and gate is not None and T > 1 and cfg.kernel_backend in ("auto", "triton")
+                and norm_gate_takes_kernel(o, self.o_norm.weight, gate)):
+            # prefill / training on CUDA: the norm and the gate in one kernel, the values of the two lines below
+            o = norm_gate(o, self.o_norm.weight, gate, self.o_norm.eps, backend="triton")
+        else:
+            if cfg.output_norm:
+                o = self.o_norm(o.transpose(1, 2)).transpose(1, 2)
+            if gate is not None:
+                o = o * Fn.silu(gate)
         if not seq.causal:
             o = o * valid[..., None]
         return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim)), None

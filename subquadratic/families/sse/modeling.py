@@ -26,6 +26,7 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel
 from ...kernels.sse import SSEState, router_topk, sse_attention, sse_aux_loss
 from ...kernels.utils import acc_dtype
 from ...modeling.base import (
@@ -303,7 +304,12 @@ class SSEAttention(AttentionBase):
         if cache_layer is not None:
             cache_layer.write(state)
 
-        o = self.o_norm(o) * F.silu(self.g_proj(x)).view(B, T, self.num_heads, self.head_dim)
+        gate = self.g_proj(x).view(B, T, self.num_heads, self.head_dim)
+        w, eps = self.o_norm.weight, self.o_norm.variance_epsilon
+        if T > 1 and cfg.kernel_backend in ("auto", "triton") and norm_gate_takes_kernel(o, w, gate):
+            o = norm_gate(o, w, gate, eps, backend="triton")  # prefill / training on CUDA: one kernel, same values
+        else:
+            o = self.o_norm(o) * F.silu(gate)
         out = self.o_proj((o if seq.causal else o * tok).reshape(B, T, -1))
         if self.window:
             o_swa = self.window_attention(x, position_embeddings, seq, cache_layer)

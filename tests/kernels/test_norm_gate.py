@@ -1,0 +1,135 @@
+"""The fused output norm and gate (`kernels.norm_gate`) against its PyTorch form: values (fp32 and
+bf16, per-head and shared weights, head dims that are not powers of two) and the gradients of x,
+weight and gate against fp64 autograd, with poisoned outputs (tests/kernels/conftest.py). On CPU
+the kernels run under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from subquadratic.kernels.norm_gate import norm_gate, norm_gate_reference  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+CASES = [  # B, T, H, D, per-head weight
+    (2, 5, 3, 32, True),
+    (1, 7, 4, 24, False),  # D not a power of two, one weight for every head
+    (1, 33, 2, 64, True),  # rows spanning several programs, a partial last one
+]
+
+
+def make(B, T, H, D, per_head, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, H, D, generator=g) * 2.0
+    gate = torch.randn(B, T, H, D, generator=g) * 3.0
+    w = 1.0 + 0.5 * torch.randn(*((H, D) if per_head else (D,)), generator=g)
+    return [t.to(DEV, dtype) for t in (x, w, gate)]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_match_the_pytorch_form(case, dtype):
+    x, w, gate = make(*case, dtype, seed=sum(case[:4]))
+    got = norm_gate(x, w, gate, 1e-6, backend="triton")
+    want = norm_gate_reference(x, w, gate, 1e-6)
+    assert got.dtype == want.dtype == dtype and got.shape == x.shape
+    assert torch.isfinite(got).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:  # the same roundings (the interpreter's bf16 casts may round differently from the GPU's)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5)
+        if DEV == "cuda":  # the fp32 rsqrt and sigmoid may move the last bit
+            assert (got == want).float().mean() > 0.9
+    exact = norm_gate_reference(*(t.double() for t in (x, w, gate)), 1e-6)
+    assert ((got.double() - exact).norm() / exact.norm()).item() < (1e-6 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_match_fp64_autograd(case):
+    x, w, gate = make(*case, torch.float32, seed=sum(case[:4]) + 1)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(DEV)
+
+    def grads(fn, dtype):
+        args = [t.detach().to(dtype).requires_grad_() for t in (x, w, gate)]
+        out = fn(*args)
+        (out * dy.to(dtype)).sum().backward()
+        return [out.detach(), *(a.grad for a in args)]
+
+    got = grads(lambda *a: norm_gate(*a, 1e-6, backend="triton"), torch.float32)
+    want = grads(lambda *a: norm_gate_reference(*a, 1e-6), torch.float64)
+    for name, a, b in zip(["out", "dx", "dweight", "dgate"], got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        assert torch.isfinite(a).all(), name
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-5, name
+
+
+def test_dispatch():
+    """"auto" keeps the PyTorch form off CUDA (and for fp64); "triton" refuses what the kernel cannot take."""
+    x, w, gate = make(1, 3, 2, 16, True, torch.float64)
+    assert torch.equal(norm_gate(x, w, gate, 1e-6), norm_gate_reference(x, w, gate, 1e-6))
+    with pytest.raises(ValueError, match="dtypes"):
+        norm_gate(x, w, gate, 1e-6, backend="triton")
+    x, w, gate = make(1, 3, 2, 16, True, torch.float32)
+    with pytest.raises(ValueError, match="weight"):
+        norm_gate(x, w[:1], gate, 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        norm_gate(x, w, gate, 1e-6, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_real_shapes_on_gpu():
+    """Llama-3.2-1B's heads at 4k tokens in bf16: the PyTorch form's values, the fp64 gradients."""
+    x, w, gate = make(1, 4096, 32, 64, True, torch.bfloat16)
+    got = norm_gate(x, w, gate, 1e-5)
+    want = norm_gate_reference(x, w, gate, 1e-5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+    dy = torch.randn_like(x)
+    args = [t.detach().requires_grad_() for t in (x, w, gate)]
+    (norm_gate(*args, 1e-5) * dy).sum().backward()
+    ref = [t.detach().double().requires_grad_() for t in (x, w, gate)]
+    (norm_gate_reference(*ref, 1e-5) * dy.double()).sum().backward()
+    for a, b in zip(args, ref, strict=True):
+        assert ((a.grad.double() - b.grad).norm() / b.grad.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("family", ["hla", "sse"])
+def test_mixers_take_the_kernel_with_the_values_and_gradients_of_their_pytorch_form(family, monkeypatch, one_thread):
+    """HLA's and SSE's output norm and gate through the kernel (as on CUDA for several tokens; here
+    forced on the CPU under the interpreter): the logits and gradients of the PyTorch form, and the
+    kernel runs once per layer and forward."""
+    from subquadratic import HLAForCausalLM
+    from subquadratic.families.hla import modeling as hla_modeling
+    from subquadratic.families.hla.configuration import tiny_hla_config
+    from subquadratic.families.sse import modeling as sse_modeling
+    from subquadratic.kernels import norm_gate as ng
+
+    from ..models.sse.test_modeling_sse import model as sse_model
+
+    if family == "hla":
+        module, model = hla_modeling, HLAForCausalLM(tiny_hla_config()).eval()
+    else:
+        module, model = sse_modeling, sse_model("tiny", 0)
+    with torch.no_grad():  # weights away from their initial ones
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    results, calls, real = [], [], ng._NormGate.apply
+    for fused in (False, True):
+        if fused:
+            monkeypatch.setattr(module, "norm_gate_takes_kernel", lambda x, w, g: ng.norm_gate_unsupported(x, w, g)
+                                is None)
+            monkeypatch.setattr(ng._NormGate, "apply", lambda *a: calls.append(1) or real(*a))
+        model.zero_grad()
+        out = model(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                              if p.grad is not None}))
+    assert len(calls) == model.config.num_hidden_layers
+    (plain, plain_grads), (fused_logits, fused_grads) = results
+    torch.testing.assert_close(fused_logits, plain, rtol=1e-5, atol=1e-5)
+    assert plain_grads.keys() == fused_grads.keys()
+    for n, g in plain_grads.items():
+        torch.testing.assert_close(fused_grads[n], g, rtol=1e-4, atol=1e-6, msg=n)
