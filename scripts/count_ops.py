@@ -90,8 +90,11 @@ def launches(c: collections.Counter) -> int:
 @contextlib.contextmanager
 def cuda_paths():
     """Make "auto" resolve as on CUDA (the Triton kernels, under the interpreter) for the model's
-    dispatch functions, and SPLA's plans as for a CUDA device."""
-    from subquadratic.kernels import hla, sse, utils
+    dispatch functions, SPLA's plans as for a CUDA device, and the fused output norm and gate as on
+    CUDA."""
+    from subquadratic.families.hla import modeling as hla_modeling
+    from subquadratic.families.sse import modeling as sse_modeling
+    from subquadratic.kernels import hla, norm_gate, sse, utils
     from subquadratic.kernels.spla import plan
 
     real = utils.resolve_backend
@@ -108,6 +111,8 @@ def cuda_paths():
     import subquadratic.kernels.spla as spla
 
     patched.append((spla, "plan_spla", plan_cuda))
+    takes = lambda x, w, g: norm_gate.norm_gate_unsupported(x, w, g) is None  # noqa: E731
+    patched += [(hla_modeling, "norm_gate_takes_kernel", takes), (sse_modeling, "norm_gate_takes_kernel", takes)]
     saved = [(m, n, getattr(m, n)) for m, n, _ in patched]
     for m, n, f in patched:
         setattr(m, n, f)
