@@ -9,8 +9,9 @@
    cu[b * N + i] + (number of earlier selected tokens of that segment), an exclusive cumulative sum
    of `sel` along time. Rows left over (tokens with fewer than `topk` selections, i.e. padding) form
    one trailing "trash" segment with zero key, query and decay: it reads and writes nothing.
-2. Two calls of the varlen GLA op (`gla.triton_chunk.gla_varlen_triton`): the B shared segments (a plain
-   GLA over each row on (q1, k1, v, g1), read where they are) and the B * N partition segments on
+2. Two calls of the chunked GLA op (`gla.triton_chunk`): the shared branch, a plain GLA over each row
+   on (q1, k1, v, g1) read where they are (`chunk_linear_attention`, dense), and, through
+   `gla_varlen_triton`, the B * N partition segments on
    the gathered (p q2, p k2, v, g2) plus the trash segment; initial states are the SSE states,
    final states come back as the new ones (a partition with no token keeps its state exactly).
 3. The partition outputs are scattered back onto the shared output with index_add (fp32).
@@ -29,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..gla.triton_chunk import gla_varlen_triton
+from ..gla.triton_chunk import chunk_linear_attention, gla_varlen_triton
 from ..utils import import_triton, new_output
 from .recurrent import SSEState, setup
 
@@ -37,8 +38,9 @@ triton, tl = import_triton()
 
 
 def _group(sel: Tensor, topk: int):
-    """sel [B, T, N] bool -> (src_tok [R] token of each row (b * T + t), src_n [R] partition,
-    valid [R] bool, cu_parts [B * N + 1]) with R = B * T * topk, rows sorted by (b, partition, t).
+    """sel [B, T, N] bool -> (src [R] token and partition of each row as (b * T + t) * N + i, valid [R]
+    bool, cu [B * N + 2]: the partition segments' bounds, then R) with R = B * T * topk, rows sorted
+    by (b, partition, t).
 
     In (b, partition, t) order, the row of a selected token is the number of selected entries before
     it: one exclusive cumulative sum over the flattened selection (a scan along the last dim of a
@@ -46,16 +48,15 @@ def _group(sel: Tensor, topk: int):
     B, T, N = sel.shape
     R = B * T * topk
     dev = sel.device
-    s = sel.transpose(1, 2).reshape(-1).to(torch.int64)                           # [B * N * T]
+    picked = sel.transpose(1, 2).reshape(-1)                                      # [B * N * T] bool
+    s = picked.to(torch.int64)
     dest = s.cumsum(0) - s                                                        # rows before
-    cu_parts = torch.cat([s.new_zeros(1), s.view(B * N, T).sum(-1).cumsum(0)])    # [B * N + 1]
-    dest = torch.where(s.bool(), dest.clamp(max=R), torch.full_like(dest, R))     # R: dropped
-    tok = (torch.arange(B, device=dev)[:, None, None] * T + torch.arange(T, device=dev)).expand(B, N, T)
-    part = torch.arange(N, device=dev)[None, :, None].expand(B, N, T)
-    src_tok = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest, tok.reshape(-1))[:R]
-    src_n = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest, part.reshape(-1))[:R]
-    valid = torch.arange(R, device=dev) < cu_parts[-1]
-    return src_tok, src_n, valid, cu_parts
+    cu = torch.cat([s.new_zeros(1), s.view(B * N, T).sum(-1).cumsum(0), s.new_full((1,), R)])  # [B * N + 2]
+    dest = torch.where(picked, dest.clamp(max=R), R)                              # R: dropped
+    code = torch.arange(B * T * N, device=dev).view(B, T, N).transpose(1, 2)      # (b * T + t) * N + i
+    src = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest, code.reshape(-1))[:R]
+    valid = torch.arange(R, device=dev) < cu[-2]
+    return src, valid, cu
 
 
 def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor, g2: Tensor,
@@ -84,23 +85,21 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
         raise ValueError(f"topk must be in [1, N={N}]; got {topk}")
     dt = q1.dtype
     BT = B * T
-    src_tok, src_n, valid, cu_parts = _group(sel, K)
-    R = src_tok.numel()
+    src, valid, cu = _group(sel, K)
+    src_tok = src // N  # [R] the token (b * T + t) of each row
     # gathers by index_select (backward: index_add, no host synchronisation)
-    p = probs.reshape(-1).index_select(0, src_tok * N + src_n).float() * valid    # [R], 0 at trash rows
+    p = probs.reshape(-1).index_select(0, src).float() * valid    # [R], 0 at trash rows
     pc = p[:, None, None]
     flat = lambda x: x.reshape(BT, H, x.shape[-1])  # noqa: E731
     gather = lambda x: flat(x).index_select(0, src_tok)  # noqa: E731
     qp = (gather(q2) * pc).to(dt)  # the product in fp32 (pc is), rounded once
     kp = (gather(k2) * pc).to(dt)
     gp = gather(g2).float() * valid[:, None, None]
-    dev = q1.device
-    # the shared branch on the inputs as they are (no copy), then the partition rows
-    rows = torch.arange(B + 1, device=dev) * T
-    o, h_shared = gla_varlen_triton(flat(q1), flat(k1), flat(v), flat(g1), cu_seqlens=rows,
-                                    initial_state=state.shared, chunk_size=chunk_size, out_dtype=torch.float32,
-                                    precision=precision)
-    cu = torch.cat([cu_parts, torch.full((1,), R, device=dev, dtype=cu_parts.dtype)])
+    # the shared branch: a plain GLA over each row, on the inputs as they are (no copy, no chunk table),
+    # then the partition rows
+    o, h_shared = chunk_linear_attention(q1, k1, v, g1, initial_state=state.shared, chunk_size=chunk_size,
+                                         out_dtype=torch.float32, precision=precision)
+    o = flat(o)
     h0 = torch.cat([state.parts.float().reshape(B * N, H, Dk, Dv),
                     state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
     o_parts, h_parts = gla_varlen_triton(qp, kp, gather(v), gp, cu_seqlens=cu, initial_state=h0,
