@@ -239,12 +239,12 @@ class SSEAttention(AttentionBase):
 
     def key_map(self, k: torch.Tensor) -> torch.Tensor:
         """GLA keys: softmax over D (the row classification), over the top `sse_key_topk` entries only if set."""
-        kf = k.to(acc_dtype(k))
         top = self.config.sse_key_topk
-        if top and top < kf.shape[-1]:
-            keep = torch.zeros_like(kf, dtype=torch.bool).scatter(-1, kf.topk(top, dim=-1).indices, True)
-            kf = kf.masked_fill(~keep, float("-inf"))
-        return kf.softmax(-1).to(k.dtype)
+        if not top or top >= k.shape[-1]:
+            return torch.softmax(k, -1, dtype=acc_dtype(k)).to(k.dtype)  # the cast inside the softmax
+        kf = k.to(acc_dtype(k))
+        keep = torch.zeros_like(kf, dtype=torch.bool).scatter(-1, kf.topk(top, dim=-1).indices, True)
+        return kf.masked_fill(~keep, float("-inf")).softmax(-1).to(k.dtype)
 
     def decays(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Log decays (fp32, fp64 for fp64 inputs; <= 0) of the shared state and the partitions, and

@@ -12,7 +12,7 @@ from ..utils import acc_dtype
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:
     """phi(x) = softmax over the head dimension, in fp32 or fp64 (the parameter-free exponential map)."""
-    return torch.softmax(x.to(acc_dtype(x)), dim=-1)
+    return torch.softmax(x, dim=-1, dtype=acc_dtype(x))  # the cast inside the softmax, no fp32 copy of x
 
 
 def new_tokens(k: torch.Tensor, v: torch.Tensor, tq: int, new_kv=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ def router_topk(logits: Tensor, k: int, valid: Tensor | None = None) -> tuple[Te
     N = logits.shape[-1]
     if not 1 <= k <= N:
         raise ValueError(f"top-k must be in [1, N={N}]; got {k}")
-    probs = torch.softmax(logits.to(acc_dtype(logits)), dim=-1)
+    probs = torch.softmax(logits, dim=-1, dtype=acc_dtype(logits))  # the cast inside the softmax
     top = probs.topk(k, dim=-1).indices
     sel = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top, True)
     if valid is not None:
