@@ -105,9 +105,11 @@ def test_mixers_take_the_kernel_with_the_values_and_gradients_of_their_pytorch_f
     from subquadratic.families.hla.configuration import tiny_hla_config
     from subquadratic.families.sse import modeling as sse_modeling
     from subquadratic.kernels import norm_gate as ng
+    from subquadratic.kernels import triton_norm_gate as tng
 
     from ..models.sse.test_modeling_sse import model as sse_model
 
+    torch.manual_seed(0)
     if family == "hla":
         module, model = hla_modeling, HLAForCausalLM(tiny_hla_config()).eval()
     else:
@@ -116,12 +118,12 @@ def test_mixers_take_the_kernel_with_the_values_and_gradients_of_their_pytorch_f
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
-    results, calls, real = [], [], ng._NormGate.apply
+    results, calls, real = [], [], tng.NormGate.apply
     for fused in (False, True):
         if fused:
             monkeypatch.setattr(module, "norm_gate_takes_kernel", lambda x, w, g: ng.norm_gate_unsupported(x, w, g)
                                 is None)
-            monkeypatch.setattr(ng._NormGate, "apply", lambda *a: calls.append(1) or real(*a))
+            monkeypatch.setattr(tng.NormGate, "apply", lambda *a: calls.append(1) or real(*a))
         model.zero_grad()
         out = model(ids, labels=ids, use_cache=False)
         out.loss.backward()
@@ -132,4 +134,4 @@ def test_mixers_take_the_kernel_with_the_values_and_gradients_of_their_pytorch_f
     torch.testing.assert_close(fused_logits, plain, rtol=1e-5, atol=1e-5)
     assert plain_grads.keys() == fused_grads.keys()
     for n, g in plain_grads.items():
-        torch.testing.assert_close(fused_grads[n], g, rtol=1e-4, atol=1e-6, msg=n)
+        torch.testing.assert_close(fused_grads[n], g, rtol=1e-4, atol=1e-5, msg=n)
