@@ -161,3 +161,22 @@ def test_default_generate_falls_back_to_eager_steps_where_capture_fails(monkeypa
     assert built[-1].static is not None and not built[-1].cuda_graph and built[-1].decode_graph is None
     with pytest.raises(RuntimeError, match="could not be captured"):
         model.generate(ids, cache_implementation="static", **kw)
+
+
+def test_default_generate_captures_a_converted_model_on_its_first_call(monkeypatch):
+    """A converted SPLA model (gamma = 0: its eager steps skip the residual term) captures its step in
+    its first generate() call, with chains never compiled before: the warm-up runs what the recording
+    runs, so nothing compiles inside the capture; the tokens are those of the growing eager path."""
+    import warnings
+
+    for name in ("rms_norm", "silu_mul", "add_rms_norm", "rope", "add_head_norm"):
+        monkeypatch.setattr(fused, name, fused.Compiled(getattr(fused, "_" + name)))
+    model = tiny_spla(gamma=None, **SPARSE).cuda()
+    ids, mask = inputs()
+    built = _generate_caches(monkeypatch, model)
+    kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, **GEN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no failed compile, no failed capture
+        fast = model.generate(ids, **kw)
+    assert built[-1].decode_graph is not None and built[-1].decode_graph.graph is not None
+    assert torch.equal(fast, model.generate(ids, cache_implementation="dynamic", **kw))

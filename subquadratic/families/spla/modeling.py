@@ -26,6 +26,7 @@ from ...modeling.base import (
     SubquadraticModel,
 )
 from ...modeling.cache import StateLayer
+from ...modeling.cuda_graph import recording
 from ...modeling.fused import HeadNorm
 from .configuration import SPLAConfig
 
@@ -93,10 +94,12 @@ class SPLAAttention(AttentionBase):
         """Whether gamma is exactly 0 (a converted model before adaptation), read on the host once per
         value of the weight: the answer is kept with the weight's storage and in-place version counter
         (an optimizer step, `load_state_dict` or any in-place write bumps it), so steady-state calls
-        never synchronise with the device. False (the residual term is computed) while compiling or
-        capturing a CUDA graph: a compiled or captured step then stays right for any later gamma."""
+        never synchronise with the device. False (the residual term is computed) while compiling, or
+        warming up and recording a captured decode step (`cuda_graph.recording`; the warm-up then
+        compiles what the recording needs), or capturing any CUDA graph: a compiled or captured step
+        then stays right for any later gamma."""
         w = self.rla_norm.weight
-        if torch.compiler.is_compiling() or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if torch.compiler.is_compiling() or recording() or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
             return False
         key = (w.data_ptr(), w.device, w._version)
         cached = getattr(self, "_gamma_zero", None)

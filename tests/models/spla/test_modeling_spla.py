@@ -100,6 +100,29 @@ def test_zero_gamma_check_follows_in_place_writes(monkeypatch):
     assert seen == [True] * len(layers)
 
 
+def test_zero_gamma_shortcut_is_off_while_a_decode_step_is_recorded(monkeypatch):
+    """While a captured decode step warms up and records (`cuda_graph.recording`), a converted model
+    computes its residual term: the warm-up then compiles what the recording runs, and the graph
+    stays right for any later gamma; outside, the shortcut holds."""
+    from subquadratic.families.spla import modeling
+    from subquadratic.modeling import cuda_graph
+
+    model = tiny_spla(gamma=None)
+    x = torch.randint(1, 128, (2, 70))
+    seen = []
+    real = modeling.spla_attention
+    monkeypatch.setattr(modeling, "spla_attention", lambda *a, **kw: seen.append(a[7].use_rla) or real(*a, **kw))
+    with torch.no_grad():
+        monkeypatch.setattr(cuda_graph._Recording, "active", True)
+        assert cuda_graph.recording()
+        model(x)
+        assert set(seen) == {True}
+        seen.clear()
+        monkeypatch.setattr(cuda_graph._Recording, "active", False)
+        model(x)
+        assert set(seen) == {False}
+
+
 class TestSPLASparse(ModelTesterMixin):
     """Budget 3 blocks x 4 = 12 tokens (sink, most recent, one chosen by score) under 40-token inputs:
     the selection and the residual linear term both shape every check."""
