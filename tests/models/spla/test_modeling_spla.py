@@ -40,6 +40,21 @@ def test_prefill_then_decode_equals_full_forward(use_rla):
 
 
 
+def grad_and_cached_decode(model, x, split: int):
+    """(logits of the full forward with grad enabled and its cache, logits of a no-grad prefill of
+    x[:, :split] then one-token steps to the end, that cache)."""
+    with torch.enable_grad():
+        out_ref = model(x, use_cache=True)
+        ref, cache_ref = out_ref.logits.detach(), cache_of(out_ref)
+    with torch.no_grad():
+        out = model(x[:, :split], use_cache=True)
+        steps, cache = [out.logits], cache_of(out)
+        for t in range(split, x.shape[1]):
+            out = model(x[:, t:t + 1], use_cache=True, **{CACHE_FIELD: cache})
+            steps.append(out.logits)
+    return ref, cache_ref, torch.cat(steps, dim=1), cache
+
+
 def test_zero_gamma_skips_the_residual_term_exactly(monkeypatch):
     """A converted model (gamma = 0): inference does not compute the residual term (the
     shortcut of `SPLAAttention.forward`), yet gives the logits of the forward that computes it (grad
@@ -52,20 +67,13 @@ def test_zero_gamma_skips_the_residual_term_exactly(monkeypatch):
     seen = []
     real = modeling.spla_attention
     monkeypatch.setattr(modeling, "spla_attention", lambda *a, **kw: seen.append(a[7].use_rla) or real(*a, **kw))
-    with torch.enable_grad():
-        out_ref = model(x, use_cache=True)
-        ref, cache_ref = out_ref.logits.detach(), cache_of(out_ref)
-    with torch.no_grad():
-        out = model(x[:, :50], use_cache=True)
-        steps, cache = [out.logits], cache_of(out)
-        for t in range(50, 70):
-            out = model(x[:, t:t + 1], use_cache=True, **{CACHE_FIELD: cache})
-            steps.append(out.logits)
+    ref, cache_ref, steps, cache = grad_and_cached_decode(model, x, 50)
     n = len(cache.layers)
     assert seen[:n] == [True] * n and set(seen[n:]) == {False}     # computed with grad, skipped without
-    assert (torch.cat(steps, dim=1) - ref).abs().max() < 1e-4
+    assert (steps - ref).abs().max() < 1e-4
     for a, b in zip(cache.layers, cache_ref.layers, strict=True):
         assert torch.allclose(a.state["sbar"], b.state["sbar"].detach(), atol=1e-4)
+
 
 def test_zero_gamma_check_follows_in_place_writes(monkeypatch):
     """The gamma = 0 shortcut is decided once per value of gamma: an in-place write (an optimizer
@@ -141,17 +149,9 @@ def test_zero_gamma_shortcut_on_gpu_equals_the_residual_forward():
     model = tiny_spla(gamma=None, block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1,
                       kernel_precision="ieee").cuda()  # exact fp32 dots: the same selection on every path
     x = torch.randint(1, 128, (2, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    with torch.enable_grad():
-        out_ref = model(x, use_cache=True)
-        ref, cache_ref = out_ref.logits.detach(), cache_of(out_ref)
-    with torch.no_grad():
-        out = model(x[:, :160], use_cache=True)
-        steps, cache = [out.logits], cache_of(out)
-        for t in range(160, 200):
-            out = model(x[:, t:t + 1], use_cache=True, **{CACHE_FIELD: cache})
-            steps.append(out.logits)
+    ref, cache_ref, steps, cache = grad_and_cached_decode(model, x, 160)
     assert all(m.gamma_is_zero() for m in model.modules() if hasattr(m, "gamma_is_zero"))
-    assert (torch.cat(steps, dim=1) - ref).abs().max() < 1e-3
+    assert (steps - ref).abs().max() < 1e-3
     for a, b in zip(cache.layers, cache_ref.layers, strict=True):
         torch.testing.assert_close(a.state["sbar"], b.state["sbar"].detach(), rtol=1e-4, atol=1e-4)
 
