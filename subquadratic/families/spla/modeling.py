@@ -101,7 +101,10 @@ class SPLAAttention(AttentionBase):
         w = self.rla_norm.weight
         if torch.compiler.is_compiling() or recording() or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
             return False
-        key = (w.data_ptr(), w.device, w._version)
+        try:
+            key = (w.data_ptr(), w.device, w._version)
+        except RuntimeError:  # a tensor without storage (a sharded DTensor): no shortcut
+            return False
         cached = getattr(self, "_gamma_zero", None)
         if cached is not None and cached[0] == key:
             return cached[1]
