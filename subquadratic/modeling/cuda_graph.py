@@ -27,19 +27,6 @@ import torch
 from .fused import compiled_step
 
 
-class _Recording:
-    """Set while a `DecodeGraph` warms up and records its step (`recording`)."""
-
-    active = False
-
-
-def recording() -> bool:
-    """Whether the running step is the warm-up or the recording of a captured decode step: a layer
-    must take the same path in both (the warm-up compiles what the recording replays) and one that
-    stays right on every later replay (no shortcut decided from the current weights)."""
-    return _Recording.active
-
-
 class DecodeGraph:
     """The captured one-token step of `model` on `cache`: the input ids [B, 1] are copied into a
     fixed buffer, the graph replayed, and the logits [B, 1, V] it wrote returned (as a copy)."""
@@ -76,12 +63,8 @@ class DecodeGraph:
         return self.logits.clone()
 
     def _warm_up_and_capture(self) -> torch.Tensor:
-        before, _Recording.active = _Recording.active, True
-        try:
-            with compiled_step(self.cache.fuse):  # the elementwise chains compiled (fused.py), where asked
-                return self._run_and_record()
-        finally:
-            _Recording.active = before
+        with compiled_step(self.cache.fuse):  # the elementwise chains compiled (fused.py), where asked
+            return self._run_and_record()
 
     def _run_and_record(self) -> torch.Tensor:
         side = torch.cuda.Stream(device=self.ids.device)

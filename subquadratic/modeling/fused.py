@@ -8,7 +8,8 @@ fused forms compute what the modules compute (LlamaRMSNorm, LlamaMLP, `apply_rot
 `HeadNorm`) and take the weights as arguments, so one compiled graph serves every layer. They run
 only inside `compiled_step()`, which `cuda_graph.DecodeGraph` enters while it warms up and records a
 step of a cache built with `fuse=True`; the layer code calls the modules and never asks which form
-runs. A chain that fails to compile warns once and runs eagerly from then on.
+runs. A chain that fails to compile warns once and runs eagerly from then on. `recording()` tells
+any layer that it runs inside such a warm-up or recording (fused or not).
 """
 
 from __future__ import annotations
@@ -23,20 +24,31 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, app
 
 
 class _Step:
-    """Whether the running step is a captured one (set by `compiled_step` alone; a class attribute,
-    not a context variable, so that torch.compile and torch.export trace the modules that read it)."""
+    """Whether the running step is one `cuda_graph.DecodeGraph` warms up or records (`recorded`), and
+    whether its chains run fused (`compiled`); set by `compiled_step` alone (class attributes, not
+    context variables, so that torch.compile and torch.export trace the modules that read them)."""
 
     compiled = False
+    recorded = False
 
 
 @contextmanager
 def compiled_step(enabled: bool = True) -> Iterator[None]:
-    """Run the modules of this file in their fused forms inside the block (with `enabled`)."""
-    before, _Step.compiled = _Step.compiled, enabled
+    """The block is the warm-up or the recording of a captured step: the modules of this file run
+    their fused forms inside it (with `enabled`), and `recording()` is true."""
+    before = _Step.compiled, _Step.recorded
+    _Step.compiled, _Step.recorded = enabled, True
     try:
         yield
     finally:
-        _Step.compiled = before
+        _Step.compiled, _Step.recorded = before
+
+
+def recording() -> bool:
+    """Whether the running step is the warm-up or the recording of a captured decode step: a layer
+    must take the same path in both (the warm-up compiles what the recording replays) and one that
+    stays right on every later replay (no shortcut decided from the current weights)."""
+    return _Step.recorded
 
 
 class Compiled:

@@ -26,8 +26,7 @@ from ...modeling.base import (
     SubquadraticModel,
 )
 from ...modeling.cache import StateLayer
-from ...modeling.cuda_graph import recording
-from ...modeling.fused import HeadNorm
+from ...modeling.fused import HeadNorm, recording
 from .configuration import SPLAConfig
 
 
@@ -95,7 +94,7 @@ class SPLAAttention(AttentionBase):
         value of the weight: the answer is kept with the weight's storage and in-place version counter
         (an optimizer step, `load_state_dict` or any in-place write bumps it), so steady-state calls
         never synchronise with the device. False (the residual term is computed) while compiling, or
-        warming up and recording a captured decode step (`cuda_graph.recording`; the warm-up then
+        warming up and recording a captured decode step (`fused.recording`; the warm-up then
         compiles what the recording needs), or capturing any CUDA graph: a compiled or captured step
         then stays right for any later gamma."""
         w = self.rla_norm.weight

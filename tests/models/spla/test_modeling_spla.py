@@ -109,24 +109,26 @@ def test_zero_gamma_check_follows_in_place_writes(monkeypatch):
 
 
 def test_zero_gamma_shortcut_is_off_while_a_decode_step_is_recorded(monkeypatch):
-    """While a captured decode step warms up and records (`cuda_graph.recording`), a converted model
-    computes its residual term: the warm-up then compiles what the recording runs, and the graph
-    stays right for any later gamma; outside, the shortcut holds."""
+    """While a captured decode step warms up and records (inside `fused.compiled_step`, fused chains
+    or not), a converted model computes its residual term: the warm-up then compiles what the
+    recording runs, and the graph stays right for any later gamma; outside, the shortcut holds."""
     from subquadratic.families.spla import modeling
-    from subquadratic.modeling import cuda_graph
+    from subquadratic.modeling import fused
 
     model = tiny_spla(gamma=None)
     x = torch.randint(1, 128, (2, 70))
     seen = []
     real = modeling.spla_attention
     monkeypatch.setattr(modeling, "spla_attention", lambda *a, **kw: seen.append(a[7].use_rla) or real(*a, **kw))
+    with fused.compiled_step(True):  # with the fused chains (compiled on the GPU) too
+        assert fused.recording()
     with torch.no_grad():
-        monkeypatch.setattr(cuda_graph._Recording, "active", True)
-        assert cuda_graph.recording()
-        model(x)
+        with fused.compiled_step(False):
+            assert fused.recording()
+            model(x)
         assert set(seen) == {True}
         seen.clear()
-        monkeypatch.setattr(cuda_graph._Recording, "active", False)
+        assert not fused.recording()
         model(x)
         assert set(seen) == {False}
 
