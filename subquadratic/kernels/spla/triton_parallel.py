@@ -33,7 +33,7 @@ from .triton_common import key_features, selected_blocks, softmax_rows
 from .triton_parallel_bwd import sparse_backward
 from .triton_select import select_indices
 from .triton_select_stream import select_indices_stream
-from .triton_tile import select_indices_fast, tile_shape, tile_sparse_attention, tile_union
+from .triton_tile import query_tile_union, select_indices_fast, tile_sparse_attention
 
 triton, tl = import_triton()
 
@@ -187,7 +187,7 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     pre, prec = plan.precompute_phik, plan.precision
     form, union = plan.form, None
     if form == "union":  # tile or block-major by the measured union (one host read)
-        union = tile_union(idx.contiguous(), triton.cdiv(kk.shape[2], block_size), tile_shape(G, plan.tile_rows)[1])
+        union = query_tile_union(idx, kk.shape[2], G, block_size, plan.tile_rows)
         form = "blocks" if float(union[2].float().mean()) > UNION_TILE_MAX else "tile"
     if form == "blocks":  # differentiable when gradients are needed; else the forward alone
         o_sp, otilde = blocks_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, precision=prec)

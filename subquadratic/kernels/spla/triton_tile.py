@@ -470,6 +470,12 @@ def tile_union(idx: torch.Tensor, num_blocks: int, BM: int):
     return union, bits, cnt, NU
 
 
+def query_tile_union(idx: torch.Tensor, num_keys: int, G: int, block_size: int, rows: int):
+    """`tile_union` of the query tiles `tile_sparse_forward` runs (tiles of about `rows` rows, groups
+    of G query heads) over `num_keys` key slots in blocks of `block_size`."""
+    return tile_union(idx.contiguous(), triton.cdiv(num_keys, block_size), tile_shape(G, rows)[1])
+
+
 def tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, *, rows: int, phik=None, union=None,
                         precision: str = "ieee"):
     """Same contract as `triton_parallel.sparse_forward` (q [B, HQ, Tq, D], k, v [B, H, S, D], idx
@@ -481,9 +487,8 @@ def tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, *, rows: 
     H, S = k.shape[1], k.shape[2]
     G = HQ // H
     GP, BM = tile_shape(G, rows)
-    NB = triton.cdiv(S, block_size)
     if union is None:
-        union = tile_union(idx.contiguous(), NB, BM)
+        union = query_tile_union(idx, S, G, block_size, rows)
     ul, ub, uc, NU = union
     ntiles = ul.shape[1]
     dev = q.device
