@@ -85,8 +85,7 @@ def dense_and_conversions(work: Path, shape: dict, max_positions: int, device: t
         dense = load_converted(source, device, dtype)
     for fam in families:
         base = VARIANTS.get(fam, fam)
-        if not (work / fam).exists():
-            convert(str(source), str(work / fam), base, options=(options or {}).get(base, {}), progress=False)
+        convert(str(source), str(work / fam), base, options=(options or {}).get(base, {}), progress=False)
     return dense
 
 
