@@ -188,8 +188,7 @@ def measure_default(model, prompt: torch.Tensor, n: int, repeats: int, device: t
     captured step its warm-up and capture, included), and `steady_tok_s` = B x (n - k) over
     t(n + 1) - t(k + 1), the rate of a long generation."""
     def gen(m: int):
-        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=m, min_new_tokens=m,
-                              do_sample=False, pad_token_id=PAD, eos_token_id=None)
+        return decode_generate(model, prompt, None, m)  # no cache given: the model's default
 
     k = max(1, n // 8)
     gen(n + 1)
