@@ -222,13 +222,19 @@ def plan_spla(
         # 16-bit inputs on CUDA: the streamed selection (scores on the tensor cores in the inputs'
         # dtype); fp32 inputs keep the exact tile selection
         select = ("stream" if device.type == "cuda" and dtype in STREAM_DTYPES else "tile") if long_call else "kernel"
+        if not long_call:
+            form = "token"
+        elif grad:
+            form = "blocks"
+        else:  # prefill: tile, or tile / block-major by the measured union for long calls over many blocks
+            long_prefill = Tq >= UNION_MIN_TQ and -(-S // params.block_size) > UNION_MIN_BLOCKS
+            form = "union" if long_prefill else "tile"
         splits = 1
         if not grad and Tq <= SPLIT_K_MAX_TQ:
             splits = max(1, min(params.num_selected, SPLIT_K_PROGRAMS // max(1, B * H * Tq)))
         plan = SPLAPlan(
             "triton_decode" if Tq == 1 and not grad and dtype != torch.float64 else "triton", grad,
-            form=("blocks" if grad else "union" if Tq >= UNION_MIN_TQ and -(-S // params.block_size) > UNION_MIN_BLOCKS
-                  else "tile") if long_call else "token", select=select,
+            form=form, select=select,
             splits=splits, precompute_phik=params.use_rla and Tq >= PHIK_PRECOMPUTE_MIN_TQ,
             tile_rows=64 if grad else 128, select_prec=selection_precision(select, device, dtype),
             precision=prec,
