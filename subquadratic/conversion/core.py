@@ -435,6 +435,7 @@ def convert(
     `layer_choice.Calibration`); the measurement is written to OUT/layer_costs.json.
     `command` is the command line the card records (default: the `subquadratic convert` command
     equivalent to this call, `convert_command`)."""
+    src, out = str(src), str(out)  # a Path is as good as a string
     given = dict(options or {})
     fam, options = _target(to, given)
     if dtype not in DTYPE_CHOICES:
