@@ -36,6 +36,11 @@ OPTIONS: dict[str, dict] = {
         type=int_at_least(0, "W"), dest="sse_sliding_window",
         help="add an in-layer sliding-window softmax branch of this many tokens",
     ),
+    "window-merge": dict(
+        choices=["norm", "sum"], dest="sse_window_merge",
+        help="how the window branch joins the SSE branch: norm, (RMSNorm + RMSNorm) / 2 (default); sum, added, "
+             "so that a fresh conversion starts as the sliding-window softmax",
+    ),
     "base": dict(choices=["gla", "gdn"], dest="sse_base", help="linear-attention base (default gla)"),
     "key-topk": dict(type=nonnegative_int, dest="sse_key_topk",
                      help="row-sparse keys: softmax over the top N entries only"),

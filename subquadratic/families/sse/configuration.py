@@ -26,7 +26,9 @@ class SSEConfig(SubquadraticConfig):
     alphas are spread over [`sse_decay_init_min`, `sse_decay_init_max`] (long memory). The output
     is RMSNorm(o) * SiLU(W_g x), W_g of rank `sse_output_gate_rank` (None: head_dim), then o_proj.
     `sse_sliding_window` > 0 adds an in-layer sliding-window softmax branch with its own
-    projections (`swa.*`), merged as (RMSNorm(o_sse) + RMSNorm(o_swa)) / 2.
+    projections (`swa.*`), merged by `sse_window_merge`: "norm", (RMSNorm(o_sse) + RMSNorm(o_swa)) / 2,
+    the SSE authors' form; or "sum", o_swa + o_sse, with the output gate's up projection
+    initialised to 0, so that a fresh conversion is exactly the source's sliding-window softmax.
     `aux_loss_weight` scales the router load-balance loss (summed over SSE layers) that the model
     adds to the LM loss in training. The kernels follow `kernel_backend` ("torch": the recurrent
     step for one token and the sorted variable-length form otherwise; "naive": the serial
@@ -42,6 +44,7 @@ class SSEConfig(SubquadraticConfig):
     sse_base: str = "gla"
     sse_key_topk: int = 0
     sse_sliding_window: int | None = None
+    sse_window_merge: str = "norm"
     sse_gate_rank: int = 16
     sse_gate_normalizer: float = 16.0
     sse_output_gate_rank: int | None = None
@@ -59,6 +62,8 @@ class SSEConfig(SubquadraticConfig):
             raise ValueError(f"sse_base must be 'gla' or 'gdn', got {self.sse_base!r}")
         if not 0 <= self.sse_key_topk <= self.head_dim:
             raise ValueError(f"sse_key_topk must be in [0, head_dim={self.head_dim}], got {self.sse_key_topk}")
+        if self.sse_window_merge not in ("norm", "sum"):
+            raise ValueError(f"sse_window_merge must be 'norm' or 'sum', got {self.sse_window_merge!r}")
         if self.sse_key_topk and self.sse_base != "gla":
             raise ValueError("sse_key_topk (row-sparse softmax keys) applies to sse_base='gla' only; set it to 0")
         for name in ("sse_lora_rank", "sse_output_gate_rank", "sse_sliding_window"):

@@ -184,8 +184,9 @@ class SSEAttention(AttentionBase):
         if self.window:
             self.swa = SoftmaxAttention(config, layer_idx)
             self.swa.window = self.window
-            self.sse_merge_norm = SSERMSNorm(h, eps=config.rms_norm_eps)
-            self.swa_merge_norm = SSERMSNorm(h, eps=config.rms_norm_eps)
+            if config.sse_window_merge == "norm":
+                self.sse_merge_norm = SSERMSNorm(h, eps=config.rms_norm_eps)
+                self.swa_merge_norm = SSERMSNorm(h, eps=config.rms_norm_eps)
         self.reset_mixer_parameters()
 
     # --- initialisation -------------------------------------------------------------------------
@@ -216,8 +217,12 @@ class SSEAttention(AttentionBase):
             init.copy_(self.dt_bias, gdn_dt_bias(alpha).repeat(2).to(self.dt_bias))
         for lin in self.g_proj:
             init.normal_(lin.weight, std=std)
+        if self.window and cfg.sse_window_merge == "sum":
+            # the SSE branch starts at exactly 0 (SiLU(0) = 0), so that the layer starts as the
+            # sliding-window softmax; the down projection stays random, so the up one gets a gradient
+            init.zeros_(self.g_proj[1].weight)
         init.ones_(self.o_norm.weight)
-        if self.window:
+        if self.window and cfg.sse_window_merge == "norm":
             init.ones_(self.sse_merge_norm.weight)
             init.ones_(self.swa_merge_norm.weight)
 
@@ -313,7 +318,10 @@ class SSEAttention(AttentionBase):
         out = self.o_proj((o if seq.causal else o * tok).reshape(B, T, -1))
         if self.window:
             o_swa = self.window_attention(x, position_embeddings, seq, cache_layer)
-            out = (self.sse_merge_norm(out) + self.swa_merge_norm(o_swa)) / 2
+            if cfg.sse_window_merge == "sum":
+                out = o_swa + out
+            else:
+                out = (self.sse_merge_norm(out) + self.swa_merge_norm(o_swa)) / 2
         aux = sse_aux_loss(probs, sel, valid) if self.training else None
         return out, aux
 
