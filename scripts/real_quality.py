@@ -93,6 +93,8 @@ class Scale:
     eval_batch: int  # windows per forward at the adaptation length
     packages: tuple[str, ...] = ("torch", "transformers", "numpy")
     tiny_model: dict = field(default_factory=dict)  # a random Llama instead of SmolLM2 (tests)
+    #: the window of the sse-h/window-sum row (the branch added to the SSE output, no merge norms)
+    sum_window: int = 64
     #: seconds a row is expected to take before one of its kind is measured (`estimate_seconds`):
     #: "dense", "fresh" (converted, not adapted), "linear" / "spla" (adapted), "calibration" (auto:K)
     prior_seconds: dict = field(default_factory=dict)
@@ -110,13 +112,13 @@ SCALES = {
     # the real SmolLM2 at CPU-sized lengths: a smoke test of the real-model path, no measurement
     "smoke": Scale(lengths=(128, 512), span=1024, retrieval_lengths=(256, 512), trials=1, depths=(0.5,),
                    tokens_per_step=512, steps={"spla": 1, "linear": 2}, spla_seq_len=512,
-                   spla_options=dict(block_size=16, top_k_blocks=4), window=32,
+                   spla_options=dict(block_size=16, top_k_blocks=4), window=32, sum_window=16,
                    calibration=dict(steps=1, seq_len=128, batch_size=1), min_train_bytes=4_096,
                    min_heldout_bytes=8_192, heldout_every=50, eval_batch=2, packages=("numpy",),
                    prior_seconds=dict(dense=30, fresh=60, linear=120, spla=120, calibration=60)),
     "tiny": Scale(lengths=(128, 512), span=512, retrieval_lengths=(256, 512, 1024), trials=1, depths=(0.5,),
                   tokens_per_step=512, steps={"spla": 2, "linear": 4}, spla_seq_len=256,
-                  spla_options=dict(block_size=16, top_k_blocks=4), window=32,
+                  spla_options=dict(block_size=16, top_k_blocks=4), window=32, sum_window=16,
                   calibration=dict(steps=2, seq_len=128, batch_size=2), min_train_bytes=4_096,
                   min_heldout_bytes=8_192, heldout_every=50, eval_batch=4, packages=("numpy",),
                   tiny_model=dict(vocab=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
@@ -167,6 +169,9 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
              {}),
             ("decay-wide", "initial decays 0.5..0.9999", dict(sse_decay_init_min=0.5, sse_decay_init_max=0.9999), {}),
             ("window", f"window branch of {scale.window} tokens", dict(sse_sliding_window=scale.window), {}),
+            ("window-sum", f"window branch of {scale.sum_window} tokens added to the SSE output (starts as the "
+             "sliding-window softmax)", dict(sse_sliding_window=scale.sum_window, sse_window_merge="sum"), {}),
+            ("decay-short", "initial decays 0.5..0.99", dict(sse_decay_init_min=0.5, sse_decay_init_max=0.99), {}),
             ("partitions-8", "8 partitions", dict(sse_num_partitions=8), {}),
             ("auto-layers", f"softmax at the {k} costliest layers (auto:{k})", dict(softmax_layers=f"auto:{k}"), {}),
             ("gdn", "gated delta rule base (L2-normalised feature maps)", dict(sse_base="gdn"), {}),
@@ -178,6 +183,7 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
             ("stage1-4x", "attention transfer on rows of 4x the length", {}, dict(stage1_4x=True)),
             ("decay-long", "initial decays 0.99..0.9999", dict(decay_init_min=0.99, decay_init_max=0.9999), {}),
             ("decay-wide", "initial decays 0.5..0.9999", dict(decay_init_min=0.5, decay_init_max=0.9999), {}),
+            ("decay-short", "initial decays 0.5..0.95", dict(decay_init_min=0.5, decay_init_max=0.95), {}),
             ("auto-layers", f"softmax at the {k} costliest layers (auto:{k})", dict(softmax_layers=f"auto:{k}"), {}),
             ("normalize", "normalised form (divide by q^T eta)", dict(hla_normalize=True), {}),
             ("rope", "RoPE on q and k", dict(hla_rope=True), {}),
@@ -202,9 +208,10 @@ GROUPS = {
     "ablation": ["sse-h", "sse-h/*", "hla-hybrid", "hla-hybrid/*"],
     # every row, the most informative first, for a run under --time-budget: the dense reference, the
     # adapted SSE-H and HLA hybrids (each measured at 1x and 4x), the changes aimed at length
-    # generalisation (longer rows, attention transfer at length, longer decays, measured layer choice),
+    # generalisation (the window branch added to SSE, which the layer-local probe found the best;
+    # longer rows, attention transfer at length, longer decays, measured layer choice),
     # SPLA fresh, then the rest of the main table and of the ablations
-    "all": ["dense", "sse-h", "hla-hybrid", "sse-h/rows-4x", "hla-hybrid/rows-4x", "spla-fresh",
+    "all": ["dense", "sse-h", "hla-hybrid", "sse-h/window-sum", "sse-h/rows-4x", "hla-hybrid/rows-4x", "spla-fresh",
             "sse-h/stage1-4x", "hla-hybrid/stage1-4x", "sse-h/decay-long", "hla-hybrid/decay-long",
             "sse-h/auto-layers", "hla-hybrid/auto-layers", "main", "ablation"],
 }
