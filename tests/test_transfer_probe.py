@@ -1,0 +1,67 @@
+"""scripts/transfer_probe.py --tiny: layer-local attention transfer on a tiny random Llama and numpy's
+sources; the fitted mixer reproduces the dense attention better than the fresh one, its scores come
+per position range, and rows that do not change the mixer are refused in one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def probe():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("transfer_probe", ROOT / "scripts" / "transfer_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["transfer_probe"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("transfer_probe", None)
+
+
+def test_relative_errors_by_range(probe):
+    want = torch.randn(2, 8, 4)
+    assert probe.relative_errors(want, want, [(0, 4), (4, 8)]) == [0.0, 0.0]
+    assert probe.relative_errors(torch.zeros_like(want), want, [(0, 8)]) == [pytest.approx(1.0)]
+    got = want.clone()
+    got[:, 4:] *= 2  # the second half off by its own size
+    assert probe.relative_errors(got, want, [(0, 4), (4, 8)]) == [0.0, pytest.approx(1.0)]
+
+
+def test_default_layers_skip_the_softmax_layers(probe):
+    assert probe.default_layers(30) == [3, 9, 15, 21, 27]
+    layers = probe.default_layers(6, count=3)
+    assert len(layers) == 3 and 5 not in layers
+
+
+def test_tiny_probe_fits_and_scores_each_range(probe, tmp_path):
+    res = probe.main(["--out", str(tmp_path), "--tiny", "--rows", "sse-h,sse-h/window-sum", "--layers", "1,3",
+                      "--train-len", "64", "--train-rows", "4", "--steps", "12", "--packages", "numpy"])
+    assert set(res["rows"]) == {"sse-h", "sse-h/window-sum"}
+    assert res["protocol"]["buckets"] == [(0, 64), (64, 128), (128, 256)]
+    for r in res["rows"].values():
+        assert set(r["after"]) == {1, 3} and all(len(v) == 3 for v in r["after"].values())
+        assert all(0 <= v < 1.5 for v in r["after_mean"] + r["before_mean"])
+    base = res["rows"]["sse-h"]
+    assert sum(base["after_mean"]) < sum(base["before_mean"])  # fitting lowers the error
+    assert base["before_mean"][0] == pytest.approx(1.0, abs=0.05)  # fresh SSE: output near 0
+    # the sum merge starts as the sliding-window softmax: far below 1 before any fitting
+    assert res["rows"]["sse-h/window-sum"]["before_mean"][0] < 0.9
+    saved = json.loads((tmp_path / "probe.json").read_text())
+    assert saved["rows"].keys() == res["rows"].keys()
+    assert "| sse-h/window-sum |" in (tmp_path / "probe.md").read_text()
+
+
+def test_rows_that_change_the_adaptation_are_refused(probe, tmp_path):
+    with pytest.raises(SystemExit, match="changes the adaptation"):
+        probe.main(["--out", str(tmp_path), "--tiny", "--rows", "sse-h/rows-4x", "--layers", "1", "--train-len", "32",
+                    "--train-rows", "1", "--eval-rows", "1", "--steps", "1", "--packages", "numpy"])
