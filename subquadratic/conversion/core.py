@@ -61,6 +61,8 @@ class ConversionError(InputError):
 
 #: Parameters of a mixer that a dense source provides (`AttentionBase`'s names); the rest are new.
 SOURCE_PARAMS = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.")
+#: The same, plus a state mixer's window branch (`swa.*`, copies of the source attention: `modeling.window`).
+SOURCE_AND_WINDOW_PARAMS = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm|swa)\.")
 
 
 @dataclass

@@ -235,46 +235,6 @@ def test_unknown_option_is_refused(dense_checkpoint, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_window_sum_merge_starts_as_the_sliding_window_softmax(tmp_path):
-    """`--sse-window-merge sum`: out = o_swa + o_sse, no merge norms; the SSE branch's output gate
-    starts at zero (SiLU(0) = 0), so a fresh SSE layer is exactly the source's attention over its last
-    W tokens; once the gate is trained, cached decoding equals the full forward."""
-    dense_source("llama", tmp_path / "src")
-    rc = cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "sse", "--sse-sliding-window",
-                   "4", "--sse-window-merge", "sum", "--no-progress"])
-    assert rc == 0
-    m, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert m.config.sse_window_merge == "sum"
-    assert not any("merge_norm" in n for n in m.state_dict())
-    attn = m.model.layers[1].self_attn
-    assert torch.equal(attn.g_proj[1].weight, torch.zeros_like(attn.g_proj[1].weight))
-    assert attn.g_proj[0].weight.abs().sum() > 0  # the down projection random: the up one gets a gradient
-    with torch.no_grad():
-        x = torch.randn(2, 12, m.config.hidden_size, generator=torch.Generator().manual_seed(1))
-        pos = torch.arange(12).expand(2, 12)
-        seq = SequenceInfo(positions=pos, valid=torch.ones(2, 12, dtype=torch.bool), key_positions=pos, causal=True)
-        pe = m.model.rotary_emb(x, pos)
-        got = attn(x, pe, seq)[0]
-        # the reference: the source's projections, softmax over keys j with t - 4 < j <= t
-        B, T, d, G = 2, 12, attn.head_dim, attn.swa.num_key_value_groups
-        q, k, v = (getattr(attn.swa, f"{n}_proj")(x).view(B, T, -1, d).transpose(1, 2) for n in "qkv")
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        q, k = apply_rotary_pos_emb(q, k, *pe)
-        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-        i, j = torch.arange(T)[:, None], torch.arange(T)[None]
-        mask = (j <= i) & (j > i - 4)
-        w = (q @ k.transpose(-1, -2) / d**0.5).masked_fill(~mask, float("-inf")).softmax(-1)
-        want = attn.swa.o_proj((w @ v).transpose(1, 2).reshape(B, T, -1))
-    assert (got - want).abs().max().item() <= 1e-5
-    with torch.no_grad():
-        for layer in m.model.layers:  # a trained gate: both branches count
-            layer.self_attn.g_proj[1].weight.normal_(std=0.2, generator=torch.Generator().manual_seed(2))
-    assert cached_decode_gap(m, tokens(2, 12), 7)[1] <= 1e-4
-    assert (m.model.layers[1].self_attn(x, pe, seq)[0] - want).abs().max().item() > 1e-3
-
-
 def test_window_merge_is_checked():
     with pytest.raises(ValueError, match="sse_window_merge"):
         from subquadratic.families.sse.configuration import SSEConfig

@@ -25,13 +25,18 @@ from collections.abc import Iterable
 import torch
 
 from ...configuration.base import SOFTMAX_MIXERS
-from ...conversion.core import Converter, fresh_mixer_tensors, hybrid_config, softmax_layer_notes
+from ...conversion.core import (
+    SOURCE_AND_WINDOW_PARAMS,
+    Converter,
+    fresh_mixer_tensors,
+    hybrid_config,
+    softmax_layer_notes,
+)
+from ...modeling.window import window_copies
 from .configuration import SSEConfig
 
 SEED = 0
 _ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(.+)$")
-#: Parameters of an SSE layer that the dense source provides (everything else is new).
-_FROM_SOURCE = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm|swa)\.")
 
 
 def build_config(fields: dict, options: dict) -> SSEConfig:
@@ -49,7 +54,7 @@ def map_tensor(name: str, t: torch.Tensor, config: SSEConfig) -> Iterable[tuple[
     if m is None or not _is_sse(config, int(m.group(1))):
         return [(name, t)]
     prefix, rest = name[: -len(m.group(2))], m.group(2)
-    out = [(prefix + "swa." + rest, t.clone())] if config.sse_sliding_window else []
+    out = window_copies(prefix, rest, t) if config.sse_sliding_window else []
     if rest.split(".")[0] in ("k_proj", "v_proj"):  # [H * D, ...] -> [HQ * D, ...], kv head j -> q heads jG..jG+G-1
         h, g = config.num_key_value_heads, config.num_key_value_groups
         t = t.reshape(h, -1, *t.shape[1:]).repeat_interleave(g, dim=0).reshape(-1, *t.shape[1:])
@@ -58,7 +63,7 @@ def map_tensor(name: str, t: torch.Tensor, config: SSEConfig) -> Iterable[tuple[
 
 def new_tensors(config: SSEConfig) -> dict[str, torch.Tensor]:
     """The SSE layers' new parameters (see `fresh_mixer_tensors`)."""
-    return fresh_mixer_tensors(config, _FROM_SOURCE, SEED)
+    return fresh_mixer_tensors(config, SOURCE_AND_WINDOW_PARAMS, SEED)
 
 
 def card_notes(config: SSEConfig) -> dict[str, str]:
@@ -71,7 +76,11 @@ def card_notes(config: SSEConfig) -> dict[str, str]:
         "num_layers": str(config.num_hidden_layers),
         "num_sse_layers": str(config.num_hidden_layers - len(soft)),
         "softmax_layers": softmax_layer_notes(config) or "none (pure SSE)",
-        "sliding_window": f"{config.sse_sliding_window} tokens" if config.sse_sliding_window else "off",
+        "sliding_window": (f"{config.sse_sliding_window} tokens, "
+                           + ("added to the SSE output (the gate's up projection starts at 0, so the fresh layer "
+                              "is exactly that window)" if config.sse_window_merge == "sum" else
+                              "merged as (RMSNorm(SSE) + RMSNorm(window)) / 2")
+                           if config.sse_sliding_window else "off"),
         "hybrid_tag": "\n- sse-h" if soft else "",
         "summary": (f"{config.sse_num_partitions} partitions, top-{config.sse_top_k}, {config.sse_base} base, "
                     f"softmax layers: {softmax_layer_notes(config) or 'none'}"),

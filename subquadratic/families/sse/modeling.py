@@ -32,88 +32,27 @@ from ...kernels.utils import acc_dtype
 from ...modeling.base import (
     AttentionBase,
     SequenceInfo,
-    SoftmaxAttention,
     SubquadraticForCausalLM,
     SubquadraticModel,
     autocast_operands,
     decay_spread,
 )
 from ...modeling.cache import RecurrentLayer
+from ...modeling.window import WINDOW_FIELDS, WindowBranch
 from .configuration import SSEConfig
 
 
 class SSELayer(RecurrentLayer):
-    """SSE cache: shared [B, HQ, D, D] and parts [B, N, HQ, D, D] (fp32). With the window branch, a
-    ring of each row's last W real tokens: swa_k, swa_v [B, H, W, D] (a token at logical position p
-    sits in slot p % W) and swa_pos [B, W] (-1: empty slot). Every tensor has a fixed size."""
+    """SSE cache: shared [B, HQ, D, D] and parts [B, N, HQ, D, D] (fp32). With the window branch, the
+    ring of each row's last W real tokens (`window.WindowRing`). Every tensor has a fixed size."""
 
-    fields = ("shared", "parts", "swa_k", "swa_v", "swa_pos")
+    fields = ("shared", "parts", *WINDOW_FIELDS)
 
     def read(self) -> SSEState | None:
         return SSEState(self.tensors["shared"], self.tensors["parts"]) if "shared" in self.tensors else None
 
     def write(self, state: SSEState) -> None:
         self.tensors["shared"], self.tensors["parts"] = state.shared, state.parts
-
-
-class _WindowRing:
-    """The window's keys/values as `SoftmaxAttention` sees a KV cache, kept in `SSELayer`'s ring.
-
-    One new token (decode) is written into its slot first and attends over the ring alone (the slot it
-    overwrites held a token W positions back, outside its window); several new tokens attend over the
-    ring followed by themselves, and then the last W of each row are written into the ring."""
-
-    def __init__(self, layer: SSELayer, positions: torch.Tensor, window: int) -> None:
-        self.layer, self.pos, self.window = layer, positions, window  # positions: [B, T] (-1 = padding)
-        self.copy = torch.is_grad_enabled()  # never write in place into tensors autograd may have saved
-
-    def _ring(self, k: torch.Tensor, v: torch.Tensor):
-        t = self.layer.tensors
-        if "swa_k" not in t:
-            B, H, _, D = k.shape
-            t["swa_k"] = k.new_zeros(B, H, self.window, D)
-            t["swa_v"] = v.new_zeros(B, H, self.window, D)
-            t["swa_pos"] = torch.full((B, self.window), -1, dtype=self.pos.dtype, device=self.pos.device)
-        ring = t["swa_k"], t["swa_v"], t["swa_pos"]
-        return tuple(x.clone() for x in ring) if self.copy else ring
-
-    def key_positions(self) -> torch.Tensor:
-        """[B, S] positions of the keys `update` returns, in their order."""
-        ring_pos = self.layer.tensors.get("swa_pos")
-        if ring_pos is None:
-            ring_pos = torch.full((self.pos.shape[0], self.window), -1, dtype=self.pos.dtype, device=self.pos.device)
-        if self.pos.shape[1] == 1:
-            slot = self.pos.clamp(min=0) % self.window  # [B, 1]
-            return ring_pos.scatter(1, slot, torch.where(self.pos >= 0, self.pos, ring_pos.gather(1, slot)))
-        return torch.cat([ring_pos, self.pos], dim=1)
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [B, H, T, D] (post-RoPE) -> the keys/values to attend over, [B, H, S, D]."""
-        ring_k, ring_v, ring_pos = self._ring(k, v)
-        B, H, T, D = k.shape
-        W, pos = self.window, self.pos
-        if T == 1:
-            rows, slot, real = torch.arange(B, device=k.device), pos[:, 0].clamp(min=0) % W, pos[:, 0] >= 0
-            ring_k[rows, :, slot] = torch.where(real[:, None, None], k[:, :, 0], ring_k[rows, :, slot])
-            ring_v[rows, :, slot] = torch.where(real[:, None, None], v[:, :, 0], ring_v[rows, :, slot])
-            ring_pos[rows, slot] = torch.where(real, pos[:, 0], ring_pos[rows, slot])
-            keys, values = ring_k, ring_v
-        else:
-            keys, values = torch.cat([ring_k, k], dim=2), torch.cat([ring_v, v], dim=2)
-            # each slot takes the row's newest token that maps to it among the row's last W real tokens
-            last = pos.max(dim=1, keepdim=True).values  # [B, 1]
-            keep = (pos >= 0) & (pos > last - W)  # [B, T]; at most one kept token per slot
-            index = torch.arange(T, device=pos.device).expand(B, T)
-            src = torch.full((B, W), -1, dtype=torch.long, device=pos.device).scatter_reduce(
-                1, pos.clamp(min=0) % W, torch.where(keep, index, -1), reduce="amax"
-            )  # [B, W]: the new token each slot takes, -1 for none
-            has, src = src >= 0, src.clamp(min=0)
-            gather = src[:, None, :, None].expand(B, H, W, D)
-            ring_k = torch.where(has[:, None, :, None], k.gather(2, gather), ring_k)
-            ring_v = torch.where(has[:, None, :, None], v.gather(2, gather), ring_v)
-            ring_pos = torch.where(has, pos.gather(1, src), ring_pos)
-        self.layer.tensors.update(swa_k=ring_k, swa_v=ring_v, swa_pos=ring_pos)
-        return keys, values
 
 
 def initial_decays(n: int, alpha_min: float, alpha_max: float) -> torch.Tensor:
@@ -142,7 +81,7 @@ class SSERMSNorm(LlamaRMSNorm):
         return (self.weight.to(xf.dtype) * xf).to(x.dtype)
 
 
-class SSEAttention(AttentionBase):
+class SSEAttention(WindowBranch, AttentionBase):
     """Sparse State Expansion mixer: shared state + N router-selected partition states.
 
     Source names (converted from a dense layer), from `AttentionBase`: q_proj, k_proj, v_proj, o_proj
@@ -180,10 +119,8 @@ class SSEAttention(AttentionBase):
             nn.Linear(h, config.output_gate_rank, bias=False), nn.Linear(config.output_gate_rank, hq * d, bias=False)
         )
         self.o_norm = SSERMSNorm(d, eps=config.rms_norm_eps)
-        self.window = config.sse_sliding_window or 0
+        self.add_window(config, layer_idx, config.sse_sliding_window)
         if self.window:
-            self.swa = SoftmaxAttention(config, layer_idx)
-            self.swa.window = self.window
             if config.sse_window_merge == "norm":
                 self.sse_merge_norm = SSERMSNorm(h, eps=config.rms_norm_eps)
                 self.swa_merge_norm = SSERMSNorm(h, eps=config.rms_norm_eps)
@@ -325,16 +262,6 @@ class SSEAttention(AttentionBase):
         aux = sse_aux_loss(probs, sel, valid) if self.training else None
         return out, aux
 
-    # --- the optional sliding-window branch -----------------------------------------------------
-    def window_attention(self, x: torch.Tensor, position_embeddings, seq: SequenceInfo, cache_layer) -> torch.Tensor:
-        """Softmax attention over the last `sse_sliding_window` tokens, through the shared
-        `SoftmaxAttention`, with the window's keys/values in the cache layer's ring (`_WindowRing`)."""
-        if cache_layer is None:
-            window_seq = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=seq.causal)
-            return self.swa(x, position_embeddings, window_seq, None)[0]
-        ring = _WindowRing(cache_layer, seq.positions, self.window)
-        out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, ring.key_positions()), ring)
-        return out
 
 
 class SSEModel(SubquadraticModel):

@@ -328,14 +328,16 @@ def test_router_and_lora_offsets_get_gradients():
                 assert p.grad is not None and p.grad.abs().sum().item() > 0
 
 
-def lively(preset: str, seed: int) -> SSEForCausalLM:
-    """`model(preset)` with non-zero LoRA up-projections of q2 and k2, so that every path carries signal."""
-    m = model(preset, seed)
+def lively(preset: str, seed: int, **overrides) -> SSEForCausalLM:
+    """`model(preset)` with non-zero LoRA up-projections of q2 and k2 (and output gate, which the sum
+    merge starts at 0), so that every path carries signal."""
+    m = model(preset, seed, **overrides)
     with torch.no_grad():
         for layer in m.model.layers:
             if layer.mixer_type == "sse":
                 layer.self_attn.q2_up.weight.normal_(std=0.1)
                 layer.self_attn.k2_up.weight.normal_(std=0.1)
+                layer.self_attn.g_proj[1].weight.normal_(std=0.1)
     return m
 
 
@@ -353,3 +355,9 @@ class TestSSESlidingWindow(ModelTesterMixin):
     """SSE with the in-layer sliding-window softmax branch (window 8 under 24-token inputs)."""
 
     tester = ModelTester("sse-swa", lambda seed: lively("tiny-swa", seed))
+
+
+class TestSSEWindowSum(ModelTesterMixin):
+    """SSE with the window branch added to its output (`sse_window_merge="sum"`)."""
+
+    tester = ModelTester("sse-swa-sum", lambda seed: lively("tiny-swa", seed, sse_window_merge="sum"))
