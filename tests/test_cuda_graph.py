@@ -14,6 +14,7 @@ from subquadratic.modeling import fused
 from subquadratic.modeling.base import CACHE_FIELD
 
 from .models.common import GEN, left_pad
+from .models.hla.test_modeling_hla import hla_window
 from .models.spla.tiny import tiny_spla
 from .models.sse.test_modeling_sse import lively
 
@@ -27,6 +28,8 @@ FAMILIES = {
     "hla": lambda: HLAForCausalLM(tiny_hla_config(hla_chunk_size=8)).eval(),
     "sse-h": lambda: lively("tiny-h", 0),
     "sse-swa": lambda: lively("tiny-swa", 0),
+    "sse-swa-sum": lambda: lively("tiny-swa", 0, sse_window_merge="sum"),
+    "hla-swa": lambda: hla_window(0),
 }
 
 

@@ -28,6 +28,11 @@ OPTIONS: dict[str, dict] = {
                        help="chunk of the training / prefill form (default 64)"),
     "normalize": dict(action="store_const", const=True, dest="hla_normalize", help="normalised form"),
     "rope": dict(action="store_const", const=True, dest="hla_rope", help="apply the source's RoPE to q and k"),
+    "sliding-window": dict(
+        type=int_at_least(0, "W"), dest="hla_sliding_window",
+        help="add an in-layer sliding-window softmax branch of this many tokens to the HLA output (a copy of the "
+             "source attention; a fresh conversion is exactly that window)",
+    ),
     "decay-init-min": dict(
         type=float, dest="decay_init_min",
         help="initial decay rate of the shortest-memory head (default 0.9; the heads spread geometrically in "

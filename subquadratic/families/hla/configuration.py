@@ -21,8 +21,11 @@ class HLAConfig(SubquadraticConfig):
     The mixer output goes through a per-head RMSNorm (`output_norm`) times SiLU(W_g x)
     (`output_gate`). `hla_rope` applies the source's RoPE to q and k (off by default: HLA is
     order-aware through its decays and needs no positions). `hla_chunk_size` is the chunk of the
-    training / prefill form. The kernels follow `kernel_backend` ("naive": the serial recurrence
-    at every length).
+    training / prefill form. `hla_sliding_window` > 0 adds an in-layer sliding-window softmax branch
+    over that many tokens (`swa.*`, a copy of the source attention, `modeling.window`) to the HLA
+    output; the gate W_g starts at 0, so a fresh conversion is exactly the source's sliding-window
+    softmax (it needs `output_gate`). The kernels follow `kernel_backend` ("naive": the serial
+    recurrence at every length).
     """
 
     model_type = "hla"
@@ -40,6 +43,7 @@ class HLAConfig(SubquadraticConfig):
     output_norm: bool = True
     output_gate: bool = True
     hla_rope: bool = False
+    hla_sliding_window: int | None = None
 
     def check(self) -> None:
         super().check()
@@ -53,6 +57,10 @@ class HLAConfig(SubquadraticConfig):
             )
         if self.hla_chunk_size < 1:
             raise ValueError(f"hla_chunk_size must be >= 1, got {self.hla_chunk_size}")
+        if self.hla_sliding_window is not None and self.hla_sliding_window < 0:
+            raise ValueError(f"hla_sliding_window must be >= 0 (or None), got {self.hla_sliding_window}")
+        if self.hla_sliding_window and not self.output_gate:
+            raise ValueError("hla_sliding_window needs output_gate (the HLA branch starts at 0 through its gate)")
         if self.hla_eps <= 0 or self.qk_scale <= 0:
             raise ValueError(f"hla_eps and qk_scale must be > 0, got {self.hla_eps}, {self.qk_scale}")
 

@@ -6,8 +6,10 @@ Conversion table (layer i, names under model.layers.{i}.self_attn):
 | ----------------------- | ------------- | -------------------------------------------------------- |
 | q_proj, k_proj, v_proj  | as is         | as is (K/V heads are repeated to HQ inside the mixer)    |
 | o_proj, q_norm, k_norm  | as is         | as is (qk-norm applied before the L2 normalisation)      |
+| (all of these)          | -             | also copied to swa.* as is, with --hla-sliding-window    |
 | -                       | -             | new: decay_bias (alphas spread over the heads),          |
-|                         |               | decay_proj, g_proj (small random), o_norm (ones)         |
+|                         |               | decay_proj, g_proj (small random; 0 with the window),    |
+|                         |               | o_norm (ones)                                            |
 
 Everything outside self_attn (embeddings, MLPs, layer norms, lm_head) is copied unchanged. HLA does
 not approximate softmax attention, so a converted model must be distilled before use (the model card
@@ -16,8 +18,14 @@ says so). The new parameters come from `HLAAttention.reset_mixer_parameters` und
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+
+import torch
+
 from ...configuration.base import SOFTMAX_MIXERS
-from ...conversion.core import Converter, hybrid_config, softmax_layer_notes
+from ...conversion.core import SOURCE_AND_WINDOW_PARAMS, Converter, hybrid_config, softmax_layer_notes
+from ...modeling.window import window_copies
 from .configuration import HLAConfig
 
 
@@ -35,10 +43,26 @@ def card_notes(config: HLAConfig) -> dict[str, str]:
         "num_layers": str(config.num_hidden_layers),
         "num_hla_layers": str(config.num_hidden_layers - len(soft)),
         "softmax_layers": softmax_layer_notes(config) or "none (pure HLA)",
+        "sliding_window": (f"{config.hla_sliding_window} tokens, added to the HLA output (a copy of the source "
+                           "attention; the gate starts at 0, so the fresh layer is exactly that window)"
+                           if config.hla_sliding_window else "off"),
         "summary": (f"{config.hla_variant}, {config.decay_mode} decay, "
                     f"softmax layers: {softmax_layer_notes(config) or 'none'}"),
     }
 
 
-#: New parameters come from `HLAAttention.reset_mixer_parameters` (the default `new_tensors`).
-CONVERTER = Converter(build_config, card_notes=card_notes)
+_ATTN = re.compile(r"^(model\.layers\.(\d+)\.self_attn\.)(.+)$")
+
+
+def map_tensor(name: str, t: torch.Tensor, config: HLAConfig) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every tensor as is; with the window branch, an HLA layer's attention tensors also under swa."""
+    m = _ATTN.match(name)
+    if m is None or not config.hla_sliding_window or config.mixer_types[int(m.group(2))] in SOFTMAX_MIXERS:
+        return [(name, t)]
+    return [(name, t), *window_copies(m.group(1), m.group(3), t)]
+
+
+#: New parameters come from `HLAAttention.reset_mixer_parameters` (the default `new_tensors`); the
+#: window branch's come from the source.
+CONVERTER = Converter(build_config, map_tensor=map_tensor, card_notes=card_notes,
+                      from_source=SOURCE_AND_WINDOW_PARAMS)

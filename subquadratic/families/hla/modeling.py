@@ -31,19 +31,23 @@ from ...modeling.base import (
 )
 from ...modeling.cache import RecurrentLayer
 from ...modeling.fused import HeadNorm
+from ...modeling.window import WINDOW_FIELDS, WindowBranch
 from .configuration import HLAConfig
 
 
 class HLALayer(RecurrentLayer):
-    """HLA cache: S [B, H', D, D] and F [B, HQ, D, D] (fp32), plus eta and z of the normalised form."""
+    """HLA cache: S [B, H', D, D] and F [B, HQ, D, D] (fp32), plus eta and z of the normalised form,
+    and with the window branch its ring (`window.WindowRing`)."""
 
-    fields = ("S", "F", "eta", "z")
+    state_fields = ("S", "F", "eta", "z")
+    fields = (*state_fields, *WINDOW_FIELDS)
 
     def read(self) -> HLAState | None:
-        return HLAState(**{n: self.tensors.get(n) for n in self.fields}) if self.tensors else None
+        return HLAState(**{n: self.tensors.get(n) for n in self.state_fields}) if "S" in self.tensors else None
 
     def write(self, state: HLAState) -> None:
-        self.tensors = {n: t for n in self.fields if (t := getattr(state, n)) is not None}
+        ring = {n: self.tensors[n] for n in WINDOW_FIELDS if n in self.tensors}
+        self.tensors = {**ring, **{n: t for n in self.state_fields if (t := getattr(state, n)) is not None}}
 
 
 def initial_decay_logits(num_heads: int, alpha_min: float, alpha_max: float) -> torch.Tensor:
@@ -52,10 +56,12 @@ def initial_decay_logits(num_heads: int, alpha_min: float, alpha_max: float) -> 
     return (torch.log1p(-one_minus) - torch.log(one_minus)).float()
 
 
-class HLAAttention(AttentionBase):
+class HLAAttention(WindowBranch, AttentionBase):
     """Second-order HLA mixer. q_proj/k_proj/v_proj/o_proj (and q_norm/k_norm) come from
     `AttentionBase`, so a dense checkpoint converts by name; new parameters: the decay (`decay_bias` [HQ],
-    plus `decay_proj` [HQ, hidden] when data-dependent), the gate `g_proj` and the output norm `o_norm`."""
+    plus `decay_proj` [HQ, hidden] when data-dependent), the gate `g_proj` and the output norm `o_norm`;
+    with `hla_sliding_window`, the window branch `swa.*` (a copy of the source attention), added to the
+    output."""
 
     cache_layer_cls = HLALayer
     needs_key_positions = False
@@ -72,18 +78,22 @@ class HLAAttention(AttentionBase):
             self.g_proj = nn.Linear(h, hq * d, bias=False)
         if config.output_norm:
             self.o_norm = HeadNorm(hq, d, eps=config.rms_norm_eps)
+        self.add_window(config, layer_idx, config.hla_sliding_window)
         self.reset_mixer_parameters()
 
     def reset_mixer_parameters(self) -> None:
         """Initialise every parameter a dense checkpoint does not provide (model init and conversion):
         decays spread over [decay_init_min, decay_init_max], decay and gate projections small random,
-        output norm 1. The `transformers.initialization` functions leave loaded weights alone."""
+        output norm 1; with the window branch the gate starts at 0 (SiLU(0) = 0: the layer starts as
+        the window alone). The `transformers.initialization` functions leave loaded weights alone."""
         cfg = self.config
         logits = initial_decay_logits(self.num_heads, cfg.decay_init_min, cfg.decay_init_max)
         init.copy_(self.decay_bias, logits.to(self.decay_bias.device, self.decay_bias.dtype))
         if cfg.decay_mode == "data":
             init.normal_(self.decay_proj.weight, std=cfg.initializer_range)
-        if cfg.output_gate:
+        if cfg.output_gate and self.window:
+            init.zeros_(self.g_proj.weight)
+        elif cfg.output_gate:
             init.normal_(self.g_proj.weight, std=cfg.initializer_range)
         if cfg.output_norm:
             init.ones_(self.o_norm.weight)
@@ -135,7 +145,10 @@ class HLAAttention(AttentionBase):
                 o = o * Fn.silu(gate)
         if not seq.causal:
             o = o * valid[..., None]
-        return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim)), None
+        out = self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
+        if self.window:
+            out = out + self.window_attention(hidden_states, position_embeddings, seq, cache_layer)
+        return out, None
 
 
 class HLAModel(SubquadraticModel):

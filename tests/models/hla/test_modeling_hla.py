@@ -289,6 +289,21 @@ class TestHLA(ModelTesterMixin):
     tester = ModelTester("hla", lambda seed: HLAForCausalLM(tiny_hla_config(hla_chunk_size=8)))
 
 
+def hla_window(seed: int = 0) -> HLAForCausalLM:
+    """HLA with the window branch (window 8 under 24-token inputs), its gate made non-zero so that both
+    branches carry signal."""
+    torch.manual_seed(seed)
+    m = HLAForCausalLM(tiny_hla_config(hla_chunk_size=8, hla_sliding_window=8))
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.g_proj.weight.normal_(std=0.1)
+    return m.eval()
+
+
+class TestHLAWindow(ModelTesterMixin):
+    tester = ModelTester("hla-swa", hla_window)
+
+
 class TestHLAHybrid(ModelTesterMixin):
     """HLA, softmax, HLA."""
 
