@@ -93,7 +93,7 @@ class Scale:
     eval_batch: int  # windows per forward at the adaptation length
     packages: tuple[str, ...] = ("torch", "transformers", "numpy")
     tiny_model: dict = field(default_factory=dict)  # a random Llama instead of SmolLM2 (tests)
-    #: the window of the sse-h/window-sum row (the branch added to the SSE output, no merge norms)
+    #: the window of the */window-sum rows (the branch added to the SSE / HLA output)
     sum_window: int = 64
     #: seconds a row is expected to take before one of its kind is measured (`estimate_seconds`):
     #: "dense", "fresh" (converted, not adapted), "linear" / "spla" (adapted), "calibration" (auto:K)
@@ -184,6 +184,8 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
             ("decay-long", "initial decays 0.99..0.9999", dict(decay_init_min=0.99, decay_init_max=0.9999), {}),
             ("decay-wide", "initial decays 0.5..0.9999", dict(decay_init_min=0.5, decay_init_max=0.9999), {}),
             ("decay-short", "initial decays 0.5..0.95", dict(decay_init_min=0.5, decay_init_max=0.95), {}),
+            ("window-sum", f"window branch of {scale.sum_window} tokens added to the HLA output (starts as the "
+             "sliding-window softmax)", dict(hla_sliding_window=scale.sum_window), {}),
             ("auto-layers", f"softmax at the {k} costliest layers (auto:{k})", dict(softmax_layers=f"auto:{k}"), {}),
             ("normalize", "normalised form (divide by q^T eta)", dict(hla_normalize=True), {}),
             ("rope", "RoPE on q and k", dict(hla_rope=True), {}),
@@ -211,7 +213,8 @@ GROUPS = {
     # generalisation (the window branch added to SSE, which the layer-local probe found the best;
     # longer rows, attention transfer at length, longer decays, measured layer choice),
     # SPLA fresh, then the rest of the main table and of the ablations
-    "all": ["dense", "sse-h", "hla-hybrid", "sse-h/window-sum", "sse-h/rows-4x", "hla-hybrid/rows-4x", "spla-fresh",
+    "all": ["dense", "sse-h", "hla-hybrid", "sse-h/window-sum", "hla-hybrid/window-sum", "sse-h/rows-4x",
+            "hla-hybrid/rows-4x", "spla-fresh",
             "sse-h/stage1-4x", "hla-hybrid/stage1-4x", "sse-h/decay-long", "hla-hybrid/decay-long",
             "sse-h/auto-layers", "hla-hybrid/auto-layers", "main", "ablation"],
 }

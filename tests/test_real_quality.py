@@ -45,7 +45,7 @@ def test_rows_and_groups(rq):
     names = [r.name for r in rq.select_rows("main", table)]
     assert names == ["dense", "sse-h", "hla-hybrid", "spla-fresh", "spla", "spa"]
     every = [r.name for r in rq.select_rows("all", table)]
-    assert every[:5] == ["dense", "sse-h", "hla-hybrid", "sse-h/window-sum", "sse-h/rows-4x"]
+    assert every[:5] == ["dense", "sse-h", "hla-hybrid", "sse-h/window-sum", "hla-hybrid/window-sum"]
     assert sorted(every) == sorted(set(table) - {"sse-h-fresh"}) and len(every) == len(set(every))  # each once
     assert every.index("spa") > every.index("hla-hybrid/auto-layers")  # SPLA's 8192-token rows late
     ablation = rq.select_rows("ablation-hla", table)
@@ -55,6 +55,7 @@ def test_rows_and_groups(rq):
     assert table["sse-h/decay-long"].options == {"sse_decay_init_min": 0.99, "sse_decay_init_max": 0.9999}
     assert table["spa"].options == {"use_rla": False}
     assert table["sse-h/window-sum"].options == {"sse_sliding_window": 64, "sse_window_merge": "sum"}
+    assert table["hla-hybrid/window-sum"].options == {"softmax_every": 6, "hla_sliding_window": 64}
     with pytest.raises(SystemExit, match="unknown row"):
         rq.select_rows("sse-h/nothing", table)
 
