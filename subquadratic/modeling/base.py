@@ -174,6 +174,42 @@ class AttentionBase(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
+def banded_window_attention(q, k, v, q_pos, k_pos, window: int, scaling: float, dropout: float = 0.0):
+    """Sliding-window softmax attention in O(T W): query t sees the real keys j with t - W < j <= t.
+
+    q [B, HQ, T, D]; k, v [B, H, S, D] (H divides HQ) with S = T (no earlier keys) or S = W + T (the
+    W slots of a window ring, any order, then the T new tokens); q_pos [B, T], k_pos [B, S] logical
+    positions (-1: padding or an empty slot). Each row's new real tokens must sit in consecutive slots
+    (no padding between them). The queries go in blocks of W, each against the W slots before it and
+    its own: one SDPA call over [B * T / W] blocks with a [W, 2W] mask each, instead of a [T, S] mask.
+    Returns o [B, T, HQ, D], as Transformers' attention functions do."""
+    import torch.nn.functional as F
+
+    B, HQ, T, D = q.shape
+    H, S, C = k.shape[1], k.shape[2], window
+    if S == T:  # W empty slots in front: block 0 has no earlier keys
+        k, v = F.pad(k, (0, 0, C, 0)), F.pad(v, (0, 0, C, 0))
+        k_pos = F.pad(k_pos, (C, 0), value=-1)
+    elif S != T + C:
+        raise ValueError(f"banded_window_attention: {S} keys for {T} queries and a window of {C}")
+    n = -(-T // C)
+    pad = n * C - T
+    q, q_pos = F.pad(q, (0, 0, 0, pad)), F.pad(q_pos, (0, pad), value=-1)
+    k, v, k_pos = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad)), F.pad(k_pos, (0, pad), value=-1)
+
+    def blocks(x, heads):  # [B, heads, (n + 1) C, D] -> [B n, heads, 2C, D]: block i's slots [iC, iC + 2C)
+        lo, hi = x[:, :, : n * C].view(B, heads, n, C, D), x[:, :, C:].view(B, heads, n, C, D)
+        return torch.cat([lo, hi], dim=3).transpose(1, 2).reshape(B * n, heads, 2 * C, D)
+
+    qb = q.view(B, HQ, n, C, D).transpose(1, 2).reshape(B * n, HQ, C, D)
+    qp = q_pos.view(B, n, C, 1)
+    kp = torch.cat([k_pos[:, : n * C].view(B, n, C), k_pos[:, C:].view(B, n, C)], dim=-1)[:, :, None, :]
+    allowed = ((kp >= 0) & (kp <= qp) & (qp - kp < C)) | (qp < 0)  # padded queries see every key (no NaN)
+    o = F.scaled_dot_product_attention(qb, blocks(k, H), blocks(v, H), attn_mask=allowed.view(B * n, 1, C, 2 * C),
+                                       dropout_p=dropout, scale=scaling, enable_gqa=HQ != H)
+    return o.view(B, n, HQ, C, D).transpose(2, 3).reshape(B, n * C, HQ, D)[:, :T]
+
+
 class SoftmaxAttention(AttentionBase):
     """Exact softmax attention (full, or a sliding window for `sliding_attention` layers), through
     Transformers' eager or SDPA attention function with an explicit position-based mask. When the
@@ -193,6 +229,14 @@ class SoftmaxAttention(AttentionBase):
             k, v = cache_layer.update(k, v)
         sdpa = self.config._attn_implementation != "eager" and seq.attentions is None
         T, S = q.shape[2], k.shape[2]
+        W = self.window
+        if sdpa and W and T > W and ((seq.causal and S == T) or S == T + W and getattr(cache_layer, "banded", False)):
+            # a window shorter than the new tokens, no earlier keys or a window ring before them: O(T W)
+            o = banded_window_attention(q, k, v, seq.positions, seq.key_positions, W, self.scaling,
+                                        self.attention_dropout if self.training else 0.0)
+            if not seq.causal:
+                o = o * seq.valid[:, :, None, None]
+            return self.o_proj(o.reshape(*o.shape[:2], -1)), None
         if sdpa and seq.causal and T in (S, 1) and (not self.window or S <= self.window):
             # every slot real, the queries the last T: causal (T = S) or every key (one query), no mask
             mask, is_causal = None, T > 1

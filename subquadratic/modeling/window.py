@@ -25,11 +25,18 @@ class WindowRing:
 
     One new token (decode) is written into its slot first and attends over the ring alone (the slot it
     overwrites held a token W positions back, outside its window); several new tokens attend over the
-    ring followed by themselves, and then the last W of each row are written into the ring."""
+    ring followed by themselves, and then the last W of each row are written into the ring (the
+    layout `base.banded_window_attention` takes: W ring slots, then the new tokens)."""
 
-    def __init__(self, layer, positions: torch.Tensor, window: int) -> None:
+    def __init__(self, layer, positions: torch.Tensor, window: int, no_padding: bool = False,
+                 consecutive: bool = False) -> None:
         self.layer, self.pos, self.window = layer, positions, window  # positions: [B, T] (-1 = padding)
         self.copy = torch.is_grad_enabled()  # never write in place into tensors autograd may have saved
+        #: whether the banded form may read the keys `update` returns (W ring slots, then the new
+        #: tokens), i.e. every key a query needs lies among the W slots before it: the new tokens hold
+        #: no padding, or the ring is empty (created by this call) and each row's real tokens are known
+        #: to sit in consecutive slots (left padding, as a static cache checks at prefill)
+        self.banded = no_padding or (consecutive and "swa_k" not in layer.tensors)
 
     def _ring(self, k: torch.Tensor, v: torch.Tensor):
         t = self.layer.tensors
@@ -91,12 +98,12 @@ class WindowBranch:
             self.swa.window = self.window
 
     def window_attention(self, x: torch.Tensor, position_embeddings, seq: SequenceInfo, cache_layer) -> torch.Tensor:
-        """Softmax attention over the last `sse_sliding_window` tokens, through the shared
-        `SoftmaxAttention`, with the window's keys/values in the cache layer's ring (`WindowRing`)."""
+        """Softmax attention over the last `self.window` tokens, through the shared `SoftmaxAttention`,
+        with the window's keys/values in the cache layer's ring (`WindowRing`)."""
         if cache_layer is None:
             window_seq = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=seq.causal)
             return self.swa(x, position_embeddings, window_seq, None)[0]
-        ring = WindowRing(cache_layer, seq.positions, self.window)
+        ring = WindowRing(cache_layer, seq.positions, self.window, no_padding=seq.causal, consecutive=seq.consecutive)
         out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, ring.key_positions()), ring)
         return out
 

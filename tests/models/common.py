@@ -40,6 +40,10 @@ class ModelTester:
     vocab_size: int = 128
     #: prefill / decode agreement in fp32 (different summation orders, not different math)
     atol: float = 1e-4
+    #: factor on the tolerances of the unpadded fast path against the masked path, fp32 (a window
+    #: branch shorter than the input takes the banded form there: another summation order, measured
+    #: differences up to 2.3e-6 in the logits and 4.2e-7 in the gradients)
+    fast_path_slack: float = 1.0
 
     def model(self, seed: int = 0) -> PreTrainedModel:
         torch.manual_seed(seed)
@@ -199,11 +203,12 @@ class ModelTesterMixin:
                                                           if p.grad is not None}))
         assert seen == [True] * 3 + [False] * 3
         (fast, fast_cached, fast_grads), (masked, masked_cached, masked_grads) = results
-        assert torch.allclose(fast, masked, rtol=1e-5, atol=1e-6)
-        assert torch.allclose(fast_cached, masked_cached, rtol=1e-5, atol=1e-6)
+        slack = self.tester.fast_path_slack
+        assert torch.allclose(fast, masked, rtol=1e-5, atol=1e-6 * slack)
+        assert torch.allclose(fast_cached, masked_cached, rtol=1e-5, atol=1e-6 * slack)
         assert fast_grads.keys() == masked_grads.keys() and fast_grads
         for n, g in fast_grads.items():
-            assert torch.allclose(g, masked_grads[n], rtol=1e-5, atol=1e-7), n
+            assert torch.allclose(g, masked_grads[n], rtol=1e-5, atol=1e-7 * slack), n
 
     def test_packed_batch_keeps_documents_apart(self):
         """Documents packed into rows with position_ids restarting at each (DataCollatorWithFlattening's
