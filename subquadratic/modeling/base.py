@@ -174,7 +174,25 @@ class AttentionBase(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
-def banded_window_attention(q, k, v, q_pos, k_pos, window: int, scaling: float, dropout: float = 0.0):
+def window_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sinks: int = 0,
+                sink_slots: int = 0) -> torch.Tensor:
+    """`allowed_keys` of a sliding window that also keeps the first `sinks` tokens (attention sinks),
+    bool [B, Tq, S]. With `sink_slots`, the first sink_slots keys are copies of the sink tokens (a
+    window ring's, `window.WindowRing`), seen only once they are `window` or more positions back (the
+    window's own copy serves before), so no token counts twice; without, a key at position < sinks is
+    seen from every later query."""
+    allowed = allowed_keys(q_pos, k_pos, window)
+    if not sinks:
+        return allowed
+    qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+    if sink_slots:
+        copies = (kp[..., :sink_slots] >= 0) & (kp[..., :sink_slots] <= qp) & (qp - kp[..., :sink_slots] >= window)
+        return torch.cat([copies | (qp < 0), allowed[..., sink_slots:]], dim=-1)
+    return allowed | ((kp >= 0) & (kp < sinks) & (kp <= qp))
+
+
+def banded_window_attention(q, k, v, q_pos, k_pos, window: int, scaling: float, dropout: float = 0.0,
+                            sinks: int = 0, sink_slots: int = 0):
     """Sliding-window softmax attention in O(T W): query t sees the real keys j with t - W < j <= t.
 
     q [B, HQ, T, D]; k, v [B, H, S, D] (H divides HQ) with S = T (no earlier keys) or S = W + T (the
@@ -182,9 +200,17 @@ def banded_window_attention(q, k, v, q_pos, k_pos, window: int, scaling: float, 
     positions (-1: padding or an empty slot). Each row's new real tokens must sit in consecutive slots
     (no padding between them). The queries go in blocks of W, each against the W slots before it and
     its own: one SDPA call over [B * T / W] blocks with a [W, 2W] mask each, instead of a [T, S] mask.
-    Returns o [B, T, HQ, D], as Transformers' attention functions do."""
+    With `sinks`, the first `sinks` tokens count for every query once they leave its window
+    (`window_keys`): the keys' first `sink_slots` slots are their copies (a ring's; then S counts
+    them too), or, without, the first `sinks` slots of the new tokens (no padding). Returns
+    o [B, T, HQ, D], as Transformers' attention functions do."""
     import torch.nn.functional as F
 
+    if sinks:  # every block also sees the sink tokens, once W or more positions back
+        n_sink = sink_slots or min(sinks, k.shape[2])
+        sink_k, sink_v, sink_pos = k[:, :, :n_sink], v[:, :, :n_sink], k_pos[:, :n_sink]
+        if sink_slots:
+            k, v, k_pos = k[:, :, sink_slots:], v[:, :, sink_slots:], k_pos[:, sink_slots:]
     B, HQ, T, D = q.shape
     H, S, C = k.shape[1], k.shape[2], window
     if S == T:  # W empty slots in front: block 0 has no earlier keys
@@ -204,8 +230,15 @@ def banded_window_attention(q, k, v, q_pos, k_pos, window: int, scaling: float, 
     qb = q.view(B, HQ, n, C, D).transpose(1, 2).reshape(B * n, HQ, C, D)
     qp = q_pos.view(B, n, C, 1)
     kp = torch.cat([k_pos[:, : n * C].view(B, n, C), k_pos[:, C:].view(B, n, C)], dim=-1)[:, :, None, :]
-    allowed = ((kp >= 0) & (kp <= qp) & (qp - kp < C)) | (qp < 0)  # padded queries see every key (no NaN)
-    o = F.scaled_dot_product_attention(qb, blocks(k, H), blocks(v, H), attn_mask=allowed.view(B * n, 1, C, 2 * C),
+    allowed = (kp >= 0) & (kp <= qp) & (qp - kp < C)
+    kb, vb = blocks(k, H), blocks(v, H)
+    if sinks:
+        sp = sink_pos[:, None, None, :]  # [B, 1, 1, n_sink]
+        allowed = torch.cat([(sp >= 0) & (sp <= qp) & (qp - sp >= C), allowed], dim=-1)
+        per_block = lambda x: x[:, None].expand(B, n, *x.shape[1:]).reshape(B * n, *x.shape[1:])  # noqa: E731
+        kb, vb = torch.cat([per_block(sink_k), kb], dim=2), torch.cat([per_block(sink_v), vb], dim=2)
+    allowed = allowed | (qp < 0)  # padded queries see every key (no NaN)
+    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed.view(B * n, 1, C, -1),
                                        dropout_p=dropout, scale=scaling, enable_gqa=HQ != H)
     return o.view(B, n, HQ, C, D).transpose(2, 3).reshape(B, n * C, HQ, D)[:, :T]
 
@@ -222,6 +255,7 @@ class SoftmaxAttention(AttentionBase):
         super().__init__(config, layer_idx)
         kind = config.mixer_types[layer_idx]
         self.window = config.sliding_window if kind == "sliding_attention" else None
+        self.sinks = 0  # with a window: the first `sinks` tokens stay visible (a state mixer's window branch)
 
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
         q, k, v = self.project(hidden_states, position_embeddings)
@@ -229,11 +263,12 @@ class SoftmaxAttention(AttentionBase):
             k, v = cache_layer.update(k, v)
         sdpa = self.config._attn_implementation != "eager" and seq.attentions is None
         T, S = q.shape[2], k.shape[2]
-        W = self.window
-        if sdpa and W and T > W and ((seq.causal and S == T) or S == T + W and getattr(cache_layer, "banded", False)):
+        W, sink_slots = self.window, getattr(cache_layer, "sink_slots", 0)
+        if sdpa and W and T > W and ((seq.causal and S == T) or S == T + W + sink_slots
+                                     and getattr(cache_layer, "banded", False)):
             # a window shorter than the new tokens, no earlier keys or a window ring before them: O(T W)
             o = banded_window_attention(q, k, v, seq.positions, seq.key_positions, W, self.scaling,
-                                        self.attention_dropout if self.training else 0.0)
+                                        self.attention_dropout if self.training else 0.0, self.sinks, sink_slots)
             if not seq.causal:
                 o = o * seq.valid[:, :, None, None]
             return self.o_proj(o.reshape(*o.shape[:2], -1)), None
@@ -241,7 +276,7 @@ class SoftmaxAttention(AttentionBase):
             # every slot real, the queries the last T: causal (T = S) or every key (one query), no mask
             mask, is_causal = None, T > 1
         else:
-            allowed = allowed_keys(seq.positions, seq.key_positions, self.window)
+            allowed = window_keys(seq.positions, seq.key_positions, self.window, self.sinks, sink_slots)
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             mask, is_causal = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None], False
         if not sdpa:

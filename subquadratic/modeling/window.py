@@ -15,22 +15,25 @@ import torch
 from .base import SequenceInfo, SoftmaxAttention
 
 #: The cache layer's tensors of the window branch.
-WINDOW_FIELDS = ("swa_k", "swa_v", "swa_pos")
+WINDOW_FIELDS = ("swa_k", "swa_v", "swa_pos", "swa_sink_k", "swa_sink_v", "swa_sink_pos")
 
 
 class WindowRing:
     """The window's keys/values as `SoftmaxAttention` sees a KV cache, kept in a cache layer's ring:
     swa_k, swa_v [B, H, W, D] (a token at logical position p sits in slot p % W) and swa_pos [B, W]
-    (-1: empty slot).
+    (-1: empty slot); with `sinks` > 0 also the first `sinks` tokens of each row (the attention
+    sinks), kept for good in swa_sink_k, swa_sink_v [B, H, sinks, D] and swa_sink_pos [B, sinks].
 
-    One new token (decode) is written into its slot first and attends over the ring alone (the slot it
-    overwrites held a token W positions back, outside its window); several new tokens attend over the
-    ring followed by themselves, and then the last W of each row are written into the ring (the
-    layout `base.banded_window_attention` takes: W ring slots, then the new tokens)."""
+    The keys `update` returns: the sink slots (copies of tokens 0..sinks-1, which a query sees only
+    once they are W or more positions back: `sink_slots`), then for one new token (decode) the ring
+    after it is written into its slot (the slot it overwrites held a token W positions back, outside
+    its window), for several the ring followed by themselves, after which the last W of each row are
+    written into the ring (the layout `base.banded_window_attention` takes)."""
 
     def __init__(self, layer, positions: torch.Tensor, window: int, no_padding: bool = False,
-                 consecutive: bool = False) -> None:
+                 consecutive: bool = False, sinks: int = 0) -> None:
         self.layer, self.pos, self.window = layer, positions, window  # positions: [B, T] (-1 = padding)
+        self.sink_slots = sinks
         self.copy = torch.is_grad_enabled()  # never write in place into tensors autograd may have saved
         #: whether the banded form may read the keys `update` returns (W ring slots, then the new
         #: tokens), i.e. every key a query needs lies among the W slots before it: the new tokens hold
@@ -38,29 +41,51 @@ class WindowRing:
         #: to sit in consecutive slots (left padding, as a static cache checks at prefill)
         self.banded = no_padding or (consecutive and "swa_k" not in layer.tensors)
 
-    def _ring(self, k: torch.Tensor, v: torch.Tensor):
+    def _tensors(self, k: torch.Tensor, v: torch.Tensor, prefix: str, size: int):
         t = self.layer.tensors
-        if "swa_k" not in t:
+        if prefix + "k" not in t:
             B, H, _, D = k.shape
-            t["swa_k"] = k.new_zeros(B, H, self.window, D)
-            t["swa_v"] = v.new_zeros(B, H, self.window, D)
-            t["swa_pos"] = torch.full((B, self.window), -1, dtype=self.pos.dtype, device=self.pos.device)
-        ring = t["swa_k"], t["swa_v"], t["swa_pos"]
+            t[prefix + "k"] = k.new_zeros(B, H, size, D)
+            t[prefix + "v"] = v.new_zeros(B, H, size, D)
+            t[prefix + "pos"] = torch.full((B, size), -1, dtype=self.pos.dtype, device=self.pos.device)
+        ring = t[prefix + "k"], t[prefix + "v"], t[prefix + "pos"]
         return tuple(x.clone() for x in ring) if self.copy else ring
+
+    def _empty_pos(self, size: int) -> torch.Tensor:
+        return torch.full((self.pos.shape[0], size), -1, dtype=self.pos.dtype, device=self.pos.device)
+
+    def _sources(self, slots: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each of `slots` slots (position p -> slot p % slots), the new token it takes among the
+        `keep` ones (the newest: at most one kept token per slot): (has [B, slots], index [B, slots])."""
+        B, T = self.pos.shape
+        index = torch.arange(T, device=self.pos.device).expand(B, T)
+        src = torch.full((B, slots), -1, dtype=torch.long, device=self.pos.device).scatter_reduce(
+            1, self.pos.clamp(min=0) % slots, torch.where(keep, index, -1), reduce="amax")
+        return src >= 0, src.clamp(min=0)
+
+    def _sink_keep(self) -> torch.Tensor:
+        return (self.pos >= 0) & (self.pos < self.sink_slots)
 
     def key_positions(self) -> torch.Tensor:
         """[B, S] positions of the keys `update` returns, in their order."""
+        W = self.window
         ring_pos = self.layer.tensors.get("swa_pos")
-        if ring_pos is None:
-            ring_pos = torch.full((self.pos.shape[0], self.window), -1, dtype=self.pos.dtype, device=self.pos.device)
+        ring_pos = self._empty_pos(W) if ring_pos is None else ring_pos
         if self.pos.shape[1] == 1:
-            slot = self.pos.clamp(min=0) % self.window  # [B, 1]
-            return ring_pos.scatter(1, slot, torch.where(self.pos >= 0, self.pos, ring_pos.gather(1, slot)))
-        return torch.cat([ring_pos, self.pos], dim=1)
+            slot = self.pos.clamp(min=0) % W  # [B, 1]
+            keys = ring_pos.scatter(1, slot, torch.where(self.pos >= 0, self.pos, ring_pos.gather(1, slot)))
+        else:
+            keys = torch.cat([ring_pos, self.pos], dim=1)
+        if not self.sink_slots:
+            return keys
+        sink_pos = self.layer.tensors.get("swa_sink_pos")
+        sink_pos = self._empty_pos(self.sink_slots) if sink_pos is None else sink_pos
+        has, src = self._sources(self.sink_slots, self._sink_keep())
+        return torch.cat([torch.where(has, self.pos.gather(1, src), sink_pos), keys], dim=1)
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [B, H, T, D] (post-RoPE) -> the keys/values to attend over, [B, H, S, D]."""
-        ring_k, ring_v, ring_pos = self._ring(k, v)
+        ring_k, ring_v, ring_pos = self._tensors(k, v, "swa_", self.window)
         B, H, T, D = k.shape
         W, pos = self.window, self.pos
         if T == 1:
@@ -73,29 +98,35 @@ class WindowRing:
             keys, values = torch.cat([ring_k, k], dim=2), torch.cat([ring_v, v], dim=2)
             # each slot takes the row's newest token that maps to it among the row's last W real tokens
             last = pos.max(dim=1, keepdim=True).values  # [B, 1]
-            keep = (pos >= 0) & (pos > last - W)  # [B, T]; at most one kept token per slot
-            index = torch.arange(T, device=pos.device).expand(B, T)
-            src = torch.full((B, W), -1, dtype=torch.long, device=pos.device).scatter_reduce(
-                1, pos.clamp(min=0) % W, torch.where(keep, index, -1), reduce="amax"
-            )  # [B, W]: the new token each slot takes, -1 for none
-            has, src = src >= 0, src.clamp(min=0)
-            gather = src[:, None, :, None].expand(B, H, W, D)
-            ring_k = torch.where(has[:, None, :, None], k.gather(2, gather), ring_k)
-            ring_v = torch.where(has[:, None, :, None], v.gather(2, gather), ring_v)
-            ring_pos = torch.where(has, pos.gather(1, src), ring_pos)
+            ring_k, ring_v, ring_pos = self._write(k, v, (ring_k, ring_v, ring_pos), (pos >= 0) & (pos > last - W))
         self.layer.tensors.update(swa_k=ring_k, swa_v=ring_v, swa_pos=ring_pos)
+        if self.sink_slots:
+            sinks = self._write(k, v, self._tensors(k, v, "swa_sink_", self.sink_slots), self._sink_keep())
+            self.layer.tensors.update(swa_sink_k=sinks[0], swa_sink_v=sinks[1], swa_sink_pos=sinks[2])
+            keys, values = torch.cat([sinks[0], keys], dim=2), torch.cat([sinks[1], values], dim=2)
         return keys, values
+
+    def _write(self, k, v, buffers, keep):
+        """The buffers (k [B, H, n, D], v, pos [B, n]) with the `keep` new tokens written into slot p % n."""
+        buf_k, buf_v, buf_pos = buffers
+        B, H, n, D = buf_k.shape
+        has, src = self._sources(n, keep)
+        gather = src[:, None, :, None].expand(B, H, n, D)
+        return (torch.where(has[:, None, :, None], k.gather(2, gather), buf_k),
+                torch.where(has[:, None, :, None], v.gather(2, gather), buf_v),
+                torch.where(has, self.pos.gather(1, src), buf_pos))
 
 
 class WindowBranch:
     """Mixin of a state mixer with an optional sliding-window softmax branch (`self.swa`)."""
 
-    def add_window(self, config, layer_idx: int, window: int | None) -> None:
-        """The branch over the last `window` tokens (none for 0 / None): `self.window`, `self.swa`."""
+    def add_window(self, config, layer_idx: int, window: int | None, sinks: int = 0) -> None:
+        """The branch over the last `window` tokens (none for 0 / None) and the first `sinks` tokens:
+        `self.window`, `self.swa`."""
         self.window = window or 0
         if self.window:
             self.swa = SoftmaxAttention(config, layer_idx)
-            self.swa.window = self.window
+            self.swa.window, self.swa.sinks = self.window, sinks
 
     def window_attention(self, x: torch.Tensor, position_embeddings, seq: SequenceInfo, cache_layer) -> torch.Tensor:
         """Softmax attention over the last `self.window` tokens, through the shared `SoftmaxAttention`,
@@ -103,9 +134,22 @@ class WindowBranch:
         if cache_layer is None:
             window_seq = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=seq.causal)
             return self.swa(x, position_embeddings, window_seq, None)[0]
-        ring = WindowRing(cache_layer, seq.positions, self.window, no_padding=seq.causal, consecutive=seq.consecutive)
+        ring = WindowRing(cache_layer, seq.positions, self.window, no_padding=seq.causal, consecutive=seq.consecutive,
+                          sinks=self.swa.sinks)
         out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, ring.key_positions()), ring)
         return out
+
+
+#: Attention sinks a conversion gives a window branch when its options name none: the first tokens
+#: draw much of the source's attention mass (a window without them misses it; `window_keys`).
+CONVERT_SINKS = 4
+
+
+def with_sink_default(options: dict, window_field: str, sinks_field: str) -> dict:
+    """Conversion options with `sinks_field` = CONVERT_SINKS where a window is asked and no sinks are."""
+    if options.get(window_field) and options.get(sinks_field) is None:
+        return {**options, sinks_field: CONVERT_SINKS}
+    return options
 
 
 def window_copies(prefix: str, rest: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

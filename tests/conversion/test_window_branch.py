@@ -16,6 +16,7 @@ from subquadratic.modeling.base import CACHE_FIELD, SequenceInfo
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 W = 4
+SINKS = 4  # what conversion gives a window when its options name no sinks
 CASES = {
     "sse": ["--to", "sse", "--sse-sliding-window", str(W), "--sse-window-merge", "sum"],
     "hla": ["--to", "hla", "--hla-softmax-every", "2", "--hla-sliding-window", str(W)],
@@ -27,15 +28,15 @@ def gate_up(attn) -> torch.Tensor:
     return attn.g_proj[1].weight if isinstance(attn.g_proj, torch.nn.Sequential) else attn.g_proj.weight
 
 
-def window_reference(swa, x, pe, window: int) -> torch.Tensor:
-    """The source attention over keys j with t - window < j <= t, by its definition."""
+def window_reference(swa, x, pe, window: int, sinks: int) -> torch.Tensor:
+    """The source attention over keys j <= t with t - window < j or j < sinks, by its definition."""
     B, T, _ = x.shape
     d, G = swa.head_dim, swa.num_key_value_groups
     q, k, v = (getattr(swa, f"{n}_proj")(x).view(B, T, -1, d).transpose(1, 2) for n in "qkv")
     q, k = apply_rotary_pos_emb(q, k, *pe)
     k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     i, j = torch.arange(T)[:, None], torch.arange(T)[None]
-    mask = (j <= i) & (j > i - window)
+    mask = (j <= i) & ((j > i - window) | (j < sinks))
     w = (q @ k.transpose(-1, -2) / d**0.5).masked_fill(~mask, float("-inf")).softmax(-1)
     return swa.o_proj((w @ v).transpose(1, 2).reshape(B, T, -1))
 
@@ -68,19 +69,20 @@ def test_fresh_window_branch_is_the_sliding_window_softmax(family, dense_checkpo
     pe = m.model.rotary_emb(x, pos)
     for i in state_layers:
         attn = m.model.layers[i].self_attn
-        assert attn.window == W and not any("merge_norm" in n for n, _ in attn.named_parameters())
+        assert attn.window == W and attn.swa.sinks == SINKS
+        assert not any("merge_norm" in n for n, _ in attn.named_parameters())
         for n, t in attn.swa.state_dict().items():  # a byte-identical copy of the source attention
             assert torch.equal(t, src_sd[f"model.layers.{i}.self_attn.{n}"]), n
         assert not gate_up(attn).any()
         with torch.no_grad():
             got = attn(x, pe, seq)[0]
-            want = window_reference(attn.swa, x, pe, W)
+            want = window_reference(attn.swa, x, pe, W, SINKS)
         assert (got - want).abs().max().item() <= 1e-5, i
     with torch.no_grad():
         for i in state_layers:  # a trained gate: both branches count
             gate_up(m.model.layers[i].self_attn).normal_(std=0.2, generator=torch.Generator().manual_seed(2))
         moved = m.model.layers[state_layers[0]].self_attn(x, pe, seq)[0]
-    assert (moved - window_reference(m.model.layers[state_layers[0]].self_attn.swa, x, pe, W)).abs().max() > 1e-3
+    assert (moved - window_reference(m.model.layers[state_layers[0]].self_attn.swa, x, pe, W, SINKS)).abs().max() > 1e-3
     ids = torch.randint(3, 128, (2, 14), generator=torch.Generator().manual_seed(0))
     assert cached_decode_gap(m, ids, 7) <= 1e-4
 

@@ -9,16 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from subquadratic.kernels.utils import allowed_keys
 from subquadratic.modeling.base import CACHE_FIELD, banded_window_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def reference(q, k, v, q_pos, k_pos, window, scaling):
+def reference(q, k, v, q_pos, k_pos, window, scaling, sinks=0):
+    """By the definition: each query over the real keys at most `window` - 1 positions back, or among the
+    first `sinks` positions (each key slot once)."""
     G = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    allowed = allowed_keys(q_pos, k_pos, window)[:, None]
+    qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+    allowed = ((kp >= 0) & (kp <= qp) & ((qp - kp < window) | (kp < sinks)) | (qp < 0))[:, None]
     w = (q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf")).softmax(-1)
     return (w @ v).transpose(1, 2)  # [B, T, HQ, D]
 
@@ -29,39 +31,55 @@ def inputs(B, HQ, H, T, S, D, seed):
     return r(B, HQ, T, D), r(B, H, S, D), r(B, H, S, D)
 
 
-def check(q, k, v, q_pos, k_pos, W):
-    scaling = q.shape[-1] ** -0.5
-    got = banded_window_attention(q, k, v, q_pos, k_pos, W, scaling)
-    want = reference(q, k, v, q_pos, k_pos, W, scaling)
+def compare(got, want, q_pos, wrt):
     real = (q_pos >= 0)[:, :, None, None]
     assert got.shape == want.shape
     assert torch.allclose(got * real, want * real, atol=1e-12, rtol=0)
     cot = torch.randn_like(got)
-    g1 = torch.autograd.grad((got * real * cot).sum(), (q, k, v))
-    g2 = torch.autograd.grad((want * real * cot).sum(), (q, k, v))
+    g1 = torch.autograd.grad((got * real * cot).sum(), wrt)
+    g2 = torch.autograd.grad((want * real * cot).sum(), wrt)
     for a, b in zip(g1, g2, strict=True):
         assert torch.allclose(a, b, atol=1e-12, rtol=0)
 
 
+def check(q, k, v, q_pos, k_pos, W, sinks=0):
+    scaling = q.shape[-1] ** -0.5
+    got = banded_window_attention(q, k, v, q_pos, k_pos, W, scaling, sinks=sinks)
+    compare(got, reference(q, k, v, q_pos, k_pos, W, scaling, sinks), q_pos, (q, k, v))
+
+
+@pytest.mark.parametrize("sinks", [0, 3])
 @pytest.mark.parametrize("T", [9, 16, 17, 40])
-def test_no_earlier_keys(T):
+def test_no_earlier_keys(T, sinks):
     W = 8
     q, k, v = inputs(2, 4, 2, T, T, 16, T)
     pos = torch.arange(T).expand(2, T)
-    check(q, k, v, pos, pos, W)
+    check(q, k, v, pos, pos, W, sinks)
 
 
-@pytest.mark.parametrize("earlier", [3, 8, 21])
-def test_a_window_ring_before_the_new_tokens(earlier):
-    """The ring holds the last W of `earlier` tokens in slot p % W (empty slots -1)."""
+@pytest.mark.parametrize("sinks", [0, 3])
+@pytest.mark.parametrize("earlier", [2, 8, 21])
+def test_a_window_ring_before_the_new_tokens(earlier, sinks):
+    """`earlier` tokens came before: the ring holds the last W of them in slot p % W (empty slots -1),
+    the sink slots copies of the first `sinks` tokens (-1 until seen, the new ones included, as
+    `WindowRing` writes them); the result is the definition's over the whole history."""
     W, T, B = 8, 19, 2
-    q, k, v = inputs(B, 4, 1, T, W + T, 8, earlier)
+    L = earlier + T
+    q, k_all, v_all = inputs(B, 4, 1, T, L, 8, earlier)
+    pos_all = torch.arange(L)
     ring = torch.full((W,), -1)
     for p in range(max(0, earlier - W), earlier):
         ring[p % W] = p
-    k_pos = torch.cat([ring, torch.arange(earlier, earlier + T)]).expand(B, -1)
-    q_pos = torch.arange(earlier, earlier + T).expand(B, T)
-    check(q, k, v, q_pos, k_pos, W)
+    sink = torch.where(torch.arange(sinks) < L, torch.arange(sinks), -1)
+    slots = torch.cat([sink, ring, torch.arange(earlier, L)])
+    take = slots.clamp(min=0)
+    k, v = k_all[:, :, take], v_all[:, :, take]
+    k_pos = slots.expand(B, -1)
+    q_pos = torch.arange(earlier, L).expand(B, T)
+    scaling = 8**-0.5
+    got = banded_window_attention(q, k, v, q_pos, k_pos, W, scaling, sinks=sinks, sink_slots=sinks)
+    want = reference(q, k_all, v_all, q_pos, pos_all.expand(B, L), W, scaling, sinks)
+    compare(got, want, q_pos, (q, k_all, v_all))
 
 
 def test_left_padding_with_an_empty_ring():
@@ -78,8 +96,8 @@ def test_wrong_layout_is_refused():
         banded_window_attention(q, k, v, torch.arange(10)[None], torch.arange(12)[None], 4, 1.0)
 
 
-@pytest.mark.parametrize("merge", ["norm", "sum"])
-def test_sse_window_layers_take_it(merge, monkeypatch):
+@pytest.mark.parametrize("merge,sinks", [("norm", 0), ("sum", 0), ("sum", 3)])
+def test_sse_window_layers_take_it(merge, sinks, monkeypatch):
     """A whole SSE model whose window (8) is shorter than its input: the no-cache forward, a prefill
     into an empty ring and a second prefill into a filled ring all take the banded form, and give the
     logits of the same model with the definition (`reference`) in its place."""
@@ -97,10 +115,19 @@ def test_sse_window_layers_take_it(merge, monkeypatch):
             second = m(ids[:, 17:], **{CACHE_FIELD: getattr(first, CACHE_FIELD)}, use_cache=True).logits
         return full, torch.cat([first.logits, second], 1)
 
-    m = lively("tiny-swa", 0, sse_window_merge=merge).double()
+    m = lively("tiny-swa", 0, sse_window_merge=merge, sse_window_sinks=sinks).double()
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(3))
     banded = run(banded_window_attention)
     assert len(calls) == 3 * m.config.num_hidden_layers
-    defined = run(lambda q, k, v, q_pos, k_pos, W, scaling, dropout: reference(q, k, v, q_pos, k_pos, W, scaling))
+    def defined_form(q, k, v, q_pos, k_pos, W, scaling, dropout, sinks, sink_slots):
+        # the definition over the distinct tokens: the sink copies stand for tokens 0..sinks-1
+        if sink_slots:
+            copies = k_pos[:, :sink_slots]
+            rest = k_pos[:, sink_slots:]
+            dup = (rest[:, :, None] == copies[:, None, :]).any(-1)  # the window's own copy of a sink token
+            k_pos = torch.cat([copies, torch.where(dup, -1, rest)], dim=1)
+        return reference(q, k, v, q_pos, k_pos, W, scaling, sinks)
+
+    defined = run(defined_form)
     for a, b in zip(banded, defined, strict=True):
         assert torch.allclose(a, b, atol=1e-10, rtol=0)

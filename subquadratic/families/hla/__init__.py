@@ -33,6 +33,10 @@ OPTIONS: dict[str, dict] = {
         help="add an in-layer sliding-window softmax branch of this many tokens to the HLA output (a copy of the "
              "source attention; a fresh conversion is exactly that window)",
     ),
+    "window-sinks": dict(
+        type=int_at_least(0, "N"), dest="hla_window_sinks",
+        help="the window branch also sees the first N tokens, the attention sinks (default 4 with a window)",
+    ),
     "decay-init-min": dict(
         type=float, dest="decay_init_min",
         help="initial decay rate of the shortest-memory head (default 0.9; the heads spread geometrically in "

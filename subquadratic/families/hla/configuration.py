@@ -24,8 +24,9 @@ class HLAConfig(SubquadraticConfig):
     training / prefill form. `hla_sliding_window` > 0 adds an in-layer sliding-window softmax branch
     over that many tokens (`swa.*`, a copy of the source attention, `modeling.window`) to the HLA
     output; the gate W_g starts at 0, so a fresh conversion is exactly the source's sliding-window
-    softmax (it needs `output_gate`). The kernels follow `kernel_backend` ("naive": the serial
-    recurrence at every length).
+    softmax (it needs `output_gate`); it also sees the first `hla_window_sinks` tokens (attention
+    sinks; `convert` gives 4 with a window unless told otherwise). The kernels follow
+    `kernel_backend` ("naive": the serial recurrence at every length).
     """
 
     model_type = "hla"
@@ -44,6 +45,7 @@ class HLAConfig(SubquadraticConfig):
     output_gate: bool = True
     hla_rope: bool = False
     hla_sliding_window: int | None = None
+    hla_window_sinks: int = 0
 
     def check(self) -> None:
         super().check()
@@ -59,6 +61,8 @@ class HLAConfig(SubquadraticConfig):
             raise ValueError(f"hla_chunk_size must be >= 1, got {self.hla_chunk_size}")
         if self.hla_sliding_window is not None and self.hla_sliding_window < 0:
             raise ValueError(f"hla_sliding_window must be >= 0 (or None), got {self.hla_sliding_window}")
+        if self.hla_window_sinks is not None and self.hla_window_sinks < 0:
+            raise ValueError(f"hla_window_sinks must be >= 0, got {self.hla_window_sinks}")
         if self.hla_sliding_window and not self.output_gate:
             raise ValueError("hla_sliding_window needs output_gate (the HLA branch starts at 0 through its gate)")
         if self.hla_eps <= 0 or self.qk_scale <= 0:

@@ -25,14 +25,15 @@ import torch
 
 from ...configuration.base import SOFTMAX_MIXERS
 from ...conversion.core import SOURCE_AND_WINDOW_PARAMS, Converter, hybrid_config, softmax_layer_notes
-from ...modeling.window import window_copies
+from ...modeling.window import window_copies, with_sink_default
 from .configuration import HLAConfig
 
 
 def build_config(fields: dict, options: dict) -> HLAConfig:
     """The layout options choose the softmax layers (none by default: pure HLA); every other option
     (`OPTIONS` of the declaration) is an HLAConfig field."""
-    return hybrid_config(HLAConfig, fields, options, "hla", "hla")
+    return hybrid_config(HLAConfig, fields, with_sink_default(options, "hla_sliding_window", "hla_window_sinks"),
+                         "hla", "hla")
 
 
 def card_notes(config: HLAConfig) -> dict[str, str]:
@@ -43,8 +44,9 @@ def card_notes(config: HLAConfig) -> dict[str, str]:
         "num_layers": str(config.num_hidden_layers),
         "num_hla_layers": str(config.num_hidden_layers - len(soft)),
         "softmax_layers": softmax_layer_notes(config) or "none (pure HLA)",
-        "sliding_window": (f"{config.hla_sliding_window} tokens, added to the HLA output (a copy of the source "
-                           "attention; the gate starts at 0, so the fresh layer is exactly that window)"
+        "sliding_window": (f"{config.hla_sliding_window} tokens and the first {config.hla_window_sinks}, added to "
+                           "the HLA output (a copy of the source attention; the gate starts at 0, so the fresh "
+                           "layer is exactly that window)"
                            if config.hla_sliding_window else "off"),
         "summary": (f"{config.hla_variant}, {config.decay_mode} decay, "
                     f"softmax layers: {softmax_layer_notes(config) or 'none'}"),

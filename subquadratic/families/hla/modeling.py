@@ -78,7 +78,7 @@ class HLAAttention(WindowBranch, AttentionBase):
             self.g_proj = nn.Linear(h, hq * d, bias=False)
         if config.output_norm:
             self.o_norm = HeadNorm(hq, d, eps=config.rms_norm_eps)
-        self.add_window(config, layer_idx, config.hla_sliding_window)
+        self.add_window(config, layer_idx, config.hla_sliding_window, config.hla_window_sinks or 0)
         self.reset_mixer_parameters()
 
     def reset_mixer_parameters(self) -> None:

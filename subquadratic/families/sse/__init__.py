@@ -41,6 +41,10 @@ OPTIONS: dict[str, dict] = {
         help="how the window branch joins the SSE branch: norm, (RMSNorm + RMSNorm) / 2 (default); sum, added, "
              "so that a fresh conversion starts as the sliding-window softmax",
     ),
+    "window-sinks": dict(
+        type=int_at_least(0, "N"), dest="sse_window_sinks",
+        help="the window branch also sees the first N tokens, the attention sinks (default 4 with a window)",
+    ),
     "base": dict(choices=["gla", "gdn"], dest="sse_base", help="linear-attention base (default gla)"),
     "key-topk": dict(type=nonnegative_int, dest="sse_key_topk",
                      help="row-sparse keys: softmax over the top N entries only"),

@@ -29,6 +29,8 @@ class SSEConfig(SubquadraticConfig):
     projections (`swa.*`), merged by `sse_window_merge`: "norm", (RMSNorm(o_sse) + RMSNorm(o_swa)) / 2,
     the SSE authors' form; or "sum", o_swa + o_sse, with the output gate's up projection
     initialised to 0, so that a fresh conversion is exactly the source's sliding-window softmax.
+    `sse_window_sinks`: the window branch also sees the first that many tokens (attention sinks;
+    `convert` gives 4 with a window unless told otherwise).
     `aux_loss_weight` scales the router load-balance loss (summed over SSE layers) that the model
     adds to the LM loss in training. The kernels follow `kernel_backend` ("torch": the recurrent
     step for one token and the sorted variable-length form otherwise; "naive": the serial
@@ -45,6 +47,7 @@ class SSEConfig(SubquadraticConfig):
     sse_key_topk: int = 0
     sse_sliding_window: int | None = None
     sse_window_merge: str = "norm"
+    sse_window_sinks: int = 0
     sse_gate_rank: int = 16
     sse_gate_normalizer: float = 16.0
     sse_output_gate_rank: int | None = None
@@ -66,7 +69,7 @@ class SSEConfig(SubquadraticConfig):
             raise ValueError(f"sse_window_merge must be 'norm' or 'sum', got {self.sse_window_merge!r}")
         if self.sse_key_topk and self.sse_base != "gla":
             raise ValueError("sse_key_topk (row-sparse softmax keys) applies to sse_base='gla' only; set it to 0")
-        for name in ("sse_lora_rank", "sse_output_gate_rank", "sse_sliding_window"):
+        for name in ("sse_lora_rank", "sse_output_gate_rank", "sse_sliding_window", "sse_window_sinks"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0 (or None), got {value}")

@@ -32,7 +32,7 @@ from ...conversion.core import (
     hybrid_config,
     softmax_layer_notes,
 )
-from ...modeling.window import window_copies
+from ...modeling.window import window_copies, with_sink_default
 from .configuration import SSEConfig
 
 SEED = 0
@@ -42,7 +42,8 @@ _ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(.+)$")
 def build_config(fields: dict, options: dict) -> SSEConfig:
     """The layout options choose the softmax layers (none by default: pure SSE; the `sse-h` preset:
     every 6th); every other option (`OPTIONS` of the declaration) is an SSEConfig field."""
-    return hybrid_config(SSEConfig, fields, options, "sse", "sse")
+    return hybrid_config(SSEConfig, fields, with_sink_default(options, "sse_sliding_window", "sse_window_sinks"),
+                         "sse", "sse")
 
 
 def _is_sse(config: SSEConfig, layer: int) -> bool:
@@ -76,7 +77,7 @@ def card_notes(config: SSEConfig) -> dict[str, str]:
         "num_layers": str(config.num_hidden_layers),
         "num_sse_layers": str(config.num_hidden_layers - len(soft)),
         "softmax_layers": softmax_layer_notes(config) or "none (pure SSE)",
-        "sliding_window": (f"{config.sse_sliding_window} tokens, "
+        "sliding_window": (f"{config.sse_sliding_window} tokens and the first {config.sse_window_sinks}, "
                            + ("added to the SSE output (the gate's up projection starts at 0, so the fresh layer "
                               "is exactly that window)" if config.sse_window_merge == "sum" else
                               "merged as (RMSNorm(SSE) + RMSNorm(window)) / 2")

@@ -119,7 +119,7 @@ class SSEAttention(WindowBranch, AttentionBase):
             nn.Linear(h, config.output_gate_rank, bias=False), nn.Linear(config.output_gate_rank, hq * d, bias=False)
         )
         self.o_norm = SSERMSNorm(d, eps=config.rms_norm_eps)
-        self.add_window(config, layer_idx, config.sse_sliding_window)
+        self.add_window(config, layer_idx, config.sse_sliding_window, config.sse_window_sinks or 0)
         if self.window:
             if config.sse_window_merge == "norm":
                 self.sse_merge_norm = SSERMSNorm(h, eps=config.rms_norm_eps)
