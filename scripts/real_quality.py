@@ -168,9 +168,13 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
             ("decay-long", "initial decays 0.99..0.9999", dict(sse_decay_init_min=0.99, sse_decay_init_max=0.9999),
              {}),
             ("decay-wide", "initial decays 0.5..0.9999", dict(sse_decay_init_min=0.5, sse_decay_init_max=0.9999), {}),
-            ("window", f"window branch of {scale.window} tokens", dict(sse_sliding_window=scale.window), {}),
-            ("window-sum", f"window branch of {scale.sum_window} tokens added to the SSE output (starts as the "
-             "sliding-window softmax)", dict(sse_sliding_window=scale.sum_window, sse_window_merge="sum"), {}),
+            ("window", f"window branch of {scale.window} tokens and 4 sinks (the norm merge)",
+             dict(sse_sliding_window=scale.window), {}),
+            ("window-sum", f"window branch of {scale.sum_window} tokens and 4 sinks added to the SSE output (starts "
+             "as that sliding-window softmax)", dict(sse_sliding_window=scale.sum_window, sse_window_merge="sum"), {}),
+            ("window-sum-no-sinks", f"window branch of {scale.sum_window} tokens added to the SSE output, without "
+             "attention sinks", dict(sse_sliding_window=scale.sum_window, sse_window_merge="sum", sse_window_sinks=0),
+             {}),
             ("decay-short", "initial decays 0.5..0.99", dict(sse_decay_init_min=0.5, sse_decay_init_max=0.99), {}),
             ("partitions-8", "8 partitions", dict(sse_num_partitions=8), {}),
             ("auto-layers", f"softmax at the {k} costliest layers (auto:{k})", dict(softmax_layers=f"auto:{k}"), {}),
@@ -184,8 +188,8 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
             ("decay-long", "initial decays 0.99..0.9999", dict(decay_init_min=0.99, decay_init_max=0.9999), {}),
             ("decay-wide", "initial decays 0.5..0.9999", dict(decay_init_min=0.5, decay_init_max=0.9999), {}),
             ("decay-short", "initial decays 0.5..0.95", dict(decay_init_min=0.5, decay_init_max=0.95), {}),
-            ("window-sum", f"window branch of {scale.sum_window} tokens added to the HLA output (starts as the "
-             "sliding-window softmax)", dict(hla_sliding_window=scale.sum_window), {}),
+            ("window-sum", f"window branch of {scale.sum_window} tokens and 4 sinks added to the HLA output (starts "
+             "as that sliding-window softmax)", dict(hla_sliding_window=scale.sum_window), {}),
             ("auto-layers", f"softmax at the {k} costliest layers (auto:{k})", dict(softmax_layers=f"auto:{k}"), {}),
             ("normalize", "normalised form (divide by q^T eta)", dict(hla_normalize=True), {}),
             ("rope", "RoPE on q and k", dict(hla_rope=True), {}),
