@@ -167,7 +167,8 @@ def probe_row(row, src: Path, data_train: dict, data_eval: dict, layers: list[in
     losses = fit(model, mixers, data_train, args, log)
     after = score(model, mixers, data_eval, buckets)
     mean = lambda r: [sum(v[k] for v in r.values()) / len(r) for k in range(len(buckets))]  # noqa: E731
-    return dict(row=row.name, label=row.label, to=row.to, options=row.options, before=before, after=after,
+    return dict(row=row.name, label=row.label, change=row.change or "base", to=row.to, options=row.options,
+                before=before, after=after,
                 before_mean=mean(before), after_mean=mean(after), first_loss=losses[0] if losses else None,
                 last_loss=sum(losses[-10:]) / max(1, len(losses[-10:])), seconds=time.perf_counter() - t0)
 
@@ -184,7 +185,8 @@ def report(results: dict) -> str:
     for r in results["rows"].values():
         after = r["after_mean"]
         growth = after[-1] / after[0] if after[0] > 0 else float("nan")
-        lines.append(f"| {r['row']} | {r['label']} | " + " | ".join(f"{v:.3f}" for v in r["before_mean"]) + " | "
+        change = r.get("change", r["label"])
+        lines.append(f"| {r['row']} | {change} | " + " | ".join(f"{v:.3f}" for v in r["before_mean"]) + " | "
                      + " | ".join(f"{v:.3f}" for v in after) + f" | {growth:.2f}x | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
