@@ -63,6 +63,13 @@ class ConversionError(InputError):
 SOURCE_PARAMS = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.")
 #: The same, plus a state mixer's window branch (`swa.*`, copies of the source attention: `modeling.window`).
 SOURCE_AND_WINDOW_PARAMS = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm|swa)\.")
+_MIXER_TENSOR = re.compile(r"^(model\.layers\.(\d+)\.self_attn\.)(.+)$")
+
+
+def mixer_tensor(name: str) -> tuple[str, int, str] | None:
+    """(prefix "model.layers.{i}.self_attn.", i, the rest) of a layer's mixer tensor name, else None."""
+    m = _MIXER_TENSOR.match(name)
+    return None if m is None else (m.group(1), int(m.group(2)), m.group(3))
 
 
 @dataclass

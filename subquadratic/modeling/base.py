@@ -228,18 +228,16 @@ def banded_window_attention(q, k, v, q_pos, k_pos, window: int, scaling: float, 
         return torch.cat([lo, hi], dim=3).transpose(1, 2).reshape(B * n, heads, 2 * C, D)
 
     qb = q.view(B, HQ, n, C, D).transpose(1, 2).reshape(B * n, HQ, C, D)
-    qp = q_pos.view(B, n, C, 1)
-    kp = torch.cat([k_pos[:, : n * C].view(B, n, C), k_pos[:, C:].view(B, n, C)], dim=-1)[:, :, None, :]
-    allowed = (kp >= 0) & (kp <= qp) & (qp - kp < C)
     kb, vb = blocks(k, H), blocks(v, H)
-    if sinks:
-        sp = sink_pos[:, None, None, :]  # [B, 1, 1, n_sink]
-        allowed = torch.cat([(sp >= 0) & (sp <= qp) & (qp - sp >= C), allowed], dim=-1)
+    kp = torch.cat([k_pos[:, : n * C].view(B, n, C), k_pos[:, C:].view(B, n, C)], dim=-1)  # [B, n, 2C]
+    n_copies = 0
+    if sinks:  # the sink tokens before every block's keys, as a ring's copies are (`window_keys`)
         per_block = lambda x: x[:, None].expand(B, n, *x.shape[1:]).reshape(B * n, *x.shape[1:])  # noqa: E731
         kb, vb = torch.cat([per_block(sink_k), kb], dim=2), torch.cat([per_block(sink_v), vb], dim=2)
-    allowed = allowed | (qp < 0)  # padded queries see every key (no NaN)
-    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed.view(B * n, 1, C, -1),
-                                       dropout_p=dropout, scale=scaling, enable_gqa=HQ != H)
+        kp, n_copies = torch.cat([sink_pos[:, None].expand(B, n, -1), kp], dim=-1), sink_pos.shape[1]
+    allowed = window_keys(q_pos.view(B * n, C), kp.reshape(B * n, -1), C, sinks, n_copies)
+    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed[:, None], dropout_p=dropout, scale=scaling,
+                                       enable_gqa=HQ != H)
     return o.view(B, n, HQ, C, D).transpose(2, 3).reshape(B, n * C, HQ, D)[:, :T]
 
 
@@ -264,31 +262,27 @@ class SoftmaxAttention(AttentionBase):
         sdpa = self.config._attn_implementation != "eager" and seq.attentions is None
         T, S = q.shape[2], k.shape[2]
         W, sink_slots = self.window, getattr(cache_layer, "sink_slots", 0)
+        dropout = self.attention_dropout if self.training else 0.0
         if sdpa and W and T > W and ((seq.causal and S == T) or S == T + W + sink_slots
                                      and getattr(cache_layer, "banded", False)):
             # a window shorter than the new tokens, no earlier keys or a window ring before them: O(T W)
-            o = banded_window_attention(q, k, v, seq.positions, seq.key_positions, W, self.scaling,
-                                        self.attention_dropout if self.training else 0.0, self.sinks, sink_slots)
-            if not seq.causal:
-                o = o * seq.valid[:, :, None, None]
-            return self.o_proj(o.reshape(*o.shape[:2], -1)), None
-        if sdpa and seq.causal and T in (S, 1) and (not self.window or S <= self.window):
-            # every slot real, the queries the last T: causal (T = S) or every key (one query), no mask
-            mask, is_causal = None, T > 1
+            o = banded_window_attention(q, k, v, seq.positions, seq.key_positions, W, self.scaling, dropout,
+                                        self.sinks, sink_slots)
         else:
-            allowed = window_keys(seq.positions, seq.key_positions, self.window, self.sinks, sink_slots)
-            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-            mask, is_causal = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None], False
-        if not sdpa:
-            fn = eager_attention_forward
-        else:
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
-        o, weights = fn(
-            self, q, k, v, mask, dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling, is_causal=is_causal,
-        )
-        if seq.attentions is not None:
-            seq.attentions[self.layer_idx] = weights
+            if sdpa and seq.causal and T in (S, 1) and (not self.window or S <= self.window):
+                # every slot real, the queries the last T: causal (T = S) or every key (one query), no mask
+                mask, is_causal = None, T > 1
+            else:
+                allowed = window_keys(seq.positions, seq.key_positions, self.window, self.sinks, sink_slots)
+                mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+                mask, is_causal = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None], False
+            if not sdpa:
+                fn = eager_attention_forward
+            else:
+                from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+            o, weights = fn(self, q, k, v, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal)
+            if seq.attentions is not None:
+                seq.attentions[self.layer_idx] = weights
         if not seq.causal:  # causal: every new token is real, nothing to zero
             o = o * seq.valid[:, :, None, None]  # [B, T, HQ, D]
         return self.o_proj(o.reshape(*o.shape[:2], -1)), None

@@ -47,7 +47,7 @@ class WindowRing:
             B, H, _, D = k.shape
             t[prefix + "k"] = k.new_zeros(B, H, size, D)
             t[prefix + "v"] = v.new_zeros(B, H, size, D)
-            t[prefix + "pos"] = torch.full((B, size), -1, dtype=self.pos.dtype, device=self.pos.device)
+            t[prefix + "pos"] = self._empty_pos(size)
         ring = t[prefix + "k"], t[prefix + "v"], t[prefix + "pos"]
         return tuple(x.clone() for x in ring) if self.copy else ring
 
@@ -153,6 +153,6 @@ def with_sink_default(options: dict, window_field: str, sinks_field: str) -> dic
 
 
 def window_copies(prefix: str, rest: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """A converted layer's source attention tensor `prefix + rest` (e.g. rest "q_proj.weight"), copied
-    as the window branch's `prefix + "swa." + rest`."""
+    """A converted layer's source attention tensor `prefix + rest` (`conversion.core.mixer_tensor`'s
+    parts, e.g. rest "q_proj.weight"), copied as the window branch's `prefix + "swa." + rest`."""
     return [(prefix + "swa." + rest, t.clone())]

@@ -18,13 +18,12 @@ says so). The new parameters come from `HLAAttention.reset_mixer_parameters` und
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
 
 from ...configuration.base import SOFTMAX_MIXERS
-from ...conversion.core import SOURCE_AND_WINDOW_PARAMS, Converter, hybrid_config, softmax_layer_notes
+from ...conversion.core import SOURCE_AND_WINDOW_PARAMS, Converter, hybrid_config, mixer_tensor, softmax_layer_notes
 from ...modeling.window import window_copies, with_sink_default
 from .configuration import HLAConfig
 
@@ -53,15 +52,12 @@ def card_notes(config: HLAConfig) -> dict[str, str]:
     }
 
 
-_ATTN = re.compile(r"^(model\.layers\.(\d+)\.self_attn\.)(.+)$")
-
-
 def map_tensor(name: str, t: torch.Tensor, config: HLAConfig) -> Iterable[tuple[str, torch.Tensor]]:
     """Every tensor as is; with the window branch, an HLA layer's attention tensors also under swa."""
-    m = _ATTN.match(name)
-    if m is None or not config.hla_sliding_window or config.mixer_types[int(m.group(2))] in SOFTMAX_MIXERS:
+    parts = mixer_tensor(name)
+    if parts is None or not config.hla_sliding_window or config.mixer_types[parts[1]] in SOFTMAX_MIXERS:
         return [(name, t)]
-    return [(name, t), *window_copies(m.group(1), m.group(3), t)]
+    return [(name, t), *window_copies(parts[0], parts[2], t)]
 
 
 #: New parameters come from `HLAAttention.reset_mixer_parameters` (the default `new_tensors`); the

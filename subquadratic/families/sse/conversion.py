@@ -19,7 +19,6 @@ initialisation) under a fixed seed, so a conversion is reproducible.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
@@ -30,13 +29,13 @@ from ...conversion.core import (
     Converter,
     fresh_mixer_tensors,
     hybrid_config,
+    mixer_tensor,
     softmax_layer_notes,
 )
 from ...modeling.window import window_copies, with_sink_default
 from .configuration import SSEConfig
 
 SEED = 0
-_ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(.+)$")
 
 
 def build_config(fields: dict, options: dict) -> SSEConfig:
@@ -51,10 +50,10 @@ def _is_sse(config: SSEConfig, layer: int) -> bool:
 
 
 def map_tensor(name: str, t: torch.Tensor, config: SSEConfig) -> Iterable[tuple[str, torch.Tensor]]:
-    m = _ATTN.match(name)
-    if m is None or not _is_sse(config, int(m.group(1))):
+    parts = mixer_tensor(name)
+    if parts is None or not _is_sse(config, parts[1]):
         return [(name, t)]
-    prefix, rest = name[: -len(m.group(2))], m.group(2)
+    prefix, _, rest = parts
     out = window_copies(prefix, rest, t) if config.sse_sliding_window else []
     if rest.split(".")[0] in ("k_proj", "v_proj"):  # [H * D, ...] -> [HQ * D, ...], kv head j -> q heads jG..jG+G-1
         h, g = config.num_key_value_heads, config.num_key_value_groups
