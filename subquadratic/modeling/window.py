@@ -85,21 +85,17 @@ class WindowRing:
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [B, H, T, D] (post-RoPE) -> the keys/values to attend over, [B, H, S, D]."""
-        ring_k, ring_v, ring_pos = self._tensors(k, v, "swa_", self.window)
-        B, H, T, D = k.shape
-        W, pos = self.window, self.pos
-        if T == 1:
-            rows, slot, real = torch.arange(B, device=k.device), pos[:, 0].clamp(min=0) % W, pos[:, 0] >= 0
-            ring_k[rows, :, slot] = torch.where(real[:, None, None], k[:, :, 0], ring_k[rows, :, slot])
-            ring_v[rows, :, slot] = torch.where(real[:, None, None], v[:, :, 0], ring_v[rows, :, slot])
-            ring_pos[rows, slot] = torch.where(real, pos[:, 0], ring_pos[rows, slot])
-            keys, values = ring_k, ring_v
+        ring = self._tensors(k, v, "swa_", self.window)
+        pos = self.pos
+        if k.shape[2] == 1:
+            ring = self._write(k, v, ring, pos >= 0)
+            keys, values = ring[0], ring[1]
         else:
-            keys, values = torch.cat([ring_k, k], dim=2), torch.cat([ring_v, v], dim=2)
+            keys, values = torch.cat([ring[0], k], dim=2), torch.cat([ring[1], v], dim=2)
             # each slot takes the row's newest token that maps to it among the row's last W real tokens
             last = pos.max(dim=1, keepdim=True).values  # [B, 1]
-            ring_k, ring_v, ring_pos = self._write(k, v, (ring_k, ring_v, ring_pos), (pos >= 0) & (pos > last - W))
-        self.layer.tensors.update(swa_k=ring_k, swa_v=ring_v, swa_pos=ring_pos)
+            ring = self._write(k, v, ring, (pos >= 0) & (pos > last - self.window))
+        self.layer.tensors.update(swa_k=ring[0], swa_v=ring[1], swa_pos=ring[2])
         if self.sink_slots:
             sinks = self._write(k, v, self._tensors(k, v, "swa_sink_", self.sink_slots), self._sink_keep())
             self.layer.tensors.update(swa_sink_k=sinks[0], swa_sink_v=sinks[1], swa_sink_pos=sinks[2])
@@ -107,9 +103,17 @@ class WindowRing:
         return keys, values
 
     def _write(self, k, v, buffers, keep):
-        """The buffers (k [B, H, n, D], v, pos [B, n]) with the `keep` new tokens written into slot p % n."""
+        """The buffers (k [B, H, n, D], v, pos [B, n]) with the `keep` new tokens written into slot p % n.
+        One new token (decode) is written in place, so that a captured decode step keeps writing into
+        the tensors the cache holds; several give new tensors."""
         buf_k, buf_v, buf_pos = buffers
         B, H, n, D = buf_k.shape
+        if k.shape[2] == 1:
+            rows, slot, real = torch.arange(B, device=k.device), self.pos[:, 0].clamp(min=0) % n, keep[:, 0]
+            buf_k[rows, :, slot] = torch.where(real[:, None, None], k[:, :, 0], buf_k[rows, :, slot])
+            buf_v[rows, :, slot] = torch.where(real[:, None, None], v[:, :, 0], buf_v[rows, :, slot])
+            buf_pos[rows, slot] = torch.where(real, self.pos[:, 0], buf_pos[rows, slot])
+            return buffers
         has, src = self._sources(n, keep)
         gather = src[:, None, :, None].expand(B, H, n, D)
         return (torch.where(has[:, None, :, None], k.gather(2, gather), buf_k),

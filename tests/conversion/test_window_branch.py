@@ -109,3 +109,27 @@ def test_hla_window_needs_the_gate():
 
     with pytest.raises(ValueError, match="needs output_gate"):
         HLAConfig(hla_sliding_window=8, output_gate=False)
+
+
+def test_decode_writes_the_ring_and_the_sinks_in_place(dense_checkpoint, tmp_path):
+    """A prompt shorter than the sinks, then one-token steps: the sink tokens are written during decode,
+    into the tensors the cache already holds (what a captured decode step replays), and the logits
+    equal the full forward's."""
+    _, src = dense_checkpoint("llama")
+    assert cli_main(["convert", str(src), str(tmp_path / "out"), "--to", "hla", "--hla-sliding-window", str(W),
+                     "--no-progress"]) == 0
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.g_proj.weight.normal_(std=0.2, generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    assert cached_decode_gap(m, ids, 2) <= 1e-4
+    with torch.no_grad():
+        out = m(ids[:, :2], use_cache=True)
+        cache = getattr(out, CACHE_FIELD)
+        m(ids[:, 2:3], **{CACHE_FIELD: cache}, use_cache=True)
+        held = {n: t.data_ptr() for n, t in cache.layers[0].tensors.items() if n.startswith("swa_")}
+        assert set(held) == {"swa_k", "swa_v", "swa_pos", "swa_sink_k", "swa_sink_v", "swa_sink_pos"}
+        m(ids[:, 3:4], **{CACHE_FIELD: cache}, use_cache=True)  # position 3: still a sink token
+    assert {n: cache.layers[0].tensors[n].data_ptr() for n in held} == held
+    assert cache.layers[0].tensors["swa_sink_pos"].tolist() == [[0, 1, 2, 3]] * 2
