@@ -13,6 +13,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from subquadratic.cli import main as cli_main
 from subquadratic.modeling.base import CACHE_FIELD, SequenceInfo
 
+from .test_sse import cached_decode_gap
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 W = 4
@@ -39,17 +41,6 @@ def window_reference(swa, x, pe, window: int, sinks: int) -> torch.Tensor:
     mask = (j <= i) & ((j > i - window) | (j < sinks))
     w = (q @ k.transpose(-1, -2) / d**0.5).masked_fill(~mask, float("-inf")).softmax(-1)
     return swa.o_proj((w @ v).transpose(1, 2).reshape(B, T, -1))
-
-
-def cached_decode_gap(m, ids, prefill: int) -> float:
-    with torch.no_grad():
-        full = m(ids).logits
-        out = m(ids[:, :prefill], use_cache=True)
-        steps, cache = [out.logits], getattr(out, CACHE_FIELD)
-        for t in range(prefill, ids.shape[1]):
-            out = m(ids[:, t : t + 1], **{CACHE_FIELD: cache}, use_cache=True)
-            steps.append(out.logits)
-    return (torch.cat(steps, 1) - full).abs().max().item()
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
@@ -84,7 +75,7 @@ def test_fresh_window_branch_is_the_sliding_window_softmax(family, dense_checkpo
         moved = m.model.layers[state_layers[0]].self_attn(x, pe, seq)[0]
     assert (moved - window_reference(m.model.layers[state_layers[0]].self_attn.swa, x, pe, W, SINKS)).abs().max() > 1e-3
     ids = torch.randint(3, 128, (2, 14), generator=torch.Generator().manual_seed(0))
-    assert cached_decode_gap(m, ids, 7) <= 1e-4
+    assert cached_decode_gap(m, ids, 7)[1] <= 1e-4
 
 
 def test_hla_window_cache_has_a_fixed_size(dense_checkpoint, tmp_path):
@@ -123,7 +114,7 @@ def test_decode_writes_the_ring_and_the_sinks_in_place(dense_checkpoint, tmp_pat
         for layer in m.model.layers:
             layer.self_attn.g_proj.weight.normal_(std=0.2, generator=torch.Generator().manual_seed(2))
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(4))
-    assert cached_decode_gap(m, ids, 2) <= 1e-4
+    assert cached_decode_gap(m, ids, 2)[1] <= 1e-4
     with torch.no_grad():
         out = m(ids[:, :2], use_cache=True)
         cache = getattr(out, CACHE_FIELD)
