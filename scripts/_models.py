@@ -84,8 +84,9 @@ def dense_and_conversions(work: Path, shape: dict, max_positions: int, device: t
     else:
         dense = load_converted(source, device, dtype)
     for fam in families:
-        base = VARIANTS.get(fam, fam)
-        convert(str(source), str(work / fam), base, options=(options or {}).get(base, {}), progress=False)
+        base, extra = CONVERSIONS.get(fam, (fam, {}))
+        convert(str(source), str(work / fam), base, options={**(options or {}).get(base, {}), **extra},
+                progress=False)
     return dense
 
 
@@ -93,6 +94,13 @@ def dense_and_conversions(work: Path, shape: dict, max_positions: int, device: t
 #: the SPLA conversion with gamma = 0.1 in every layer, as after adaptation (a fresh conversion has
 #: gamma = 0, whose residual term adds exactly nothing and is skipped at inference)
 VARIANTS = {"spla-adapted": "spla"}
+#: benchmark rows converted otherwise than a `convert --to` target with its defaults: row -> (target,
+#: options over the defaults); the */no-window rows are the SSE-H / HLA-H presets without their window
+#: branch (the default before 2026-12-01)
+CONVERSIONS = {"spla-adapted": ("spla", {}), "sse-h-no-window": ("sse-h", {"sse_sliding_window": 0}),
+               "hla-h-no-window": ("hla-h", {"hla_sliding_window": 0})}
+#: the family whose targets (BENCHMARKS.md) a benchmark row is held to: a variant's, a hybrid's family
+TARGET_FAMILY = {"spla-adapted": "spla", "sse-h-no-window": "sse-h", "hla-h": "hla", "hla-h-no-window": "hla"}
 
 
 def as_variant(model, name: str):

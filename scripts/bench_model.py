@@ -37,7 +37,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from _models import LLAMA_1B, TINY, VARIANTS, dense_and_conversions, free, load_converted, log, timed, versions
+from _models import LLAMA_1B, TARGET_FAMILY, TINY, dense_and_conversions, free, load_converted, log, timed, versions
 from _profile import kernel_table
 
 TARGETS = {  # (measure, family) -> {length: target ratio}, from BENCHMARKS.md M1 / M2 (variants: their family's)
@@ -121,7 +121,7 @@ def rows_of(results: dict, families: list[str], measures: dict) -> list[dict]:
                 if ours is None:
                     continue
                 ratio = dense["s"] / ours["s"] if "s" in dense and "s" in ours else math.nan
-                target = TARGETS.get((what, VARIANTS.get(fam, fam)), {}).get(T)  # a variant: its family's
+                target = TARGETS.get((what, TARGET_FAMILY.get(fam, fam)), {}).get(T)  # a variant: its family's
                 rows.append(dict(id="M1" if what == "ttft" else "M2", measure=what, T=T, family=fam,
                                  dense_ms=dense.get("s", math.nan) * 1000, ours_ms=ours.get("s", math.nan) * 1000,
                                  ratio=ratio, target=target, met=None if target is None else ratio >= target,
@@ -174,8 +174,9 @@ def main() -> None:
                                                           "(default 8192,32768; empty: none)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--families", default="spla,spla-adapted,sse-h,hla",
-                    help="conversions to measure beside the dense model (spla-adapted: SPLA with gamma = 0.1, as "
-                         "after adaptation: its residual term is computed)")
+                    help="conversions to measure beside the dense model: convert targets (spla, sse, sse-h, hla, "
+                         "hla-h) or spla-adapted (SPLA with gamma = 0.1, as after adaptation: its residual term is "
+                         "computed), sse-h-no-window, hla-h-no-window (the presets without their window branch)")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per measure (median)")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")

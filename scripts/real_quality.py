@@ -47,6 +47,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -67,6 +68,7 @@ import subquadratic  # noqa: E402, F401  (registers the families)
 from subquadratic.adaptation import AdaptConfig, adapt  # noqa: E402
 from subquadratic.adaptation.layer_choice import Calibration  # noqa: E402
 from subquadratic.conversion import convert  # noqa: E402
+from subquadratic.conversion.core import resolve_target  # noqa: E402
 from subquadratic.data import token_stream  # noqa: E402
 from subquadratic.evaluation import next_token_kl, perplexity, retrieval, write_card_evaluation  # noqa: E402
 
@@ -85,7 +87,7 @@ class Scale:
     steps: dict[str, int]  # adaptation steps of the SPLA / SPA rows ("spla") and of SSE-H / HLA ("linear")
     spla_seq_len: int
     spla_options: dict
-    window: int  # the window branch of the sse-h/window row
+    window: int  # the window branch of the sse-h/window-norm row
     calibration: dict  # the auto:K measurement (layer_choice.Calibration fields)
     min_train_bytes: int
     min_heldout_bytes: int
@@ -93,8 +95,6 @@ class Scale:
     eval_batch: int  # windows per forward at the adaptation length
     packages: tuple[str, ...] = ("torch", "transformers", "numpy")
     tiny_model: dict = field(default_factory=dict)  # a random Llama instead of SmolLM2 (tests)
-    #: the window of the */window-sum rows (the branch added to the SSE / HLA output)
-    sum_window: int = 64
     #: seconds a row is expected to take before one of its kind is measured (`estimate_seconds`):
     #: "dense", "fresh" (converted, not adapted), "linear" / "spla" (adapted), "calibration" (auto:K)
     prior_seconds: dict = field(default_factory=dict)
@@ -112,13 +112,13 @@ SCALES = {
     # the real SmolLM2 at CPU-sized lengths: a smoke test of the real-model path, no measurement
     "smoke": Scale(lengths=(128, 512), span=1024, retrieval_lengths=(256, 512), trials=1, depths=(0.5,),
                    tokens_per_step=512, steps={"spla": 1, "linear": 2}, spla_seq_len=512,
-                   spla_options=dict(block_size=16, top_k_blocks=4), window=32, sum_window=16,
+                   spla_options=dict(block_size=16, top_k_blocks=4), window=32,
                    calibration=dict(steps=1, seq_len=128, batch_size=1), min_train_bytes=4_096,
                    min_heldout_bytes=8_192, heldout_every=50, eval_batch=2, packages=("numpy",),
                    prior_seconds=dict(dense=30, fresh=60, linear=120, spla=120, calibration=60)),
     "tiny": Scale(lengths=(128, 512), span=512, retrieval_lengths=(256, 512, 1024), trials=1, depths=(0.5,),
                   tokens_per_step=512, steps={"spla": 2, "linear": 4}, spla_seq_len=256,
-                  spla_options=dict(block_size=16, top_k_blocks=4), window=32, sum_window=16,
+                  spla_options=dict(block_size=16, top_k_blocks=4), window=32,
                   calibration=dict(steps=2, seq_len=128, batch_size=2), min_train_bytes=4_096,
                   min_heldout_bytes=8_192, heldout_every=50, eval_batch=4, packages=("numpy",),
                   tiny_model=dict(vocab=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
@@ -158,8 +158,10 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
         Row("spla", "SPLA, adapted", "spla", dict(scale.spla_options), "spla", "spla"),
         Row("spa", "SPA (use_rla=False), adapted", "spla", {**scale.spla_options, "use_rla": False}, "spla", "spla"),
         Row("sse-h-fresh", "SSE-H, fresh", "sse-h"),
+        # the convert presets' defaults: softmax every 6th layer, a 64-token window branch (4 sinks) added
+        # to the state branch of the others
         Row("sse-h", "SSE-H, adapted", "sse-h", {}, "linear"),
-        Row("hla-hybrid", "HLA hybrid (softmax every 6th), adapted", "hla", {"softmax_every": 6}, "linear"),
+        Row("hla-hybrid", "HLA hybrid (hla-h), adapted", "hla-h", {}, "linear"),
     ]
     changes = {
         "sse-h": [
@@ -168,13 +170,12 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
             ("decay-long", "initial decays 0.99..0.9999", dict(sse_decay_init_min=0.99, sse_decay_init_max=0.9999),
              {}),
             ("decay-wide", "initial decays 0.5..0.9999", dict(sse_decay_init_min=0.5, sse_decay_init_max=0.9999), {}),
-            ("window", f"window branch of {scale.window} tokens and 4 sinks (the norm merge)",
-             dict(sse_sliding_window=scale.window), {}),
-            ("window-sum", f"window branch of {scale.sum_window} tokens and 4 sinks added to the SSE output (starts "
-             "as that sliding-window softmax)", dict(sse_sliding_window=scale.sum_window, sse_window_merge="sum"), {}),
-            ("window-sum-no-sinks", f"window branch of {scale.sum_window} tokens added to the SSE output, without "
-             "attention sinks", dict(sse_sliding_window=scale.sum_window, sse_window_merge="sum", sse_window_sinks=0),
+            ("no-window", "no window branch (the default before 2026-12-01's ablation)", dict(sse_sliding_window=0),
              {}),
+            ("no-sinks", "the window branch without attention sinks", dict(sse_window_sinks=0), {}),
+            ("window-128", "a window branch of 128 tokens", dict(sse_sliding_window=128), {}),
+            ("window-norm", f"a window branch of {scale.window} tokens merged as (RMSNorm(SSE) + RMSNorm(window)) / 2",
+             dict(sse_sliding_window=scale.window, sse_window_merge="norm"), {}),
             ("decay-short", "initial decays 0.5..0.99", dict(sse_decay_init_min=0.5, sse_decay_init_max=0.99), {}),
             ("partitions-8", "8 partitions", dict(sse_num_partitions=8), {}),
             ("auto-layers", f"softmax at the {k} costliest layers (auto:{k})", dict(softmax_layers=f"auto:{k}"), {}),
@@ -188,8 +189,9 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
             ("decay-long", "initial decays 0.99..0.9999", dict(decay_init_min=0.99, decay_init_max=0.9999), {}),
             ("decay-wide", "initial decays 0.5..0.9999", dict(decay_init_min=0.5, decay_init_max=0.9999), {}),
             ("decay-short", "initial decays 0.5..0.95", dict(decay_init_min=0.5, decay_init_max=0.95), {}),
-            ("window-sum", f"window branch of {scale.sum_window} tokens and 4 sinks added to the HLA output (starts "
-             "as that sliding-window softmax)", dict(hla_sliding_window=scale.sum_window), {}),
+            ("no-window", "no window branch (the default before 2026-12-01's ablation)", dict(hla_sliding_window=0),
+             {}),
+            ("no-sinks", "the window branch without attention sinks", dict(hla_window_sinks=0), {}),
             ("auto-layers", f"softmax at the {k} costliest layers (auto:{k})", dict(softmax_layers=f"auto:{k}"), {}),
             ("normalize", "normalised form (divide by q^T eta)", dict(hla_normalize=True), {}),
             ("rope", "RoPE on q and k", dict(hla_rope=True), {}),
@@ -214,10 +216,10 @@ GROUPS = {
     "ablation": ["sse-h", "sse-h/*", "hla-hybrid", "hla-hybrid/*"],
     # every row, the most informative first, for a run under --time-budget: the dense reference, the
     # adapted SSE-H and HLA hybrids (each measured at 1x and 4x), the changes aimed at length
-    # generalisation (the window branch added to SSE, which the layer-local probe found the best;
-    # longer rows, attention transfer at length, longer decays, measured layer choice),
+    # generalisation (without the window branch that the ablation made the default; longer rows,
+    # attention transfer at length, longer decays, measured layer choice),
     # SPLA fresh, then the rest of the main table and of the ablations
-    "all": ["dense", "sse-h", "hla-hybrid", "sse-h/window-sum", "hla-hybrid/window-sum", "sse-h/rows-4x",
+    "all": ["dense", "sse-h", "hla-hybrid", "sse-h/no-window", "hla-hybrid/no-window", "sse-h/rows-4x",
             "hla-hybrid/rows-4x", "spla-fresh",
             "sse-h/stage1-4x", "hla-hybrid/stage1-4x", "sse-h/decay-long", "hla-hybrid/decay-long",
             "sse-h/auto-layers", "hla-hybrid/auto-layers", "main", "ablation"],
@@ -508,6 +510,11 @@ class Deadline:
         self._timer.daemon = True
 
     def start(self) -> None:
+        # the interrupt is SIGINT's Python handler, which does nothing where SIGINT is ignored or left to
+        # the system (a library may set either): the default KeyboardInterrupt handler while this runs
+        self._saved = signal.getsignal(signal.SIGINT)
+        if self._saved in (signal.SIG_IGN, signal.SIG_DFL, None):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         self._timer.start()
 
     def _fire(self) -> None:
@@ -520,6 +527,33 @@ class Deadline:
         with self._lock:
             self._active = False
         self._timer.cancel()
+        saved, self._saved = getattr(self, "_saved", None), None
+        if saved is not None and signal.getsignal(signal.SIGINT) is not saved:
+            signal.signal(signal.SIGINT, saved)
+
+
+def conversion_options(row: Row) -> dict | None:
+    """What `convert` makes of a row's target and options (its preset under the row's own), with the
+    family's name; None for the dense row. Recorded with each row: a kept row measured under other
+    defaults (a preset changed since) is measured again instead of shown under the new name."""
+    if row.to is None:
+        return None
+    family, options = resolve_target(row.to, row.options)
+    return {"family": family.name, **options}
+
+
+def drop_stale_rows(results: dict, table: dict[str, Row]) -> list[str]:
+    """Removes the kept rows whose recorded conversion (`conversion_options`) is not what their row of
+    `table` converts to now (or is not recorded); returns their names."""
+    stale = []
+    for name, entry in list(results["rows"].items()):
+        row = table.get(entry.get("row", name))
+        if row is None or row.to is None or "metrics" not in entry:
+            continue
+        if entry.get("convert_options") != conversion_options(row):
+            stale.append(name)
+            del results["rows"][name]
+    return stale
 
 
 def row_name(row: Row, seed: int) -> str:
@@ -534,7 +568,7 @@ def run_row(row: Row, seed: int, ctx: dict) -> dict:
     folder_name = name.replace("/", "-").replace("@", "-")
     entry = {"row": row.name, "label": row.label + ("" if seed == 0 else f" (seed {seed})"),
              "seed": seed, "base": row.base, "change": row.change, "to": row.to, "options": row.options,
-             "kind": row_kind(row), "seq_len_kind": row.seq_len}
+             "convert_options": conversion_options(row), "kind": row_kind(row), "seq_len_kind": row.seq_len}
     started = time.perf_counter()
     calibration = Calibration(data=[str(ctx["train"])], device=str(device), seed=seed, **scale.calibration)
     if row.to is None:
@@ -813,6 +847,10 @@ def run(args) -> dict:
     from transformers import AutoConfig
 
     table = rows_of(scale, AutoConfig.from_pretrained(ctx["dense"]).num_hidden_layers)
+    stale = drop_stale_rows(results, table)
+    if stale:
+        log(f"[{clock()}] kept rows converted otherwise than their rows convert now (a default changed), measured "
+            f"again if selected: {', '.join(stale)}")
     selected = select_rows(args.rows, table)
     if "metrics" not in results["rows"].get("dense", {}) or table["dense"] in selected:
         selected = [table["dense"]] + [r for r in selected if r.name != "dense"]  # the reference row first

@@ -4,7 +4,7 @@ dense attention output, at the length it is fitted at and beyond it, in minutes 
 The dense model (SmolLM2-135M-Instruct by default, `--checkpoint DIR` another) reads real text; the
 inputs and outputs of its attention at a few layers are recorded. For each row of the real-model
 protocol's table (`scripts/real_quality.py`: the same names and conversion options, e.g. `sse-h`,
-`sse-h/window-sum`, `hla-hybrid`), the converted model's mixers at those layers are fitted alone to
+`sse-h/no-window`, `hla-hybrid`), the converted model's mixers at those layers are fitted alone to
 the recorded outputs from the recorded inputs (stage 1 of `adapt`, attention transfer: the relative
 squared error, AdamW, warm-up then cosine) on rows of `--train-len` tokens, then scored on held-out
 rows of `--eval-len` tokens (4x by default). The score, per position range of the held-out rows
@@ -19,7 +19,7 @@ held out when sha1(path) % 50 == 0); training rows are the first `--train-len` t
 files, held-out rows the first `--eval-len` tokens of held-out files.
 Output in OUT: probe.json (per row and layer) and probe.md (the table), rewritten after each row.
 
-    python scripts/transfer_probe.py --out results/probe --rows sse-h,sse-h/window-sum,hla-hybrid
+    python scripts/transfer_probe.py --out results/probe --rows sse-h,sse-h/no-window,hla-hybrid
 """
 
 from __future__ import annotations
@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=2, help="rows per step (default 2)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3, adapt's stage 1)")
     p.add_argument("--window", type=int, default=64,
-                   help="the window of the rows with a window branch (sse-h/window, */window-sum; default 64)")
+                   help="the window of the sse-h/window-norm row (default 64; the other rows take their "
+                        "conversion's, 64 in the sse-h and hla-h presets)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--packages", default="torch,transformers,numpy", help="packages whose sources are the text")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--layers must lie in 0..{n_layers - 1}")
     from dataclasses import replace
 
-    table = rq.rows_of(replace(rq.SCALES["h200"], window=args.window, sum_window=args.window), n_layers)
+    table = rq.rows_of(replace(rq.SCALES["h200"], window=args.window), n_layers)
     rows = rq.select_rows(args.rows, table)
     t0 = time.perf_counter()
     train_ids = text_rows(train_files, tokenizer, args.train_rows, L, 4096)

@@ -4,7 +4,7 @@ embedded default.
 
 Each family's `convert` options come from its declaration (`registry.Family.options`) and are
 spelled `--<family prefix>-<option>` (`--spla-top-k-blocks`, `--sse-top-k`, `--hla-softmax-every`);
-`--to` takes a family's name or one of its convert presets (`sse-h`).
+`--to` takes a family's name or one of its convert presets (`sse-h`, `hla-h`).
 
 Every failure is one line on stderr, `subquadratic COMMAND: error: ...` (the problem and what to do),
 with exit status 2. What can be checked without a model (option values, paths, folders, Hub ids, the

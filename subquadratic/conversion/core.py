@@ -91,7 +91,7 @@ class Converter:
         return fresh_mixer_tensors(config, self.from_source, self.seed)
 
 
-def _target(to: str, options: dict):
+def resolve_target(to: str, options: dict):
     """(family, options) of `convert --to to`: a convert preset's options under the given ones; an
     option the family does not declare is refused."""
     from ..registry import convert_target
@@ -446,7 +446,7 @@ def convert(
     equivalent to this call, `convert_command`)."""
     src, out = str(src), str(out)  # a Path is as good as a string
     given = dict(options or {})
-    fam, options = _target(to, given)
+    fam, options = resolve_target(to, given)
     if dtype not in DTYPE_CHOICES:
         raise ConversionError(f"unknown dtype {dtype!r}; use {', '.join(DTYPE_CHOICES)}")
     src_path = resolve_source(src)

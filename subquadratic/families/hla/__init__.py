@@ -1,6 +1,6 @@
-"""HLA (`hla`): second-order Higher-order Linear Attention, declared once.
+"""HLA (`hla`): second-order Higher-order Linear Attention, declared once; its hybrid is the convert preset `hla-h`.
 
-The whole declaration is data: `NAME`, `OPTIONS`, `CARD` (read by the command line without torch),
+The whole declaration is data: `NAME`, `OPTIONS`, `CONVERT_PRESETS`, `CARD` (read by the command line without torch),
 then `PARTS` and `MIXERS`, naming where `families.family()` finds the rest of the `registry.Family`
 in this folder: `configuration.py` (HLAConfig, tiny presets), `modeling.py` (the mixer, its cache
 layer, the model classes), `conversion.py` (the Converter); `card.md` is the model card template.
@@ -47,6 +47,10 @@ OPTIONS: dict[str, dict] = {
         help="initial decay rate of the longest-memory head (default 0.99: a memory of ~100 tokens)",
     ),
 }
+#: Conversion targets beside `hla` (pure HLA, every layer): option sets under the given options. HLA-H,
+#: the hybrid, keeps softmax attention every 6th layer and adds a 64-token window branch (with 4 sinks)
+#: to the HLA output of the others, as SSE-H does (`--hla-sliding-window 0` converts without it).
+CONVERT_PRESETS: dict[str, dict] = {"hla-h": {"softmax_every": 6, "hla_sliding_window": 64}}
 #: Where the rest of the declaration lives: `registry.Family` field -> "module:attribute" of this
 #: folder, imported by `families.family()` (the config class alone by `families.config_class()`).
 PARTS: dict[str, str] = {

@@ -60,8 +60,13 @@ OPTIONS: dict[str, dict] = {
         help="initial decay rate of the longest-memory key channel (default 0.999: a memory of ~1000 tokens)",
     ),
 }
-#: Conversion targets beside `sse`: option sets under the given options.
-CONVERT_PRESETS: dict[str, dict] = {"sse-h": {"softmax_every": 6}}
+#: Conversion targets beside `sse`: option sets under the given options. SSE-H keeps softmax attention
+#: every 6th layer and adds a 64-token window branch (with 4 sinks) to the SSE output of the others: the
+#: real-model ablation (docs/results.md) found the window what keeps a conversion good past the length
+#: it was adapted at (`--sse-sliding-window 0` converts without it).
+CONVERT_PRESETS: dict[str, dict] = {
+    "sse-h": {"softmax_every": 6, "sse_sliding_window": 64, "sse_window_merge": "sum"},
+}
 #: Where the rest of the declaration lives: `registry.Family` field -> "module:attribute" of this
 #: folder, imported by `families.family()` (the config class alone by `families.config_class()`).
 PARTS: dict[str, str] = {
