@@ -157,7 +157,8 @@ def test_input_errors_are_refused_before_torch_is_imported(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "expect"), [
-    (["convert", "a", "b", "--to", "spla2"], "invalid choice: 'spla2' (choose from 'hla', 'spla', 'sse', 'sse-h')"),
+    (["convert", "a", "b", "--to", "spla2"],
+     "invalid choice: 'spla2' (choose from 'hla', 'hla-h', 'spla', 'sse', 'sse-h')"),
     (["convert", "a", "b"], "required: --to"),
     (["convert", "a", "b", "--to", "spla", "--spla-block-size", "x"], "argument --spla-block-size: 'x' is not an "
                                                                       "integer"),

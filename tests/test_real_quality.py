@@ -45,7 +45,7 @@ def test_rows_and_groups(rq):
     names = [r.name for r in rq.select_rows("main", table)]
     assert names == ["dense", "sse-h", "hla-hybrid", "spla-fresh", "spla", "spa"]
     every = [r.name for r in rq.select_rows("all", table)]
-    assert every[:5] == ["dense", "sse-h", "hla-hybrid", "sse-h/window-sum", "hla-hybrid/window-sum"]
+    assert every[:5] == ["dense", "sse-h", "hla-hybrid", "sse-h/no-window", "hla-hybrid/no-window"]
     assert sorted(every) == sorted(set(table) - {"sse-h-fresh"}) and len(every) == len(set(every))  # each once
     assert every.index("spa") > every.index("hla-hybrid/auto-layers")  # SPLA's 8192-token rows late
     ablation = rq.select_rows("ablation-hla", table)
@@ -54,10 +54,33 @@ def test_rows_and_groups(rq):
     assert auto.options == {"softmax_layers": "auto:5"}  # the layer list replaces softmax_every
     assert table["sse-h/decay-long"].options == {"sse_decay_init_min": 0.99, "sse_decay_init_max": 0.9999}
     assert table["spa"].options == {"use_rla": False}
-    assert table["sse-h/window-sum"].options == {"sse_sliding_window": 64, "sse_window_merge": "sum"}
-    assert table["hla-hybrid/window-sum"].options == {"softmax_every": 6, "hla_sliding_window": 64}
+    assert table["sse-h/no-window"].options == {"sse_sliding_window": 0}
+    # what convert makes of a row: the preset's window and layout under the row's own options
+    assert rq.conversion_options(table["sse-h"]) == {"family": "sse", "softmax_every": 6, "sse_sliding_window": 64,
+                                                     "sse_window_merge": "sum"}
+    assert rq.conversion_options(table["hla-hybrid/no-window"]) == {"family": "hla", "softmax_every": 6,
+                                                                    "hla_sliding_window": 0}
+    assert rq.conversion_options(auto) == {"family": "hla", "hla_sliding_window": 64, "softmax_layers": "auto:5"}
+    assert rq.conversion_options(table["dense"]) is None
     with pytest.raises(SystemExit, match="unknown row"):
         rq.select_rows("sse-h/nothing", table)
+
+
+def test_kept_rows_converted_under_other_defaults_are_dropped(rq):
+    """A row of an earlier run whose conversion differs from what its row converts to now (a preset
+    changed since, or a file from before the options were recorded) is not kept under the new name."""
+    table = rq.rows_of(rq.SCALES["h200"], 30)
+    now = rq.conversion_options(table["sse-h"])
+    results = {"rows": {
+        "dense": {"row": "dense", "metrics": {}},
+        "sse-h": {"row": "sse-h", "metrics": {}, "convert_options": now},
+        "hla-hybrid": {"row": "hla-hybrid", "metrics": {}, "convert_options": {"family": "hla", "softmax_every": 6}},
+        "spla-fresh": {"row": "spla-fresh", "metrics": {}},  # recorded before the field existed
+        "sse-h/rows-4x": {"row": "sse-h/rows-4x", "error": "cut"},  # not measured: nothing to keep
+        "gone": {"row": "gone", "metrics": {}},  # a row the table no longer has: left as it was
+    }}
+    assert rq.drop_stale_rows(results, table) == ["hla-hybrid", "spla-fresh"]
+    assert list(results["rows"]) == ["dense", "sse-h", "sse-h/rows-4x", "gone"]
 
 
 def _finite_metrics(entry, scale, adapted: bool):
@@ -170,6 +193,7 @@ def test_missing_packages_are_named_before_the_run(rq, monkeypatch, tmp_path, ca
 
 
 def test_a_row_past_the_budget_is_stopped_and_the_rest_listed(rq, monkeypatch, tmp_path):
+    import signal
     import time
     from types import SimpleNamespace
 
@@ -180,9 +204,11 @@ def test_a_row_past_the_budget_is_stopped_and_the_rest_listed(rq, monkeypatch, t
     def fake_row(row, seed, ctx):
         started.append(row.name)
         if row.name == "sse-h":  # runs past the budget: stopped by the deadline, not by its own end
-            for _ in range(400):
+            end = time.perf_counter() + 30.0  # a generous margin over the 0.5 s budget on a loaded machine
+            while time.perf_counter() < end:
                 time.sleep(0.01)
-            raise AssertionError("the deadline did not stop the row")
+            handler = signal.getsignal(signal.SIGINT)
+            raise AssertionError(f"the deadline did not stop the row in 30 s (SIGINT handler: {handler})")
         return {row.name: {"row": row.name, "seconds": 0.0, "kind": rq.row_kind(row), "metrics": {}}}
 
     monkeypatch.setattr(rq, "run_row", fake_row)
@@ -229,3 +255,23 @@ def test_precision_and_stage1_ablations_change_only_their_setting(rq):
     assert base["mixed_precision"] == "bf16" and base["stage1_steps"] > 0
     assert fp32 == {**base, "mixed_precision": "no"}
     assert plain == {**base, "stage1_steps": 0}
+
+
+def test_deadline_interrupts_where_sigint_is_ignored(rq):
+    """A library may leave SIGINT ignored (or to the system); the deadline still interrupts, and puts
+    the handler back when cancelled."""
+    import signal
+    import time
+
+    saved = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        deadline = rq.Deadline(time.perf_counter() + 0.05)
+        with pytest.raises(KeyboardInterrupt):
+            deadline.start()
+            end = time.perf_counter() + 30.0
+            while time.perf_counter() < end:
+                time.sleep(0.01)
+        deadline.cancel()
+        assert deadline.fired and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, saved)

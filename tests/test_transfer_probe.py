@@ -44,21 +44,22 @@ def test_default_layers_skip_the_softmax_layers(probe):
 
 
 def test_tiny_probe_fits_and_scores_each_range(probe, tmp_path):
-    res = probe.main(["--out", str(tmp_path), "--tiny", "--rows", "sse-h,sse-h/window-sum", "--layers", "1,3",
+    res = probe.main(["--out", str(tmp_path), "--tiny", "--rows", "sse-h/no-window,sse-h", "--layers", "1,3",
                       "--train-len", "64", "--train-rows", "4", "--steps", "12", "--packages", "numpy"])
-    assert set(res["rows"]) == {"sse-h", "sse-h/window-sum"}
+    assert set(res["rows"]) == {"sse-h/no-window", "sse-h"}
     assert res["protocol"]["buckets"] == [(0, 64), (64, 128), (128, 256)]
     for r in res["rows"].values():
         assert set(r["after"]) == {1, 3} and all(len(v) == 3 for v in r["after"].values())
         assert all(0 <= v < 1.5 for v in r["after_mean"] + r["before_mean"])
-    base = res["rows"]["sse-h"]
+    base = res["rows"]["sse-h/no-window"]
     assert sum(base["after_mean"]) < sum(base["before_mean"])  # fitting lowers the error
     assert base["before_mean"][0] == pytest.approx(1.0, abs=0.05)  # fresh SSE: output near 0
-    # the sum merge starts as the sliding-window softmax: far below 1 before any fitting
-    assert res["rows"]["sse-h/window-sum"]["before_mean"][0] < 0.9
+    # the default window branch (64 tokens, sum merge, the state's gate at 0) starts as the source's
+    # attention itself within its window: the first 64 positions are exact before any fitting
+    assert res["rows"]["sse-h"]["before_mean"][0] < 1e-4 < res["rows"]["sse-h"]["before_mean"][2]
     saved = json.loads((tmp_path / "probe.json").read_text())
     assert saved["rows"].keys() == res["rows"].keys()
-    assert "| sse-h/window-sum |" in (tmp_path / "probe.md").read_text()
+    assert "| sse-h/no-window |" in (tmp_path / "probe.md").read_text()
 
 
 def test_rows_that_change_the_adaptation_are_refused(probe, tmp_path):

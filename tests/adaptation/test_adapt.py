@@ -69,12 +69,16 @@ def test_fresh_spla_with_the_whole_row_in_budget_matches_its_teacher_exactly(tmp
     assert second["stage"] == 2 and abs(second["loss"]) < 1e-5
 
 
-@pytest.mark.parametrize("to, options", [("spla", dict(block_size=4, top_k_blocks=3)), ("sse-h", {}), ("hla", {})])
+@pytest.mark.parametrize("to, options", [
+    ("spla", dict(block_size=4, top_k_blocks=3)), ("sse-h", dict(sse_sliding_window=8)),
+    ("sse-h", dict(sse_sliding_window=0)), ("hla", {}), ("hla-h", dict(hla_sliding_window=8)),
+])
 def test_both_stages_reach_every_trainable_parameter(converted, dense_folder, to, options):
     """Each stage's loss gives every trainable parameter a gradient, as plain DDP (no unused-parameter
     search) needs: in stage 1 the converted mixers get the transfer loss's and every other parameter
     an exact zero (which `adapt` drops before the step); stage 2 reaches everything. Stage 1's mixer
-    gradients are those of the transfer loss alone."""
+    gradients are those of the transfer loss alone. (Windows of 8 tokens: a window that covers the
+    row is the source attention itself, with nothing to transfer.)"""
     student = AutoModelForCausalLM.from_pretrained(converted(to, **options)).train()  # SPLA beyond its budget
     teacher = AutoModelForCausalLM.from_pretrained(dense_folder).eval().requires_grad_(False)
     layers = converted_layers(student.config)
@@ -115,8 +119,10 @@ def test_both_stages_lower_their_loss_and_the_output_loads(tmp_path, corpus, con
     """Attention transfer then distillation on real text. Stage 1's loss falls (its last three steps
     against its first two: 0.39-0.77 of it over three seeds, asserted < 0.9); the adapted model's
     next-token KL to the dense model on held-out text falls (0.38-0.52 of the fresh conversion's over
-    three seeds, asserted < 0.75). OUT loads, generates, and its card records the run."""
-    student = converted(to)
+    three seeds, asserted < 0.75). OUT loads, generates, and its card records the run. SSE-H without
+    its window branch: within these 64-token rows the default 64-token window is the source attention
+    itself, and the fresh conversion has nothing to learn."""
+    student = converted(to, **({"sse_sliding_window": 0} if to == "sse-h" else {}))
     out = run(student, tmp_path / "out", corpus[0], teacher=dense_folder, loss="kl", train="mixer",
               max_steps=24, stage1_steps=12, lr=3e-3, stage1_lr=3e-3, batch_size=4)
     entries = log(out)
@@ -321,8 +327,9 @@ def test_fsdp_two_processes_shard_each_layer_and_train_as_one(tmp_path, monkeypa
 
 
 def test_gradient_checkpointing_follows_the_same_run(tmp_path, corpus, converted, dense_folder):
-    """Recomputing activations in backward (the stage-1 hooks fire again then) changes no loss."""
-    student = converted("sse-h")
+    """Recomputing activations in backward (the stage-1 hooks fire again then) changes no loss; the
+    window branch included (8 tokens, below the rows' 64)."""
+    student = converted("sse-h", sse_sliding_window=8)
     kw = dict(teacher=dense_folder, loss="kl", max_steps=4, stage1_steps=2, lr=3e-3)
     plain = log(run(student, tmp_path / "plain", corpus[0], **kw))
     checkpointed = log(run(student, tmp_path / "ckpt", corpus[0], gradient_checkpointing=True, **kw))

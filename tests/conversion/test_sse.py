@@ -81,7 +81,7 @@ def test_convert_dense_to_sse_h(kind, tmp_path):
     m.eval()
     cfg = m.config
     assert cfg.mixer_types == ["sse", "full_attention"] * 2 and cfg.sse_num_partitions == 4
-    assert cfg.sse_top_k == (1 if kind == "llama" else 2) and cfg.sse_sliding_window == (4 if kind == "qwen3" else None)
+    assert cfg.sse_top_k == (1 if kind == "llama" else 2) and cfg.sse_sliding_window == (4 if kind == "qwen3" else 64)
     assert "needs adaptation" in (out / "README.md").read_text()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folders left
 
@@ -230,7 +230,7 @@ def test_unknown_option_is_refused(dense_checkpoint, tmp_path):
     _, src = dense_checkpoint("llama")
     with pytest.raises(ConversionError, match="unknown option.s. block_size for --to sse-h; the sse options are: "):
         convert(str(src), str(tmp_path / "out"), "sse-h", options={"block_size": 8}, progress=False)
-    with pytest.raises(ConversionError, match="unknown target 'sse_h'; available: hla, spla, sse, sse-h"):
+    with pytest.raises(ConversionError, match="unknown target 'sse_h'; available: hla, hla-h, spla, sse, sse-h"):
         convert(str(src), str(tmp_path / "out"), "sse_h", progress=False)
     assert not (tmp_path / "out").exists()
 
