@@ -195,8 +195,8 @@ def test_unpadded_steps_skip_the_mask_and_equal_the_masked_path(monkeypatch):
     assert cache.all_real and masks and all(masks)
     masks.clear()
     with monkeypatch.context() as m:
-        m.setattr(cache_module, "all_real", lambda valid: False)
-        want, cache = run(model, ids)
+        m.setattr(cache_module, "all_real", lambda valid, sync=False: False)
+        want, cache = run(model, ids, mask=torch.ones_like(ids))
     assert not cache.all_real and masks and not any(masks)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     padded = torch.ones_like(ids)

@@ -263,14 +263,17 @@ class SoftmaxAttention(AttentionBase):
         T, S = q.shape[2], k.shape[2]
         W, sink_slots = self.window, getattr(cache_layer, "sink_slots", 0)
         dropout = self.attention_dropout if self.training else 0.0
-        if sdpa and W and T > W and ((seq.causal and S == T) or S == T + W + sink_slots
-                                     and getattr(cache_layer, "banded", False)):
+        # a packed batch's documents run one per right-padded row with no cache: each real query's keys
+        # are the slots up to its own (padding only after them), as in a causal call
+        causal_rows = T == S and (seq.causal or seq.documents is not None)
+        if sdpa and W and T > W and (causal_rows or S == T + W + sink_slots and getattr(cache_layer, "banded", False)):
             # a window shorter than the new tokens, no earlier keys or a window ring before them: O(T W)
             o = banded_window_attention(q, k, v, seq.positions, seq.key_positions, W, self.scaling, dropout,
                                         self.sinks, sink_slots)
         else:
-            if sdpa and seq.causal and T in (S, 1) and (not self.window or S <= self.window):
-                # every slot real, the queries the last T: causal (T = S) or every key (one query), no mask
+            if sdpa and (causal_rows or seq.causal and T == 1) and (not self.window or S <= self.window):
+                # the queries the last T: causal (T = S; padding only after the real tokens, whose
+                # outputs are zeroed below) or every key (one query, every slot real), no mask
                 mask, is_causal = None, T > 1
             else:
                 allowed = window_keys(seq.positions, seq.key_positions, self.window, self.sinks, sink_slots)
@@ -490,14 +493,15 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
             )
         if cache is not None:
             valid = full_valid[:, -T:]
-            q_pos, k_pos = cache.advance(valid)
+            q_pos, k_pos = cache.advance(valid, known_real=attention_mask is None)
         else:
             q_pos = positions_from_mask(full_valid)[:, -T:]
             valid, k_pos = full_valid[:, -T:], q_pos
         if position_ids is None:
             position_ids = q_pos.clamp(min=0)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        causal = cache.all_real if cache is not None else all_real(full_valid if attention_mask is not None else None)
+        causal = (cache.all_real if cache is not None
+                  else all_real(full_valid if attention_mask is not None else None, sync=T > 1))
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos, causal=causal,
                            attentions={} if output_attentions else None,
                            consecutive=causal or (cache is not None and cache.static is not None))

@@ -336,16 +336,19 @@ class SubquadraticCache(Cache):
         return self._key_positions.view() if self._key_positions.data is not None else None
 
     # --- positions ---------------------------------------------------------------------------
-    def advance(self, new_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Register T new tokens (new_valid [B, T] bool). Returns (their positions [B, T], key positions [B, S]).
+    def advance(self, new_valid: torch.Tensor, known_real: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Register T new tokens (new_valid [B, T] bool; `known_real`: the caller knows them all real,
+        e.g. no attention mask was given). Returns (their positions [B, T], key positions [B, S]).
         Static: no host synchronisation in one-token steps (the slot and counts are updated in place
-        on the device); a longer call checks once that every row's tokens are consecutive."""
+        on the device); a longer call checks once that every row's tokens are consecutive. Growing:
+        whether every token so far is real (`all_real`) is read with one host synchronisation for a
+        call of several tokens, never for one-token steps."""
         T = new_valid.shape[1]
         if self.seen is None:
             self.seen = torch.zeros(new_valid.shape[0], dtype=torch.long, device=new_valid.device)
         pos = positions_from_mask(new_valid, self.seen)
         if self.static is None:
-            self.all_real = self.all_real and all_real(new_valid)
+            self.all_real = self.all_real and (known_real or all_real(new_valid, sync=T > 1))
             self.seen = self.seen + new_valid.sum(-1)
             self.length += T
             kp = self._key_positions.append(pos) if self.track_key_positions else pos
@@ -425,13 +428,17 @@ class SubquadraticCache(Cache):
         return {**self.__dict__, "decode_graph": None}  # a copy captures its own graph
 
 
-def all_real(valid: torch.Tensor | None) -> bool:
-    """Whether a padding mask (True / 1 = real token) marks every token real, where that costs no host
-    synchronisation: no mask, or a mask on the CPU outside compilation and export; False otherwise
-    (unknown)."""
+def all_real(valid: torch.Tensor | None, sync: bool = False) -> bool:
+    """Whether a padding mask (True / 1 = real token) marks every token real, where that is known: no
+    mask, or a mask on the CPU, outside compilation and export; with `sync` also a mask on an
+    accelerator, read with one host synchronisation (for calls of several tokens, where it costs
+    little beside the call and lets the mixers take their causal forms: SDPA with is_causal, the banded
+    window; never during CUDA-graph capture). False otherwise (unknown)."""
     if valid is None:
         return True
-    if valid.device.type != "cpu" or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        return False
+    if valid.device.type != "cpu" and (not sync or (valid.is_cuda and torch.cuda.is_current_stream_capturing())):
         return False
     return bool(valid.all())
 

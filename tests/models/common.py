@@ -188,17 +188,18 @@ class ModelTesterMixin:
         seen = []  # SequenceInfo.causal as the first mixer sees it
         m.model.layers[0].self_attn.register_forward_pre_hook(lambda mod, args: seen.append(args[2].causal))
         results = []
+        mask = torch.ones_like(ids)  # a mask of real tokens: what it holds is read (`all_real`), or not known
         for known in (True, False):
             if not known:
-                monkeypatch.setattr(base, "all_real", lambda valid: False)
-                monkeypatch.setattr(cache, "all_real", lambda valid: False)
+                monkeypatch.setattr(base, "all_real", lambda valid, sync=False: False)
+                monkeypatch.setattr(cache, "all_real", lambda valid, sync=False: False)
             m.zero_grad()
-            out = m(ids, labels=ids, use_cache=False)
+            out = m(ids, attention_mask=mask, labels=ids, use_cache=False)
             out.loss.backward()
             with torch.no_grad():
                 kv = m.new_cache()
-                cached = torch.cat([m(ids[:, : T // 2], past_key_values=kv).logits,
-                                    m(ids[:, T // 2 :], past_key_values=kv).logits], 1)
+                cached = torch.cat([m(ids[:, : T // 2], attention_mask=mask[:, : T // 2], past_key_values=kv).logits,
+                                    m(ids[:, T // 2 :], attention_mask=mask, past_key_values=kv).logits], 1)
             results.append((out.logits.detach(), cached, {n: p.grad.clone() for n, p in m.named_parameters()
                                                           if p.grad is not None}))
         assert seen == [True] * 3 + [False] * 3

@@ -131,3 +131,42 @@ def test_sse_window_layers_take_it(merge, sinks, monkeypatch):
     defined = run(defined_form)
     for a, b in zip(banded, defined, strict=True):
         assert torch.allclose(a, b, atol=1e-10, rtol=0)
+
+
+def test_real_tokens_on_an_accelerator_are_known_once_per_call():
+    """Whether a mask holds padding is read from an accelerator tensor only where asked (`sync`: calls
+    of several tokens), never for one-token steps; on the CPU and without a mask it is always known."""
+    from subquadratic.modeling.cache import all_real
+
+    on_meta = torch.ones(2, 5, dtype=torch.bool, device="meta")
+    assert all_real(None) and all_real(torch.ones(2, 5, dtype=torch.bool), sync=False)
+    assert not all_real(torch.tensor([[True, False]]))
+    assert not all_real(on_meta) and not all_real(on_meta, sync=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_prefill_with_a_mask_of_real_tokens_on_the_gpu_takes_it(monkeypatch):
+    """generate() and training collators pass an attention mask; on the GPU whether it holds padding is
+    read once per call of several tokens, so a prefill (into the cache or without one) of real tokens
+    takes the banded form and the softmax layers' causal SDPA, not a [T, T] mask."""
+    from subquadratic.modeling import base
+
+    from .sse.test_modeling_sse import lively
+
+    calls = []
+    real = base.banded_window_attention
+    monkeypatch.setattr(base, "banded_window_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    m = lively("tiny-swa", 0, sse_window_merge="sum", sse_window_sinks=2).cuda()
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(3)).cuda()
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        cached = m(ids, attention_mask=mask, use_cache=True)
+        assert getattr(cached, CACHE_FIELD).all_real and len(calls) == m.config.num_hidden_layers
+        plain = m(ids, attention_mask=mask).logits
+        assert len(calls) == 2 * m.config.num_hidden_layers
+        padded = mask.clone()
+        padded[0, :3] = 0  # padding: the masked form, same logits on the real tokens' rows
+        m(ids, attention_mask=padded, use_cache=True)
+        assert len(calls) == 2 * m.config.num_hidden_layers
+    torch.testing.assert_close(cached.logits, plain, rtol=1e-5, atol=1e-5)
