@@ -81,11 +81,15 @@ def test_dispatch():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_real_shapes_on_gpu():
-    """Llama-3.2-1B's heads at 4k tokens in bf16: the PyTorch form's values, the fp64 gradients."""
+    """Llama-3.2-1B's heads at 4k tokens in bf16: the PyTorch form's values, the fp64 gradients. The
+    fp32 rsqrt and sigmoid may move the last bit of a rounded factor, and then the product's by two
+    (on an H200: 1 of the 8,388,608 values, 0.031 apart at 2.45): nearly every value equal, each
+    within two bf16 steps."""
     x, w, gate = make(1, 4096, 32, 64, True, torch.bfloat16)
     got = norm_gate(x, w, gate, 1e-5)
     want = norm_gate_reference(x, w, gate, 1e-5)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+    assert (got == want).float().mean() > 0.999
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-2)
     dy = torch.randn_like(x)
     args = [t.detach().requires_grad_() for t in (x, w, gate)]
     (norm_gate(*args, 1e-5) * dy).sum().backward()
