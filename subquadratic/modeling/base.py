@@ -56,6 +56,10 @@ class SequenceInfo:
     #: to its own, so the mixers may call SDPA with is_causal (T = S) or without a mask (T = 1)
     #: instead of an explicit mask. False when unknown.
     causal: bool = False
+    #: Slots of every row after this call when that is known on the host and every slot is a real
+    #: token in order (a growing cache whose tokens are all real: `causal`), so that each new token's
+    #: position is length - T + i without reading a tensor; else None.
+    length: int | None = None
 
     def key_offsets(self) -> torch.Tensor | None:
         """Slot of each row's position 0 when each row's real tokens sit in consecutive slots (left or
@@ -504,7 +508,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
                   else all_real(full_valid if attention_mask is not None else None, sync=T > 1))
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos, causal=causal,
                            attentions={} if output_attentions else None,
-                           consecutive=causal or (cache is not None and cache.static is not None))
+                           consecutive=causal or (cache is not None and cache.static is not None),
+                           length=cache.length if cache is not None and causal and cache.static is None else None)
 
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, cache,
                                                          output_hidden_states)

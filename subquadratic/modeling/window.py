@@ -138,10 +138,41 @@ class WindowBranch:
         if cache_layer is None:
             window_seq = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=seq.causal)
             return self.swa(x, position_embeddings, window_seq, None)[0]
+        if self._steady_step(x, seq, cache_layer):
+            return self.steady_window_step(x, position_embeddings, seq.length - 1, cache_layer)
         ring = WindowRing(cache_layer, seq.positions, self.window, no_padding=seq.causal, consecutive=seq.consecutive,
                           sinks=self.swa.sinks)
         out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, ring.key_positions()), ring)
         return out
+
+    def _steady_step(self, x: torch.Tensor, seq: SequenceInfo, cache_layer) -> bool:
+        """Whether this call is a one-token step that `steady_window_step` may take: no gradients, SDPA,
+        every token so far real with the count known on the host (`seq.length`), and at least W +
+        sinks tokens before it, so that the ring and the sinks are full and every slot is in view."""
+        t = cache_layer.tensors
+        return (x.shape[1] == 1 and seq.length is not None and seq.length > self.window + self.swa.sinks
+                and seq.attentions is None and not torch.is_grad_enabled() and "swa_k" in t
+                and (not self.swa.sinks or "swa_sink_k" in t) and self.config._attn_implementation != "eager")
+
+    def steady_window_step(self, x: torch.Tensor, position_embeddings, position: int, cache_layer) -> torch.Tensor:
+        """One decode step of the window at `position` >= W + sinks, every token so far real: the new
+        key/value goes into its ring slot in place, and the query attends over the sinks and the whole
+        ring with no mask (every slot holds one of the last W tokens, the sinks are W or more back and
+        the ring holds none of them). The values of the masked path (`WindowRing`) with far fewer
+        operations, as a step on the CPU or an uncaptured one on a GPU needs."""
+        import torch.nn.functional as F
+
+        attn, t = self.swa, cache_layer.tensors
+        q, k, v = attn.project(x, position_embeddings)  # [B, heads, 1, D]
+        slot = position % self.window
+        t["swa_k"][:, :, slot] = k[:, :, 0]
+        t["swa_v"][:, :, slot] = v[:, :, 0]
+        t["swa_pos"][:, slot] = position
+        keys, values = t["swa_k"], t["swa_v"]
+        if attn.sinks:
+            keys, values = torch.cat([t["swa_sink_k"], keys], dim=2), torch.cat([t["swa_sink_v"], values], dim=2)
+        o = F.scaled_dot_product_attention(q, keys, values, scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])
+        return attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
 #: Attention sinks a conversion gives a window branch when its options name none: the first tokens

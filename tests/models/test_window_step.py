@@ -1,0 +1,81 @@
+"""The window branch's steady decode step (`window.WindowBranch.steady_window_step`): once W + sinks
+real tokens are cached, a one-token step writes its ring slot in place and attends over the sinks and
+the whole ring without a mask. It must give the masked path's values (fp64) and the full forward's
+logits, and leave the ring as the masked path leaves it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subquadratic.modeling import window as window_module
+from subquadratic.modeling.base import CACHE_FIELD
+
+from .hla.test_modeling_hla import hla_window
+from .sse.test_modeling_sse import lively
+
+
+def sse_window(sinks: int):
+    return lively("tiny-swa", 0, sse_window_merge="sum", sse_window_sinks=sinks).double().eval()
+
+
+def hla_window_sinks(sinks: int):
+    m = hla_window(0).double().eval()
+    for layer in m.model.layers:
+        layer.self_attn.swa.sinks = sinks
+    return m
+
+
+def decode(m, ids, prefill: int, mask=None):
+    """Prefill `prefill` tokens, then one token a step: the logits of every position and the cache."""
+    with torch.no_grad():
+        out = m(ids[:, :prefill], attention_mask=None if mask is None else mask[:, :prefill], use_cache=True)
+        cache, logits = getattr(out, CACHE_FIELD), [out.logits]
+        for t in range(prefill, ids.shape[1]):
+            step = m(ids[:, t : t + 1], attention_mask=None if mask is None else mask[:, : t + 1],
+                     **{CACHE_FIELD: cache})
+            logits.append(step.logits)
+    return torch.cat(logits, 1), cache
+
+
+@pytest.mark.parametrize("make, sinks", [(sse_window, 0), (sse_window, 3), (hla_window_sinks, 2)])
+def test_steady_steps_equal_the_masked_path_and_the_forward(make, sinks, monkeypatch):
+    m = make(sinks)
+    W = m.model.layers[0].self_attn.window
+    ids = torch.randint(3, 128, (2, W + sinks + 14), generator=torch.Generator().manual_seed(5))
+    steps = []
+    real = window_module.WindowBranch.steady_window_step
+    monkeypatch.setattr(window_module.WindowBranch, "steady_window_step",
+                        lambda self, *a: steps.append(a[2]) or real(self, *a))
+    fast, fast_cache = decode(m, ids, prefill=5)
+    window_layers = sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
+    # the steps at positions W + sinks .. end take it (each window layer), the earlier ones do not
+    assert sorted(set(steps)) == list(range(W + sinks, ids.shape[1]))
+    assert len(steps) == window_layers * (ids.shape[1] - W - sinks)
+    monkeypatch.setattr(window_module.WindowBranch, "_steady_step", lambda *a: False)
+    masked, masked_cache = decode(m, ids, prefill=5)
+    torch.testing.assert_close(fast, masked, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        full = m(ids).logits
+    torch.testing.assert_close(fast, full, rtol=0, atol=1e-10)
+    for a, b in zip(fast_cache.layers, masked_cache.layers, strict=True):  # the same ring and sinks
+        for name in window_module.WINDOW_FIELDS:
+            if name in b.tensors:
+                assert torch.equal(a.tensors[name], b.tensors[name]), name
+
+
+def test_padding_or_gradients_keep_the_masked_path(monkeypatch):
+    """A left-padded batch (positions differ per row, not known on the host) and a step with gradients
+    (no in-place writes into tensors autograd may hold) run the masked path."""
+    m = sse_window(2)
+    W = m.model.layers[0].self_attn.window
+    ids = torch.randint(3, 128, (2, W + 12), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    calls = []
+    monkeypatch.setattr(window_module.WindowBranch, "steady_window_step", lambda *a: calls.append(1))
+    decode(m, ids, prefill=W + 4, mask=mask)
+    assert not calls
+    out = m(ids[:, : W + 4], use_cache=True)
+    m(ids[:, W + 4 : W + 5], **{CACHE_FIELD: getattr(out, CACHE_FIELD)})  # gradients on: no in-place step
+    assert not calls
