@@ -90,13 +90,11 @@ def dense_and_conversions(work: Path, shape: dict, max_positions: int, device: t
     return dense
 
 
-#: benchmark rows that are a family's conversion with a change made after loading: "spla-adapted" is
-#: the SPLA conversion with gamma = 0.1 in every layer, as after adaptation (a fresh conversion has
-#: gamma = 0, whose residual term adds exactly nothing and is skipped at inference)
-VARIANTS = {"spla-adapted": "spla"}
 #: benchmark rows converted otherwise than a `convert --to` target with its defaults: row -> (target,
-#: options over the defaults); the */no-window rows are the SSE-H / HLA-H presets without their window
-#: branch (the default before 2026-12-01)
+#: options over the defaults). "spla-adapted" is the SPLA conversion changed after loading
+#: (`as_variant`): gamma = 0.1 in every layer, as after adaptation (a fresh conversion has gamma = 0,
+#: whose residual term adds exactly nothing and is skipped at inference); the */no-window rows are the
+#: SSE-H / HLA-H presets without their window branch (the default before 2026-12-01)
 CONVERSIONS = {"spla-adapted": ("spla", {}), "sse-h-no-window": ("sse-h", {"sse_sliding_window": 0}),
                "hla-h-no-window": ("hla-h", {"hla_sliding_window": 0})}
 #: the family whose targets (BENCHMARKS.md) a benchmark row is held to: a variant's, a hybrid's family
@@ -104,7 +102,7 @@ TARGET_FAMILY = {"spla-adapted": "spla", "sse-h-no-window": "sse-h", "hla-h": "h
 
 
 def as_variant(model, name: str):
-    """`model` changed in place into the benchmark row `name` of `VARIANTS` (else unchanged)."""
+    """`model` changed in place into the benchmark row `name` ("spla-adapted"; any other unchanged)."""
     if name == "spla-adapted":
         with torch.no_grad():
             for n, p in model.named_parameters():

@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 
 import torch
+from _models import CONVERSIONS
 
-FAMILIES = {"spla": ("spla", {}), "hla": ("hla", {}), "hla-h": ("hla-h", {}), "sse": ("sse", {}),
-            "sse-h": ("sse-h", {}), "sse-h-no-window": ("sse-h", {"sse_sliding_window": 0})}
+#: the rows it takes: convert targets with their defaults, or a conversion row of `_models.CONVERSIONS`
+FAMILIES = ("spla", "hla", "hla-h", "sse", "sse-h", "sse-h-no-window")
 
 
 def prefill(model, ids):
@@ -61,6 +62,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
     ap.add_argument("--families", default="spla,hla,sse", help=f"comma list of {', '.join(FAMILIES)}")
     args = ap.parse_args()
+    unknown = [name for name in args.families.split(",") if name not in FAMILIES]
+    if unknown:
+        ap.error(f"unknown families {', '.join(unknown)}; take from {', '.join(FAMILIES)}")
 
     from transformers import AutoModelForCausalLM
 
@@ -72,7 +76,7 @@ def main() -> None:
     models = {"dense": AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.families.split(","):
-            to, options = FAMILIES[name]
+            to, options = CONVERSIONS.get(name, (name, {}))
             out = convert(str(src), str(Path(tmp) / name), to, options=options, progress=False)
             models[name] = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M fp32, B1, "

@@ -508,6 +508,7 @@ class Deadline:
         self._active = True
         self._timer = threading.Timer(max(0.0, at - time.perf_counter()), self._fire)
         self._timer.daemon = True
+        self._saved = None  # SIGINT's handler before `start`, put back by `cancel`
 
     def start(self) -> None:
         # the interrupt is SIGINT's Python handler, which does nothing where SIGINT is ignored or left to
@@ -527,7 +528,7 @@ class Deadline:
         with self._lock:
             self._active = False
         self._timer.cancel()
-        saved, self._saved = getattr(self, "_saved", None), None
+        saved, self._saved = self._saved, None
         if saved is not None and signal.getsignal(signal.SIGINT) is not saved:
             signal.signal(signal.SIGINT, saved)
 

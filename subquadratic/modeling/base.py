@@ -509,7 +509,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos, causal=causal,
                            attentions={} if output_attentions else None,
                            consecutive=causal or (cache is not None and cache.static is not None),
-                           length=cache.length if cache is not None and causal and cache.static is None else None)
+                           length=cache.length if cache is not None and causal else None)
 
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, cache,
                                                          output_hidden_states)
