@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils import allowed_keys
-from .stats import new_tokens
+from .stats import new_tokens, state_increment
 
 
 def spla_dense(
@@ -56,6 +56,6 @@ def spla_dense(
         o = o.transpose(1, 2) * (q_pos >= 0)[:, :, None, None]
     acc = sbar.dtype
     k_new, v_new = new_tokens(k, v, Tq, new_kv)
-    phik = torch.softmax(k_new.to(acc), dim=-1) * (q_pos >= 0)[:, :, None, None]  # [B, Tq, H, D]
-    sbar = sbar + torch.einsum("bthd,bthe->bhde", phik, v_new.to(acc))
+    phik = torch.softmax(k_new, dim=-1, dtype=acc) * (q_pos >= 0)[:, :, None, None]  # [B, Tq, H, D]
+    sbar = sbar + state_increment(phik.transpose(1, 2), v_new.transpose(1, 2), acc)
     return o, None, sbar

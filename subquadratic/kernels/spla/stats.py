@@ -15,6 +15,23 @@ def feature_map(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x, dim=-1, dtype=acc_dtype(x))  # the cast inside the softmax, no fp32 copy of x
 
 
+#: whether this PyTorch has the batched matmul with an fp32 output for 16-bit operands (`torch.bmm(..., out_dtype=)`)
+_BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
+
+
+def state_increment(phik: torch.Tensor, v: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """sum_s phik[b, h, s]^T v[b, h, s] -> [B, H, D, E] in `acc`: what the new tokens add to the residual
+    linear state Sbar. phik [B, H, S, D] (the feature map, zero at padding), v [B, H, S, E] (any strides).
+    16-bit values on CUDA with an fp32 state: one batched matmul on the tensor cores, phik rounded to
+    v's dtype, fp32 accumulation and output (the operands the causal linear term's kernels take);
+    otherwise exact in `acc`."""
+    if v.is_cuda and v.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32 and _BMM_OUT_DTYPE:
+        B, H, S, D = phik.shape
+        a = phik.to(v.dtype).reshape(B * H, S, D).transpose(1, 2)
+        return torch.bmm(a, v.reshape(B * H, S, v.shape[-1]), out_dtype=torch.float32).view(B, H, D, -1)
+    return torch.einsum("bhsd,bhse->bhde", phik.to(acc), v.to(acc))
+
+
 def new_tokens(k: torch.Tensor, v: torch.Tensor, tq: int, new_kv=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values [B, Tq, H, D] of the Tq new tokens: the last Tq slots of k, v [B, S, H, D],
     or `new_kv` where the new tokens sit elsewhere (a static cache's whole buffers)."""

@@ -27,7 +27,7 @@ import torch
 from ..gla.triton_chunk import chunk_linear_attention
 from ..utils import acc_dtype, import_triton, new_output
 from .plan import UNION_TILE_MAX, SPLAParams, SPLAPlan
-from .stats import BlockStats, feature_map, new_tokens
+from .stats import BlockStats, feature_map, new_tokens, state_increment
 from .triton_blocks import blocks_sparse_attention
 from .triton_common import key_features, selected_blocks, softmax_rows
 from .triton_parallel_bwd import sparse_backward
@@ -210,8 +210,7 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
         phik = feature_map(k_new).to(acc)
         if not causal:
             phik = phik * (q_pos >= 0)[:, None, :, None]
-        kv_new = torch.einsum("bhsd,bhse->bhde", phik, v_new.to(acc))
-        return o_sp.to(out_dtype), None, sbar + kv_new
+        return o_sp.to(out_dtype), None, sbar + state_increment(phik, v_new, acc)
     o_lin, sbar_new = causal_linear_term(  # the kernels' dtype: q's, at the sparse kernels' precision
         feature_map(q).to(kq.dtype), feature_map(k_tok).to(kq.dtype), v_tok, sbar.to(acc),
         None if causal else q_pos >= 0, prec)

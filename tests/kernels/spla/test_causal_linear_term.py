@@ -112,3 +112,35 @@ def chunked_definition(phiq, phik, v, sbar, valid, C=256):
         outs.append((inter + torch.einsum("bhgts,bshe->bthge", A, vv)).reshape(B, n, HQ, D))
         S = S + torch.einsum("bshd,bshe->bhde", k, vv)
     return torch.cat(outs, 1), S
+
+
+def test_state_increment_equals_its_sum():
+    """What the new tokens add to Sbar without the residual term (`stats.state_increment`) is the sum
+    over tokens of phi(k)^T v, exact in the state's dtype here (fp32 or fp64 operands, or the CPU)."""
+    from subquadratic.kernels.spla.stats import state_increment
+
+    gen = torch.Generator().manual_seed(3)
+    phik = torch.softmax(torch.randn(2, 5, 3, 16, generator=gen, dtype=torch.float64), -1)  # [B, T, H, D]
+    v = torch.randn(2, 5, 3, 8, generator=gen, dtype=torch.float64)
+    want = sum(phik[:, t, :, :, None] * v[:, t, :, None, :] for t in range(5))
+    got = state_increment(phik.transpose(1, 2), v.transpose(1, 2), torch.float64)
+    assert got.dtype == torch.float64 and got.shape == (2, 3, 16, 8) and rel(got, want) <= 1e-12
+    got32 = state_increment(phik.float().transpose(1, 2), v.bfloat16().transpose(1, 2), torch.float32)
+    assert got32.dtype == torch.float32 and rel(got32, want) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+def test_gpu_state_increment_takes_16_bit_operands_with_fp32_sums():
+    """bf16 values on CUDA: phi(k) rounded to bf16, one batched matmul with fp32 accumulation and output,
+    within fp32 accumulation error of the fp64 sum of the same rounded operands (B2 T 8192 H4 d128, the
+    values a transposed view as the op passes them)."""
+    from subquadratic.kernels.spla.stats import state_increment
+
+    gen = torch.Generator().manual_seed(4)
+    phik = torch.softmax(torch.randn(2, 4, 8192, 128, generator=gen) * 2, -1).to(DEV)
+    v = torch.randn(2, 8192, 4, 128, generator=gen).to(DEV, torch.bfloat16).transpose(1, 2)
+    got = state_increment(phik, v, torch.float32)
+    want = torch.einsum("bhsd,bhse->bhde", phik.bfloat16().double(), v.double())
+    exact = torch.einsum("bhsd,bhse->bhde", phik.double(), v.double())
+    assert got.dtype == torch.float32 and rel(got, want) <= 1e-5 and rel(got, exact) <= 1e-2
