@@ -1,0 +1,287 @@
+"""The Triton kernels of `window_attention` (sliding-window softmax attention with attention sinks over
+causal rows, module `window_attention.py`), forward and backward, in the manner of flash attention:
+online softmax in fp32 over key tiles, nothing of size [T, T] or [T, W] in memory.
+
+Query t of a row sees key j when j <= t and (t - j < W or j < SINKS) (the index is the position). A
+query tile [m0, m0 + BM) reads two key ranges: the sinks [0, SINKS), counted only where t - j >= W (the
+window counts the rest), and the window [m0 - W + 1, m0 + BM). Kernels:
+  `window_fwd`   o [B, T, HQ, D] and the log-sum-exp [B, HQ, T] (fp32) of every query row;
+  `window_bwd_dq`  dq over the same tiles;
+  `window_bwd_dkdv`  dk, dv of a key tile [n0, n0 + BN) from the queries whose window holds it
+                  (t in [n0, n0 + BN + W - 1)), the G query heads of its KV head in one program (no atomics);
+  `window_bwd_sinks`  the sinks' dk, dv from the queries past their window, per chunk of queries,
+                  summed over chunks and heads by the caller.
+fp32 accumulation everywhere; 16-bit operands on the tensor cores, fp32 ones exact ("ieee") or TF32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_utils import block_size
+from .utils import import_triton, new_output
+
+triton, tl = import_triton()
+
+NEG = tl.constexpr(-1e30)  # finite "minus infinity" of masked scores
+#: Query rows / key columns of a tile.
+BM = 64
+BN = 64
+#: Query tiles of one program of the sinks' backward.
+SINK_TILES = 8
+
+
+def _warps(BD: int) -> int:
+    return 4 if BD <= 64 else 8
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation, `a` cast to b's dtype: exact for fp32 with IEEE, else the tensor cores."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _tile(P, s_t, rows, n_rows, cols, D: tl.constexpr):
+    """The [len(rows), BD] tile of rows `rows` (< n_rows) of a [T, D] matrix at P with row stride s_t."""
+    m = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    return tl.load(P + rows.to(tl.int64)[:, None] * s_t + cols[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _heads(i_bh, Q, K, V, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, HQ: tl.constexpr, G: tl.constexpr):
+    """Batch row, query head and the bases of its q and of its KV head's k, v, for program i_bh."""
+    b, h = i_bh // HQ, i_bh % HQ
+    kh = h // G
+    bb = b.to(tl.int64)
+    return b, h, Q + bb * s_qb + h * s_qh, K + bb * s_kb + kh * s_kh, V + bb * s_vb + kh * s_vh
+
+
+@triton.jit
+def _kv(Kp, Vp, s_kt, s_vt, keys, n_rows, cols, D: tl.constexpr):
+    """The k and v tiles of `keys` (< n_rows)."""
+    return _tile(Kp, s_kt, keys, n_rows, cols, D), _tile(Vp, s_vt, keys, n_rows, cols, D)
+
+
+@triton.jit
+def window_fwd(Q, K, V, OUT, LSE, T, scale,
+               s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_ot, s_oh,
+               HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
+               SINKS: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    b, h, Qp, Kp, Vp = _heads(i_bh, Q, K, V, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, HQ, G)
+    m0 = i_m * BM
+    rows = m0 + tl.arange(0, BM)
+    cols = tl.arange(0, BD)
+    q = _tile(Qp, s_qt, rows, T, cols, D)
+    m_i = tl.full([BM], NEG, tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    if SINKS > 0:  # the sinks, where they are W or more positions back
+        keys = tl.arange(0, SP)
+        k, v = _kv(Kp, Vp, s_kt, s_vt, keys, T, cols, D)
+        s = _dot(q, tl.trans(k), IEEE) * scale
+        ok = (keys < SINKS)[None, :] & (rows[:, None] - keys[None, :] >= W)
+        s = tl.where(ok, s, NEG)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p, v, IEEE)
+        m_i = m_new
+    lo = tl.maximum(m0 - W + 1, 0)
+    hi = tl.minimum(m0 + BM, T)
+    for n0 in range(lo, hi, BN):
+        keys = n0 + tl.arange(0, BN)
+        k, v = _kv(Kp, Vp, s_kt, s_vt, keys, hi, cols, D)
+        s = _dot(q, tl.trans(k), IEEE) * scale
+        d = rows[:, None] - keys[None, :]
+        ok = (d >= 0) & (d < W) & (keys < hi)[None, :]
+        s = tl.where(ok, s, NEG)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p, v, IEEE)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    Op = OUT + b.to(tl.int64) * s_ob + h * s_oh
+    tl.store(Op + rows.to(tl.int64)[:, None] * s_ot + cols[None, :], o.to(OUT.dtype.element_ty),
+             mask=(rows < T)[:, None] & (cols < D)[None, :])
+    tl.store(LSE + i_bh.to(tl.int64) * T + rows, m_i + tl.log(l_safe), mask=rows < T)
+
+
+@triton.jit
+def _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE: tl.constexpr):
+    """For a [BM] x [BN] tile: p (the softmax weights, 0 where not `ok`) and ds = p * (dp - delta)."""
+    s = _dot(q, tl.trans(k), IEEE) * scale
+    p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+    dp = _dot(do, tl.trans(v), IEEE)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def window_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, T, scale,
+                  s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_ot, s_oh, s_db, s_dh, s_dt,
+                  HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
+                  SINKS: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    b, h, Qp, Kp, Vp = _heads(i_bh, Q, K, V, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, HQ, G)
+    m0 = i_m * BM
+    rows = m0 + tl.arange(0, BM)
+    cols = tl.arange(0, BD)
+    q = _tile(Qp, s_qt, rows, T, cols, D)
+    do = _tile(DO + b.to(tl.int64) * s_ob + h * s_oh, s_ot, rows, T, cols, D)
+    lse = tl.load(LSE + i_bh.to(tl.int64) * T + rows, mask=rows < T, other=0.0)
+    delta = tl.load(DELTA + i_bh.to(tl.int64) * T + rows, mask=rows < T, other=0.0)
+    dq = tl.zeros([BM, BD], tl.float32)
+    if SINKS > 0:
+        keys = tl.arange(0, SP)
+        k, v = _kv(Kp, Vp, s_kt, s_vt, keys, T, cols, D)
+        ok = (keys < SINKS)[None, :] & (rows[:, None] - keys[None, :] >= W) & (rows < T)[:, None]
+        p, ds = _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE)
+        dq += _dot(ds, k, IEEE)
+    lo = tl.maximum(m0 - W + 1, 0)
+    hi = tl.minimum(m0 + BM, T)
+    for n0 in range(lo, hi, BN):
+        keys = n0 + tl.arange(0, BN)
+        k, v = _kv(Kp, Vp, s_kt, s_vt, keys, hi, cols, D)
+        d = rows[:, None] - keys[None, :]
+        ok = (d >= 0) & (d < W) & (keys < hi)[None, :] & (rows < T)[:, None]
+        p, ds = _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE)
+        dq += _dot(ds, k, IEEE)
+    tl.store(DQ + b.to(tl.int64) * s_db + h * s_dh + rows.to(tl.int64)[:, None] * s_dt + cols[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=(rows < T)[:, None] & (cols < D)[None, :])
+
+
+@triton.jit
+def window_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, scale,
+                    s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_ot, s_oh,
+                    HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                    W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    """dk, dv [B, H, T, D] fp32 of a key tile from the queries that see it through the window."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    b, kh = i_bh // H, i_bh % H
+    n0 = i_n * BN
+    keys = n0 + tl.arange(0, BN)
+    cols = tl.arange(0, BD)
+    k = _tile(K + b.to(tl.int64) * s_kb + kh * s_kh, s_kt, keys, T, cols, D)
+    v = _tile(V + b.to(tl.int64) * s_vb + kh * s_vh, s_vt, keys, T, cols, D)
+    dk = tl.zeros([BN, BD], tl.float32)
+    dv = tl.zeros([BN, BD], tl.float32)
+    hi = tl.minimum(n0 + BN + W - 1, T)
+    for g in range(G):
+        h = kh * G + g
+        Qp = Q + b.to(tl.int64) * s_qb + h * s_qh
+        DOp = DO + b.to(tl.int64) * s_ob + h * s_oh
+        base = (b * HQ + h).to(tl.int64) * T
+        for m0 in range(n0, hi, BM):
+            rows = m0 + tl.arange(0, BM)
+            q = _tile(Qp, s_qt, rows, hi, cols, D)
+            do = _tile(DOp, s_ot, rows, hi, cols, D)
+            lse = tl.load(LSE + base + rows, mask=rows < hi, other=0.0)
+            delta = tl.load(DELTA + base + rows, mask=rows < hi, other=0.0)
+            d = rows[:, None] - keys[None, :]
+            ok = (d >= 0) & (d < W) & (rows < hi)[:, None] & (keys < T)[None, :]
+            p, ds = _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE)
+            dv += _dot(tl.trans(p), do, IEEE)
+            dk += _dot(tl.trans(ds), q, IEEE)
+    off = (i_bh.to(tl.int64) * T + keys)[:, None] * D + cols[None, :]
+    m = (keys < T)[:, None] & (cols < D)[None, :]
+    tl.store(DK + off, dk * scale, mask=m)
+    tl.store(DV + off, dv, mask=m)
+
+
+@triton.jit
+def window_bwd_sinks(Q, K, V, DO, LSE, DELTA, DKS, DVS, T, scale,
+                     s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_ot, s_oh,
+                     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
+                     SINKS: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr, TILES: tl.constexpr,
+                     IEEE: tl.constexpr):
+    """The sinks' dk, dv [chunks, B, HQ, SP, D] fp32 from the queries of one chunk of TILES query tiles
+    that see them past their window."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    b, h, Qp, Kp, Vp = _heads(i_bh, Q, K, V, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, HQ, G)
+    keys = tl.arange(0, SP)
+    cols = tl.arange(0, BD)
+    k, v = _kv(Kp, Vp, s_kt, s_vt, keys, T, cols, D)
+    DOp = DO + b.to(tl.int64) * s_ob + h * s_oh
+    base = i_bh.to(tl.int64) * T
+    dk = tl.zeros([SP, BD], tl.float32)
+    dv = tl.zeros([SP, BD], tl.float32)
+    for i in range(TILES):
+        rows = (i_c * TILES + i) * BM + tl.arange(0, BM)
+        q = _tile(Qp, s_qt, rows, T, cols, D)
+        do = _tile(DOp, s_ot, rows, T, cols, D)
+        lse = tl.load(LSE + base + rows, mask=rows < T, other=0.0)
+        delta = tl.load(DELTA + base + rows, mask=rows < T, other=0.0)
+        ok = (keys < SINKS)[None, :] & (rows[:, None] - keys[None, :] >= W) & (rows < T)[:, None]
+        p, ds = _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE)
+        dv += _dot(tl.trans(p), do, IEEE)
+        dk += _dot(tl.trans(ds), q, IEEE)
+    off = ((i_c * tl.num_programs(1) + i_bh).to(tl.int64) * SP + keys)[:, None] * D + cols[None, :]
+    m = (cols < D)[None, :] & (keys < SP)[:, None]
+    tl.store(DKS + off, dk * scale, mask=m)
+    tl.store(DVS + off, dv, mask=m)
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _sink_pad(sinks: int) -> int:
+    return block_size(max(sinks, 1))
+
+
+class WindowAttention(torch.autograd.Function):
+    """o [B, T, HQ, D] = `window_attention` of q [B, HQ, T, D], k, v [B, H, T, D] (unit stride in D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window: int, sinks: int, scale: float, ieee: bool):
+        B, HQ, T, D = q.shape
+        H = k.shape[1]
+        o = new_output((B, T, HQ, D), q.device, q.dtype)
+        lse = new_output((B, HQ, T), q.device)
+        BD, SP = block_size(D), _sink_pad(sinks)
+        window_fwd[(triton.cdiv(T, BM), B * HQ)](
+            q, k, v, o, lse, T, scale, *_strides(q), *_strides(k), *_strides(v), o.stride(0), o.stride(1),
+            o.stride(2), HQ, HQ // H, D, BD, window, sinks, SP, BM, BN, ieee, num_warps=_warps(BD))
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.window, ctx.sinks, ctx.scale, ctx.ieee = window, sinks, scale, ieee
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        W, sinks, scale, ieee = ctx.window, ctx.sinks, ctx.scale, ctx.ieee
+        B, HQ, T, D = q.shape
+        H = k.shape[1]
+        G, BD, SP = HQ // H, block_size(D), _sink_pad(sinks)
+        do = do.to(q.dtype)
+        if do.stride(-1) != 1:
+            do = do.contiguous()
+        delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()  # [B, HQ, T]
+        dq = torch.empty_like(q)
+        strides = (*_strides(q), *_strides(k), *_strides(v), do.stride(0), do.stride(1), do.stride(2))
+        window_bwd_dq[(triton.cdiv(T, BM), B * HQ)](
+            q, k, v, do, lse, delta, dq, T, scale, *strides, *_strides(dq), HQ, G, D, BD, W, sinks, SP, BM, BN,
+            ieee, num_warps=_warps(BD))
+        dk = new_output((B, H, T, D), q.device)
+        dv = new_output((B, H, T, D), q.device)
+        window_bwd_dkdv[(triton.cdiv(T, BN), B * H)](
+            q, k, v, do, lse, delta, dk, dv, T, scale, *strides, HQ, H, G, D, BD, W, BM, BN, ieee, num_warps=_warps(BD))
+        if sinks and T > W:
+            chunks = triton.cdiv(T, BM * SINK_TILES)
+            dks = new_output((chunks, B, HQ, SP, D), q.device)
+            dvs = new_output((chunks, B, HQ, SP, D), q.device)
+            window_bwd_sinks[(chunks, B * HQ)](
+                q, k, v, do, lse, delta, dks, dvs, T, scale, *strides, HQ, G, D, BD, W, sinks, SP, BM, SINK_TILES,
+                ieee, num_warps=_warps(BD))
+            n = min(sinks, T)
+            dk[:, :, :n] += dks.sum(0).view(B, H, G, SP, D).sum(2)[:, :, :n]
+            dv[:, :, :n] += dvs.sum(0).view(B, H, G, SP, D).sum(2)[:, :, :n]
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
