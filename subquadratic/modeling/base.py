@@ -23,6 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from ..configuration.base import SubquadraticConfig
 from ..kernels.utils import allowed_keys, slot_offsets
+from ..kernels.window_attention import window_attention, window_kernel_takes, window_unsupported
 from ..registry import mixer, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, all_real, positions_from_mask
 from .cuda_graph import decode_step, replays_decode
@@ -259,6 +260,15 @@ class SoftmaxAttention(AttentionBase):
         self.window = config.sliding_window if kind == "sliding_attention" else None
         self.sinks = 0  # with a window: the first `sinks` tokens stay visible (a state mixer's window branch)
 
+    def window_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
+        """Whether the window of causal rows runs on `kernels.window_attention` (Triton): by default on
+        CUDA for inputs the kernels take, with `kernel_backend="triton"` on any device Triton runs on
+        (the CPU interpreter), never with "torch" (the banded PyTorch form)."""
+        backend = self.config.kernel_backend
+        if backend == "triton":
+            return not dropout and window_unsupported(q, k, v, self.window, self.sinks) is None
+        return backend == "auto" and window_kernel_takes(q, k, v, self.window, self.sinks, dropout)
+
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
         q, k, v = self.project(hidden_states, position_embeddings)
         if cache_layer is not None:
@@ -272,8 +282,11 @@ class SoftmaxAttention(AttentionBase):
         causal_rows = T == S and (seq.causal or seq.documents is not None)
         if sdpa and W and T > W and (causal_rows or S == T + W + sink_slots and getattr(cache_layer, "banded", False)):
             # a window shorter than the new tokens, no earlier keys or a window ring before them: O(T W)
-            o = banded_window_attention(q, k, v, seq.positions, seq.key_positions, W, self.scaling, dropout,
-                                        self.sinks, sink_slots)
+            if causal_rows and self.window_kernel(q, k, v, dropout):  # the Triton kernels (CUDA)
+                o = window_attention(q, k, v, W, self.scaling, self.sinks, precision=self.config.kernel_precision)
+            else:
+                o = banded_window_attention(q, k, v, seq.positions, seq.key_positions, W, self.scaling, dropout,
+                                            self.sinks, sink_slots)
         else:
             if sdpa and (causal_rows or seq.causal and T == 1) and (not self.window or S <= self.window):
                 # the queries the last T: causal (T = S; padding only after the real tokens, whose

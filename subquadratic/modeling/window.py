@@ -11,6 +11,7 @@ is the conversion's half: the source's attention tensors of a converted layer, c
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .base import SequenceInfo, SoftmaxAttention
 
@@ -121,6 +122,41 @@ class WindowRing:
                 torch.where(has, self.pos.gather(1, src), buf_pos))
 
 
+class FreshRing:
+    """The window ring of a call whose new tokens are each row's first T, all real (positions 0..T-1 in
+    every row, an empty ring): the queries attend over the new tokens themselves as causal rows (the
+    window kernels, the banded form, or causal SDPA when T <= W), and `update` fills the ring with the
+    last W tokens and the sink buffer with the first `sinks` by slicing, in the layout `WindowRing`
+    keeps (position p in ring slot p % W, -1 for an empty slot) for the steps that follow."""
+
+    sink_slots = 0  # the keys `update` returns are the new tokens alone
+
+    def __init__(self, layer, window: int, sinks: int = 0) -> None:
+        self.layer, self.window, self.sinks = layer, window, sinks
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, H, T, D] (post-RoPE) -> themselves, after writing the ring and the sinks."""
+        B, H, T, D = k.shape
+        W, dev = self.window, k.device
+        slots = torch.arange(W, device=dev)
+        if T >= W:  # slot s holds the position p in [T - W, T) with p % W = s
+            src = T - W + (slots - T) % W
+            ring_k, ring_v, pos = k.index_select(2, src), v.index_select(2, src), src
+        else:  # slots 0..T-1 hold the tokens, the rest is empty
+            pad = (0, 0, 0, W - T)
+            ring_k, ring_v = F.pad(k, pad), F.pad(v, pad)
+            pos = torch.where(slots < T, slots, -1)
+        t = self.layer.tensors
+        t.update(swa_k=ring_k, swa_v=ring_v, swa_pos=pos.expand(B, W).contiguous())
+        if self.sinks:
+            n = min(self.sinks, T)
+            pad = (0, 0, 0, self.sinks - n)
+            sink = torch.arange(self.sinks, device=dev)
+            t.update(swa_sink_k=F.pad(k[:, :, :n], pad), swa_sink_v=F.pad(v[:, :, :n], pad),
+                     swa_sink_pos=torch.where(sink < n, sink, -1).expand(B, self.sinks).contiguous())
+        return k, v
+
+
 class WindowBranch:
     """Mixin of a state mixer with an optional sliding-window softmax branch (`self.swa`)."""
 
@@ -140,10 +176,19 @@ class WindowBranch:
             return self.swa(x, position_embeddings, window_seq, None)[0]
         if self._steady_step(x, seq, cache_layer):
             return self.steady_window_step(x, position_embeddings, seq.length - 1, cache_layer)
+        if self._fresh_prefill(x, seq, cache_layer):
+            # a first call of real tokens (a prefill): causal rows over the new tokens, the ring filled by slicing
+            fresh = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=True)
+            return self.swa(x, position_embeddings, fresh, FreshRing(cache_layer, self.window, self.swa.sinks))[0]
         ring = WindowRing(cache_layer, seq.positions, self.window, no_padding=seq.causal, consecutive=seq.consecutive,
                           sinks=self.swa.sinks)
         out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, ring.key_positions()), ring)
         return out
+
+    def _fresh_prefill(self, x: torch.Tensor, seq: SequenceInfo, cache_layer) -> bool:
+        """Whether this call is each row's first T tokens, all real (`FreshRing`): every token real
+        with the count known on the host, no earlier token, the ring not yet made."""
+        return seq.causal and seq.length == x.shape[1] and "swa_k" not in cache_layer.tensors
 
     def _steady_step(self, x: torch.Tensor, seq: SequenceInfo, cache_layer) -> bool:
         """Whether this call is a one-token step that `steady_window_step` may take: no gradients, SDPA,

@@ -149,14 +149,16 @@ def test_real_tokens_on_an_accelerator_are_known_once_per_call():
 def test_a_prefill_with_a_mask_of_real_tokens_on_the_gpu_takes_it(monkeypatch):
     """generate() and training collators pass an attention mask; on the GPU whether it holds padding is
     read once per call of several tokens, so a prefill (into the cache or without one) of real tokens
-    takes the banded form and the softmax layers' causal SDPA, not a [T, T] mask."""
+    takes an O(T W) form (on the GPU the window kernels) and the softmax layers' causal SDPA, not a
+    [T, T] mask."""
     from subquadratic.modeling import base
 
     from .sse.test_modeling_sse import lively
 
     calls = []
-    real = base.banded_window_attention
-    monkeypatch.setattr(base, "banded_window_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name in ("banded_window_attention", "window_attention"):
+        real = getattr(base, name)
+        monkeypatch.setattr(base, name, lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
     m = lively("tiny-swa", 0, sse_window_merge="sum", sse_window_sinks=2).cuda()
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(3)).cuda()
     mask = torch.ones_like(ids)
@@ -170,3 +172,46 @@ def test_a_prefill_with_a_mask_of_real_tokens_on_the_gpu_takes_it(monkeypatch):
         m(ids, attention_mask=padded, use_cache=True)
         assert len(calls) == 2 * m.config.num_hidden_layers
     torch.testing.assert_close(cached.logits, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_the_window_kernels_give_the_banded_forms_values_in_a_model(monkeypatch):
+    """The window branch of causal rows on the Triton kernels (`kernels.window_attention`, here in the
+    CPU interpreter, as on CUDA by default) against the banded PyTorch form, fp32: a training forward
+    and backward without a cache, and a prefill into a cache followed by decode steps."""
+    pytest.importorskip("triton")
+    from subquadratic.kernels.window_attention import window_unsupported
+    from subquadratic.modeling import base
+
+    from .sse.test_modeling_sse import lively
+
+    m = lively("tiny-swa", 0, sse_window_merge="sum", sse_window_sinks=3).float()
+    W = m.model.layers[0].self_attn.window
+    ids = torch.randint(3, 128, (2, 3 * W + 5), generator=torch.Generator().manual_seed(7))
+    calls = []
+    real = base.window_attention
+    monkeypatch.setattr(base, "window_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def run(kernel: bool):
+        monkeypatch.setattr(base, "window_kernel_takes",
+                            lambda q, k, v, w, s, d: kernel and not d and window_unsupported(q, k, v, w, s) is None)
+        m.zero_grad()
+        logits = m(ids, labels=ids)
+        logits.loss.backward()
+        grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+        with torch.no_grad():
+            out = m(ids[:, : 2 * W + 1], use_cache=True)
+            steps = [out.logits]
+            for t in range(2 * W + 1, ids.shape[1]):
+                out = m(ids[:, t : t + 1], **{CACHE_FIELD: getattr(out, CACHE_FIELD)})
+                steps.append(out.logits)
+        return logits.logits.detach(), grads, torch.cat(steps, 1)
+
+    got = run(True)
+    assert len(calls) == 2 * sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
+    want = run(False)
+    assert len(calls) == 2 * sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
+    assert len(got[1]) == len(want[1]) > 0
+    for a, b in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

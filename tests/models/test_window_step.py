@@ -79,3 +79,29 @@ def test_padding_or_gradients_keep_the_masked_path(monkeypatch):
     out = m(ids[:, : W + 4], use_cache=True)
     m(ids[:, W + 4 : W + 5], **{CACHE_FIELD: getattr(out, CACHE_FIELD)})  # gradients on: no in-place step
     assert not calls
+
+
+@pytest.mark.parametrize("make, sinks", [(sse_window, 3), (hla_window_sinks, 2)])
+@pytest.mark.parametrize("prefill", [lambda W: 2, lambda W: W - 1, lambda W: W, lambda W: W + 5, lambda W: 2 * W + 3],
+                         ids=["2", "W-1", "W", "W+5", "2W+3"])
+def test_a_fresh_prefill_fills_the_ring_as_the_masked_path_does(make, sinks, prefill, monkeypatch):
+    """A first call of real tokens attends over them as causal rows and fills the ring and the sinks by
+    slicing (`FreshRing`): the same logits, before and after decode steps, and the same ring and sinks
+    as the masked path (`WindowRing`), for prompts shorter than the sinks, around the window and past it."""
+    m = make(sinks)
+    W = m.model.layers[0].self_attn.window
+    n = prefill(W)
+    ids = torch.randint(3, 128, (2, n + 4), generator=torch.Generator().manual_seed(n))
+    fills = []
+    real = window_module.FreshRing.update
+    monkeypatch.setattr(window_module.FreshRing, "update", lambda self, *a: fills.append(1) or real(self, *a))
+    fresh, fresh_cache = decode(m, ids, prefill=n)
+    assert len(fills) == sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
+    monkeypatch.setattr(window_module.WindowBranch, "_fresh_prefill", lambda *a: False)
+    masked, masked_cache = decode(m, ids, prefill=n)
+    torch.testing.assert_close(fresh, masked, rtol=0, atol=1e-12)
+    for a, b in zip(fresh_cache.layers, masked_cache.layers, strict=True):
+        for name in window_module.WINDOW_FIELDS:
+            assert (name in a.tensors) == (name in b.tensors), name
+            if name in b.tensors:
+                assert torch.equal(a.tensors[name], b.tensors[name]), name
