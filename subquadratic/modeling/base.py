@@ -11,7 +11,7 @@ embeddings, RMSNorm, the SwiGLU MLP, the attention functions, weight loading and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -61,6 +61,8 @@ class SequenceInfo:
     #: token in order (a growing cache whose tokens are all real: `causal`), so that each new token's
     #: position is length - T + i without reading a tensor; else None.
     length: int | None = None
+    #: What one layer hands to the next within this forward (SPLA's `UnionHint`), by name.
+    shared: dict = field(default_factory=dict)
 
     def key_offsets(self) -> torch.Tensor | None:
         """Slot of each row's position 0 when each row's real tokens sit in consecutive slots (left or

@@ -19,6 +19,7 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ...kernels.spla import BlockStats, SPLAParams, append_token, spla_attention, spla_parallel
+from ...kernels.spla.plan import UnionHint
 from ...modeling.base import (
     AttentionBase,
     SequenceInfo,
@@ -143,7 +144,8 @@ class SPLAAttention(AttentionBase):
                                                                              return_weights=True)
         else:
             o_sp, o_rla, sbar = spla_attention(*args, backend=cfg.kernel_backend, k_offsets=seq.key_offsets,
-                                               new_kv=new_kv, causal=seq.causal, precision=cfg.kernel_precision)
+                                               new_kv=new_kv, causal=seq.causal, precision=cfg.kernel_precision,
+                                               union_hint=seq.shared.setdefault("spla_union", UnionHint()))
         if cache_layer is not None:
             cache_layer.set_sbar(sbar)
         o = o_sp.transpose(1, 2)  # [B, HQ, T, D]

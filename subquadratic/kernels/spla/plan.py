@@ -48,6 +48,36 @@ FORMS = ("blocks", "tile", "token", "union")
 UNION_MIN_BLOCKS = 64
 UNION_MIN_TQ = 4096
 UNION_TILE_MAX = 64
+
+
+class UnionHint:
+    """The form "union"'s measurement handed from one SPLA layer to the next of the same forward, so
+    that one host read per forward decides the form instead of one per layer. The first layer reads its
+    own mean union (a synchronisation: the GPU waits for the host's next launch); each later layer
+    decides by the mean union of the layer before it, copied to the host without blocking and read
+    after waiting for that layer's selection only (`torch.cuda.Event`), so the queue of launched work
+    never drains. A given input gives the same forms on every call."""
+
+    def __init__(self) -> None:
+        self.pending = None  # (host copy, event) of the last layer's mean union
+
+    def decide(self, mean: torch.Tensor) -> float:
+        """The mean union to decide this layer's form by; records this layer's `mean` (0-dim, on the
+        device) for the next layer."""
+        if self.pending is None or not mean.is_cuda:
+            value = float(mean)
+        else:
+            host, event = self.pending
+            event.synchronize()
+            value = float(host)
+        if mean.is_cuda:
+            event = torch.cuda.Event()
+            host = mean.to("cpu", non_blocking=True)
+            event.record()
+            self.pending = (host, event)
+        return value
+
+
 #: Selections on the "triton" path (see `SPLAPlan`).
 SELECTIONS = ("tile", "stream", "kernel", "matmul")
 #: Input dtypes whose calls from TILE_MIN_TQ tokens on CUDA take the streamed selection, with the

@@ -26,7 +26,7 @@ import torch
 
 from ..gla.triton_chunk import chunk_linear_attention
 from ..utils import acc_dtype, import_triton, new_output
-from .plan import UNION_TILE_MAX, SPLAParams, SPLAPlan
+from .plan import UNION_TILE_MAX, SPLAParams, SPLAPlan, UnionHint
 from .stats import BlockStats, feature_map, new_tokens, state_increment
 from .triton_blocks import blocks_sparse_attention
 from .triton_common import key_features, selected_blocks, softmax_rows
@@ -160,14 +160,16 @@ class SparseAttention(torch.autograd.Function):
 
 
 def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, params: SPLAParams, plan: SPLAPlan,
-                         new_kv=None, causal: bool = False):
+                         new_kv=None, causal: bool = False, union_hint: UnionHint | None = None):
     """SPLA of the new tokens with the Triton kernels the plan names, the contract of
     `parallel.spla_parallel`: q [B, Tq, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D)
     with the new tokens last; koff [B] int32: the slot of each row's position 0 (`slot_offsets`, not
     None: each row's tokens in consecutive slots); returns (o_sp [B, Tq, HQ, D], o_rla or None, new
     Sbar). Differentiable (Triton backward) when `plan.grad`. fp64 inputs (tests) run the kernels in
     fp32 (exact dots). `new_kv`: as in `parallel.spla_parallel`. `causal`: every query is a real token
-    (`SequenceInfo.causal`), so no output or new key needs the padding mask."""
+    (`SequenceInfo.causal`), so no output or new key needs the padding mask. `union_hint`: the form
+    "union" decides by the previous layer's measurement it holds (`plan.UnionHint`), else by this call's
+    (one host read)."""
     B, Tq, HQ, D = q.shape
     H = k.shape[2]
     G = HQ // H
@@ -188,7 +190,8 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     form, union = plan.form, None
     if form == "union":  # tile or block-major by the measured union (one host read)
         union = query_tile_union(idx, kk.shape[2], G, block_size, plan.tile_rows)
-        form = "blocks" if float(union[2].float().mean()) > UNION_TILE_MAX else "tile"
+        mean = union[2].float().mean()
+        form = "blocks" if (float(mean) if union_hint is None else union_hint.decide(mean)) > UNION_TILE_MAX else "tile"
     if form == "blocks":  # differentiable when gradients are needed; else the forward alone
         o_sp, otilde = blocks_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, precision=prec)
     elif form == "tile":  # differentiable with plan.grad; without, the forward alone

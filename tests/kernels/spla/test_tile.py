@@ -256,3 +256,26 @@ def test_the_union_form_picks_by_the_measured_union(monkeypatch, kernel_calls, t
     assert kernel_calls[form] == 1 and sum(kernel_calls.values()) == 1, kernel_calls
     for a, b in zip(got, want, strict=True):
         assert rel(a, b) <= 1e-4
+
+
+def test_a_union_hint_reads_host_tensors_at_once():
+    """Off CUDA there is nothing to overlap: each layer decides by its own measurement."""
+    from subquadratic.kernels.spla.plan import UnionHint
+
+    hint = UnionHint()
+    assert hint.decide(torch.tensor(3.0)) == 3.0 and hint.decide(torch.tensor(70.0)) == 70.0
+    assert hint.pending is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_union_hint_hands_each_layers_measurement_to_the_next():
+    """On CUDA the first layer of a forward reads its own mean union; each later one the layer's before
+    it (copied without blocking, read after that layer's event), so a given input always gets the same
+    forms and only the first read waits for the queue."""
+    from subquadratic.kernels.spla.plan import UnionHint
+
+    hint = UnionHint()
+    means = [torch.tensor(v, device="cuda") for v in (5.0, 90.0, 12.0)]
+    assert [hint.decide(m) for m in means] == [5.0, 5.0, 90.0]
+    assert float(hint.pending[0]) == 12.0
