@@ -175,18 +175,20 @@ def test_a_prefill_with_a_mask_of_real_tokens_on_the_gpu_takes_it(monkeypatch):
 
 
 def test_the_window_kernels_give_the_banded_forms_values_in_a_model(monkeypatch):
-    """The window branch of causal rows on the Triton kernels (`kernels.window_attention`, here in the
-    CPU interpreter, as on CUDA by default) against the banded PyTorch form, fp32: a training forward
-    and backward without a cache, and a prefill into a cache followed by decode steps."""
+    """The window branch of causal rows on the Triton kernels (`kernels.window_attention`: on CUDA by
+    default, here also in the CPU interpreter) against the banded PyTorch form, fp32 with exact dots: a
+    training forward and backward without a cache, and a prefill into a cache followed by decode steps."""
     pytest.importorskip("triton")
     from subquadratic.kernels.window_attention import window_unsupported
     from subquadratic.modeling import base
 
     from .sse.test_modeling_sse import lively
 
-    m = lively("tiny-swa", 0, sse_window_merge="sum", sse_window_sinks=3).float()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m = lively("tiny-swa", 0, sse_window_merge="sum", sse_window_sinks=3).float().to(dev)
+    m.config.kernel_precision = "ieee"  # exact fp32 dots on CUDA too
     W = m.model.layers[0].self_attn.window
-    ids = torch.randint(3, 128, (2, 3 * W + 5), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(3, 128, (2, 3 * W + 5), generator=torch.Generator().manual_seed(7)).to(dev)
     calls = []
     real = base.window_attention
     monkeypatch.setattr(base, "window_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
