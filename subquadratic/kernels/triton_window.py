@@ -80,17 +80,17 @@ def window_fwd(Q, K, V, OUT, LSE, T, scale,
     m_i = tl.full([BM], NEG, tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    if SINKS > 0:  # the sinks, where they are W or more positions back
-        keys = tl.arange(0, SP)
-        k, v = _kv(Kp, Vp, s_kt, s_vt, keys, T, cols, D)
-        s = _dot(q, tl.trans(k), IEEE) * scale
-        ok = (keys < SINKS)[None, :] & (rows[:, None] - keys[None, :] >= W)
-        s = tl.where(ok, s, NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
+    if SINKS > 0:  # the sinks, where they are W or more positions back (own names: the loop's differ in shape)
+        sink = tl.arange(0, SP)
+        sk, sv = _kv(Kp, Vp, s_kt, s_vt, sink, T, cols, D)
+        ss = _dot(q, tl.trans(sk), IEEE) * scale
+        sok = (sink < SINKS)[None, :] & (rows[:, None] - sink[None, :] >= W)
+        ss = tl.where(sok, ss, NEG)
+        m_new = tl.maximum(m_i, tl.max(ss, 1))
+        sp = tl.where(sok, tl.exp(ss - m_new[:, None]), 0.0)
         alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p, v, IEEE)
+        l_i = l_i * alpha + tl.sum(sp, 1)
+        acc = acc * alpha[:, None] + _dot(sp, sv, IEEE)
         m_i = m_new
     lo = tl.maximum(m0 - W + 1, 0)
     hi = tl.minimum(m0 + BM, T)
@@ -139,12 +139,12 @@ def window_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, T, scale,
     lse = tl.load(LSE + i_bh.to(tl.int64) * T + rows, mask=rows < T, other=0.0)
     delta = tl.load(DELTA + i_bh.to(tl.int64) * T + rows, mask=rows < T, other=0.0)
     dq = tl.zeros([BM, BD], tl.float32)
-    if SINKS > 0:
-        keys = tl.arange(0, SP)
-        k, v = _kv(Kp, Vp, s_kt, s_vt, keys, T, cols, D)
-        ok = (keys < SINKS)[None, :] & (rows[:, None] - keys[None, :] >= W) & (rows < T)[:, None]
-        p, ds = _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE)
-        dq += _dot(ds, k, IEEE)
+    if SINKS > 0:  # own names: the loop's differ in shape
+        sink = tl.arange(0, SP)
+        sk, sv = _kv(Kp, Vp, s_kt, s_vt, sink, T, cols, D)
+        sok = (sink < SINKS)[None, :] & (rows[:, None] - sink[None, :] >= W) & (rows < T)[:, None]
+        sp, sds = _scores_grad(q, sk, sv, do, lse, delta, rows, sink, sok, scale, IEEE)
+        dq += _dot(sds, sk, IEEE)
     lo = tl.maximum(m0 - W + 1, 0)
     hi = tl.minimum(m0 + BM, T)
     for n0 in range(lo, hi, BN):
