@@ -20,6 +20,8 @@ from .utils import resolve_precision, triton_available
 MAX_DIM = 256
 #: The most sinks the kernels take (one tile of keys).
 MAX_SINKS = 64
+#: The most rows x query heads of a call (the kernels' second grid dimension).
+MAX_ROWS_X_HEADS = 65535
 
 
 def window_unsupported(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> str | None:
@@ -32,6 +34,8 @@ def window_unsupported(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int)
         return f"{q.shape[1]} query heads over {k.shape[1]} KV heads"
     if q.shape[-1] > MAX_DIM:
         return f"head dim {q.shape[-1]} (at most {MAX_DIM})"
+    if q.shape[0] * q.shape[1] > MAX_ROWS_X_HEADS:
+        return f"{q.shape[0]} rows x {q.shape[1]} query heads (at most {MAX_ROWS_X_HEADS}: a grid dimension)"
     if window < 1 or not 0 <= sinks <= MAX_SINKS:
         return f"window {window}, sinks {sinks} (window >= 1, 0 <= sinks <= {MAX_SINKS})"
     return None

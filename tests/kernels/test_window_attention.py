@@ -90,6 +90,8 @@ def test_unsupported_inputs_say_why():
     assert "query heads" in window_unsupported(q, k, k, 4, 0)
     assert "dtypes" in window_unsupported(q.double(), k.double(), k.double(), 4, 0)
     assert "sinks" in window_unsupported(q[:, :2], k, k, 4, 100)
+    many = torch.zeros(16384, 4, 1, 16).expand(16384, 4, 8, 16)  # 65536 rows x heads, no memory
+    assert "grid" in window_unsupported(many, many, many, 4, 0)
     with pytest.raises(ValueError, match="window_attention does not take"):
         window_attention(q, k, k, 4, 0.25)
 
