@@ -57,7 +57,7 @@ def timed_forms(T: int, HQ: int, H: int, D: int, W: int, sinks: int, device, dty
                 fn(q, k, v)
         xs = [x.detach().requires_grad_() for x in (q, k, v)]
 
-        def fwd_bwd(fn=fn, name=name):
+        def fwd_bwd(fn=fn, name=name, xs=xs):
             o = fn(*xs)
             (o if name != "flash" else o.transpose(1, 2)).backward(do)
         try:
