@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .triton_utils import TRITON_DTYPES
-from .utils import resolve_precision, triton_available
+from .utils import resolve_precision
 
 #: The largest head dim the kernels take.
 MAX_DIM = 256
@@ -39,13 +39,6 @@ def window_unsupported(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int)
     if window < 1 or not 0 <= sinks <= MAX_SINKS:
         return f"window {window}, sinks {sinks} (window >= 1, 0 <= sinks <= {MAX_SINKS})"
     return None
-
-
-def window_kernel_takes(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, dropout: float = 0.0) -> bool:
-    """Whether the model's attention runs `window_attention` on these inputs: CUDA, Triton installed,
-    no attention dropout, inputs the kernels take."""
-    return (q.is_cuda and not dropout and triton_available()
-            and window_unsupported(q, k, v, window, sinks) is None)
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scaling: float, sinks: int = 0,

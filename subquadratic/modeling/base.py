@@ -22,8 +22,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, eager_attention_forward
 
 from ..configuration.base import SubquadraticConfig
-from ..kernels.utils import allowed_keys, slot_offsets
-from ..kernels.window_attention import window_attention, window_kernel_takes, window_unsupported
+from ..kernels.utils import allowed_keys, resolve_backend, slot_offsets
+from ..kernels.window_attention import window_attention, window_unsupported
 from ..registry import mixer, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, all_real, positions_from_mask
 from .cuda_graph import decode_step, replays_decode
@@ -263,13 +263,12 @@ class SoftmaxAttention(AttentionBase):
         self.sinks = 0  # with a window: the first `sinks` tokens stay visible (a state mixer's window branch)
 
     def window_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
-        """Whether the window of causal rows runs on `kernels.window_attention` (Triton): by default on
-        CUDA for inputs the kernels take, with `kernel_backend="triton"` on any device Triton runs on
-        (the CPU interpreter), never with "torch" (the banded PyTorch form)."""
-        backend = self.config.kernel_backend
-        if backend == "triton":
-            return not dropout and window_unsupported(q, k, v, self.window, self.sinks) is None
-        return backend == "auto" and window_kernel_takes(q, k, v, self.window, self.sinks, dropout)
+        """Whether the window of causal rows runs on `kernels.window_attention` (Triton), by the model's
+        `kernel_backend` as every op decides (`resolve_backend`): "auto" on CUDA for inputs the kernels
+        take; "torch" and "naive" the banded PyTorch form (exact); "triton" the kernels, or an error."""
+        why = "attention dropout" if dropout else window_unsupported(q, k, v, self.window, self.sinks)
+        return resolve_backend(self.config.kernel_backend, q.device, op="sliding-window attention", has_triton=True,
+                               has_naive=True, unsupported=why) == "triton"
 
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
         q, k, v = self.project(hidden_states, position_embeddings)

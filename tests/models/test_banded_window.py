@@ -193,9 +193,10 @@ def test_the_window_kernels_give_the_banded_forms_values_in_a_model(monkeypatch)
     real = base.window_attention
     monkeypatch.setattr(base, "window_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
-    def run(kernel: bool):
-        monkeypatch.setattr(base, "window_kernel_takes",
-                            lambda q, k, v, w, s, d: kernel and not d and window_unsupported(q, k, v, w, s) is None)
+    def run(kernel: bool):  # the kernels where they take the inputs (on the CPU too: the interpreter), or not at all
+        monkeypatch.setattr(base.SoftmaxAttention, "window_kernel",
+                            lambda self, q, k, v, d: kernel and not d and window_unsupported(q, k, v, self.window,
+                                                                                           self.sinks) is None)
         m.zero_grad()
         logits = m(ids, labels=ids)
         logits.loss.backward()
@@ -217,3 +218,22 @@ def test_the_window_kernels_give_the_banded_forms_values_in_a_model(monkeypatch)
     assert len(got[1]) == len(want[1]) > 0
     for a, b in zip(got[1], want[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_window_kernels_are_chosen_by_the_kernel_backend():
+    """The window takes its path by `kernel_backend` as every op does (`resolve_backend`): on the CPU
+    "auto", "torch" and "naive" run the banded form, an explicit "triton" says in one line what it
+    needs; attention dropout is a reason the kernels do not apply."""
+    from .sse.test_modeling_sse import lively
+
+    attn = lively("tiny-swa", 0, sse_window_merge="sum", sse_window_sinks=2).float().model.layers[0].self_attn.swa
+    q, k = torch.zeros(1, 4, 20, 16), torch.zeros(1, 2, 20, 16)
+    for backend in ("auto", "torch", "naive"):
+        attn.config.kernel_backend = backend
+        assert not attn.window_kernel(q, k, k, 0.0)
+    attn.config.kernel_backend = "triton"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        attn.window_kernel(q, k, k, 0.0)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="attention dropout"):
+            attn.window_kernel(q.cuda(), k.cuda(), k.cuda(), 0.1)
