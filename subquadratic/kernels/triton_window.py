@@ -11,19 +11,20 @@ window counts the rest), and the window [m0 - W + 1, m0 + BM). Kernels:
                   (t in [n0, n0 + BN + W - 1)), the G query heads of its KV head in one program (no atomics);
   `window_bwd_sinks`  the sinks' dk, dv from the queries past their window, per chunk of queries,
                   summed over chunks and heads by the caller.
-fp32 accumulation everywhere; 16-bit operands on the tensor cores, fp32 ones exact ("ieee") or TF32.
+fp32 accumulation everywhere (the dots are `spla.triton_common.mm`); 16-bit operands on the tensor cores,
+fp32 ones exact ("ieee") or TF32.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .spla.triton_common import NEG, mm
 from .triton_utils import block_size
 from .utils import import_triton, new_output
 
 triton, tl = import_triton()
 
-NEG = tl.constexpr(-1e30)  # finite "minus infinity" of masked scores
 #: Query rows / key columns of a tile.
 BM = 64
 BN = 64
@@ -33,15 +34,6 @@ SINK_TILES = 8
 
 def _warps(BD: int) -> int:
     return 4 if BD <= 64 else 8
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """a @ b with fp32 accumulation, `a` cast to b's dtype: exact for fp32 with IEEE, else the tensor cores."""
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a.to(b.dtype), b)
 
 
 @triton.jit
@@ -67,46 +59,58 @@ def _kv(Kp, Vp, s_kt, s_vt, keys, n_rows, cols, D: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(i_m, Qp, s_qt, T, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, W: tl.constexpr):
+    """Query tile i_m: its rows, the head-dim columns, its q tile and the range [lo, hi) of the window's keys."""
+    m0 = i_m * BM
+    rows = m0 + tl.arange(0, BM)
+    cols = tl.arange(0, BD)
+    return rows, cols, _tile(Qp, s_qt, rows, T, cols, D), tl.maximum(m0 - W + 1, 0), tl.minimum(m0 + BM, T)
+
+
+@triton.jit
+def _sees_sink(rows, keys, SINKS: tl.constexpr, W: tl.constexpr):
+    """Which sink keys each query row counts as sinks: those W or more positions back (the window counts the rest)."""
+    return (keys < SINKS)[None, :] & (rows[:, None] - keys[None, :] >= W)
+
+
+@triton.jit
+def _sees_in_window(rows, keys, W: tl.constexpr):
+    """Which keys each query row sees through its window: 0 <= t - j < W."""
+    d = rows[:, None] - keys[None, :]
+    return (d >= 0) & (d < W)
+
+
+@triton.jit
+def _online_softmax(q, k, v, ok, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One key tile of the online softmax: the running max m_i, sum l_i and output acc [BM, BD] after the
+    keys where `ok`."""
+    s = tl.where(ok, mm(q, tl.trans(k), IEEE) * scale, NEG)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
+    alpha = tl.exp(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + mm(p, v, IEEE)
+
+
+@triton.jit
 def window_fwd(Q, K, V, OUT, LSE, T, scale,
                s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_ot, s_oh,
                HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
                SINKS: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     b, h, Qp, Kp, Vp = _heads(i_bh, Q, K, V, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, HQ, G)
-    m0 = i_m * BM
-    rows = m0 + tl.arange(0, BM)
-    cols = tl.arange(0, BD)
-    q = _tile(Qp, s_qt, rows, T, cols, D)
+    rows, cols, q, lo, hi = _query_tile(i_m, Qp, s_qt, T, D, BD, BM, W)
     m_i = tl.full([BM], NEG, tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
     if SINKS > 0:  # the sinks, where they are W or more positions back (own names: the loop's differ in shape)
         sink = tl.arange(0, SP)
         sk, sv = _kv(Kp, Vp, s_kt, s_vt, sink, T, cols, D)
-        ss = _dot(q, tl.trans(sk), IEEE) * scale
-        sok = (sink < SINKS)[None, :] & (rows[:, None] - sink[None, :] >= W)
-        ss = tl.where(sok, ss, NEG)
-        m_new = tl.maximum(m_i, tl.max(ss, 1))
-        sp = tl.where(sok, tl.exp(ss - m_new[:, None]), 0.0)
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(sp, 1)
-        acc = acc * alpha[:, None] + _dot(sp, sv, IEEE)
-        m_i = m_new
-    lo = tl.maximum(m0 - W + 1, 0)
-    hi = tl.minimum(m0 + BM, T)
+        m_i, l_i, acc = _online_softmax(q, sk, sv, _sees_sink(rows, sink, SINKS, W), m_i, l_i, acc, scale, IEEE)
     for n0 in range(lo, hi, BN):
         keys = n0 + tl.arange(0, BN)
         k, v = _kv(Kp, Vp, s_kt, s_vt, keys, hi, cols, D)
-        s = _dot(q, tl.trans(k), IEEE) * scale
-        d = rows[:, None] - keys[None, :]
-        ok = (d >= 0) & (d < W) & (keys < hi)[None, :]
-        s = tl.where(ok, s, NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p, v, IEEE)
-        m_i = m_new
+        ok = _sees_in_window(rows, keys, W) & (keys < hi)[None, :]
+        m_i, l_i, acc = _online_softmax(q, k, v, ok, m_i, l_i, acc, scale, IEEE)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     Op = OUT + b.to(tl.int64) * s_ob + h * s_oh
@@ -118,9 +122,9 @@ def window_fwd(Q, K, V, OUT, LSE, T, scale,
 @triton.jit
 def _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE: tl.constexpr):
     """For a [BM] x [BN] tile: p (the softmax weights, 0 where not `ok`) and ds = p * (dp - delta)."""
-    s = _dot(q, tl.trans(k), IEEE) * scale
+    s = mm(q, tl.trans(k), IEEE) * scale
     p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-    dp = _dot(do, tl.trans(v), IEEE)
+    dp = mm(do, tl.trans(v), IEEE)
     return p, p * (dp - delta[:, None])
 
 
@@ -131,10 +135,7 @@ def window_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, T, scale,
                   SINKS: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     b, h, Qp, Kp, Vp = _heads(i_bh, Q, K, V, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, HQ, G)
-    m0 = i_m * BM
-    rows = m0 + tl.arange(0, BM)
-    cols = tl.arange(0, BD)
-    q = _tile(Qp, s_qt, rows, T, cols, D)
+    rows, cols, q, lo, hi = _query_tile(i_m, Qp, s_qt, T, D, BD, BM, W)
     do = _tile(DO + b.to(tl.int64) * s_ob + h * s_oh, s_ot, rows, T, cols, D)
     lse = tl.load(LSE + i_bh.to(tl.int64) * T + rows, mask=rows < T, other=0.0)
     delta = tl.load(DELTA + i_bh.to(tl.int64) * T + rows, mask=rows < T, other=0.0)
@@ -142,18 +143,15 @@ def window_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, T, scale,
     if SINKS > 0:  # own names: the loop's differ in shape
         sink = tl.arange(0, SP)
         sk, sv = _kv(Kp, Vp, s_kt, s_vt, sink, T, cols, D)
-        sok = (sink < SINKS)[None, :] & (rows[:, None] - sink[None, :] >= W) & (rows < T)[:, None]
+        sok = _sees_sink(rows, sink, SINKS, W) & (rows < T)[:, None]
         sp, sds = _scores_grad(q, sk, sv, do, lse, delta, rows, sink, sok, scale, IEEE)
-        dq += _dot(sds, sk, IEEE)
-    lo = tl.maximum(m0 - W + 1, 0)
-    hi = tl.minimum(m0 + BM, T)
+        dq += mm(sds, sk, IEEE)
     for n0 in range(lo, hi, BN):
         keys = n0 + tl.arange(0, BN)
         k, v = _kv(Kp, Vp, s_kt, s_vt, keys, hi, cols, D)
-        d = rows[:, None] - keys[None, :]
-        ok = (d >= 0) & (d < W) & (keys < hi)[None, :] & (rows < T)[:, None]
+        ok = _sees_in_window(rows, keys, W) & (keys < hi)[None, :] & (rows < T)[:, None]
         p, ds = _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE)
-        dq += _dot(ds, k, IEEE)
+        dq += mm(ds, k, IEEE)
     tl.store(DQ + b.to(tl.int64) * s_db + h * s_dh + rows.to(tl.int64)[:, None] * s_dt + cols[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=(rows < T)[:, None] & (cols < D)[None, :])
 
@@ -169,8 +167,8 @@ def window_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, scale,
     n0 = i_n * BN
     keys = n0 + tl.arange(0, BN)
     cols = tl.arange(0, BD)
-    k = _tile(K + b.to(tl.int64) * s_kb + kh * s_kh, s_kt, keys, T, cols, D)
-    v = _tile(V + b.to(tl.int64) * s_vb + kh * s_vh, s_vt, keys, T, cols, D)
+    k, v = _kv(K + b.to(tl.int64) * s_kb + kh * s_kh, V + b.to(tl.int64) * s_vb + kh * s_vh, s_kt, s_vt, keys, T,
+               cols, D)
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BD], tl.float32)
     hi = tl.minimum(n0 + BN + W - 1, T)
@@ -185,11 +183,10 @@ def window_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, scale,
             do = _tile(DOp, s_ot, rows, hi, cols, D)
             lse = tl.load(LSE + base + rows, mask=rows < hi, other=0.0)
             delta = tl.load(DELTA + base + rows, mask=rows < hi, other=0.0)
-            d = rows[:, None] - keys[None, :]
-            ok = (d >= 0) & (d < W) & (rows < hi)[:, None] & (keys < T)[None, :]
+            ok = _sees_in_window(rows, keys, W) & (rows < hi)[:, None] & (keys < T)[None, :]
             p, ds = _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE)
-            dv += _dot(tl.trans(p), do, IEEE)
-            dk += _dot(tl.trans(ds), q, IEEE)
+            dv += mm(tl.trans(p), do, IEEE)
+            dk += mm(tl.trans(ds), q, IEEE)
     off = (i_bh.to(tl.int64) * T + keys)[:, None] * D + cols[None, :]
     m = (keys < T)[:, None] & (cols < D)[None, :]
     tl.store(DK + off, dk * scale, mask=m)
@@ -219,10 +216,10 @@ def window_bwd_sinks(Q, K, V, DO, LSE, DELTA, DKS, DVS, T, scale,
         do = _tile(DOp, s_ot, rows, T, cols, D)
         lse = tl.load(LSE + base + rows, mask=rows < T, other=0.0)
         delta = tl.load(DELTA + base + rows, mask=rows < T, other=0.0)
-        ok = (keys < SINKS)[None, :] & (rows[:, None] - keys[None, :] >= W) & (rows < T)[:, None]
+        ok = _sees_sink(rows, keys, SINKS, W) & (rows < T)[:, None]
         p, ds = _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE)
-        dv += _dot(tl.trans(p), do, IEEE)
-        dk += _dot(tl.trans(ds), q, IEEE)
+        dv += mm(tl.trans(p), do, IEEE)
+        dk += mm(tl.trans(ds), q, IEEE)
     off = ((i_c * tl.num_programs(1) + i_bh).to(tl.int64) * SP + keys)[:, None] * D + cols[None, :]
     m = (cols < D)[None, :] & (keys < SP)[:, None]
     tl.store(DKS + off, dk * scale, mask=m)

@@ -3,7 +3,8 @@ feature map in the kernels (`key_features` once per key on the host side); `sele
 loop over a query's selected KV blocks (online softmax of the sparse branch plus the residual
 correction on the same tiles) that the per-token prefill (`triton_parallel`) and decode
 (`triton_decode`) kernels run; the query-tile kernels (`triton_tile`) and the backward
-(`triton_parallel_bwd`) use the dot and the feature map; NEG, the finite "minus infinity"."""
+(`triton_parallel_bwd`) use the dot and the feature map; NEG, the finite "minus infinity". The window
+kernels (`kernels/triton_window.py`) take the dot and NEG too."""
 
 from __future__ import annotations
 
