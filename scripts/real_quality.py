@@ -474,9 +474,11 @@ def row_kind(row: Row) -> str:
     return "dense" if row.to is None else (row.recipe or "fresh")
 
 
-def estimate_seconds(row: Row, measured: dict, scale: Scale, steps: int | None = None) -> float:
+def estimate_seconds(row: Row, measured: dict, scale: Scale, steps: int | None = None,
+                     run_id: str | None = None) -> float:
     """Seconds `row` is expected to take: the longest measured row of its kind and row length (from
-    the rows of `measured`, this run's and kept ones), else of its kind with rows of another length
+    the rows of `measured`: those of run `run_id` when it measured one of that kind, since the code's
+    speed changes between runs, else the kept ones too), else of its kind with rows of another length
     (x1.5 for longer rows), else the scale's prior; plus the layer-cost measurement of an auto:K row.
     With `steps` (the row's adaptation steps), a measured row's adaptation time is scaled to them."""
     def scaled(e: dict) -> float:
@@ -486,6 +488,7 @@ def estimate_seconds(row: Row, measured: dict, scale: Scale, steps: int | None =
         return e["seconds"] + e["adapt_seconds"] * (steps / done_steps - 1.0)
 
     done = [e for e in measured.values() if "seconds" in e and e.get("kind") == row_kind(row)]
+    done = [e for e in done if e.get("run") == run_id] or done
     same = [scaled(e) for e in done if e.get("seq_len_kind", "base") == row.seq_len]
     other = [scaled(e) for e in done if e.get("seq_len_kind", "base") != row.seq_len]
     seconds = max(same) if same else 1.5 * max(other) if other else scale.prior_seconds.get(row_kind(row), 0.0)
@@ -569,7 +572,8 @@ def run_row(row: Row, seed: int, ctx: dict) -> dict:
     folder_name = name.replace("/", "-").replace("@", "-")
     entry = {"row": row.name, "label": row.label + ("" if seed == 0 else f" (seed {seed})"),
              "seed": seed, "base": row.base, "change": row.change, "to": row.to, "options": row.options,
-             "convert_options": conversion_options(row), "kind": row_kind(row), "seq_len_kind": row.seq_len}
+             "convert_options": conversion_options(row), "kind": row_kind(row), "seq_len_kind": row.seq_len,
+             "run": ctx["run_id"]}
     started = time.perf_counter()
     calibration = Calibration(data=[str(ctx["train"])], device=str(device), seed=seed, **scale.calibration)
     if row.to is None:
@@ -723,6 +727,23 @@ def report(results: dict) -> str:
                      f"{_ppl_cell(e, dense, 'code', L4)} | {_kl_cell(e, 'code', (L, L4))} | "
                      f"{_ppl_cell(e, dense, 'english', L)} | {_ppl_cell(e, dense, 'english', L4)} | "
                      f"{_kl_cell(e, 'english', (L, L4))} |")
+    positioned = [e for e in done if _get(e, "metrics", "code", "ppl", L4, "by_position")]
+    if positioned:
+        spans = [(q["start"], q["end"]) for q in _get(positioned[0], "metrics", "code", "ppl", L4, "by_position")]
+        heads = " | ".join(f"{a}-{b}" for a, b in spans)
+        lines += ["", f"## Python at {L4} by position in the window: perplexity (vs dense) and KL", "",
+                  f"Positions of the {L4}-token windows (the token predicted is the next one). Worse past {L} than "
+                  f"before it: the model degrades beyond the length it adapted at; better, but less than dense: "
+                  f"it gains less from the longer context.", "",
+                  f"| row | ppl {heads} | KL {heads} |", "| --- |" + " --- |" * 2 * len(spans)]
+        for e in positioned:
+            ppl = _get(e, "metrics", "code", "ppl", L4, "by_position")
+            ref = _get(dense, "metrics", "code", "ppl", L4, "by_position") if e is not dense else None
+            kl = _get(e, "metrics", "code", "kl", L4, "by_position") or []
+            cells = [f"{q['ppl']:.3f}" + ("" if not ref else f" ({100 * (q['ppl'] / r['ppl'] - 1):+.1f}%)")
+                     for q, r in zip(ppl, ref or [None] * len(ppl), strict=True)]
+            cells += [f"{q['kl']:.3f}" for q in kl] or ["-"] * len(spans)
+            lines.append(f"| {e['name']} | " + " | ".join(cells) + " |")
     R = p["retrieval_lengths"]
     lines += ["", "## Retrieval (accuracy, mean log p of the answer)", "",
               "| row | model | " + " | ".join(f"passkey @ {n}" for n in R) + " | "
@@ -841,7 +862,8 @@ def run(args) -> dict:
     def clock() -> str:
         return f"{time.perf_counter() - t0:.0f}" + ("" if budget is None else f"/{budget:.0f}") + " s"
 
-    ctx = dict(scale=scale, args=args, work=work, device=device, out=out, **prepare(args, scale, out, work))
+    ctx = dict(scale=scale, args=args, work=work, device=device, out=out, **prepare(args, scale, out, work),
+               run_id=f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}")  # tags the rows this run measures
     results = ctx.pop("results")
     results["commands"].append(shlex.join(["python", *args.argv]))
     (out / "commands.txt").write_text("\n".join(results["commands"]) + "\n")
@@ -893,7 +915,8 @@ def measure(jobs: list, results: dict, ctx: dict, clock, save) -> None:
             name = row_name(row, seed)
             if name != running and name not in listed and "metrics" not in results["rows"].get(name, {}):
                 results["skipped"].append({"name": name, "left_seconds": 0,
-                                           "needs_seconds": round(estimate_seconds(row, results["rows"], scale))})
+                                           "needs_seconds": round(estimate_seconds(row, results["rows"], scale,
+                                                                                   run_id=ctx["run_id"]))})
     finally:
         if deadline is not None:
             try:
@@ -915,7 +938,8 @@ def run_jobs(jobs: list, results: dict, ctx: dict, clock, save) -> None:
             continue
         if budget is not None:
             steps = adapt_settings(row, scale, args)["max_steps"] if row.recipe else None
-            need, left = estimate_seconds(row, results["rows"], scale, steps), budget - (time.perf_counter() - t0)
+            need = estimate_seconds(row, results["rows"], scale, steps, run_id=ctx["run_id"])
+            left = budget - (time.perf_counter() - t0)
             if need > left:
                 results["skipped"].append({"name": name, "needs_seconds": round(need), "left_seconds": round(left)})
                 log(f"[{clock()}] {name} not started: it needs about {need:.0f} s, {max(left, 0):.0f} s are left")

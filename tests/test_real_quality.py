@@ -124,6 +124,9 @@ def test_tiny_protocol_main_table_then_an_ablation_run(rq, tmp_path):
     assert train_paths and not train_paths & set(protocol["heldout_used"])
     report = (out / "results.md").read_text()
     assert "## Perplexity and KL to dense" in report and "## Retrieval" in report
+    assert "## Python at 512 by position in the window" in report and "| sse-h | " in report.split("by position")[1]
+    assert [q["start"] for q in rows["sse-h"]["metrics"]["code"]["kl"][512]["by_position"]] == [0, 128, 256]
+    assert {e["run"] for e in rows.values()} == {rows["dense"]["run"]}  # one run measured them all
     assert "subquadratic adapt" in report and "python scripts/real_quality.py --scale tiny" in report
     assert json.loads((out / "results.json").read_text())["rows"].keys() == rows.keys()
 
@@ -174,6 +177,13 @@ def test_estimates_follow_measured_rows_of_the_same_kind(rq):
                        "seq_len_kind": "base"}}
     assert rq.estimate_seconds(table["sse-h"], timed, scale, steps=800) == 150.0 + 300.0
     assert rq.estimate_seconds(table["sse-h"], timed, scale) == 150.0
+    # a row of this run's kind measured in this run: the kept rows (older code) no longer count
+    kept = {"sse-h": {"seconds": 280.0, "kind": "linear", "seq_len_kind": "base", "run": "earlier"},
+            "hla-hybrid": {"seconds": 300.0, "kind": "linear", "seq_len_kind": "base"}}
+    assert rq.estimate_seconds(table["sse-h/decay-long"], kept, scale, run_id="now") == 300.0
+    kept["sse-h/window-128"] = {"seconds": 120.0, "kind": "linear", "seq_len_kind": "base", "run": "now"}
+    assert rq.estimate_seconds(table["sse-h/decay-long"], kept, scale, run_id="now") == 120.0
+    assert rq.estimate_seconds(table["spla-fresh"], kept, scale, run_id="now") == scale.prior_seconds["fresh"]
 
 
 def test_missing_packages_are_named_before_the_run(rq, monkeypatch, tmp_path, capsys):
@@ -212,10 +222,10 @@ def test_a_row_past_the_budget_is_stopped_and_the_rest_listed(rq, monkeypatch, t
         return {row.name: {"row": row.name, "seconds": 0.0, "kind": rq.row_kind(row), "metrics": {}}}
 
     monkeypatch.setattr(rq, "run_row", fake_row)
-    monkeypatch.setattr(rq, "estimate_seconds", lambda row, measured, scale, steps=None: 0.0)
+    monkeypatch.setattr(rq, "estimate_seconds", lambda row, measured, scale, steps=None, run_id=None: 0.0)
     args = SimpleNamespace(time_budget=0.5, t0=time.perf_counter(), remeasure=False, fail_fast=True, tokens=None,
                            spla_seq_len=None, device_type="cpu")
-    ctx = dict(args=args, scale=scale, out=tmp_path, device=rq.torch.device("cpu"))
+    ctx = dict(args=args, scale=scale, out=tmp_path, device=rq.torch.device("cpu"), run_id="now")
     results = {"protocol": {}, "rows": {}, "skipped": []}
     saved = []
     jobs = [(table[n], 0) for n in ("dense", "sse-h", "hla-hybrid", "spla")]

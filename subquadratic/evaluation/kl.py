@@ -67,8 +67,9 @@ def next_token_kl(
 ) -> dict[int, dict]:
     """Mean next-token KL(reference || model) on the token stream `ids` [N] at each length in `seq_lens`.
 
-    Returns {L: {"kl", "windows", "tokens"}} (see the module doc); `progress`: see `ppl.progress_meter`
-    (both models' tokens count)."""
+    Returns {L: {"kl", "windows", "tokens", "by_position"}} (see the module doc; "by_position": the
+    same over the `ppl.position_bounds` ranges of the window, [{"start", "end", "kl", "tokens"}]);
+    `progress`: see `ppl.progress_meter` (both models' tokens count)."""
     modes = model.training, reference.training
     model.eval()
     reference.eval()
@@ -76,4 +77,6 @@ def next_token_kl(
                          batch_size=batch_size, progress=progress, desc="kl", forwards=2)
     model.train(modes[0])
     reference.train(modes[1])
-    return {L: {"kl": m["mean"], "windows": m["windows"], "tokens": m["tokens"]} for L, m in means.items()}
+    return {L: {"kl": m["mean"], "windows": m["windows"], "tokens": m["tokens"],
+                "by_position": [{"start": p["start"], "end": p["end"], "kl": p["mean"], "tokens": p["tokens"]}
+                                for p in m["by_position"]]} for L, m in means.items()}

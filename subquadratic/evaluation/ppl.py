@@ -69,25 +69,43 @@ def token_nll(model, ids: torch.Tensor) -> torch.Tensor:
     return chunked_nll(h, weight, target.reshape(-1), bias=bias).float().view(B, L - 1)
 
 
+def position_bounds(L: int) -> tuple[int, ...]:
+    """The position ranges a window of L tokens is also scored by: [0, L/4), [L/4, L/2), [L/2, L). At
+    4x a model's adaptation length they are the positions within it, at 1-2x and at 2-4x it: whether a
+    model degrades past the length it learnt at, or only gains less from the longer context."""
+    return (0, L // 4, L // 2, L)
+
+
 def window_means(
     per_token, ids: torch.Tensor, seq_lens: Iterable[int], *, max_windows: int | None, batch_size: int,
     progress, desc: str, forwards: int = 1,
 ) -> dict[int, dict]:
-    """{L: {"mean", "windows", "tokens"}}: the mean of `per_token(batch)` (a [B, *] tensor per batch of
-    windows) over every window of each length (`data.windows`). `progress` (see `progress_meter`)
-    advances by `forwards` x the batch's tokens per batch (`forwards`: models run on each window)."""
+    """{L: {"mean", "windows", "tokens", "by_position"}}: the mean of `per_token(batch)` (a [B, n] tensor
+    per batch of windows, column i scored at position i of the window, from i + 1 tokens) over every
+    window of each length (`data.windows`), and over the columns of each `position_bounds` range
+    ("by_position": [{"start", "end", "mean", "tokens"}]). `progress` (see `progress_meter`) advances by
+    `forwards` x the batch's tokens per batch (`forwards`: models run on each window)."""
     seq_lens = list(seq_lens)
     rows_of = {L: windows(ids, L, max_windows) for L in seq_lens}
     out = {}
     with progress_meter(progress, forwards * sum(r.numel() for r in rows_of.values()), desc) as meter:
         for L, rows in rows_of.items():
+            bounds = position_bounds(L)
+            spans = [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
             total, count = 0.0, 0
+            parts = [[0.0, 0] for _ in spans]
             for batch in rows.split(batch_size):
-                values = per_token(batch)
-                total += values.double().sum().item()
+                values = per_token(batch).double()
+                total += values.sum().item()
                 count += values.numel()
+                for part, (a, b) in zip(parts, spans, strict=True):
+                    cut = values[:, a:b]
+                    part[0] += cut.sum().item()
+                    part[1] += cut.numel()
                 meter.update(forwards * batch.numel())
-            out[L] = {"mean": total / count, "windows": rows.shape[0], "tokens": count}
+            out[L] = {"mean": total / count, "windows": rows.shape[0], "tokens": count,
+                      "by_position": [{"start": a, "end": b, "mean": t / n, "tokens": n}
+                                      for (a, b), (t, n) in zip(spans, parts, strict=True) if n]}
     return out
 
 
@@ -102,12 +120,16 @@ def perplexity(
 ) -> dict[int, dict]:
     """Perplexity of `model` on the token stream `ids` [N] at each length in `seq_lens`.
 
-    Returns {L: {"ppl", "nll", "windows", "tokens"}} (see the module doc); `max_windows` caps the
+    Returns {L: {"ppl", "nll", "windows", "tokens", "by_position"}} (see the module doc; "by_position":
+    the same over the `position_bounds` ranges of the window, [{"start", "end", "ppl", "nll", "tokens"}],
+    position t scoring token t + 1); `max_windows` caps the
     number of windows per length (the first ones of the stream); `progress`: see `progress_meter`."""
     was_training = model.training
     model.eval()
     means = window_means(lambda b: token_nll(model, b), ids, seq_lens, max_windows=max_windows,
                          batch_size=batch_size, progress=progress, desc="ppl")
     model.train(was_training)
-    return {L: {"ppl": math.exp(m["mean"]), "nll": m["mean"], "windows": m["windows"], "tokens": m["tokens"]}
+    return {L: {"ppl": math.exp(m["mean"]), "nll": m["mean"], "windows": m["windows"], "tokens": m["tokens"],
+                "by_position": [{"start": p["start"], "end": p["end"], "ppl": math.exp(p["mean"]), "nll": p["mean"],
+                                 "tokens": p["tokens"]} for p in m["by_position"]]}
             for L, m in means.items()}

@@ -55,6 +55,19 @@ def test_perplexity_is_exp_of_the_models_own_loss(models, stream, kind, one_thre
         assert res[L]["windows"] == 3 and res[L]["tokens"] == 3 * (L - 1)
         assert res[L]["nll"] == pytest.approx(loss, rel=1e-5)
         assert res[L]["ppl"] == pytest.approx(math.exp(loss), rel=1e-5)
+        # by position: the same loss over the columns [0, L/4), [L/4, L/2), [L/2, L) (column t scores token t + 1)
+        with torch.no_grad():
+            logits = model(input_ids=rows).logits[:, :-1].float()
+        per = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="none")
+        per = per.view(3, L - 1)
+        got = res[L]["by_position"]
+        assert [(p["start"], p["end"]) for p in got] == [(0, L // 4), (L // 4, L // 2), (L // 2, L)]
+        for p in got:
+            want = per[:, p["start"]:p["end"]]
+            assert p["tokens"] == want.numel()
+            assert p["nll"] == pytest.approx(want.mean().item(), rel=1e-5)
+            assert p["ppl"] == pytest.approx(math.exp(p["nll"]), rel=1e-9)
+        assert sum(p["nll"] * p["tokens"] for p in got) / res[L]["tokens"] == pytest.approx(res[L]["nll"], rel=1e-9)
 
 
 def test_kl_is_zero_to_itself_and_positive_to_another_model(models, stream, one_thread):
@@ -66,7 +79,11 @@ def test_kl_is_zero_to_itself_and_positive_to_another_model(models, stream, one_
     rows = windows(stream, 32, 2)
     with torch.no_grad():
         lp, lq = dense(rows).logits.log_softmax(-1), other(rows).logits.log_softmax(-1)
-    assert res["kl"] == pytest.approx((lp.exp() * (lp - lq)).sum(-1).mean().item(), rel=1e-4)
+    per = (lp.exp() * (lp - lq)).sum(-1)  # [2, 32]
+    assert res["kl"] == pytest.approx(per.mean().item(), rel=1e-4)
+    assert [(p["start"], p["end"], p["tokens"]) for p in res["by_position"]] == [(0, 8, 16), (8, 16, 16), (16, 32, 32)]
+    for p in res["by_position"]:
+        assert p["kl"] == pytest.approx(per[:, p["start"]:p["end"]].mean().item(), rel=1e-4)
     # a fresh SPLA conversion is the dense model inside its budget (32 tokens) and sparse beyond it
     within = next_token_kl(spla, dense, stream, [32, 96], max_windows=2)
     assert within[32]["kl"] < 1e-6 < within[96]["kl"]
