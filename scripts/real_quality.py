@@ -477,9 +477,9 @@ def row_kind(row: Row) -> str:
 def estimate_seconds(row: Row, measured: dict, scale: Scale, steps: int | None = None,
                      run_id: str | None = None) -> float:
     """Seconds `row` is expected to take: the longest measured row of its kind and row length (from
-    the rows of `measured`: those of run `run_id` when it measured one of that kind, since the code's
-    speed changes between runs, else the kept ones too), else of its kind with rows of another length
-    (x1.5 for longer rows), else the scale's prior; plus the layer-cost measurement of an auto:K row.
+    the rows of `measured`: those of run `run_id` when it measured one, since the code's speed changes
+    between runs, else the kept ones), else x1.5 the longest of its kind with rows of another length
+    (this run's first), else the scale's prior; plus the layer-cost measurement of an auto:K row.
     With `steps` (the row's adaptation steps), a measured row's adaptation time is scaled to them."""
     def scaled(e: dict) -> float:
         done_steps = (e.get("adapt") or {}).get("max_steps")
@@ -488,10 +488,19 @@ def estimate_seconds(row: Row, measured: dict, scale: Scale, steps: int | None =
         return e["seconds"] + e["adapt_seconds"] * (steps / done_steps - 1.0)
 
     done = [e for e in measured.values() if "seconds" in e and e.get("kind") == row_kind(row)]
-    done = [e for e in done if e.get("run") == run_id] or done
-    same = [scaled(e) for e in done if e.get("seq_len_kind", "base") == row.seq_len]
-    other = [scaled(e) for e in done if e.get("seq_len_kind", "base") != row.seq_len]
-    seconds = max(same) if same else 1.5 * max(other) if other else scale.prior_seconds.get(row_kind(row), 0.0)
+    mine = [e for e in done if e.get("run") == run_id]
+
+    def longest(entries: list, same_length: bool) -> float | None:
+        times = [scaled(e) for e in entries if (e.get("seq_len_kind", "base") == row.seq_len) == same_length]
+        return max(times) if times else None
+
+    # this run's rows first, then the kept ones; rows of the same length before 1.5 x those of another
+    for entries, same_length in ((mine, True), (done, True), (mine, False), (done, False)):
+        if (seconds := longest(entries, same_length)) is not None:
+            seconds *= 1.0 if same_length else 1.5
+            break
+    else:
+        seconds = scale.prior_seconds.get(row_kind(row), 0.0)
     def auto(options: dict) -> bool:
         return str(options.get("softmax_layers", "")).startswith("auto")
 

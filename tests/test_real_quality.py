@@ -184,6 +184,13 @@ def test_estimates_follow_measured_rows_of_the_same_kind(rq):
     kept["sse-h/window-128"] = {"seconds": 120.0, "kind": "linear", "seq_len_kind": "base", "run": "now"}
     assert rq.estimate_seconds(table["sse-h/decay-long"], kept, scale, run_id="now") == 120.0
     assert rq.estimate_seconds(table["spla-fresh"], kept, scale, run_id="now") == scale.prior_seconds["fresh"]
+    # this run measured only longer rows: the kept rows of the row's own length still come first
+    kept = {"sse-h": {"seconds": 280.0, "kind": "linear", "seq_len_kind": "base"},
+            "sse-h/rows-4x": {"seconds": 336.0, "kind": "linear", "seq_len_kind": "4x", "run": "now"}}
+    assert rq.estimate_seconds(table["sse-h/decay-long"], kept, scale, run_id="now") == 280.0
+    assert rq.estimate_seconds(table["hla-hybrid/rows-4x"], kept, scale, run_id="now") == 336.0
+    del kept["sse-h"]
+    assert rq.estimate_seconds(table["sse-h/decay-long"], kept, scale, run_id="now") == 1.5 * 336.0
 
 
 def test_missing_packages_are_named_before_the_run(rq, monkeypatch, tmp_path, capsys):
