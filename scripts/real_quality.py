@@ -24,8 +24,10 @@ tokens): `spla` (rows of `--spla-seq-len`, 8192), `spa` (`use_rla=False`, the sa
 Time: `--time-budget S` (seconds from the process start) starts a row only when its expected
 duration fits in what is left (the longest measured row of its kind, else the scale's prior),
 stops a row still running when the budget is spent, and records the rows it did not start or
-finish; progress lines (rows, adaptation steps every 30 s, each measure)
-go to stdout.
+finish; an adapted row whose adaptation does not fit what is left (or has more steps than
+`--steps-per-run`) adapts for what fits and stops at a checkpoint in `--work`, and the same command
+resumes it there (a row longer than one call runs over several); progress lines (rows, adaptation
+steps every 30 s, each measure) go to stdout.
 Output in OUT: results.json (replaced whole) and results.md, rewritten before and after each row
 (rows of an earlier run with the same protocol, in OUT or `--previous`, are kept and not measured
 again without `--remeasure`: the same command continues a stopped run), commands.txt, one
@@ -67,6 +69,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import subquadratic  # noqa: E402, F401  (registers the families)
 from subquadratic.adaptation import AdaptConfig, adapt  # noqa: E402
 from subquadratic.adaptation.layer_choice import Calibration  # noqa: E402
+from subquadratic.checks import latest_checkpoint  # noqa: E402
 from subquadratic.conversion import convert  # noqa: E402
 from subquadratic.conversion.core import resolve_target  # noqa: E402
 from subquadratic.data import token_stream  # noqa: E402
@@ -474,39 +477,80 @@ def row_kind(row: Row) -> str:
     return "dense" if row.to is None else (row.recipe or "fresh")
 
 
+def _reference(row: Row, measured: dict, run_id: str | None, scaled) -> tuple[dict | None, float]:
+    """The measured row a row's time is estimated from, and the factor on its time: the longest (by
+    `scaled`) of its kind and row length, this run's first, then the kept ones (factor 1); else of its
+    kind with rows of another length, this run's first (factor 1.5); else (None, 1)."""
+    done = [e for e in measured.values() if "seconds" in e and e.get("kind") == row_kind(row)]
+    mine = [e for e in done if e.get("run") == run_id]
+    for entries, same_length in ((mine, True), (done, True), (mine, False), (done, False)):
+        found = [e for e in entries if (e.get("seq_len_kind", "base") == row.seq_len) == same_length]
+        if found:
+            return max(found, key=scaled), 1.0 if same_length else 1.5
+    return None, 1.0
+
+
 def estimate_seconds(row: Row, measured: dict, scale: Scale, steps: int | None = None,
                      run_id: str | None = None) -> float:
     """Seconds `row` is expected to take: the longest measured row of its kind and row length (from
     the rows of `measured`: those of run `run_id` when it measured one, since the code's speed changes
     between runs, else the kept ones), else x1.5 the longest of its kind with rows of another length
     (this run's first), else the scale's prior; plus the layer-cost measurement of an auto:K row.
-    With `steps` (the row's adaptation steps), a measured row's adaptation time is scaled to them."""
+    With `steps` (the row's adaptation steps, or those left of a stopped one), a measured row's
+    adaptation time is scaled to them."""
     def scaled(e: dict) -> float:
         done_steps = (e.get("adapt") or {}).get("max_steps")
         if steps is None or not done_steps or "adapt_seconds" not in e:
             return e["seconds"]
         return e["seconds"] + e["adapt_seconds"] * (steps / done_steps - 1.0)
 
-    done = [e for e in measured.values() if "seconds" in e and e.get("kind") == row_kind(row)]
-    mine = [e for e in done if e.get("run") == run_id]
+    ref, factor = _reference(row, measured, run_id, scaled)
+    seconds = factor * scaled(ref) if ref is not None else scale.prior_seconds.get(row_kind(row), 0.0)
 
-    def longest(entries: list, same_length: bool) -> float | None:
-        times = [scaled(e) for e in entries if (e.get("seq_len_kind", "base") == row.seq_len) == same_length]
-        return max(times) if times else None
-
-    # this run's rows first, then the kept ones; rows of the same length before 1.5 x those of another
-    for entries, same_length in ((mine, True), (done, True), (mine, False), (done, False)):
-        if (seconds := longest(entries, same_length)) is not None:
-            seconds *= 1.0 if same_length else 1.5
-            break
-    else:
-        seconds = scale.prior_seconds.get(row_kind(row), 0.0)
     def auto(options: dict) -> bool:
         return str(options.get("softmax_layers", "")).startswith("auto")
 
+    done = [e for e in measured.values() if "seconds" in e and e.get("kind") == row_kind(row)]
     if auto(row.options) and not any(auto(e.get("options", {})) for e in done):
         seconds += scale.prior_seconds.get("calibration", 0.0)  # the measured rows did not price layers
     return float(seconds)
+
+
+def seconds_per_step(row: Row, measured: dict, scale: Scale, run_id: str | None = None) -> float:
+    """Expected seconds of one adaptation step of `row`: from the row `estimate_seconds` would use, else
+    the scale's prior for its kind (evaluation included, so an overestimate) over the recipe's steps."""
+    ref, factor = _reference(row, measured, run_id, lambda e: e["seconds"])
+    if ref is not None and ref.get("adapt_seconds") and (ref.get("adapt") or {}).get("max_steps"):
+        return factor * ref["adapt_seconds"] / ref["adapt"]["max_steps"]
+    return scale.prior_seconds.get(row_kind(row), 0.0) / scale.steps[row.recipe]
+
+
+#: Seconds kept free when a row is stopped at a checkpoint to fit the budget (loading, the checkpoint).
+CHECKPOINT_MARGIN = 60.0
+#: The fewest steps worth starting a row's adaptation for when it cannot finish in this run.
+MIN_PARTIAL_STEPS = 10
+
+
+def plan_row(row: Row, results: dict, scale: Scale, args, left: float | None, run_id: str | None,
+             name: str) -> tuple[str, int | None, float]:
+    """What to do with a row in this run: ("run", stop_after, need), where stop_after is None (adapt to
+    the end and evaluate) or the step to stop at with a checkpoint that the same command resumes (the
+    adaptation does not fit what is left of the budget, or --steps-per-run); or ("skip", None, need)."""
+    steps = adapt_settings(row, scale, args)["max_steps"] if row.recipe else None
+    done_steps = ((results["rows"].get(name) or {}).get("partial") or {}).get("steps", 0)
+    remaining = None if steps is None else steps - done_steps
+    need = estimate_seconds(row, results["rows"], scale, remaining, run_id=run_id)
+    stop_after = None
+    if row.recipe and args.steps_per_run and args.steps_per_run < remaining:
+        stop_after = done_steps + args.steps_per_run
+    if left is None or need <= left:
+        return "run", stop_after, need
+    if not row.recipe:
+        return "skip", None, need
+    fit = int((left - CHECKPOINT_MARGIN) / max(seconds_per_step(row, results["rows"], scale, run_id), 1e-9))
+    if fit < min(MIN_PARTIAL_STEPS, remaining):
+        return "skip", None, need
+    return "run", done_steps + min(fit, remaining - 1, args.steps_per_run or fit), need
 
 
 class Deadline:
@@ -574,6 +618,36 @@ def row_name(row: Row, seed: int) -> str:
     return row.name if seed == 0 else f"{row.name}@seed{seed}"
 
 
+def resumable(partial: dict | None, settings: dict, out: Path) -> dict | None:
+    """The earlier run's record of a row it stopped at a checkpoint (`partial`), when its adaptation
+    can go on from there: the same settings, and the checkpoint still in `out` (the same --work)."""
+    if not partial:
+        return None
+    if partial.get("settings") != settings:
+        log(f"{out.name}: the stopped adaptation had other settings; starting it again")
+        return None
+    if latest_checkpoint(out) is None:
+        log(f"{out.name}: the stopped adaptation's checkpoint is not in {out} (another --work?); starting it again")
+        return None
+    return partial
+
+
+def adapt_runs(logged: list[dict]) -> list[dict]:
+    """The runs of one adaptation log (a resumed run appends to it and counts its seconds from 0):
+    [{"first_step", "last_step", "seconds"}]."""
+    runs: list[dict] = []
+    for line in logged:
+        if not runs or line["seconds"] < runs[-1]["seconds"] or line["step"] <= runs[-1]["last_step"]:
+            runs.append({"first_step": line["step"], "last_step": line["step"], "seconds": line["seconds"]})
+        runs[-1].update(last_step=line["step"], seconds=line["seconds"])
+    return runs
+
+
+def adapt_time(logged: list[dict]) -> float:
+    """Seconds of adaptation over every run of the log."""
+    return round(sum(r["seconds"] for r in adapt_runs(logged)), 3)
+
+
 def run_row(row: Row, seed: int, ctx: dict) -> dict:
     """Convert, adapt (with the evaluation in the card), evaluate: the row's entry of results.json."""
     scale, args, work, device = ctx["scale"], ctx["args"], ctx["work"], ctx["device"]
@@ -615,23 +689,38 @@ def run_row(row: Row, seed: int, ctx: dict) -> dict:
     else:
         settings = adapt_settings(row, scale, args)
         out = work / "adapted" / folder_name
+        earlier = resumable(ctx["partial"].get(name), settings, out)
+        stop_after = ctx.get("stop_after")
         cfg = AdaptConfig(student=str(folder), output_dir=str(out), data=[str(ctx["train"])],
                           teacher=str(ctx["dense"]), seed=seed,
                           num_proc=min(16, os.cpu_count() or 1) if device.type == "cuda" else None,
-                          save_every=10 ** 6, progress=False, overwrite=True, **settings)
+                          save_every=10 ** 6, progress=False, overwrite=earlier is None, resume=earlier is not None,
+                          stop_after=stop_after, **settings)
         t = time.perf_counter()
-        log(f"{name}: adapting, {settings['max_steps']} steps of {settings['batch_size']} x {settings['seq_len']}")
+        log(f"{name}: adapting, {settings['max_steps']} steps of {settings['batch_size']} x {settings['seq_len']}"
+            + ("" if earlier is None else f", resumed after step {earlier['steps']}")
+            + ("" if stop_after is None else f", stopping at step {stop_after} (a checkpoint the same command "
+                                             "resumes)"))
         with AdaptProgress(out / "adapt_log.jsonl", name, settings["max_steps"]):
             adapt(cfg, after_training=evaluate_here)
         logged = [json.loads(line) for line in (out / "adapt_log.jsonl").read_text().splitlines()]
         shutil.copy(out / "adapt_log.jsonl", ctx["out"] / f"adapt_log_{folder_name}.jsonl")
-        entry.update(adapt=settings, tokens=logged[-1]["tokens"], adapt_seconds=logged[-1]["seconds"],
-                     adapt_wall_seconds=round(time.perf_counter() - t - measured["_seconds"], 1),
-                     final_loss=logged[-1]["loss"], peak_memory_gib=logged[-1].get("peak_memory_gib"),
-                     adapt_command=adapt_command(cfg, settings))
+        wall = time.perf_counter() - t - measured.get("_seconds", 0.0) + (earlier or {}).get("wall_seconds", 0.0)
+        if "_seconds" not in measured:  # stopped at a checkpoint before the last step: no evaluation yet
+            entry["partial"] = {"steps": logged[-1]["step"], "settings": settings, "adapt_seconds": adapt_time(logged),
+                                "wall_seconds": round(wall, 1), "checkpoint": str(latest_checkpoint(out))}
+            entry.pop("seconds", None)
+            return {name: entry}
+        entry.update(adapt=settings, tokens=logged[-1]["tokens"], adapt_seconds=adapt_time(logged),
+                     adapt_wall_seconds=round(wall, 1), final_loss=logged[-1]["loss"],
+                     peak_memory_gib=logged[-1].get("peak_memory_gib"), adapt_command=adapt_command(cfg, settings))
+        if earlier is not None:
+            entry["adapt_runs"] = adapt_runs(logged)
     entry["eval_seconds"] = measured.pop("_seconds")
     entry["metrics"] = measured
-    entry["seconds"] = round(time.perf_counter() - started, 1)
+    earlier = ctx["partial"].get(name) or {}
+    # a row adapted over several runs: the earlier runs' adaptation counts in its time
+    entry["seconds"] = round(time.perf_counter() - started + earlier.get("wall_seconds", 0.0), 1)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {name: entry}
@@ -787,8 +876,12 @@ def report(results: dict) -> str:
     failed = [e for e in rows.values() if "error" in e]
     if failed:
         lines += ["", "## Rows that failed", ""] + [f"- `{e['name']}`: {e['error']}" for e in failed]
-    if p.get("running") or results.get("skipped"):
+    stopped = [e for e in rows.values() if "partial" in e]
+    if p.get("running") or results.get("skipped") or stopped:
         lines += ["", "## Rows not run (the time budget)", ""]
+        lines += [f"- `{e['name']}`: adapted {e['partial']['steps']} of {e['partial']['settings']['max_steps']} steps "
+                  f"({e['partial']['adapt_seconds']:.0f} s), stopped at a checkpoint that the same command resumes"
+                  for e in stopped]
         if p.get("running"):
             lines.append(f"- `{p['running']}`: started, not finished (the run was stopped during it)")
         lines += [f"- `{s['name']}`: not started, it needed about {s['needs_seconds']} s and "
@@ -873,6 +966,8 @@ def run(args) -> dict:
 
     ctx = dict(scale=scale, args=args, work=work, device=device, out=out, **prepare(args, scale, out, work),
                run_id=f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}")  # tags the rows this run measures
+    # rows an earlier run stopped at a checkpoint (its adaptation longer than that run's budget)
+    ctx["partial"] = {n: e["partial"] for n, e in ctx["results"]["rows"].items() if "partial" in e}
     results = ctx.pop("results")
     results["commands"].append(shlex.join(["python", *args.argv]))
     (out / "commands.txt").write_text("\n".join(results["commands"]) + "\n")
@@ -945,15 +1040,13 @@ def run_jobs(jobs: list, results: dict, ctx: dict, clock, save) -> None:
         if "metrics" in results["rows"].get(name, {}) and not args.remeasure:
             log(f"[{clock()}] {name}: kept from the earlier run (--remeasure measures it again)")
             continue
-        if budget is not None:
-            steps = adapt_settings(row, scale, args)["max_steps"] if row.recipe else None
-            need = estimate_seconds(row, results["rows"], scale, steps, run_id=ctx["run_id"])
-            left = budget - (time.perf_counter() - t0)
-            if need > left:
-                results["skipped"].append({"name": name, "needs_seconds": round(need), "left_seconds": round(left)})
-                log(f"[{clock()}] {name} not started: it needs about {need:.0f} s, {max(left, 0):.0f} s are left")
-                save()
-                continue
+        left = None if budget is None else budget - (time.perf_counter() - t0)
+        action, ctx["stop_after"], need = plan_row(row, results, scale, args, left, ctx["run_id"], name)
+        if action == "skip":
+            results["skipped"].append({"name": name, "needs_seconds": round(need), "left_seconds": round(left)})
+            log(f"[{clock()}] {name} not started: it needs about {need:.0f} s, {max(left, 0):.0f} s are left")
+            save()
+            continue
         dense = results["rows"].get("dense")
         ctx["dense_metrics"] = None if dense is None else dense.get("metrics")
         log(f"[{clock()}] row {i}/{len(jobs)}: {name}")
@@ -973,7 +1066,10 @@ def run_jobs(jobs: list, results: dict, ctx: dict, clock, save) -> None:
         for key, entry in done.items():
             entry["name"] = key
             results["rows"][key] = entry
-            log(f"[{clock()}] {key}: " + (entry["error"] if "error" in entry else f"done in {entry['seconds']:.0f} s"))
+            log(f"[{clock()}] {key}: " + (entry["error"] if "error" in entry else
+                                          f"stopped at step {entry['partial']['steps']} of "
+                                          f"{entry['partial']['settings']['max_steps']} (the same command resumes it)"
+                                          if "partial" in entry else f"done in {entry['seconds']:.0f} s"))
         results["protocol"]["running"] = None
         save()
 
@@ -1003,6 +1099,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--work", default=None, help="folder for the corpus and checkpoints (default: a temporary one)")
     p.add_argument("--previous", metavar="FILE", help="results.json of an earlier run to extend (default: OUT's own); "
                                                       "its rows are kept when the protocol matches")
+    p.add_argument("--steps-per-run", type=int, metavar="N",
+                   help="adapt at most N steps of each adapted row in this run, then stop at a checkpoint that the "
+                        "same command (the same --work and OUT or --previous) resumes; a row whose adaptation does "
+                        "not fit what is left of --time-budget is stopped that way too")
     p.add_argument("--fail-fast", action="store_true", help="stop at a row that fails instead of recording it")
     args = p.parse_args(argv)
     # from the command line the budget counts from the process start; a call from Python counts from here

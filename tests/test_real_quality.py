@@ -231,7 +231,7 @@ def test_a_row_past_the_budget_is_stopped_and_the_rest_listed(rq, monkeypatch, t
     monkeypatch.setattr(rq, "run_row", fake_row)
     monkeypatch.setattr(rq, "estimate_seconds", lambda row, measured, scale, steps=None, run_id=None: 0.0)
     args = SimpleNamespace(time_budget=0.5, t0=time.perf_counter(), remeasure=False, fail_fast=True, tokens=None,
-                           spla_seq_len=None, device_type="cpu")
+                           spla_seq_len=None, device_type="cpu", steps_per_run=None)
     ctx = dict(args=args, scale=scale, out=tmp_path, device=rq.torch.device("cpu"), run_id="now")
     results = {"protocol": {}, "rows": {}, "skipped": []}
     saved = []
@@ -292,3 +292,46 @@ def test_deadline_interrupts_where_sigint_is_ignored(rq):
         assert deadline.fired and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, saved)
+
+
+def test_a_row_longer_than_the_budget_stops_at_a_checkpoint_and_the_next_run_resumes_it(rq, tmp_path):
+    from types import SimpleNamespace
+
+    scale = rq.SCALES["h200"]
+    table = rq.rows_of(scale, 30)
+    args = SimpleNamespace(tokens=None, spla_seq_len=None, device_type="cuda", steps_per_run=None)
+    ref = {"sse-h": {"seconds": 250.0, "adapt_seconds": 200.0, "adapt": {"max_steps": 200}, "kind": "linear",
+                     "seq_len_kind": "base"}}
+    results = {"rows": dict(ref)}
+    row = table["sse-h/decay-long"]
+    assert rq.seconds_per_step(row, results["rows"], scale) == 1.0
+    assert rq.plan_row(row, results, scale, args, 300.0, None, row.name) == ("run", None, 250.0)  # fits
+    # 160 s left: 100 steps fit after the checkpoint margin; stopped there, the rest in the next run
+    assert rq.plan_row(row, results, scale, args, 160.0, None, row.name) == ("run", 100, 250.0)
+    assert rq.plan_row(row, results, scale, args, 65.0, None, row.name)[0] == "skip"  # fewer than 10 steps fit
+    # the next run: 100 steps done, 100 left (est. 150 s with the evaluation)
+    results["rows"][row.name] = {"partial": {"steps": 100}}
+    assert rq.plan_row(row, results, scale, args, 200.0, None, row.name) == ("run", None, 150.0)
+    assert rq.plan_row(row, results, scale, args, 120.0, None, row.name) == ("run", 160, 150.0)
+    args.steps_per_run = 30  # a cap on the steps of one run
+    assert rq.plan_row(row, results, scale, args, 200.0, None, row.name) == ("run", 130, 150.0)
+    assert rq.plan_row(row, results, scale, args, None, None, row.name) == ("run", 130, 150.0)
+    assert rq.plan_row(table["dense"], results, scale, args, 1.0, None, "dense")[0] == "skip"  # not adapted: no split
+
+    # end to end on the tiny scale: 2 of the 4 steps, then the same command resumes and evaluates
+    out, work = tmp_path / "out", tmp_path / "work"
+    command = ["--scale", "tiny", "--device", "cpu", "--out", str(out), "--work", str(work), "--fail-fast",
+               "--rows", "sse-h", "--steps-per-run", "2"]
+    first = rq.main(command)
+    entry = first["rows"]["sse-h"]
+    assert "metrics" not in entry and "seconds" not in entry and entry["partial"]["steps"] == 2
+    assert "`sse-h`: adapted 2 of 4 steps" in (out / "results.md").read_text()
+    second = rq.main(command)  # 2 steps left: within --steps-per-run, so it finishes
+    entry = second["rows"]["sse-h"]
+    _finite_metrics(entry, rq.SCALES["tiny"], adapted=True)
+    assert "partial" not in entry and entry["tokens"] == 4 * rq.SCALES["tiny"].tokens_per_step
+    assert [(r["first_step"], r["last_step"]) for r in entry["adapt_runs"]] == [(1, 2), (3, 4)]
+    assert entry["adapt_seconds"] == pytest.approx(sum(r["seconds"] for r in entry["adapt_runs"]), abs=1e-3)
+    logged = [json.loads(line) for line in (out / "adapt_log_sse-h.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in logged] == [1, 2, 3, 4]
+    assert "adapted 2 of 4" not in (out / "results.md").read_text()
