@@ -20,7 +20,7 @@ tokens): `spla` (rows of `--spla-seq-len`, 8192), `spa` (`use_rla=False`, the sa
 `sse-h` and `hla-hybrid` (softmax every 6th layer), and the ablations: `sse-h/<change>` and
 `hla-hybrid/<change>`, one change at a time from their base row, with the same tokens and seed.
 `--rows` picks rows or groups (`all`, the default: every row, the most informative first; `main`,
-`ablation-sse-h`, `ablation-hla`, `ablation`).
+`ablation-sse-h`, `ablation-hla`, `ablation-spla`, `ablation`).
 Time: `--time-budget S` (seconds from the process start) starts a row only when its expected
 duration fits in what is left (the longest measured row of its kind, else the scale's prior),
 stops a row still running when the budget is spent, and records the rows it did not start or
@@ -155,6 +155,7 @@ RECIPES = {"spla": dict(lr=1e-4, stage1_share=0.0), "linear": dict(lr=3e-4, stag
 def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
     """Every row, by name: the main table, then the SSE-H and HLA ablations."""
     k = num_layers // 6  # the base layout's softmax layers (every 6th)
+    k_blocks = scale.spla_options.get("top_k_blocks", 16)  # SPLA's selection budget, in blocks
     rows = [
         Row("dense", "dense"),
         Row("spla-fresh", "SPLA, fresh", "spla", dict(scale.spla_options)),
@@ -186,6 +187,9 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
             ("fp32", "adapted in fp32 (no bf16 autocast: fp32 kernel operands, TF32 dots)", {}, dict(autocast=False)),
             ("no-stage1", "no attention transfer (every step KL)", {}, dict(stage1=False)),
         ],
+        "spla": [
+            ("budget-2x", f"twice the selection budget ({2 * k_blocks} blocks)", dict(top_k_blocks=2 * k_blocks), {}),
+        ],
         "hla-hybrid": [
             ("rows-4x", "rows of 4x the length (same tokens per step)", {}, dict(seq_len="4x")),
             ("stage1-4x", "attention transfer on rows of 4x the length", {}, dict(stage1_4x=True)),
@@ -216,7 +220,8 @@ GROUPS = {
     "main": ["dense", "sse-h", "hla-hybrid", "spla-fresh", "spla", "spa"],
     "ablation-sse-h": ["sse-h", "sse-h/*"],
     "ablation-hla": ["hla-hybrid", "hla-hybrid/*"],
-    "ablation": ["sse-h", "sse-h/*", "hla-hybrid", "hla-hybrid/*"],
+    "ablation-spla": ["spla", "spla/*"],
+    "ablation": ["sse-h", "sse-h/*", "hla-hybrid", "hla-hybrid/*", "spla", "spla/*"],
     # every row, the most informative first, for a run under --time-budget: the dense reference, the
     # adapted SSE-H and HLA hybrids (each measured at 1x and 4x), the changes aimed at length
     # generalisation (without the window branch that the ablation made the default; longer rows,
@@ -225,7 +230,7 @@ GROUPS = {
     "all": ["dense", "sse-h", "hla-hybrid", "sse-h/no-window", "hla-hybrid/no-window", "sse-h/rows-4x",
             "hla-hybrid/rows-4x", "spla-fresh",
             "sse-h/stage1-4x", "hla-hybrid/stage1-4x", "sse-h/decay-long", "hla-hybrid/decay-long",
-            "sse-h/auto-layers", "hla-hybrid/auto-layers", "main", "ablation"],
+            "sse-h/auto-layers", "hla-hybrid/auto-layers", "main", "spla/budget-2x", "ablation"],
 }
 
 
@@ -1079,8 +1084,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", required=True, help="folder for results.json, results.md, commands.txt and logs")
     p.add_argument("--scale", default="h200", choices=sorted(SCALES))
     p.add_argument("--rows", "--only", default="all",
-                   help="comma list of rows and groups (all, main, ablation-sse-h, ablation-hla, ablation; NAME/*: a "
-                        "row's ablations); default all (every row, the most informative first)")
+                   help="comma list of rows and groups (all, main, ablation-sse-h, ablation-hla, ablation-spla, "
+                        "ablation; NAME/*: a row's ablations); default all (every row, the most informative first)")
     p.add_argument("--gguf", nargs="+", metavar="PART", help="SmolLM2-135M-Instruct's GGUF, or its pieces in order")
     p.add_argument("--checkpoint", metavar="DIR", help="a de-quantised SmolLM2 checkpoint folder")
     p.add_argument("--tokens", type=int, help="adaptation tokens of every adapted row (default: the scale's steps; "

@@ -54,6 +54,10 @@ def test_rows_and_groups(rq):
     assert auto.options == {"softmax_layers": "auto:5"}  # the layer list replaces softmax_every
     assert table["sse-h/decay-long"].options == {"sse_decay_init_min": 0.99, "sse_decay_init_max": 0.9999}
     assert table["spa"].options == {"use_rla": False}
+    assert table["spla/budget-2x"].options == {"top_k_blocks": 32} and table["spla/budget-2x"].recipe == "spla"
+    assert [r.name for r in rq.select_rows("ablation-spla", table)] == ["spla", "spla/budget-2x"]
+    assert rq.SCALES["tiny"].spla_options["top_k_blocks"] == 4
+    assert rq.rows_of(rq.SCALES["tiny"], 6)["spla/budget-2x"].options == {"block_size": 16, "top_k_blocks": 8}
     assert table["sse-h/no-window"].options == {"sse_sliding_window": 0}
     # what convert makes of a row: the preset's window and layout under the row's own options
     assert rq.conversion_options(table["sse-h"]) == {"family": "sse", "softmax_every": 6, "sse_sliding_window": 64,
