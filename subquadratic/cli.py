@@ -460,6 +460,7 @@ def _eval(args) -> None:
         load_model,
         markdown_table,
         plot_results,
+        position_table,
         write_card_evaluation,
         write_json,
     )
@@ -523,6 +524,8 @@ def _eval(args) -> None:
         raise
     bar.close()
     print(markdown_table(results))
+    if positions := position_table(results):
+        print("\nBy position in the window:\n" + positions)
     if args.json:
         print(f"wrote {args.json}")
     if args.plot_dir:

@@ -10,13 +10,14 @@ from .errors import EvaluationError
 from .kl import next_token_kl
 from .mqar import MQARSettings, mqar_accuracy, mqar_batch, mqar_compare, mqar_eval
 from .ppl import perplexity
-from .report import markdown_table, metric_figures, plot_results, write_card_evaluation, write_json
+from .report import markdown_table, metric_figures, plot_results, position_table, write_card_evaluation, write_json
 from .retrieval import niah, passkey, retrieval
 from .suite import DEFAULT_TASKS, TASKS, default_lengths, evaluate, evaluate_conversion, load_model, plan
 
 __all__ = [
     "DEFAULT_TASKS", "EvaluationError", "MQARSettings", "TASKS", "default_lengths", "evaluate", "evaluate_conversion",
     "load_model", "markdown_table", "metric_figures", "mqar_accuracy", "mqar_batch", "mqar_compare", "mqar_eval",
-    "next_token_kl", "niah", "passkey", "perplexity", "plan", "plot_results", "retrieval", "write_card_evaluation",
+    "next_token_kl", "niah", "passkey", "perplexity", "plan", "plot_results", "position_table", "retrieval",
+    "write_card_evaluation",
     "write_json",
 ]

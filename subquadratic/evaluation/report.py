@@ -90,6 +90,31 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def position_table(results: list[dict]) -> str:
+    """Perplexity (and KL where measured) by position in the window, at each model's longest length
+    with a per-position breakdown (`ppl.position_bounds`: [0, L/4), [L/4, L/2), [L/2, L)): whether a
+    model degrades in the later positions (past the length it was trained at) or not. "" when no
+    result has one."""
+    rows = []
+    for r in results:
+        for L in reversed(_lengths(r)):
+            ppl = _value(r, "ppl", "by_position", L)
+            if ppl:
+                rows.append((r, L, ppl, _value(r, "kl", "by_position", L) or []))
+                break
+    if not rows:
+        return ""
+    spans = [f"{p['start']}-{p['end']}" for p in rows[0][2]]
+    with_kl = any(kl for *_, kl in rows)
+    head = [f"ppl {s}" for s in spans] + ([f"KL {s}" for s in spans] if with_kl else [])
+    lines = ["| model | length | " + " | ".join(head) + " |", "| --- | ---: |" + " ---: |" * len(head)]
+    for r, L, ppl, kl in rows:
+        cells = [_fmt("ppl", p["ppl"]) for p in ppl] + [_fmt("kl", k["kl"]) for k in kl]
+        cells += ["-"] * (len(head) - len(cells))
+        lines.append(f"| {r['model']} | {L} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_json(results: list[dict], path: str | Path) -> Path:
     """All results as one JSON list (lengths become string keys), replaced whole (a run that writes
     it after each task leaves a complete file at every moment)."""
@@ -175,6 +200,8 @@ def card_section(results: list[dict], note: str | None = None) -> str:
         + ". " + "; ".join(measures) + "."
     ))
     lines += ["", markdown_table(results), ""]
+    if positions := position_table(results):
+        lines += ["By position in the window (tokens predicted from that far in):", "", positions, ""]
     left_out = dict.fromkeys(f"{task} {why}" for r in results for task, why in r.get("skipped", {}).items())
     if left_out:
         lines += ["Left out: " + "; ".join(left_out) + ".", ""]

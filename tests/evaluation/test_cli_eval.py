@@ -173,8 +173,12 @@ def test_convert_eval_data_writes_the_table_into_the_card(checkpoints, corpus, t
     assert main(argv) == 0
     card = (out / "README.md").read_text()
     assert card.index("## What was verified") < card.index("## Evaluation")
-    rows = [line for line in card.splitlines() if line.startswith("| this model") or line.startswith("| dense")]
+    table, positions = card.split("By position in the window")
+    rows = [line for line in table.splitlines() if line.startswith("| this model") or line.startswith("| dense")]
     assert len(rows) == 4, card
+    # by position at 64 tokens: the first 32 positions are inside the 32-token budget, as the dense model
+    at = [line.split("|") for line in positions.splitlines() if line.startswith(("| this model | 64", "| dense"))]
+    assert len(at) == 2 and at[0][3:5] == at[1][3:5] and at[0][5] != at[1][5]
     kl32 = rows[0].split("|")[4].strip()
     assert rows[0].startswith("| this model | 32 |") and kl32 == "0.0000"  # inside the budget: the dense model
     assert rows[0].split("|")[3] == rows[2].split("|")[3]  # same perplexity as the source at 32 tokens

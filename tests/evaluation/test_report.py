@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from subquadratic.evaluation import markdown_table, metric_figures, plot_results, write_card_evaluation
+from subquadratic.evaluation import markdown_table, metric_figures, plot_results, position_table, write_card_evaluation
+from subquadratic.evaluation.report import card_section
 
 RESULT = {"model": "m", "tasks": {"ppl": {64: {"ppl": 12.3456, "windows": 4}, 128: {"ppl": 11.0, "windows": 1}},
                                   "passkey": {128: {"accuracy": 0.5, "logprob": -1.25, "prompts": 6}}},
@@ -24,6 +25,26 @@ def test_table_has_a_row_per_length_a_dash_where_a_task_skipped_it_and_what_each
                                     "niah": {64: {"accuracy": 0.0, "logprob": -2.0, "prompts": 3}}}}
     assert markdown_table([both]).splitlines()[2].endswith(
         "| 8 windows, 1 passkey + 3 NIAH prompts, 8 MQAR sequences |")
+
+
+def _by_position(key: str, values: list[float]) -> list[dict]:
+    spans = ((0, 32), (32, 64), (64, 128))[:len(values)]
+    return [{"start": a, "end": b, key: v} for (a, b), v in zip(spans, values, strict=True)]
+
+
+def test_positions_table_at_each_models_longest_length_with_a_breakdown():
+    assert position_table([RESULT]) == ""  # no breakdown measured
+    dense = {"model": "dense", "tasks": {"ppl": {64: {"ppl": 9.0, "by_position": _by_position("ppl", [1, 2])},
+                                                 "128": {"ppl": 8.0,
+                                                         "by_position": _by_position("ppl", [9.5, 8.25, 7.125])}}}}
+    ours = {"model": "ours", "tasks": {"ppl": {128: {"ppl": 9.0, "by_position": _by_position("ppl", [10, 9, 8.5])}},
+                                       "kl": {128: {"kl": 0.2, "by_position": _by_position("kl", [0.1, 0.2, 0.25])}}}}
+    lines = position_table([dense, ours]).splitlines()
+    assert lines[0] == "| model | length | ppl 0-32 | ppl 32-64 | ppl 64-128 | KL 0-32 | KL 32-64 | KL 64-128 |"
+    assert lines[2:] == ["| dense | 128 | 9.500 | 8.250 | 7.125 | - | - | - |",
+                         "| ours | 128 | 10.000 | 9.000 | 8.500 | 0.1000 | 0.2000 | 0.2500 |"]
+    assert "By position in the window" in card_section([dense, ours])
+    assert "By position" not in card_section([RESULT])
 
 
 def test_card_section_is_added_then_replaced_keeping_the_rest(tmp_path):
