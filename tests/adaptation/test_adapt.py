@@ -207,9 +207,11 @@ def test_cli_adapts_and_refuses_bad_input_in_one_line(tmp_path, corpus, converte
     assert all(e["loss"] == e[k] for e in entries for k in e if k.startswith("loss_"))
     card = (out / "README.md").read_text()
     assert card.count("## Adaptation") == 1 and card.count("## Evaluation") == 1
-    rows = [line.split("|")[1:-1] for line in card[card.index("## Evaluation"):].splitlines()
-            if line.startswith("| ") and "---" not in line][1:]
+    table, positions = card[card.index("## Evaluation"):].split("By position in the window")
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     cells = {(m.strip(), int(n)): (float(ppl), kl.strip()) for m, n, ppl, kl, _ in rows}  # _: measured on
+    # below it, perplexity and KL by position at the longest length, for both models
+    assert [line.split("|")[1].strip() for line in positions.splitlines()[4:6]] == ["out", "llama (dense source)"]
     assert set(cells) == {("out", 64), ("out", 128), ("llama (dense source)", 64), ("llama (dense source)", 128)}
     assert all(v[0] > 1 for v in cells.values()) and float(cells[("out", 64)][1]) > 0  # computed, not placeholders
     bad = [
@@ -238,8 +240,10 @@ def test_cli_adapt_without_teacher_measures_perplexity_at_the_training_length(tm
     card = (out / "README.md").read_text()
     section = card[card.index("## Evaluation"):]
     assert "Measured by `subquadratic adapt --eval-data" in section and "KL" not in section
-    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    table, positions = section.split("By position in the window")
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [(m.strip(), int(n)) for m, n, _, _ in rows] == [("out", 64)] and float(rows[0][2]) > 1
+    assert "| out | 64 |" in positions and "ppl 0-16 | ppl 16-32 | ppl 32-64 |" in positions
     assert rows[0][3].strip() == "2 windows"  # what the row rests on
 
 
