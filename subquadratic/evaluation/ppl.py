@@ -92,20 +92,18 @@ def window_means(
         for L, rows in rows_of.items():
             bounds = position_bounds(L)
             spans = [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
-            total, count = 0.0, 0
-            parts = [[0.0, 0] for _ in spans]
+            sums = [0.0] * (1 + len(spans))  # the whole window, then each range
+            counts = [0] * (1 + len(spans))
             for batch in rows.split(batch_size):
                 values = per_token(batch).double()
-                total += values.sum().item()
-                count += values.numel()
-                for part, (a, b) in zip(parts, spans, strict=True):
-                    cut = values[:, a:b]
-                    part[0] += cut.sum().item()
-                    part[1] += cut.numel()
+                cuts = [values] + [values[:, a:b] for a, b in spans]
+                for i, got in enumerate(torch.stack([c.sum() for c in cuts]).tolist()):  # one read per batch
+                    sums[i] += got
+                    counts[i] += cuts[i].numel()
                 meter.update(forwards * batch.numel())
-            out[L] = {"mean": total / count, "windows": rows.shape[0], "tokens": count,
+            out[L] = {"mean": sums[0] / counts[0], "windows": rows.shape[0], "tokens": counts[0],
                       "by_position": [{"start": a, "end": b, "mean": t / n, "tokens": n}
-                                      for (a, b), (t, n) in zip(spans, parts, strict=True) if n]}
+                                      for (a, b), t, n in zip(spans, sums[1:], counts[1:], strict=True) if n]}
     return out
 
 
