@@ -674,6 +674,7 @@ def run_row(row: Row, seed: int, ctx: dict) -> dict:
             entry["layer_costs"] = json.loads((folder / "layer_costs.json").read_text())
     entry["convert_seconds"] = round(time.perf_counter() - started, 1)
     measured: dict = {}
+    earlier = None  # the record of this row's adaptation stopped by an earlier run, when it goes on from there
 
     def evaluate_here(out: Path, _device=None) -> None:
         t = time.perf_counter()
@@ -694,7 +695,7 @@ def run_row(row: Row, seed: int, ctx: dict) -> dict:
     else:
         settings = adapt_settings(row, scale, args)
         out = work / "adapted" / folder_name
-        earlier = resumable(ctx["partial"].get(name), settings, out)
+        earlier = resumable(ctx.get("partial"), settings, out)
         stop_after = ctx.get("stop_after")
         cfg = AdaptConfig(student=str(folder), output_dir=str(out), data=[str(ctx["train"])],
                           teacher=str(ctx["dense"]), seed=seed,
@@ -723,9 +724,8 @@ def run_row(row: Row, seed: int, ctx: dict) -> dict:
             entry["adapt_runs"] = adapt_runs(logged)
     entry["eval_seconds"] = measured.pop("_seconds")
     entry["metrics"] = measured
-    earlier = ctx["partial"].get(name) or {}
     # a row adapted over several runs: the earlier runs' adaptation counts in its time
-    entry["seconds"] = round(time.perf_counter() - started + earlier.get("wall_seconds", 0.0), 1)
+    entry["seconds"] = round(time.perf_counter() - started + (earlier or {}).get("wall_seconds", 0.0), 1)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {name: entry}
@@ -971,8 +971,6 @@ def run(args) -> dict:
 
     ctx = dict(scale=scale, args=args, work=work, device=device, out=out, **prepare(args, scale, out, work),
                run_id=f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}")  # tags the rows this run measures
-    # rows an earlier run stopped at a checkpoint (its adaptation longer than that run's budget)
-    ctx["partial"] = {n: e["partial"] for n, e in ctx["results"]["rows"].items() if "partial" in e}
     results = ctx.pop("results")
     results["commands"].append(shlex.join(["python", *args.argv]))
     (out / "commands.txt").write_text("\n".join(results["commands"]) + "\n")
@@ -1047,6 +1045,8 @@ def run_jobs(jobs: list, results: dict, ctx: dict, clock, save) -> None:
             continue
         left = None if budget is None else budget - (time.perf_counter() - t0)
         action, ctx["stop_after"], need = plan_row(row, results, scale, args, left, ctx["run_id"], name)
+        # the record of a row an earlier run stopped at a checkpoint (`run_row` resumes it)
+        ctx["partial"] = results["rows"].get(name, {}).get("partial")
         if action == "skip":
             results["skipped"].append({"name": name, "needs_seconds": round(need), "left_seconds": round(left)})
             log(f"[{clock()}] {name} not started: it needs about {need:.0f} s, {max(left, 0):.0f} s are left")
