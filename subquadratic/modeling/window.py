@@ -172,7 +172,9 @@ class WindowBranch:
         """Softmax attention over the last `self.window` tokens, through the shared `SoftmaxAttention`,
         with the window's keys/values in the cache layer's ring (`WindowRing`)."""
         if cache_layer is None:
-            window_seq = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=seq.causal)
+            # a packed batch's documents (one per right-padded row) keep their causal rows: the O(T W) forms
+            window_seq = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=seq.causal,
+                                      documents=seq.documents)
             return self.swa(x, position_embeddings, window_seq, None)[0]
         if self._steady_step(x, seq, cache_layer):
             return self.steady_window_step(x, position_embeddings, seq.length - 1, cache_layer)

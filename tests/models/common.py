@@ -211,11 +211,24 @@ class ModelTesterMixin:
         for n, g in fast_grads.items():
             assert torch.allclose(g, masked_grads[n], rtol=1e-5, atol=1e-7 * slack), n
 
-    def test_packed_batch_keeps_documents_apart(self):
+    def test_packed_batch_keeps_documents_apart(self, monkeypatch):
         """Documents packed into rows with position_ids restarting at each (DataCollatorWithFlattening's
         layout), a right-padded tail included, give each document's logits alone, and their gradients
-        reach the same parameters as the unpacked batch; with cu_seq_lens_q instead of position_ids too."""
+        reach the same parameters as the unpacked batch; with cu_seq_lens_q instead of position_ids too.
+        Every softmax attention of a packed batch (a softmax layer's, a window branch's) knows its rows are
+        documents, so it runs causal rows (SDPA is_causal, the window's O(T W) forms), never a [T, T] mask."""
         from transformers import DataCollatorWithFlattening
+
+        from subquadratic.modeling.base import SoftmaxAttention
+
+        seen_docs = []
+        softmax_forward = SoftmaxAttention.forward
+
+        def spy(attn, hidden_states, position_embeddings, seq, cache_layer=None):
+            seen_docs.append(seq.documents is not None)
+            return softmax_forward(attn, hidden_states, position_embeddings, seq, cache_layer)
+
+        monkeypatch.setattr(SoftmaxAttention, "forward", spy)
 
         m, T = self.tester.model(), self.tester.seq_len
         docs = [self.tester.ids(1, n, seed=n)[0] for n in (T // 2, T - 3, 5, T // 3, 7)]
@@ -223,7 +236,9 @@ class ModelTesterMixin:
         assert flat["position_ids"].shape == (1, sum(map(len, docs)))
         with torch.no_grad():
             alone = [m(d[None], use_cache=False).logits[0] for d in docs]
+            seen_docs.clear()
             packed = m(flat["input_ids"], position_ids=flat["position_ids"]).logits[0]
+            assert all(seen_docs), seen_docs  # (empty for a model with no softmax attention)
             # two rows, the second right-padded
             rows = [torch.cat(docs[:2]), torch.cat(docs[2:])]
             ids = torch.zeros(2, max(map(len, rows)), dtype=torch.long)
