@@ -323,7 +323,13 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings=None, seq=None, cache_layer=None, **kwargs):
-        h, aux = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, seq, cache_layer)
+        x = self.input_layernorm(hidden_states)
+        docs = seq.documents if seq is not None else None
+        if docs is None:
+            h, aux = self.self_attn(x, position_embeddings, seq, cache_layer)
+        else:  # a packed batch: only the mixer runs one document per right-padded row, the rest on the real tokens
+            h, aux = self.self_attn(docs.unpack(x), position_embeddings, seq, cache_layer)
+            h = docs.pack(h)
         hidden_states, x = self.post_attention_layernorm.add_and_norm(hidden_states, h)  # residual add, norm
         return hidden_states + self.mlp(x), aux
 
@@ -555,16 +561,22 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         return hidden, all_hidden, aux_total
 
     def _forward_documents(self, docs, inputs_embeds, position_ids, output_hidden_states, return_dict):
-        """A packed batch, run with one document per right-padded row and packed back (`packing.py`)."""
+        """A packed batch (`packing.py`): the residual stream, the norms and the MLPs stay on the packed
+        tokens; each mixer runs one document per right-padded row (`SubquadraticDecoderLayer`), so the
+        padding of the longest document costs only inside the mixers."""
         valid = docs.valid
         pos = docs.unpack(position_ids.to(valid.device).expand(docs.shape))
         q_pos = positions_from_mask(valid)
-        hidden = docs.unpack(inputs_embeds)
-        position_embeddings = self.rotary_emb(hidden, pos)
+        position_embeddings = self.rotary_emb(inputs_embeds, pos)
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos, documents=docs)
-        hidden, all_hidden, aux_total = self._run_layers(hidden, position_embeddings, seq, None,
-                                                         output_hidden_states, restore=docs.pack)
-        out = SubquadraticModelOutput(last_hidden_state=docs.pack(hidden), hidden_states=all_hidden,
+        hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, None,
+                                                         output_hidden_states)
+        if docs.flat.numel() < docs.shape[0] * docs.shape[1]:  # the packed batch's own padding (a right-padded
+            # row): zero, as a mixer's output is there
+            hidden = hidden * docs.packed_valid[..., None].to(hidden.dtype)
+            all_hidden = None if all_hidden is None else tuple(h * docs.packed_valid[..., None].to(h.dtype)
+                                                               for h in all_hidden)
+        out = SubquadraticModelOutput(last_hidden_state=hidden, hidden_states=all_hidden,
                                       aux_loss=aux_total, **{CACHE_FIELD: None})
         return out if return_dict else out.to_tuple()
 

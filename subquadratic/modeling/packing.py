@@ -1,9 +1,10 @@
 """Packed batches: several documents in one row, `position_ids` restarting at each document (as
 Transformers' `DataCollatorWithFlattening` makes them, or `cu_seq_lens_q` from its flash-attention
-form). Every mixer keeps documents apart the same way: the model lays each document out as its own
-right-padded row, runs the layers on that batch, and packs the result back. A causal mixer never
-reads the padding after a row's last token, so each document sees exactly itself, whatever the mixer
-(softmax, SPLA, SSE, HLA). The cost is the padding of the longest document per batch.
+form). Every mixer keeps documents apart the same way: each layer lays its mixer's input out as one
+right-padded row per document, runs the mixer on that batch and packs its output back; the residual
+stream, the norms and the MLPs stay on the packed tokens. A causal mixer never reads the padding
+after a row's last token, so each document sees exactly itself, whatever the mixer (softmax, SPLA,
+SSE, HLA). The cost is the padding of the longest document per batch, inside the mixers only.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ class Documents:
         out = torch.zeros(self.num_docs, self.max_len, dtype=torch.bool, device=self.flat.device)
         out[self.doc, self.offset] = True
         return out
+
+    @property
+    def packed_valid(self) -> torch.Tensor:
+        """[B, T] True at the packed batch's real tokens."""
+        B, T = self.shape
+        return torch.zeros(B * T, dtype=torch.bool, device=self.flat.device).index_fill_(0, self.flat, True).view(B, T)
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, *] packed -> [S, L, *] one document per row, zero at padding (differentiable)."""
