@@ -179,10 +179,11 @@ def adapt_problem(s: Any) -> str | None:
     from .data import source_problem as data_problem
 
     for name in ("max_steps", "seq_len", "batch_size", "grad_accum", "save_every", "save_total_limit"):
-        if getattr(s, name) < 1:
+        if getattr(s, name) is not None and getattr(s, name) < 1:  # seq_len / batch_size None: by default
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(s, name)}"
     stage1_len = getattr(s, "stage1_seq_len", None)
-    if stage1_len is not None and not 2 <= stage1_len <= s.batch_size * s.seq_len:
+    if stage1_len is not None and s.seq_len is not None and s.batch_size is not None \
+            and not 2 <= stage1_len <= s.batch_size * s.seq_len:
         return (f"--stage1-seq-len must lie in 2..--batch-size x --seq-len ({s.batch_size * s.seq_len}: a stage-1 "
                 f"batch holds as many tokens as a stage-2 one), got {stage1_len}")
     if s.num_proc is not None and s.num_proc < 1:

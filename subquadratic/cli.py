@@ -188,13 +188,13 @@ def _adapt_parser(sub) -> None:
     a.add_argument("--train", default="full", choices=("full", "mixer", "new", "lora"),
                    help="what trains: every parameter, the converted layers' mixers, only the parameters the "
                         "dense model lacks, or LoRA adapters + those (default full; stage 1 reaches only mixers)")
-    a.add_argument("--seq-len", type=context_length, default=2048, metavar="L",
-                   help="tokens per packed row (default 2048)")
+    a.add_argument("--seq-len", type=context_length, default=None, metavar="L",
+                   help="tokens per packed row (default 8192, or the model's context if shorter)")
     a.add_argument("--stage1-seq-len", type=context_length, default=None, metavar="L",
                    help="tokens per packed row in attention transfer (default --seq-len), with --batch-size x "
                         "--seq-len / L rows per batch: the same tokens per step")
-    a.add_argument("--batch-size", type=positive_int, default=8, metavar="B",
-                   help="rows per micro-batch and process (default 8)")
+    a.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
+                   help="rows per micro-batch and process (default 16384 / --seq-len: 2 rows of 8192)")
     a.add_argument("--grad-accum", type=positive_int, default=1, metavar="N",
                    help="micro-batches per optimizer step (default 1)")
     a.add_argument("--lr", type=float, default=1e-4, metavar="LR", help="stage 2 peak learning rate (default 1e-4)")
@@ -352,11 +352,11 @@ def _adapt(args) -> None:
         resume=args.resume, overwrite=args.overwrite, text_field=args.text_field, text_unit=args.text_unit,
         num_proc=args.num_proc, seed=args.seed, progress=not args.no_progress,
     )
-    after_training = _adapt_card_evaluation(args) if args.eval_data else None
+    after_training = _adapt_card_evaluation(args, cfg) if args.eval_data else None
     print(f"wrote {adapt(cfg, after_training=after_training)}")
 
 
-def _adapt_card_evaluation(args):
+def _adapt_card_evaluation(args, cfg):
     """`adapt --eval-data`: the hook that measures the adapted folder's perplexity (with --teacher, also
     the teacher's and the KL to it) once training ends, and writes the table into its card."""
 
@@ -370,7 +370,7 @@ def _adapt_card_evaluation(args):
         else:
             model, tokenizer = load_model(out, device=str(device))
             results = [evaluate(model, tokenizer, name=out.name, tasks=("ppl",), data=args.eval_data,
-                                seq_lens=args.eval_seq_len or [args.seq_len], max_windows=args.eval_max_windows)]
+                                seq_lens=args.eval_seq_len or [cfg.seq_len], max_windows=args.eval_max_windows)]
         write_card_evaluation(out, results, note=note)
 
     return hook

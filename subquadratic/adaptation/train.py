@@ -47,6 +47,11 @@ from ..checks import STATE_FILE, InputError, adapt_problem, latest_checkpoint
 from ..data import IGNORE_INDEX, batches, load_texts, tokenize_and_pack, torch_dtype
 
 LOG_FILE = "adapt_log.jsonl"
+#: rows of this many tokens by default (or the model's context if shorter), DEFAULT_STEP_TOKENS tokens a
+#: micro-batch: on SmolLM2-135M the hybrids adapted on rows of 8192 match those adapted on 8 x 2048 at
+#: 2048 and are 10% of dense perplexity at 8192 against 17% (docs/results.md, two seeds each)
+DEFAULT_ROW = 8192
+DEFAULT_STEP_TOKENS = 16384
 TRAIN_CHOICES = ("full", "mixer", "new", "lora")
 LOSS_CHOICES = ("lm", "kl")
 #: the compute dtype (a `data.DTYPE_NAMES` name) of each --mixed-precision choice
@@ -72,8 +77,10 @@ class AdaptConfig:
     #: the stage-2 loss (default: kl with a teacher, else lm)
     loss: str | None = None
     train: str = "full"
-    seq_len: int = 2048
-    batch_size: int = 8
+    #: tokens per packed row (default `default_rows`: 8192, or the model's context if shorter)
+    seq_len: int | None = None
+    #: rows per micro-batch and process (default: DEFAULT_STEP_TOKENS // seq_len, at least 1)
+    batch_size: int | None = None
     #: tokens per packed row in attention transfer (default: seq_len), with batch_size * seq_len //
     #: stage1_seq_len rows per micro-batch, so that a stage-1 step holds as many tokens as a stage-2 one
     stage1_seq_len: int | None = None
@@ -106,6 +113,14 @@ class AdaptConfig:
         if self.loss is None:
             self.loss = "kl" if self.teacher is not None else "lm"
 
+    def default_rows(self, max_positions: int | None) -> None:
+        """Fill in the row layout left unset: rows of min(DEFAULT_ROW, `max_positions`) tokens and
+        DEFAULT_STEP_TOKENS // seq_len rows (at least one) per micro-batch."""
+        if self.seq_len is None:
+            self.seq_len = min(DEFAULT_ROW, max_positions) if max_positions else DEFAULT_ROW
+        if self.batch_size is None:
+            self.batch_size = max(1, DEFAULT_STEP_TOKENS // self.seq_len)
+
     def check(self) -> None:
         if self.train not in TRAIN_CHOICES:
             raise AdaptError(f"unknown --train {self.train!r}; use {', '.join(TRAIN_CHOICES)}")
@@ -118,6 +133,16 @@ class AdaptConfig:
 
 
 # --- the pieces ---------------------------------------------------------------------------------
+
+
+def _max_positions(path: str) -> int | None:
+    """The context length (`max_position_embeddings`) in a model folder's config.json, or None."""
+    config = Path(path).expanduser() / "config.json"
+    try:
+        value = json.loads(config.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and value > 1 else None
 
 
 def _load_student(path: str):
@@ -320,6 +345,7 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
+    cfg.default_rows(_max_positions(cfg.student))
     cfg.check()
     out, resume_from = _prepare_output(cfg)
     # every trainable parameter gets a gradient on every step (`Trainee`), so DDP needs no unused-parameter search

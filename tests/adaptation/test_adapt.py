@@ -353,3 +353,25 @@ def test_a_checkpoint_state_keeps_each_tied_weight_once():
     _drop_tied_copies([None], [state], "unused")
     assert list(state) == ["embed.weight", "mlp.weight", "a", "b", "step"]
     assert state["embed.weight"] is emb
+
+
+def test_default_rows_are_8192_tokens_or_the_context_and_16384_tokens_a_step():
+    """Unset --seq-len / --batch-size: rows of min(8192, context), 16384 // seq_len rows (at least 1);
+    a value the user gives stays, and the other follows from it."""
+    def rows(max_positions, **kw):
+        cfg = AdaptConfig(student="s", output_dir="o", data=["d"], **kw)
+        cfg.default_rows(max_positions)
+        return cfg.seq_len, cfg.batch_size
+
+    assert rows(8192) == (8192, 2) and rows(131072) == (8192, 2) and rows(None) == (8192, 2)
+    assert rows(2048) == (2048, 8) and rows(100) == (100, 163)
+    assert rows(8192, seq_len=2048) == (2048, 8) and rows(8192, seq_len=32768) == (32768, 1)
+    assert rows(8192, batch_size=4) == (8192, 4) and rows(8192, seq_len=64, batch_size=3) == (64, 3)
+
+
+def test_default_rows_read_the_students_context(tmp_path):
+    from subquadratic.adaptation.train import _max_positions
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    assert _max_positions(str(tmp_path)) == 4096
+    assert _max_positions(str(tmp_path / "missing")) is None
