@@ -57,6 +57,14 @@ class SequenceInfo:
     #: to its own, so the mixers may call SDPA with is_causal (T = S) or without a mask (T = 1)
     #: instead of an explicit mask. False when unknown.
     causal: bool = False
+    @property
+    def padding_unread(self) -> bool:
+        """Whether no real token can read what a padding slot's inputs write: every new token is real
+        (`causal`), or the rows are a packed batch's documents (each right-padded after its real tokens,
+        no cache outliving the call, the padding's outputs dropped when packed back). The mixers then
+        need not zero the padding's inputs or outputs."""
+        return self.causal or self.documents is not None
+
     #: Slots of every row after this call when that is known on the host and every slot is a real
     #: token in order (a growing cache whose tokens are all real: `causal`), so that each new token's
     #: position is length - T + i without reading a tensor; else None.

@@ -253,6 +253,23 @@ class ModelTesterMixin:
         want = torch.cat(alone)
         for got in (packed, by_cu, torch.cat([two[0, : len(rows[0])], two[1, : len(rows[1])]])):
             assert (got - want).abs().max().item() <= self.tester.atol
+        # the gradients of a packed batch are the documents' own, summed (eval mode: no router statistics
+        # across documents)
+        w = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+        m.zero_grad()
+        (m(flat["input_ids"], position_ids=flat["position_ids"]).logits[0] * w).sum().backward()
+        packed_grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        m.zero_grad()
+        start = 0
+        for d in docs:
+            (m(d[None], use_cache=False).logits[0] * w[start:start + len(d)]).sum().backward()
+            start += len(d)
+        alone_grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        assert packed_grads.keys() == alone_grads.keys() and packed_grads
+        for n, g in packed_grads.items():
+            scale = alone_grads[n].abs().max().item() + 1e-12
+            assert (g - alone_grads[n]).abs().max().item() <= 1e-4 * scale + self.tester.atol, n
+        m.zero_grad()
         m.train()
         loss = m(flat["input_ids"], position_ids=flat["position_ids"], labels=flat["labels"]).loss
         loss.backward()

@@ -119,9 +119,10 @@ class HLAAttention(WindowBranch, AttentionBase):
         v = v.repeat_interleave(self.num_key_value_groups, dim=2)
         log_alpha = self.log_alpha(hidden_states)  # [B, T, HQ]
 
-        # padding: q = k = v = 0 and log alpha = 0 leave every state unchanged (seq.causal: no padding)
+        # padding: q = k = v = 0 and log alpha = 0 leave every state unchanged (not needed where no real
+        # token reads the padding: `padding_unread`)
         valid = seq.valid[:, :, None]  # [B, T, 1]
-        if not seq.causal:
+        if not seq.padding_unread:
             q, k, v = (torch.where(valid[..., None], x, 0.0) for x in (q, k, v))
             log_alpha = torch.where(valid, log_alpha, 0.0)
 
@@ -143,7 +144,7 @@ class HLAAttention(WindowBranch, AttentionBase):
                 o = self.o_norm(o.transpose(1, 2)).transpose(1, 2)
             if gate is not None:
                 o = o * Fn.silu(gate)
-        if not seq.causal:
+        if not seq.padding_unread:
             o = o * valid[..., None]
         out = self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
         if self.window:

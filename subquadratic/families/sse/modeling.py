@@ -227,10 +227,10 @@ class SSEAttention(WindowBranch, AttentionBase):
         # [B, T, N], sel False at padding
         probs, sel = router_topk(self.router(x), cfg.sse_top_k, None if seq.causal else seq.valid)
 
-        # padding: no read, no write, no decay (nothing to mask where the caller knows there is no padding)
+        # padding: no read, no write, no decay (nothing to mask where no real token reads the padding)
         valid = seq.valid
         tok = valid[:, :, None, None]
-        if not seq.causal:
+        if not seq.padding_unread:
             q1, k1, q2, k2, v = (torch.where(tok, t, 0.0) for t in (q1, k1, q2, k2, v))
             gmask = tok if g1.dim() == 4 else valid[:, :, None]
             g1, g2 = torch.where(gmask, g1, 0.0), torch.where(gmask, g2, 0.0)
@@ -252,7 +252,7 @@ class SSEAttention(WindowBranch, AttentionBase):
             o = norm_gate(o, w, gate, eps, backend="triton")  # prefill / training on CUDA: one kernel, same values
         else:
             o = self.o_norm(o) * F.silu(gate)
-        out = self.o_proj((o if seq.causal else o * tok).reshape(B, T, -1))
+        out = self.o_proj((o if seq.padding_unread else o * tok).reshape(B, T, -1))
         if self.window:
             o_swa = self.window_attention(x, position_embeddings, seq, cache_layer)
             if cfg.sse_window_merge == "sum":
