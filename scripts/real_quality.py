@@ -484,11 +484,15 @@ def row_kind(row: Row) -> str:
 
 def _reference(row: Row, measured: dict, run_id: str | None, scaled) -> tuple[dict | None, float]:
     """The measured row a row's time is estimated from, and the factor on its time: the longest (by
-    `scaled`) of its kind and row length, this run's first, then the kept ones (factor 1); else of its
-    kind with rows of another length, this run's first (factor 1.5); else (None, 1)."""
+    `scaled`) of its conversion target (SSE-H and the HLA hybrid adapt at different speeds) and row
+    length, then of its kind and row length, each this run's first, then the kept ones (factor 1);
+    else of its kind with rows of another length, this run's first (factor 1.5); else (None, 1)."""
     done = [e for e in measured.values() if "seconds" in e and e.get("kind") == row_kind(row)]
     mine = [e for e in done if e.get("run") == run_id]
-    for entries, same_length in ((mine, True), (done, True), (mine, False), (done, False)):
+    family = [e for e in done if e.get("to") == row.to]
+    mine_family = [e for e in family if e.get("run") == run_id]
+    for entries, same_length in ((mine_family, True), (family, True), (mine, True), (done, True), (mine, False),
+                                 (done, False)):
         found = [e for e in entries if (e.get("seq_len_kind", "base") == row.seq_len) == same_length]
         if found:
             return max(found, key=scaled), 1.0 if same_length else 1.5

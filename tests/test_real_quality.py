@@ -160,6 +160,23 @@ def test_tiny_protocol_main_table_then_an_ablation_run(rq, tmp_path):
     assert json.loads((out / "results.json").read_text())["skipped"] == third["skipped"]
 
 
+def test_estimates_prefer_rows_of_the_same_conversion_target(rq):
+    """SSE-H adapts slower than the HLA hybrid: a row of one is priced from rows of its own target first."""
+    scale = rq.SCALES["h200"]
+    table = rq.rows_of(scale, 30)
+    kept = {"sse-h": {"seconds": 280.0, "kind": "linear", "seq_len_kind": "base", "to": "sse-h"},
+            "hla-hybrid": {"seconds": 177.0, "kind": "linear", "seq_len_kind": "base", "to": "hla-h"},
+            "sse-h/rows-4x@seed1": {"seconds": 262.0, "kind": "linear", "seq_len_kind": "4x", "to": "sse-h",
+                                    "run": "now"}}
+    assert rq.estimate_seconds(table["hla-hybrid"], kept, scale, run_id="now") == 177.0
+    assert rq.estimate_seconds(table["hla-hybrid/decay-long"], kept, scale, run_id="now") == 177.0
+    assert rq.estimate_seconds(table["sse-h/decay-long"], kept, scale, run_id="now") == 280.0
+    # no row of its own target and length: its kind's rows of that length, then of another length
+    assert rq.estimate_seconds(table["hla-hybrid/rows-4x"], kept, scale, run_id="now") == 262.0
+    del kept["hla-hybrid"]
+    assert rq.estimate_seconds(table["hla-hybrid"], kept, scale, run_id="now") == 280.0
+
+
 def test_estimates_follow_measured_rows_of_the_same_kind(rq):
     scale = rq.SCALES["h200"]
     table = rq.rows_of(scale, 30)
