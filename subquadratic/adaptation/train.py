@@ -265,10 +265,47 @@ class Transfer:
         self.handles = []
 
 
+#: Decoder layers of the sources `convert` takes whose forward is the pre-norm residual block
+#: h + attn(norm1(h)), then h + mlp(norm2(h)) (`_documents_per_layer` runs it layer by layer)
+PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+
+
+def _layerwise(decoder, longest: int) -> bool:
+    """Whether `_documents_per_layer` computes this decoder's own forward: pre-norm layers of the
+    known sources, SDPA (causal without a mask), every layer full attention (or a sliding window no
+    shorter than the longest document)."""
+    cfg = decoder.config
+    layers = getattr(decoder, "layers", None)
+    if (not layers or getattr(decoder, "rotary_emb", None) is None or cfg._attn_implementation != "sdpa"
+            or any(type(layer).__name__ not in PRE_NORM_LAYERS for layer in layers)):
+        return False
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return False
+    window = getattr(cfg, "sliding_window", None)
+    return window is None or not getattr(cfg, "use_sliding_window", True) or longest <= window
+
+
+def _documents_per_layer(decoder, docs, ids, pos):
+    """The decoder's forward on a packed batch with only the attention run one document per right-padded
+    row (causal, no mask: the padding after a document is never read); the embeddings, norms and MLPs
+    run on the packed tokens. Returns the final hidden states [B, T, H], packed."""
+    h = decoder.embed_tokens(ids)
+    cos, sin = decoder.rotary_emb(h, pos)
+    rope = (docs.unpack(cos.expand(*ids.shape, -1)), docs.unpack(sin.expand(*ids.shape, -1)))
+    for layer in decoder.layers:
+        out = layer.self_attn(hidden_states=docs.unpack(layer.input_layernorm(h)), position_embeddings=rope,
+                              attention_mask=None)[0]
+        h = h + docs.pack(out)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return decoder.norm(h)
+
+
 def _teacher_hidden(teacher, batch):
-    """The dense model's decoder on the batch, one packed document per row (as the student runs it):
-    returns its final hidden states [B, T, H] in the packed layout (the head is applied chunk by chunk
-    by the loss). Right padding needs no mask for the real tokens' outputs."""
+    """The dense model's decoder on the batch, each packed document attending only to itself (as the
+    student runs it): returns its final hidden states [B, T, H] in the packed layout (the head is
+    applied chunk by chunk by the loss). The attention runs one document per right-padded row (which
+    needs no mask for the real tokens' outputs); for the known pre-norm sources only the attention
+    does (`_documents_per_layer`), for others the whole decoder."""
     from ..modeling.losses import decoder_and_head
     from ..modeling.packing import find_documents
 
@@ -277,6 +314,8 @@ def _teacher_hidden(teacher, batch):
     docs = find_documents(pos, torch.ones_like(ids, dtype=torch.bool))
     if docs is None:
         return decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    if _layerwise(decoder, docs.max_len):
+        return _documents_per_layer(decoder, docs, ids, pos)
     hidden = decoder(input_ids=docs.unpack(ids), attention_mask=docs.valid.long(),
                      position_ids=docs.unpack(pos), use_cache=False).last_hidden_state
     return docs.pack(hidden)

@@ -74,3 +74,40 @@ def test_stage_two_losses_equal_the_plain_ones(converted, dense_folder, kind, to
     assert grads[1].keys() == grads[0].keys() and grads[0]
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "mistral-window", "llama-eager"])
+def test_teacher_runs_only_its_attention_per_document(arch):
+    """On a packed batch the teacher's final hidden states equal its whole decoder run one document per
+    row (fp64); the known pre-norm sources with SDPA run only the attention per document, the others
+    (eager attention, a sliding window shorter than a document) the whole decoder."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    from subquadratic.adaptation.train import _layerwise, _teacher_hidden
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig(**shape)),
+                "llama-eager": (LlamaForCausalLM, LlamaConfig(**shape)),
+                "qwen3": (Qwen3ForCausalLM, Qwen3Config(head_dim=8, **shape)),
+                "mistral": (MistralForCausalLM, MistralConfig(sliding_window=None, **shape)),
+                "mistral-window": (MistralForCausalLM, MistralConfig(sliding_window=8, **shape))}[arch]
+    cfg._attn_implementation = "eager" if arch == "llama-eager" else "sdpa"
+    torch.manual_seed(0)
+    teacher = cls(cfg).double().eval()
+    batch = packed_batch(64)
+    ids, pos = batch["input_ids"], batch["position_ids"]
+    docs = find_documents(pos, torch.ones_like(ids, dtype=torch.bool))
+    assert _layerwise(teacher.model, docs.max_len) == (arch in ("llama", "qwen3", "mistral"))
+    with torch.no_grad():
+        got = _teacher_hidden(teacher, batch)
+        want = docs.pack(teacher.model(input_ids=docs.unpack(ids), attention_mask=docs.valid.long(),
+                                       position_ids=docs.unpack(pos), use_cache=False).last_hidden_state)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
