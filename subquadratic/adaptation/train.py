@@ -242,7 +242,10 @@ class Transfer:
 
     def _feed(self, i):
         def hook(module, args, kwargs):
-            x = self.captured[i][0]
+            x = self.captured[i][0]  # the teacher's attention input, one document per row on packed rows
+            seq = args[2]  # SequenceInfo
+            if seq.is_packed(args[0]):  # a mixer that takes a packed batch packed (`takes_packed`)
+                x = seq.documents.pack(x)
             if x.shape != args[0].shape:
                 raise RuntimeError(f"layer {i}: teacher input {tuple(x.shape)} vs student {tuple(args[0].shape)}")
             # the student's own input stays in the graph through an exact zero (its norm gets a gradient)
@@ -253,7 +256,12 @@ class Transfer:
         def hook(module, args, kwargs, output):
             want = self.captured[i][1]
             got = output[0]
-            valid = args[2].valid[..., None].to(got.dtype)  # SequenceInfo: real tokens only
+            seq = args[2]  # SequenceInfo: real tokens only
+            if seq.is_packed(got):
+                want, valid = seq.documents.pack(want), seq.documents.packed_valid
+            else:
+                valid = seq.valid
+            valid = valid[..., None].to(got.dtype)
             err = ((got.float() - want.float()) ** 2 * valid).sum() / (valid.sum() * got.shape[-1]).clamp(min=1)
             self.losses.append(err)
             return (want.to(got.dtype), *output[1:])

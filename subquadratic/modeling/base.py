@@ -47,8 +47,10 @@ class SequenceInfo:
     #: (`computes_attention_weights`) record theirs here by layer index, [B, HQ, T, S] each; the
     #: model returns None for the other layers.
     attentions: dict | None = None
-    #: A packed batch's documents (`packing.Documents`) when the layers run one document per row.
+    #: A packed batch's documents (`packing.Documents`) when the mixers run one document per row, and
+    #: the RoPE (cos, sin) of its packed layout [B, T, D] (the mixers that `take_packed` project there).
     documents: object | None = None
+    packed_rope: tuple | None = None
     #: Whether each row's real tokens are known to sit in consecutive slots (a static cache checks
     #: it at prefill; `causal` implies it), so `key_offsets` needs no check (no host sync).
     consecutive: bool = False
@@ -57,6 +59,11 @@ class SequenceInfo:
     #: to its own, so the mixers may call SDPA with is_causal (T = S) or without a mask (T = 1)
     #: instead of an explicit mask. False when unknown.
     causal: bool = False
+    def is_packed(self, x: torch.Tensor) -> bool:
+        """Whether x [B, T, ...] is in a packed batch's own layout (not one document per row): a mixer
+        that `takes_packed` gets its input so."""
+        return self.documents is not None and tuple(x.shape[:2]) == tuple(self.documents.shape)
+
     @property
     def padding_unread(self) -> bool:
         """Whether no real token can read what a padding slot's inputs write: every new token is real
@@ -263,6 +270,9 @@ class SoftmaxAttention(AttentionBase):
     them."""
 
     computes_attention_weights = True
+    #: a packed batch's hidden states come packed (`SubquadraticDecoderLayer`): the projections run on
+    #: the real tokens, the attention one document per right-padded row
+    takes_packed = True
 
     def __init__(self, config: SubquadraticConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -279,7 +289,12 @@ class SoftmaxAttention(AttentionBase):
                                has_naive=True, unsupported=why) == "triton"
 
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
-        q, k, v = self.project(hidden_states, position_embeddings)
+        packed = seq.is_packed(hidden_states)
+        if packed:  # projected on the packed tokens, then one document per row [S, heads, L, D]
+            q, k, v = self.project(hidden_states, seq.packed_rope, heads_first=False)
+            q, k, v = (seq.documents.unpack(t).transpose(1, 2) for t in (q, k, v))
+        else:
+            q, k, v = self.project(hidden_states, position_embeddings)
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)
         sdpa = self.config._attn_implementation != "eager" and seq.attentions is None
@@ -312,8 +327,10 @@ class SoftmaxAttention(AttentionBase):
             o, weights = fn(self, q, k, v, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal)
             if seq.attentions is not None:
                 seq.attentions[self.layer_idx] = weights
-        if not seq.causal:  # causal: every new token is real, nothing to zero
+        if not seq.padding_unread:  # else every new token is real, or the padding's outputs are dropped
             o = o * seq.valid[:, :, None, None]  # [B, T, HQ, D]
+        if packed:
+            o = seq.documents.pack(o)
         return self.o_proj(o.reshape(*o.shape[:2], -1)), None
 
 
@@ -333,7 +350,8 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, position_embeddings=None, seq=None, cache_layer=None, **kwargs):
         x = self.input_layernorm(hidden_states)
         docs = seq.documents if seq is not None else None
-        if docs is None:
+        if docs is None or getattr(self.self_attn, "takes_packed", False):
+            # a mixer that `takes_packed` keeps a packed batch's documents apart itself
             h, aux = self.self_attn(x, position_embeddings, seq, cache_layer)
         else:  # a packed batch: only the mixer runs one document per right-padded row, the rest on the real tokens
             h, aux = self.self_attn(docs.unpack(x), position_embeddings, seq, cache_layer)
@@ -576,7 +594,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         pos = docs.unpack(position_ids.to(valid.device).expand(docs.shape))
         q_pos = positions_from_mask(valid)
         position_embeddings = self.rotary_emb(inputs_embeds, pos)
-        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos, documents=docs)
+        packed_rope = self.rotary_emb(inputs_embeds, position_ids.to(valid.device).expand(docs.shape))
+        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos, documents=docs, packed_rope=packed_rope)
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, None,
                                                          output_hidden_states)
         if docs.flat.numel() < docs.shape[0] * docs.shape[1]:  # the packed batch's own padding (a right-padded

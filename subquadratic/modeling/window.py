@@ -174,7 +174,7 @@ class WindowBranch:
         if cache_layer is None:
             # a packed batch's documents (one per right-padded row) keep their causal rows: the O(T W) forms
             window_seq = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=seq.causal,
-                                      documents=seq.documents)
+                                      documents=seq.documents, packed_rope=seq.packed_rope)
             return self.swa(x, position_embeddings, window_seq, None)[0]
         if self._steady_step(x, seq, cache_layer):
             return self.steady_window_step(x, position_embeddings, seq.length - 1, cache_layer)

@@ -64,6 +64,9 @@ class HLAAttention(WindowBranch, AttentionBase):
     output."""
 
     cache_layer_cls = HLALayer
+    #: a packed batch's hidden states come packed: the projections, decays, gate and output run on the
+    #: real tokens, the recurrence one document per row
+    takes_packed = True
     needs_key_positions = False
 
     def __init__(self, config: HLAConfig, layer_idx: int) -> None:
@@ -110,7 +113,9 @@ class HLAAttention(WindowBranch, AttentionBase):
         cfg = self.config
         B, T, _ = hidden_states.shape
         # q [B, T, HQ, D], k, v [B, T, H, D]: the source's qk-norm, RoPE only with hla_rope
-        q, k, v = self.project(hidden_states, position_embeddings if cfg.hla_rope else None, heads_first=False)
+        packed = seq.is_packed(hidden_states)
+        rope = (seq.packed_rope if packed else position_embeddings) if cfg.hla_rope else None
+        q, k, v = self.project(hidden_states, rope, heads_first=False)
         if cfg.qk_norm_l2:  # in the projections' dtype (CUDA autocast computes the norm in fp32)
             q = Fn.normalize(q, dim=-1).to(q.dtype) * cfg.qk_scale
             k = Fn.normalize(k, dim=-1).to(k.dtype) * cfg.qk_scale
@@ -118,6 +123,8 @@ class HLAAttention(WindowBranch, AttentionBase):
         k = k.repeat_interleave(self.num_key_value_groups, dim=2)
         v = v.repeat_interleave(self.num_key_value_groups, dim=2)
         log_alpha = self.log_alpha(hidden_states)  # [B, T, HQ]
+        if packed:  # the recurrence runs one document per right-padded row
+            q, k, v, log_alpha = (seq.documents.unpack(t) for t in (q, k, v, log_alpha))
 
         # padding: q = k = v = 0 and log alpha = 0 leave every state unchanged (not needed where no real
         # token reads the padding: `padding_unread`)
@@ -133,6 +140,8 @@ class HLAAttention(WindowBranch, AttentionBase):
         )  # o: [B, T, HQ, D]
         if cache_layer is not None:
             cache_layer.write(state)
+        if packed:
+            o = seq.documents.pack(o)
 
         gate = self.g_proj(hidden_states).view(B, T, self.num_heads, self.head_dim) if cfg.output_gate else None
         if (cfg.output_norm and gate is not None and T > 1 and cfg.kernel_backend in ("auto", "triton")

@@ -93,6 +93,9 @@ class SSEAttention(WindowBranch, AttentionBase):
 
     cache_layer_cls = SSELayer
     needs_key_positions = False
+    #: a packed batch's hidden states come packed: every per-token step (projections, feature maps, decays,
+    #: router, gate, output) runs on the real tokens, the state recurrence one document per row
+    takes_packed = True
 
     def __init__(self, config: SSEConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx, num_kv_heads=config.num_attention_heads)
@@ -224,8 +227,13 @@ class SSEAttention(WindowBranch, AttentionBase):
             q1, q2, k1, k2 = (F.normalize(F.silu(t), dim=-1) for t in (q1, q2, k1, k2))
         v = F.silu(v)
         g1, g2, beta = self.decays(x)
+        logits = self.router(x)
+        packed = seq.is_packed(x)
+        if packed:  # the recurrence runs one document per right-padded row
+            q1, k1, q2, k2, v, g1, g2, logits = (seq.documents.unpack(t) for t in (q1, k1, q2, k2, v, g1, g2, logits))
+            beta = None if beta is None else seq.documents.unpack(beta)
         # [B, T, N], sel False at padding
-        probs, sel = router_topk(self.router(x), cfg.sse_top_k, None if seq.causal else seq.valid)
+        probs, sel = router_topk(logits, cfg.sse_top_k, None if seq.causal else seq.valid)
 
         # padding: no read, no write, no decay (nothing to mask where no real token reads the padding)
         valid = seq.valid
@@ -245,6 +253,8 @@ class SSEAttention(WindowBranch, AttentionBase):
         )  # o: [B, T, HQ, D]
         if cache_layer is not None:
             cache_layer.write(state)
+        if packed:
+            o = seq.documents.pack(o)
 
         gate = self.g_proj(x).view(B, T, self.num_heads, self.head_dim)
         w, eps = self.o_norm.weight, self.o_norm.variance_epsilon
