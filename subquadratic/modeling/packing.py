@@ -1,10 +1,12 @@
 """Packed batches: several documents in one row, `position_ids` restarting at each document (as
 Transformers' `DataCollatorWithFlattening` makes them, or `cu_seq_lens_q` from its flash-attention
-form). Every mixer keeps documents apart the same way: each layer lays its mixer's input out as one
-right-padded row per document, runs the mixer on that batch and packs its output back; the residual
-stream, the norms and the MLPs stay on the packed tokens. A causal mixer never reads the padding
-after a row's last token, so each document sees exactly itself, whatever the mixer (softmax, SPLA,
-SSE, HLA). The cost is the padding of the longest document per batch, inside the mixers only.
+form). Every mixer keeps documents apart the same way: the attention or state recurrence runs on one
+right-padded row per document and its output is packed back; the residual stream, the norms and the
+MLPs stay on the packed tokens, and so do the per-token steps of the mixers that `take_packed`
+(softmax, SSE, HLA: projections, gates, output); the others get their whole input per document. A
+causal mixer never reads the padding after a row's last token, so each document sees exactly itself,
+whatever the mixer (softmax, SPLA, SSE, HLA). The cost is the padding of the longest document per
+batch, inside the mixers only.
 """
 
 from __future__ import annotations
