@@ -57,7 +57,9 @@ def test_eval_writes_table_json_plots_and_cards(checkpoints, corpus, tokenizer, 
         assert set(t) == {"ppl", "kl", "passkey", "mqar"}
         assert list(t["passkey"]) == [str(L)]  # 32 tokens cannot hold a passkey prompt
         assert 0.0 <= t["passkey"][str(L)]["accuracy"] <= 1.0 and 0.0 <= t["mqar"]["32"]["accuracy"] <= 1.0
-        assert (t["kl"][str(L)]["kl"] < 1e-9) == kl_zero  # SPLA is sparse beyond its 32-token budget
+        # SPLA is sparse beyond its 32-token budget (6e-4 here); the dense model against itself is zero up to
+        # fp32 rounding of the two heads' chunked log-softmaxes (3e-8 on an AMD EPYC, below 1e-9 elsewhere)
+        assert (t["kl"][str(L)]["kl"] < 1e-6) == kl_zero
     assert results[0]["tasks"]["ppl"][str(L)]["ppl"] == pytest.approx(want[L]["ppl"], rel=1e-6)
     samples = results[0]["tasks"]["passkey"][str(L)]["samples"]  # each prompt's generated text is kept
     assert len(samples) == 3 and all(isinstance(x["generated"], str) and x["value"].isdigit() for x in samples)
