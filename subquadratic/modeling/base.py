@@ -59,19 +59,6 @@ class SequenceInfo:
     #: to its own, so the mixers may call SDPA with is_causal (T = S) or without a mask (T = 1)
     #: instead of an explicit mask. False when unknown.
     causal: bool = False
-    def is_packed(self, x: torch.Tensor) -> bool:
-        """Whether x [B, T, ...] is in a packed batch's own layout (not one document per row): a mixer
-        that `takes_packed` gets its input so."""
-        return self.documents is not None and tuple(x.shape[:2]) == tuple(self.documents.shape)
-
-    @property
-    def padding_unread(self) -> bool:
-        """Whether no real token can read what a padding slot's inputs write: every new token is real
-        (`causal`), or the rows are a packed batch's documents (each right-padded after its real tokens,
-        no cache outliving the call, the padding's outputs dropped when packed back). The mixers then
-        need not zero the padding's inputs or outputs."""
-        return self.causal or self.documents is not None
-
     #: Slots of every row after this call when that is known on the host and every slot is a real
     #: token in order (a growing cache whose tokens are all real: `causal`), so that each new token's
     #: position is length - T + i without reading a tensor; else None.
@@ -86,6 +73,19 @@ class SequenceInfo:
         if not self._key_offsets:
             self._key_offsets = (slot_offsets(self.key_positions, check=not self.consecutive),)
         return self._key_offsets[0]
+
+    def is_packed(self, x: torch.Tensor) -> bool:
+        """Whether x [B, T, ...] is in a packed batch's own layout (not one document per row): a mixer
+        that `takes_packed` gets its input so."""
+        return self.documents is not None and tuple(x.shape[:2]) == tuple(self.documents.shape)
+
+    @property
+    def padding_unread(self) -> bool:
+        """Whether no real token can read what a padding slot's inputs write: every new token is real
+        (`causal`), or the rows are a packed batch's documents (each right-padded after its real tokens,
+        no cache outliving the call, the padding's outputs dropped when packed back). The mixers then
+        need not zero the padding's inputs or outputs."""
+        return self.causal or self.documents is not None
 
 
 def autocast_operands(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -591,18 +591,18 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         tokens; each mixer runs one document per right-padded row (`SubquadraticDecoderLayer`), so the
         padding of the longest document costs only inside the mixers."""
         valid = docs.valid
-        pos = docs.unpack(position_ids.to(valid.device).expand(docs.shape))
         q_pos = positions_from_mask(valid)
-        position_embeddings = self.rotary_emb(inputs_embeds, pos)
+        # RoPE of the packed positions, and of each document's row (for the mixers given their input so)
         packed_rope = self.rotary_emb(inputs_embeds, position_ids.to(valid.device).expand(docs.shape))
+        position_embeddings = tuple(docs.unpack(t) for t in packed_rope)
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos, documents=docs, packed_rope=packed_rope)
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, None,
                                                          output_hidden_states)
         if docs.flat.numel() < docs.shape[0] * docs.shape[1]:  # the packed batch's own padding (a right-padded
             # row): zero, as a mixer's output is there
-            hidden = hidden * docs.packed_valid[..., None].to(hidden.dtype)
-            all_hidden = None if all_hidden is None else tuple(h * docs.packed_valid[..., None].to(h.dtype)
-                                                               for h in all_hidden)
+            real = docs.packed_valid[..., None]
+            hidden = hidden * real.to(hidden.dtype)
+            all_hidden = None if all_hidden is None else tuple(h * real.to(h.dtype) for h in all_hidden)
         out = SubquadraticModelOutput(last_hidden_state=hidden, hidden_states=all_hidden,
                                       aux_loss=aux_total, **{CACHE_FIELD: None})
         return out if return_dict else out.to_tuple()

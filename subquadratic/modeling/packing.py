@@ -12,6 +12,7 @@ batch, inside the mixers only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -34,9 +35,9 @@ class Documents:
         out[self.doc, self.offset] = True
         return out
 
-    @property
+    @cached_property
     def packed_valid(self) -> torch.Tensor:
-        """[B, T] True at the packed batch's real tokens."""
+        """[B, T] True at the packed batch's real tokens (made once; every layer's stage-1 loss reads it)."""
         B, T = self.shape
         return torch.zeros(B * T, dtype=torch.bool, device=self.flat.device).index_fill_(0, self.flat, True).view(B, T)
 
