@@ -40,12 +40,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from real_quality import RECIPES, SCALES, package_sources, split_sources, tiny_dense, write_train  # noqa: E402
+
 import subquadratic  # noqa: E402, F401  (registers the families)
 from subquadratic.adaptation import AdaptConfig, adapt  # noqa: E402
 from subquadratic.conversion import convert  # noqa: E402
-
-#: recipe per family: (stage-2 lr, attention transfer share), as `real_quality.RECIPES`
-RECIPE = {"spla": (1e-4, 0.0), "linear": (3e-4, 0.25)}
 
 
 def log(msg: str) -> None:
@@ -61,8 +60,6 @@ def parse_layout(text: str) -> tuple[int, int]:
 
 def training_text(path: Path, nbytes: int, packages: tuple[str, ...]) -> Path:
     """`real_quality.py`'s training split of the packages' Python sources, about `nbytes` of it, as jsonl."""
-    from real_quality import package_sources, split_sources, write_train
-
     train, _ = split_sources(package_sources(packages), 50)
     info = write_train(train, path, nbytes, 4_096)
     log(f"training text: {info['files']} files, {info['bytes'] / 1e6:.1f} MB")
@@ -71,22 +68,12 @@ def training_text(path: Path, nbytes: int, packages: tuple[str, ...]) -> Path:
 
 def dense_folder(args, work: Path) -> Path:
     """The dense checkpoint: --checkpoint, its config and tokenizer with fresh weights (--random-weights),
-    or (--quick) a tiny random Llama with a byte-level BPE learnt from the text."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    or (--quick) `real_quality.py`'s tiny random Llama with a byte-level BPE learnt from the text."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder = work / "dense"
     if args.quick:
-        from replicate import train_tokenizer
-
-        tokenizer = train_tokenizer(args.text, 384)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                             tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        return folder
+        return tiny_dense(SCALES["tiny"], folder, args.text)
     src = Path(args.checkpoint)
     if not (src / "config.json").is_file():
         raise SystemExit(f"--checkpoint {src} has no config.json; give a dense Hugging Face folder")
@@ -138,9 +125,9 @@ def peak_breakdown(snapshot: dict, top: int = 15) -> dict:
 def run_case(dense: Path, converted: Path, family: str, layout: tuple[int, int], args, work: Path,
              checkpointing: bool) -> dict:
     rows, length = layout
-    recipe = "spla" if family == "spla" else "linear"
-    lr, share = RECIPE[recipe]
-    stage1 = 0 if recipe == "spla" else (args.stage1 if args.stage1 is not None else round(share * args.steps))
+    recipe = RECIPES["spla" if family == "spla" else "linear"]
+    lr, share = recipe["lr"], recipe["stage1_share"]
+    stage1 = 0 if not share else (args.stage1 if args.stage1 is not None else round(share * args.steps))
     cuda = torch.cuda.is_available() and not args.quick
     out = work / "adapted" / f"{family}-{rows}x{length}{'-ckpt' if checkpointing else ''}"
     cfg = AdaptConfig(student=str(converted), output_dir=str(out), data=[str(args.text)], teacher=str(dense),
