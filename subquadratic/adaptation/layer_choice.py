@@ -157,8 +157,9 @@ def layer_costs(src: str | Path, to: str, options: dict, calibration: Calibratio
 
 
 def _valid(seq, like: torch.Tensor) -> torch.Tensor:
-    """[B, T, 1] float mask of the real tokens of a layer call."""
-    return seq.valid[..., None].to(torch.float64 if like.dtype == torch.float64 else torch.float32)
+    """[B, T, 1] float mask of the real tokens of `like` (a packed batch's own layout or one document per
+    row: `SequenceInfo.valid_like`)."""
+    return seq.valid_like(like)[..., None].to(torch.float64 if like.dtype == torch.float64 else torch.float32)
 
 
 def _residual(i: int, sums: dict):

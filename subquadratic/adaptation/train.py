@@ -258,10 +258,8 @@ class Transfer:
             got = output[0]
             seq = args[2]  # SequenceInfo: real tokens only
             if seq.is_packed(got):
-                want, valid = seq.documents.pack(want), seq.documents.packed_valid
-            else:
-                valid = seq.valid
-            valid = valid[..., None].to(got.dtype)
+                want = seq.documents.pack(want)
+            valid = seq.valid_like(got)[..., None].to(got.dtype)
             err = ((got.float() - want.float()) ** 2 * valid).sum() / (valid.sum() * got.shape[-1]).clamp(min=1)
             self.losses.append(err)
             return (want.to(got.dtype), *output[1:])

@@ -79,6 +79,11 @@ class SequenceInfo:
         that `takes_packed` gets its input so."""
         return self.documents is not None and tuple(x.shape[:2]) == tuple(self.documents.shape)
 
+    def valid_like(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T] True at the real tokens of x [B, T, ...], in x's layout: a packed batch's own layout
+        (`is_packed`: the residual stream, a `takes_packed` mixer's output) or one row per document."""
+        return self.documents.packed_valid if self.is_packed(x) else self.valid
+
     @property
     def padding_unread(self) -> bool:
         """Whether no real token can read what a padding slot's inputs write: every new token is real

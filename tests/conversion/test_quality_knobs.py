@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from subquadratic.adaptation.layer_choice import Calibration, choose_softmax_layers
 from subquadratic.cli import main as cli_main
@@ -150,3 +150,28 @@ def test_auto_layers_from_the_command_line_and_its_errors(priced_source, tmp_pat
     with pytest.raises(ConversionError, match="steps must be at least 2"):
         convert(str(src), str(tmp_path / "bad"), "hla", options={"softmax_layers": "auto:1"}, progress=False,
                 calibration=Calibration(data=files, steps=1))
+
+
+def test_layer_costs_on_rows_that_pack_several_documents(priced_source, tmp_path):
+    """Short calibration documents pack several to a row: the residual stream is then in the packed
+    layout and the mixers run one document per row, and the pricing hooks mask each in its own layout."""
+    from subquadratic.adaptation.layer_choice import layer_costs
+    from subquadratic.data import batches, load_texts, tokenize_and_pack
+
+    src, files = priced_source
+    lines = [ln for ln in open(files[0]).read().splitlines() if len(ln.strip()) > 20][:120]
+    short = []
+    for i in range(0, len(lines), 3):
+        f = tmp_path / f"doc{i}.txt"
+        f.write_text("\n".join(lines[i:i + 3]))
+        short.append(str(f))
+    tok = AutoTokenizer.from_pretrained(src)
+    batch = next(batches(tokenize_and_pack(load_texts(short), tok, 64), 2, 0))
+    assert batch["position_ids"].eq(0).sum() > 2  # more documents than rows: a packed batch
+    costs = layer_costs(src, "hla", {"softmax_layers": "auto:1"},
+                        Calibration(data=short, steps=2, seq_len=64, batch_size=2, device="cpu"))
+    by_layer = {c["layer"]: c for c in costs["layers"]}
+    assert sorted(by_layer) == [0, 1, 2, 3]
+    assert by_layer[1]["cost"] == 0.0
+    assert all(0 < by_layer[i]["cost"] < float("inf") for i in (0, 2, 3))
+    assert max(by_layer, key=lambda i: by_layer[i]["cost"]) == 2
