@@ -79,6 +79,9 @@ class SPLAAttention(AttentionBase):
 
     cache_layer_cls = SPLALayer
     computes_attention_weights = True  # the exact branch's softmax over the selected keys
+    #: a packed batch's hidden states come packed: the projections and the output run on the real
+    #: tokens, the sparse attention and the residual term one document per right-padded row
+    takes_packed = True
 
     def __init__(self, config: SPLAConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -114,7 +117,12 @@ class SPLAAttention(AttentionBase):
 
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
         cfg = self.config
-        q, k, v = self.project(hidden_states, position_embeddings)
+        packed = seq.is_packed(hidden_states)
+        if packed:  # projected on the packed tokens, then one document per row [S, heads, L, D]
+            q, k, v = self.project(hidden_states, seq.packed_rope, heads_first=False)
+            q, k, v = (seq.documents.unpack(t).transpose(1, 2) for t in (q, k, v))
+        else:
+            q, k, v = self.project(hidden_states, position_embeddings)
         new_kv = None
         if cache_layer is not None:
             K, V, stats, sbar = cache_layer.update(k, v, seq.positions, cfg.block_size, cfg.kernel_backend)
@@ -156,6 +164,9 @@ class SPLAAttention(AttentionBase):
             # the graph through an exact zero (an empty sum), so every parameter receives a gradient
             # and DDP needs no unused-parameter search
             o = o + self.rla_norm.weight[:0].sum()
+        if packed:
+            o = seq.documents.pack(o.transpose(1, 2))  # [B, T, HQ, D] on the packed tokens
+            return self.o_proj(o.reshape(*o.shape[:2], -1)), None
         return self.output(o), None
 
 
