@@ -195,6 +195,15 @@ class AttentionBase(nn.Module):
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return q, k, v
 
+    def project_rows(self, x: torch.Tensor, position_embeddings, seq: SequenceInfo):
+        """(q, k, v [rows, heads, T, D], packed): `project` of x with RoPE, and whether x came in a
+        packed batch's own layout (`seq.is_packed`, a mixer that `takes_packed`): then the projections
+        run on the packed tokens and q, k, v are laid out one document per right-padded row."""
+        if seq.is_packed(x):
+            q, k, v = self.project(x, seq.packed_rope, heads_first=False)
+            return (*(seq.documents.unpack(t).transpose(1, 2) for t in (q, k, v)), True)
+        return (*self.project(x, position_embeddings), False)
+
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """o: [B, HQ, T, D] -> [B, T, hidden]."""
         B, _, T, _ = o.shape
@@ -294,12 +303,7 @@ class SoftmaxAttention(AttentionBase):
                                has_naive=True, unsupported=why) == "triton"
 
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
-        packed = seq.is_packed(hidden_states)
-        if packed:  # projected on the packed tokens, then one document per row [S, heads, L, D]
-            q, k, v = self.project(hidden_states, seq.packed_rope, heads_first=False)
-            q, k, v = (seq.documents.unpack(t).transpose(1, 2) for t in (q, k, v))
-        else:
-            q, k, v = self.project(hidden_states, position_embeddings)
+        q, k, v, packed = self.project_rows(hidden_states, position_embeddings, seq)
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)
         sdpa = self.config._attn_implementation != "eager" and seq.attentions is None

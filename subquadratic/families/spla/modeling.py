@@ -117,12 +117,7 @@ class SPLAAttention(AttentionBase):
 
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
         cfg = self.config
-        packed = seq.is_packed(hidden_states)
-        if packed:  # projected on the packed tokens, then one document per row [S, heads, L, D]
-            q, k, v = self.project(hidden_states, seq.packed_rope, heads_first=False)
-            q, k, v = (seq.documents.unpack(t).transpose(1, 2) for t in (q, k, v))
-        else:
-            q, k, v = self.project(hidden_states, position_embeddings)
+        q, k, v, packed = self.project_rows(hidden_states, position_embeddings, seq)
         new_kv = None
         if cache_layer is not None:
             K, V, stats, sbar = cache_layer.update(k, v, seq.positions, cfg.block_size, cfg.kernel_backend)
