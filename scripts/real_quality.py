@@ -144,6 +144,7 @@ class Row:
     stage1_4x: bool = False
     stage1: bool = True  # attention transfer for the recipe's share of the steps (False: none)
     autocast: bool = True  # bf16 autocast on the GPU (False: fp32, the kernels' fp32 operands)
+    new_lr_scale: float = 1.0  # `adapt --new-lr-scale`: the parameters the dense model lacks at this x the rate
     base: str | None = None
     change: str = ""
 
@@ -189,6 +190,9 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
         ],
         "spla": [
             ("budget-2x", f"twice the selection budget ({2 * k_blocks} blocks)", dict(top_k_blocks=2 * k_blocks), {}),
+            # gamma starts at 0 and moves about lr a step: at 1e-4 for 120 steps it stays below ~0.01
+            ("gamma-lr", "the residual gain gamma at 100x the learning rate (--new-lr-scale 100)", {},
+             dict(new_lr_scale=100.0)),
         ],
         "hla-hybrid": [
             ("rows-4x", "rows of 4x the length (same tokens per step)", {}, dict(seq_len="4x")),
@@ -474,6 +478,7 @@ def adapt_settings(row: Row, scale: Scale, args) -> dict:
                 loss="kl", train="full",
                 seq_len=seq_len, batch_size=scale.tokens_per_step // seq_len,
                 stage1_seq_len=4 * base if row.stage1_4x else None, lr=recipe["lr"], stage1_lr=1e-3,
+                new_lr_scale=row.new_lr_scale,
                 mixed_precision="bf16" if args.device_type == "cuda" and row.autocast else "no")
 
 
@@ -767,8 +772,8 @@ def convert_command(row: Row, dense: Path, out: Path, calibration: Calibration) 
 def adapt_command(cfg: AdaptConfig, settings: dict) -> str:
     parts = ["subquadratic", "adapt", cfg.student, "-o", cfg.output_dir, "--data", *cfg.data, "--teacher", cfg.teacher]
     for key in ("max_steps", "stage1_steps", "loss", "train", "seq_len", "stage1_seq_len", "batch_size", "lr",
-                "stage1_lr", "mixed_precision"):
-        if settings.get(key) is not None:
+                "stage1_lr", "new_lr_scale", "mixed_precision"):
+        if settings.get(key) is not None and not (key == "new_lr_scale" and settings[key] == 1.0):
             parts += [f"--{key.replace('_', '-')}", str(settings[key])]
     parts += ["--seed", str(cfg.seed)]
     return shlex.join(parts + (["--num-proc", str(cfg.num_proc)] if cfg.num_proc else []))

@@ -200,6 +200,9 @@ def _adapt_parser(sub) -> None:
     a.add_argument("--lr", type=float, default=1e-4, metavar="LR", help="stage 2 peak learning rate (default 1e-4)")
     a.add_argument("--stage1-lr", type=float, default=1e-3, metavar="LR",
                    help="stage 1 peak learning rate (default 1e-3)")
+    a.add_argument("--new-lr-scale", type=float, default=1.0, metavar="X",
+                   help="learning rates of the parameters the dense model lacks (SPLA's residual gain, the state "
+                        "mixers' router, gates and decays) at X times the others' (default 1)")
     a.add_argument("--warmup-ratio", type=float, default=0.05, metavar="R",
                    help="warmup share of each stage (default 0.05)")
     a.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
@@ -344,8 +347,8 @@ def _adapt(args) -> None:
         student=args.student, output_dir=args.output_dir, data=args.data, teacher=args.teacher,
         max_steps=args.max_steps, stage1_steps=args.stage1_steps, loss=args.loss, train=args.train,
         seq_len=args.seq_len, stage1_seq_len=args.stage1_seq_len, batch_size=args.batch_size,
-        grad_accum=args.grad_accum, lr=args.lr,
-        stage1_lr=args.stage1_lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
+        grad_accum=args.grad_accum, lr=args.lr, stage1_lr=args.stage1_lr, new_lr_scale=args.new_lr_scale,
+        warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm, mixed_precision=args.mixed_precision,
         gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         save_every=args.save_every, save_total_limit=args.save_total_limit, keep_checkpoints=args.keep_checkpoints,

@@ -10,6 +10,7 @@ import math
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -55,7 +56,15 @@ def test_rows_and_groups(rq):
     assert table["sse-h/decay-long"].options == {"sse_decay_init_min": 0.99, "sse_decay_init_max": 0.9999}
     assert table["spa"].options == {"use_rla": False}
     assert table["spla/budget-2x"].options == {"top_k_blocks": 32} and table["spla/budget-2x"].recipe == "spla"
-    assert [r.name for r in rq.select_rows("ablation-spla", table)] == ["spla", "spla/budget-2x"]
+    assert [r.name for r in rq.select_rows("ablation-spla", table)] == ["spla", "spla/budget-2x", "spla/gamma-lr"]
+    gamma = table["spla/gamma-lr"]
+    assert gamma.options == {} and gamma.new_lr_scale == 100.0 and table["spla"].new_lr_scale == 1.0
+    args = SimpleNamespace(spla_seq_len=None, tokens=None, device_type="cuda")
+    settings = rq.adapt_settings(gamma, rq.SCALES["h200"], args)
+    assert settings["new_lr_scale"] == 100.0 and settings["lr"] == 1e-4
+    cfg = SimpleNamespace(student="s", output_dir="o", data=["d"], teacher="t", seed=0, num_proc=None)
+    assert "--new-lr-scale 100.0" in rq.adapt_command(cfg, settings)
+    assert "--new-lr-scale" not in rq.adapt_command(cfg, rq.adapt_settings(table["spla"], rq.SCALES["h200"], args))
     assert rq.SCALES["tiny"].spla_options["top_k_blocks"] == 4
     assert rq.rows_of(rq.SCALES["tiny"], 6)["spla/budget-2x"].options == {"block_size": 16, "top_k_blocks": 8}
     assert table["sse-h/no-window"].options == {"sse_sliding_window": 0}

@@ -87,6 +87,9 @@ class AdaptConfig:
     grad_accum: int = 1
     lr: float = 1e-4
     stage1_lr: float = 1e-3
+    #: the learning rates of the parameters the dense model lacks (`new_parameter_names`: SPLA's
+    #: residual gain, the state mixers' router, gates and decays) are this many times the others'
+    new_lr_scale: float = 1.0
     warmup_ratio: float = 0.05
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -336,6 +339,24 @@ def kl_to_teacher(student_logits, teacher_logits, labels) -> torch.Tensor:
     return F.kl_div(s, t, log_target=True, reduction="batchmean")
 
 
+def _optimizer(student, new: set[str], cfg: AdaptConfig, stage1: int):
+    """AdamW over the trainable parameters (weight decay on matrices only) and its schedule
+    (`_lr_lambda`); with `cfg.new_lr_scale` != 1, the parameters named in `new` (the ones the dense
+    model lacks) in groups of their own whose rates are that many times the others'."""
+    named = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
+    scaled = cfg.new_lr_scale != 1.0
+    groups: dict[tuple[bool, bool], list] = {}
+    for n, p in named:
+        fresh = scaled and n.removeprefix("base_model.model.").replace(".base_layer.", ".") in new
+        groups.setdefault((p.dim() >= 2, fresh), []).append(p)
+    keys = [k for k in ((True, False), (False, False), (True, True), (False, True)) if k in groups]
+    optimizer = torch.optim.AdamW([{"params": groups[k], "weight_decay": cfg.weight_decay if k[0] else 0.0}
+                                   for k in keys], lr=1.0, betas=(0.9, 0.95))
+    base = _lr_lambda(stage1, cfg.max_steps, cfg.warmup_ratio, cfg.stage1_lr, cfg.lr)
+    lambdas = [(lambda step, f=cfg.new_lr_scale: f * base(step)) if k[1] else base for k in keys]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+
+
 def _lr_lambda(stage1: int, total: int, warmup_ratio: float, stage1_lr: float, lr: float):
     """Absolute learning rate per step: warmup then cosine to 10%, separately in each stage."""
 
@@ -443,13 +464,7 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
     n_train = _select_trainable(student, cfg.train, layers, new)
     if n_train == 0:
         raise AdaptError(f"--train {cfg.train} leaves nothing to train in this model; choose another --train")
-    params = [p for p in student.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=1.0, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _lr_lambda(stage1, cfg.max_steps, cfg.warmup_ratio, cfg.stage1_lr, cfg.lr))
+    optimizer, scheduler = _optimizer(student, new, cfg, stage1)
     model, optimizer = accelerator.prepare(Trainee(student, teacher, cfg.loss), optimizer)
     accelerator.register_for_checkpointing(scheduler)
     accelerator.register_save_state_pre_hook(_drop_tied_copies)
@@ -680,7 +695,8 @@ def _write_card(out: Path, cfg: AdaptConfig, stage1: int, tokens: int, last: dic
                                                 cfg.stage1_seq_len not in (None, cfg.seq_len) else "")),
         ("steps", f"{cfg.max_steps} ({stage1} attention transfer, {stage2} {cfg.loss} fine-tuning)"),
         ("tokens", f"{tokens:,}"), ("trained parameters", cfg.train),
-        ("learning rate", f"{cfg.stage1_lr:g} (stage 1), {cfg.lr:g} (stage 2)"),
+        ("learning rate", f"{cfg.stage1_lr:g} (stage 1), {cfg.lr:g} (stage 2)"
+         + (f"; x{cfg.new_lr_scale:g} for the parameters the dense model lacks" if cfg.new_lr_scale != 1 else "")),
         ("final loss", f"{last.get('loss', float('nan')):.4f} (stage {last.get('stage', '-')})"),
     ]
     section = ("## Adaptation\n\nThis model was adapted with `subquadratic adapt` (the sections above describe the "

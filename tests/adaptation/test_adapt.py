@@ -151,6 +151,29 @@ def test_train_new_changes_only_the_parameters_the_dense_model_lacks(tmp_path, c
         assert torch.equal(value, after[name]) != (name in new), name
 
 
+def test_new_lr_scale_moves_only_the_new_parameters_faster(tmp_path, corpus, converted, dense_folder):
+    """One step from the same start: with --new-lr-scale 100 the residual gains (the parameters the dense
+    model lacks) move 100 times as far as with 1 (AdamW's first step is lr x sign), every other
+    parameter exactly as far; the card names the scale."""
+    student = converted("spla", block_size=4, top_k_blocks=3)
+    kw = dict(teacher=dense_folder, loss="kl", max_steps=1, stage1_steps=0, lr=1e-4)
+    plain = run(student, tmp_path / "plain", corpus[0], **kw)
+    fast = run(student, tmp_path / "fast", corpus[0], new_lr_scale=100.0, **kw)
+    before, a, b = weights(student), weights(plain), weights(fast)
+    new = new_parameter_names(AutoModelForCausalLM.from_pretrained(student).config)
+    moved = 0
+    for name, w0 in before.items():
+        da, db = a[name] - w0, b[name] - w0
+        if name in new:
+            assert da.abs().max() > 0, name
+            torch.testing.assert_close(db, 100 * da, rtol=1e-3, atol=1e-9)
+            moved += 1
+        else:
+            assert torch.equal(a[name], b[name]), name
+    assert moved == len(new) > 0
+    assert "x100 for the parameters the dense model lacks" in (tmp_path / "fast" / "README.md").read_text()
+
+
 def test_lora_trains_adapters_and_saves_merged_weights(tmp_path, corpus, converted, dense_folder):
     pytest.importorskip("peft")
     student = converted("hla", softmax_layers="1")
@@ -221,6 +244,7 @@ def test_cli_adapts_and_refuses_bad_input_in_one_line(tmp_path, corpus, converte
         (["adapt", student, "-o", tmp_path / "o4", "--data", *files, "--loss", "kl"], "--teacher"),
         (["adapt", student, "-o", tmp_path / "o5", "--data", *files, "--seq-len", 10**7], "fewer than"),
         (["adapt", student, "-o", tmp_path / "o6", "--data", *files, "--num-proc", 0], "--num-proc"),
+        (["adapt", student, "-o", tmp_path / "o8", "--data", *files, "--new-lr-scale", 0], "--new-lr-scale"),
         (["adapt", student, "-o", tmp_path / "o7", "--data", *files, "--eval-data", tmp_path / "none.txt"],
          "--eval-data"),
     ]
