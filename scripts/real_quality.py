@@ -478,8 +478,8 @@ def adapt_settings(row: Row, scale: Scale, args) -> dict:
                 loss="kl", train="full",
                 seq_len=seq_len, batch_size=scale.tokens_per_step // seq_len,
                 stage1_seq_len=4 * base if row.stage1_4x else None, lr=recipe["lr"], stage1_lr=1e-3,
-                new_lr_scale=row.new_lr_scale,
-                mixed_precision="bf16" if args.device_type == "cuda" and row.autocast else "no")
+                mixed_precision="bf16" if args.device_type == "cuda" and row.autocast else "no",
+                **({"new_lr_scale": row.new_lr_scale} if row.new_lr_scale != 1.0 else {}))
 
 
 def row_kind(row: Row) -> str:
@@ -773,7 +773,7 @@ def adapt_command(cfg: AdaptConfig, settings: dict) -> str:
     parts = ["subquadratic", "adapt", cfg.student, "-o", cfg.output_dir, "--data", *cfg.data, "--teacher", cfg.teacher]
     for key in ("max_steps", "stage1_steps", "loss", "train", "seq_len", "stage1_seq_len", "batch_size", "lr",
                 "stage1_lr", "new_lr_scale", "mixed_precision"):
-        if settings.get(key) is not None and not (key == "new_lr_scale" and settings[key] == 1.0):
+        if settings.get(key) is not None:
             parts += [f"--{key.replace('_', '-')}", str(settings[key])]
     parts += ["--seed", str(cfg.seed)]
     return shlex.join(parts + (["--num-proc", str(cfg.num_proc)] if cfg.num_proc else []))

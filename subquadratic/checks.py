@@ -186,7 +186,7 @@ def adapt_problem(s: Any) -> str | None:
             and not 2 <= stage1_len <= s.batch_size * s.seq_len:
         return (f"--stage1-seq-len must lie in 2..--batch-size x --seq-len ({s.batch_size * s.seq_len}: a stage-1 "
                 f"batch holds as many tokens as a stage-2 one), got {stage1_len}")
-    if not getattr(s, "new_lr_scale", 1.0) > 0:
+    if not s.new_lr_scale > 0:  # NaN too
         return f"--new-lr-scale must be positive, got {s.new_lr_scale}"
     if s.num_proc is not None and s.num_proc < 1:
         return f"--num-proc must be at least 1, got {s.num_proc}"

@@ -206,11 +206,16 @@ def _lora(model, layers: list[int], rank: int, alpha: float):
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))
 
 
+def _plain_name(name: str) -> str:
+    """A parameter's name as the unwrapped model has it (PEFT's wrapper prefix and base layers removed)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
 def _select_trainable(model, mode: str, layers: list[int], new: set[str]) -> int:
     """Set requires_grad for `mode`; returns the number of trainable parameters."""
     mixer_prefixes = tuple(f"model.layers.{i}.self_attn." for i in layers)
     for name, p in model.named_parameters():
-        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        plain = _plain_name(name)
         if mode == "full":
             p.requires_grad_(True)
         elif mode == "mixer":
@@ -343,12 +348,11 @@ def _optimizer(student, new: set[str], cfg: AdaptConfig, stage1: int):
     """AdamW over the trainable parameters (weight decay on matrices only) and its schedule
     (`_lr_lambda`); with `cfg.new_lr_scale` != 1, the parameters named in `new` (the ones the dense
     model lacks) in groups of their own whose rates are that many times the others'."""
-    named = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
     scaled = cfg.new_lr_scale != 1.0
-    groups: dict[tuple[bool, bool], list] = {}
-    for n, p in named:
-        fresh = scaled and n.removeprefix("base_model.model.").replace(".base_layer.", ".") in new
-        groups.setdefault((p.dim() >= 2, fresh), []).append(p)
+    groups: dict[tuple[bool, bool], list] = {}  # (weight decay, new) -> parameters
+    for n, p in student.named_parameters():
+        if p.requires_grad:
+            groups.setdefault((p.dim() >= 2, scaled and _plain_name(n) in new), []).append(p)
     keys = [k for k in ((True, False), (False, False), (True, True), (False, True)) if k in groups]
     optimizer = torch.optim.AdamW([{"params": groups[k], "weight_decay": cfg.weight_decay if k[0] else 0.0}
                                    for k in keys], lr=1.0, betas=(0.9, 0.95))
