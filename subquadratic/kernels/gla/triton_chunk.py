@@ -8,13 +8,13 @@ GLA"), or diag(exp g_t) per key dim (GLA, SSE's branches). `chunk_linear_attenti
 head j reads KV head j // G); `gla_varlen_triton` keeps SSE's varlen GLA contract on it.
 
 Kernels, chunk C (a power of two >= 16, 64 at most with per-key decay; 64 is the fast one):
-  `chunk_cumsum`   the in-chunk cumulative sum gc of the log decays (here);
-  `triton_chunk_h` `chunk_fwd_h` the state walk (the state before every chunk, the final state) and
-                   its backward `chunk_bwd_dh`;
+  `triton_chunk_h` `chunk_fwd_h` the state walk (the state before every chunk, the final state),
+                   which also writes the in-chunk cumulative sum gc of the log decays in the
+                   forward, and its backward `chunk_bwd_dh`;
   `triton_chunk_o` `chunk_fwd_o` o = (q decay) h_c + A v, and its backward `chunk_bwd_dv`,
                    `chunk_bwd_dqk` (dq, dk and the decays' gradient); per-key decay adds the
                    intra-chunk scores by sub-chunks (`intra_fwd`, `intra_bwd_dA`, `intra_bwd`).
-Forward: cumsum, walk, (intra,) output; backward: walk again (h is recomputed, not kept), reverse
+Forward: walk (with the cumsum), (intra,) output; backward: walk again (h is recomputed, not kept), reverse
 walk, (intra,) dv, dq/dk/dg. Dense inputs need no chunk table; variable-length ones a device-side
 table of fixed size (`chunk_table`): no host synchronisation on any path, every grid from shapes.
 The states h are stored in the input dtype (fp32 for fp32 inputs) and accumulated in fp32; the
@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..triton_utils import TRITON_DTYPES, block_size, dot_precision, launch
 from ..utils import import_triton, new_output
-from .triton_chunk_h import chunk_bounds, chunk_bwd_dh, chunk_fwd_h
+from .triton_chunk_h import chunk_bwd_dh, chunk_fwd_h
 from .triton_chunk_o import BC, chunk_bwd_dqk, chunk_bwd_dv, chunk_fwd_o, intra_bwd, intra_bwd_dA, intra_fwd
 
 triton, tl = import_triton()
@@ -47,22 +47,6 @@ WARPS = 4
 WARPS_WIDE = 8  # kernels holding several [chunk, K] fp32 tiles
 
 DECAY_KINDS = ("none", "head", "key")
-
-
-@triton.jit
-def chunk_cumsum(
-    g, gc, s_bos, s_n, T, NT,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    """gc = in-chunk cumulative sum of g [M, H, K] (K = 1: one decay per token and head); one
-    program per (chunk, head)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, n = chunk_bounds(s_bos, s_n, i_c, T, NT, BT, IS_VARLEN)
-    o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    m = (o_t < n)[:, None] & (o_k < K)[None, :]
-    off = ((bos + o_t).to(tl.int64) * H + i_h)[:, None] * K + o_k[None, :]
-    b_g = tl.load(g + off, mask=m, other=0.0)
-    tl.store(gc + off, tl.cumsum(b_g, 0), mask=m)
 
 
 @dataclass(frozen=True)
@@ -110,16 +94,17 @@ def chunk_table(cu: Tensor, M: int, C: int) -> Chunks:
     return Chunks(C, N, NC, cu=cu, ccu=ccu.to(i32), bos=bos.to(i32).contiguous(), n=n.to(i32).contiguous())
 
 
-def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final):
+def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final, g=None):
     """The state before every chunk h [NC, H, K, V] (input dtype, fp32 for fp32) and the final
-    states [N, H, K, V] fp32 (None unless `want_final`)."""
+    states [N, H, K, V] fp32 (None unless `want_final`). With the raw log decays `g`, the walk also
+    writes their in-chunk cumulative sum into `gc` (the forward); without, it reads `gc`."""
     M, H, K = k.shape
     V = v.shape[-1]
     h = new_output((ch.NC, H, K, V), k.device, k.dtype)
     ht = new_output((ch.N, H, K, V), k.device) if want_final else None
     launch(chunk_fwd_h, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), ch.N * H),
-           (k, v, gc, h, h0, ht, *ch.seq_args(), H, G, K, V, ch.C, decay, ch.varlen, h0 is not None, want_final,
-            prec), {"BK": min(BK_H, block_size(K)), "BV": min(BV_H, block_size(V))}, WARPS)
+           (k, v, g, gc, h, h0, ht, *ch.seq_args(), H, G, K, V, ch.C, decay, ch.varlen, h0 is not None, want_final,
+            prec, g is not None), {"BK": min(BK_H, block_size(K)), "BV": min(BV_H, block_size(V))}, WARPS)
     return h, ht
 
 
@@ -135,13 +120,9 @@ class ChunkLinearAttention(torch.autograd.Function):
         G = HQ // H
         decay = 0 if g is None else (1 if g.dim() == 2 else 2)
         C, BK = ch.C, block_size(K)
-        gc = None
-        if decay:
-            Kg = 1 if decay == 1 else K
-            gc = new_output(g.shape, g.device)
-            chunk_cumsum[(ch.NC, H)](g, gc, *ch.chunk_args(), H, Kg, C, block_size(Kg), ch.varlen,
-                                     num_warps=WARPS)
-        h, ht = _walk(k, v, gc, h0, ch, G, decay, prec, want_final)
+        # the walk writes the in-chunk cumulative log decays gc as it goes (no launch of its own)
+        gc = new_output(g.shape, g.device) if decay else None
+        h, ht = _walk(k, v, gc, h0, ch, G, decay, prec, want_final, g)
         A = None
         if decay == 2:
             A = new_output((ch.NC, H, C, C), q.device)

@@ -127,23 +127,59 @@ def walk_chunk(gc, bos, eos, i_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr, BT
     return row, m_t, b_g, b_gl
 
 
+@triton.jit
+def cumsum_chunk(g, gc, bos, eos, i_t, i_h, o_k, who, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                 DECAY: tl.constexpr):
+    """`walk_chunk` from the raw log decays g: their in-chunk cumulative sum, computed here (and
+    stored into gc by the programs whose `who` is 0, for the kernels after the walk) instead of read from gc; the last
+    valid row's value is picked from the same sum, so the walk decays by exactly what gc holds."""
+    o_t = tl.arange(0, BT)
+    tok = (bos + i_t * BT + o_t).to(tl.int64)
+    m_t = tok < eos
+    row = tok * H + i_h
+    is_last = o_t == tl.minimum(eos - bos - i_t * BT, BT) - 1
+    store = o_t * 0 + who == 0  # [BT] (a scalar condition as a tensor: the interpreter's masks are tensors)
+    if DECAY == 1:
+        b_g = tl.cumsum(tl.load(g + row, mask=m_t, other=0.0), 0)
+        b_gl = tl.sum(tl.where(is_last, b_g, 0.0), 0)
+        tl.store(gc + row, b_g, mask=m_t & store)
+    else:
+        m = m_t[:, None] & (o_k < K)[None, :]
+        off = row[:, None] * K + o_k[None, :]
+        b_g = tl.cumsum(tl.load(g + off, mask=m, other=0.0), 0)
+        b_gl = tl.sum(tl.where(is_last[:, None], b_g, 0.0), 0)
+        tl.store(gc + off, b_g, mask=m & store[:, None])
+    return row, m_t, b_g, b_gl
+
+
 @autotune(CONFIGS, KEY)
 @triton.jit
 def chunk_fwd_h(
-    k, v, gc, h, h0, ht, cu, ccu, T, NT,
+    k, v, g, gc, h, h0, ht, cu, ccu, T, NT,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr, CUMSUM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
+    """The forward walk (module doc). With CUMSUM (and a decay) it reads the raw log decays g and
+    writes their in-chunk cumulative sum gc on the way (the programs of the first V block, each its
+    key block; with one decay per head, the first key block's): one launch less than a separate
+    cumsum kernel; without, it reads gc."""
     i_nh, i_h, bos, eos, c0, nt, o_k, o_v, m_kv, off_kv = walk_program(cu, ccu, T, NT, H, K, V, BT, BK, BV,
                                                                        IS_VARLEN)
     m_k, m_v = o_k < K, o_v < V
+    if DECAY == 2:  # who stores gc (where `who` is 0): each key block's programs of the first V block
+        who = tl.program_id(1)
+    else:  # one decay per head: the first key block's
+        who = tl.program_id(0) + tl.program_id(1)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     for i_t in range(0, nt):
         tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + off_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
-        row, m_t, b_g, b_gl = walk_chunk(gc, bos, eos, i_t, i_h, o_k, H, K, BT, DECAY)
+        if CUMSUM and DECAY != 0:
+            row, m_t, b_g, b_gl = cumsum_chunk(g, gc, bos, eos, i_t, i_h, o_k, who, H, K, BT, DECAY)
+        else:
+            row, m_t, b_g, b_gl = walk_chunk(gc, bos, eos, i_t, i_h, o_k, H, K, BT, DECAY)
         m_tk = m_t[:, None] & m_k[None, :]
         b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
         b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
