@@ -41,13 +41,14 @@ def block_size(n: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, n - 1).bit_length())
 
 
-def autotune(configs: Sequence[tuple[int | None, int, int, int]], key: list[str]) -> Callable:
-    """triton.autotune over (BK, BV, warps, stages) settings (BK None: the kernel has no BK),
-    block sizes clamped to the padded head dims K and V of the call (duplicates dropped)."""
+def autotune(configs: Sequence[tuple[int | None, int | None, int, int]], key: list[str]) -> Callable:
+    """triton.autotune over (BK, BV, warps, stages) settings (BK / BV None: the kernel has no such
+    block size, or takes it as an argument), block sizes clamped to the padded head dims K and V of
+    the call (duplicates dropped)."""
     triton, _ = import_triton()
 
     def prune(configs, nargs, **kw):
-        K, V = block_size(nargs["K"]), block_size(nargs["V"])
+        K, V = block_size(nargs.get("K", 16)), block_size(nargs.get("V", 16))
         out, seen = [], set()
         for c in configs:
             kwargs = {n: min(b, K if n == "BK" else V) for n, b in c.kwargs.items()}
@@ -57,7 +58,7 @@ def autotune(configs: Sequence[tuple[int | None, int, int, int]], key: list[str]
                 out.append(triton.Config(kwargs, num_warps=c.num_warps, num_stages=c.num_stages))
         return out
 
-    configs = [triton.Config({"BV": bv} if bk is None else {"BK": bk, "BV": bv}, num_warps=w, num_stages=st)
+    configs = [triton.Config({n: b for n, b in (("BK", bk), ("BV", bv)) if b is not None}, num_warps=w, num_stages=st)
                for bk, bv, w, st in configs]
     return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune})
 

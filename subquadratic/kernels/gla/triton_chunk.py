@@ -19,8 +19,9 @@ walk, (intra,) dv, dq/dk/dg. Dense inputs need no chunk table; variable-length o
 table of fixed size (`chunk_table`): no host synchronisation on any path, every grid from shapes.
 The states h are stored in the input dtype (fp32 for fp32 inputs) and accumulated in fp32; the
 dots take the input dtype with fp32 accumulation (`precision` for fp32 operands: "ieee" exact,
-"tf32" on the tensor cores; `triton_utils.dot_precision`). On the GPU every kernel but the
-per-key intra ones is autotuned once per (K, V, chunk, G, decay kind, precision).
+"tf32" on the tensor cores; `triton_utils.dot_precision`). On the GPU every kernel is
+autotuned once per (K, V, chunk, G, decay kind, precision) (the per-key intra ones over warps and
+stages).
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ class ChunkLinearAttention(torch.autograd.Function):
         A = None
         if decay == 2:
             A = new_output((ch.NC, H, C, C), q.device)
-            intra_fwd[(ch.NC, C // BC, H)](q, k, gc, A, *ch.chunk_args(), H, K, C, BC, BK, ch.varlen, prec,
-                                           num_warps=WARPS)
+            launch(intra_fwd, (ch.NC, C // BC, H), (q, k, gc, A, *ch.chunk_args(), H, K, C, BC, BK, ch.varlen, prec),
+                   {}, WARPS)
         o = new_output((M, HQ, V), q.device, out_dtype)
         launch(chunk_fwd_o, lambda m: (triton.cdiv(V, m["BV"]), ch.NC, H),
                (q, k, v, gc, h, A, o, *ch.chunk_args(), H, G, K, V, C, decay, ch.varlen, prec, BK),
@@ -156,11 +157,11 @@ class ChunkLinearAttention(torch.autograd.Function):
         dq_in = dk_in = None
         if decay == 2:
             dA = new_output((ch.NC, H, C, C), dev)
-            intra_bwd_dA[(ch.NC, H)](v, do, dA, *ch.chunk_args(), H, V, C, min(BV_O, block_size(V)), ch.varlen,
-                                     prec, num_warps=WARPS)
+            launch(intra_bwd_dA, (ch.NC, H), (v, do, dA, *ch.chunk_args(), H, V, C, ch.varlen, prec),
+                   {"BV": min(BV_O, block_size(V))}, WARPS)
             dq_in, dk_in = new_output(q.shape, dev), new_output(k.shape, dev)
-            intra_bwd[(ch.NC, C // BC, H)](q, k, gc, dA, dq_in, dk_in, *ch.chunk_args(), H, K, C, BC, BK, C // BC,
-                                           ch.varlen, prec, num_warps=WARPS)
+            launch(intra_bwd, (ch.NC, C // BC, H), (q, k, gc, dA, dq_in, dk_in, *ch.chunk_args(), H, K, C, BC, BK,
+                                                     C // BC, ch.varlen, prec), {}, WARPS)
         dv = new_output(v.shape, dev, v.dtype)
         launch(chunk_bwd_dv, lambda m: (triton.cdiv(V, m["BV"]), ch.NC, H),
                (q, k, gc, A, do, dh, dv, *ch.chunk_args(), H, G, K, V, C, decay, ch.varlen, prec, BK),

@@ -35,6 +35,13 @@ CONFIGS_O = [(None, 64, 4, 2), (None, 64, 8, 2), (None, 128, 8, 2), (None, 32, 4
 CONFIGS_DQK = [(None, 64, 8, 2), (None, 64, 4, 2), (None, 32, 4, 2), (None, 32, 8, 2), (None, 128, 8, 2)]
 KEY = ["K", "V", "BT", "G", "DECAY", "PREC"]
 BC = 16  # sub-chunk of the DECAY 2 intra-chunk kernels
+#: warps and stages of the DECAY 2 intra-chunk kernels (their tiles are [BC, K] and [BT, BT]: small
+#: programs, where fewer warps may keep more of them resident), and `intra_bwd_dA`'s V blocks
+CONFIGS_INTRA = [(None, None, w, st) for w in (1, 2, 4, 8) for st in (1, 2)]
+CONFIGS_DA = [(None, 64, 4, 2), (None, 64, 2, 2), (None, 32, 2, 2), (None, 32, 4, 2), (None, 128, 4, 2),
+              (None, 64, 8, 2), (None, 64, 4, 3)]
+KEY_INTRA = ["K", "BT", "PREC"]
+KEY_DA = ["V", "BT", "PREC"]
 
 
 @autotune(CONFIGS_O, KEY)
@@ -221,6 +228,7 @@ def chunk_bwd_dqk(
 # ---------------------------------------------------------------------------
 
 
+@autotune(CONFIGS_INTRA, KEY_INTRA)
 @triton.jit
 def intra_fwd(
     q, k, gc, A, s_bos, s_n, T, NT,
@@ -267,11 +275,12 @@ def intra_fwd(
     tl.store(a_base + r_i[:, None] * BT + r_i[None, :], b_A)
 
 
+@autotune(CONFIGS_DA, KEY_DA)
 @triton.jit
 def intra_bwd_dA(
     v, do, dA, s_bos, s_n, T, NT,
-    H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr,
+    H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    BV: tl.constexpr,
 ):
     """dA[t, s] = do_t . v_s for s <= t (0 elsewhere), fp32 [NC, H, BT, BT]; one program per
     (chunk, head)."""
@@ -291,6 +300,7 @@ def intra_bwd_dA(
     tl.store(dA + (i_c * H + i_h).to(tl.int64) * BT * BT + o_t[:, None] * BT + o_t[None, :], b_dA)
 
 
+@autotune(CONFIGS_INTRA, KEY_INTRA)
 @triton.jit
 def intra_bwd(
     q, k, gc, dA, dq, dk, s_bos, s_n, T, NT,
