@@ -7,7 +7,8 @@ B1 H16 d128, fresh random data).
 
 ops: hla2, ahla (hla_triton: the chunked kernels), sse (sse_attention on the Triton kernels, N = 4,
 K = 1), gla-varlen (our varlen GLA on one segment per row), fla-gla, fla-simple-gla (fla-core,
-optional).
+optional), window (`window_attention` at a window branch's shapes: Llama-3.2-1B heads 32 / 8, d 64,
+W 64, 4 sinks; scripts/bench_window.py's inputs).
 """
 
 from __future__ import annotations
@@ -37,6 +38,21 @@ def make(op: str, T: int, bwd: bool):
                                  topk=bench_sse.TOPK)
     if op == "gla-varlen":
         return bench_sse.gla_run(bench_sse.ours_gla, T, bwd)
+    if op == "window":
+        import bench_window
+
+        from subquadratic.kernels.window_attention import window_attention
+
+        xs = [x.detach().requires_grad_(bwd) for x in bench_window.make(T, 32, 8, 64, torch.device("cuda"),
+                                                                          torch.bfloat16)]
+        do = torch.randn(1, T, 32, 64, device="cuda", dtype=torch.bfloat16)
+
+        def run():
+            with torch.set_grad_enabled(bwd):
+                o = window_attention(*xs, 64, 0.125, 4)
+                if bwd:
+                    o.backward(do)
+        return run
     if op == "fla-gla":
         from fla.ops.gla import chunk_gla
 
@@ -52,7 +68,7 @@ def make(op: str, T: int, bwd: bool):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--op", nargs="+", default=["sse"],
-                    choices=["hla2", "ahla", "sse", "gla-varlen", "fla-gla", "fla-simple-gla"])
+                    choices=["hla2", "ahla", "sse", "gla-varlen", "fla-gla", "fla-simple-gla", "window"])
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--bwd", action="store_true", help="profile forward + backward (default: forward)")
     ap.add_argument("--calls", type=int, default=5, help="calls profiled after three warm-up calls")
