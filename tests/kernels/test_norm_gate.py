@@ -11,6 +11,8 @@ import torch
 pytest.importorskip("triton")
 from subquadratic.kernels.norm_gate import norm_gate, norm_gate_reference  # noqa: E402
 
+from .fused_models import forced_kernel_matches, perturb  # noqa: E402
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 CASES = [  # B, T, H, D, per-head weight
@@ -118,24 +120,6 @@ def test_mixers_take_the_kernel_with_the_values_and_gradients_of_their_pytorch_f
         module, model = hla_modeling, HLAForCausalLM(tiny_hla_config()).eval()
     else:
         module, model = sse_modeling, sse_model("tiny", 0)
-    with torch.no_grad():  # weights away from their initial ones
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
-    results, calls, real = [], [], tng.NormGate.apply
-    for fused in (False, True):
-        if fused:
-            monkeypatch.setattr(module, "norm_gate_takes_kernel", lambda x, w, g: ng.norm_gate_unsupported(x, w, g)
-                                is None)
-            monkeypatch.setattr(tng.NormGate, "apply", lambda *a: calls.append(1) or real(*a))
-        model.zero_grad()
-        out = model(ids, labels=ids, use_cache=False)
-        out.loss.backward()
-        results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                              if p.grad is not None}))
-    assert len(calls) == model.config.num_hidden_layers
-    (plain, plain_grads), (fused_logits, fused_grads) = results
-    torch.testing.assert_close(fused_logits, plain, rtol=1e-5, atol=1e-5)
-    assert plain_grads.keys() == fused_grads.keys()
-    for n, g in plain_grads.items():
-        torch.testing.assert_close(fused_grads[n], g, rtol=1e-4, atol=1e-5, msg=n)
+    perturb(model)
+    gate = (module, "norm_gate_takes_kernel", lambda x, w, g: ng.norm_gate_unsupported(x, w, g) is None)
+    assert forced_kernel_matches(model, monkeypatch, [gate], tng.NormGate, "apply") == model.config.num_hidden_layers

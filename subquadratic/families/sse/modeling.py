@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel
 from ...kernels.sse import SSEState, router_topk, sse_attention, sse_aux_loss
+from ...kernels.sse.features import sse_gla_features, sse_gla_features_takes_kernel
 from ...kernels.utils import acc_dtype
 from ...modeling.base import (
     AttentionBase,
@@ -191,16 +192,29 @@ class SSEAttention(WindowBranch, AttentionBase):
         keep = torch.zeros_like(kf, dtype=torch.bool).scatter(-1, kf.topk(top, dim=-1).indices, True)
         return kf.masked_fill(~keep, float("-inf")).softmax(-1).to(k.dtype)
 
-    def decays(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def features_take_kernel(self, x: torch.Tensor, xs: tuple[torch.Tensor, ...]) -> bool:
+        """Whether the GLA base's feature maps and decays run fused (`kernels.sse.features`, the
+        values of the PyTorch ops below): the Triton backend on CUDA, inputs it takes (not fp64), no
+        `sse_key_topk`. xs: q1, k1, q2, k2, v, the decay projections z1, z2 and the decay biases."""
+        cfg = self.config
+        top = cfg.sse_key_topk
+        return (cfg.kernel_backend in ("auto", "triton") and not (top and top < self.head_dim)
+                and acc_dtype(x) == torch.float32 and sse_gla_features_takes_kernel(*xs))
+
+    def decays(self, x: torch.Tensor, projected: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Log decays (fp32, fp64 for fp64 inputs; <= 0) of the shared state and the partitions, and
-        beta (GDN). GLA: [B, T, HQ, D] each, beta None. GDN: [B, T, HQ] each."""
+        beta (GDN). GLA: [B, T, HQ, D] each, beta None (`projected`: the decay projections z1, z2 of x
+        before their biases, when already computed). GDN: [B, T, HQ] each."""
         cfg = self.config
         B, T, _ = x.shape
         dt = acc_dtype(x)
         if cfg.sse_base == "gla":
             shape = (B, T, self.num_heads, self.head_dim)
-            z1 = self.g1_up(self.g1_down(x)).to(dt) + self.g1_bias.to(dt)
-            z2 = self.g2_up(self.g2_down(x)).to(dt) + self.g2_bias.to(dt)
+            if projected is None:
+                projected = self.g1_up(self.g1_down(x)), self.g2_up(self.g2_down(x))
+            z1 = projected[0].to(dt) + self.g1_bias.to(dt)
+            z2 = projected[1].to(dt) + self.g2_bias.to(dt)
             norm = cfg.sse_gate_normalizer
             return (F.logsigmoid(z1) / norm).view(shape), (F.logsigmoid(z2) / norm).view(shape), None
         a = -self.A_log.to(dt).exp() * F.softplus(self.a_proj(x).to(dt) + self.dt_bias.to(dt))  # [B, T, 2 HQ]
@@ -222,11 +236,18 @@ class SSEAttention(WindowBranch, AttentionBase):
         B, T, _ = x.shape
         q1, k1, q2, k2, v = self.project_sse(x)
         if cfg.sse_base == "gla":
-            q1, q2, k1, k2 = F.silu(q1), F.silu(q2), self.key_map(k1), self.key_map(k2)
+            z1, z2 = self.g1_up(self.g1_down(x)), self.g2_up(self.g2_down(x))
+            xs = (q1, k1, q2, k2, v, z1, z2, self.g1_bias, self.g2_bias)
+            if self.features_take_kernel(x, xs):  # CUDA: one kernel forward, one backward
+                q1, k1, q2, k2, v, g1, g2 = sse_gla_features(*xs, cfg.sse_gate_normalizer, backend="triton")
+            else:
+                q1, q2, k1, k2, v = F.silu(q1), F.silu(q2), self.key_map(k1), self.key_map(k2), F.silu(v)
+                g1, g2, _ = self.decays(x, (z1, z2))
+            beta = None
         else:
             q1, q2, k1, k2 = (F.normalize(F.silu(t), dim=-1) for t in (q1, q2, k1, k2))
-        v = F.silu(v)
-        g1, g2, beta = self.decays(x)
+            v = F.silu(v)
+            g1, g2, beta = self.decays(x)
         logits = self.router(x)
         packed = seq.is_packed(x)
         if packed:  # the recurrence runs one document per right-padded row

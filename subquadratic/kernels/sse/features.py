@@ -1,0 +1,93 @@
+"""SSE's feature maps and GLA decays in one pass: what the mixer computes between its projections
+and the state recurrence.
+
+From the projections q1, k1, q2, k2, v [B, T, H, D] and the decay projections z1, z2 [B, T, H * D]
+(before their biases), the GLA base takes
+
+    SiLU(q1), softmax_D(k1), SiLU(q2), softmax_D(k2), SiLU(v),
+    g_i = logsigmoid(z_i + bias_i) / normalizer       (fp32, <= 0)
+
+In PyTorch that is about twenty elementwise launches and as many passes over [B, T, H, D] tensors
+(the keys' softmax in fp32 and back, the decays' casts, bias, logsigmoid and division in fp32), and
+autograd saves the fp32 intermediates. `sse_gla_features` runs it as one Triton kernel forward and
+one backward (`triton_features.py`), computing in fp32 and rounding where the PyTorch form rounds
+(each output once, to its input's dtype; the decays stay fp32), and saves only its inputs.
+`sse_gla_features_reference` is that PyTorch form (fp64 stays fp64): the fallback off CUDA and the
+tests' oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..triton_utils import TRITON_DTYPES
+from ..utils import acc_dtype, triton_available
+
+#: The largest head dim the kernel takes (one block per row).
+MAX_DIM = 256
+
+
+def sse_gla_features_reference(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, z1: Tensor, z2: Tensor,
+                               bias1: Tensor, bias2: Tensor, normalizer: float) -> tuple[Tensor, ...]:
+    """The PyTorch form (module docstring): (SiLU(q1), softmax(k1), SiLU(q2), softmax(k2), SiLU(v), g1, g2),
+    the keys' softmax in fp32 (fp64 for fp64 keys) rounded to their dtype, g_i [B, T, H, D] in fp32
+    (fp64 for fp64 z)."""
+    dt = acc_dtype(z1)
+    shape = q1.shape
+
+    def decay(z: Tensor, bias: Tensor) -> Tensor:
+        return (F.logsigmoid(z.to(dt) + bias.to(dt)) / normalizer).view(shape)
+
+    def key(k: Tensor) -> Tensor:
+        return torch.softmax(k, -1, dtype=acc_dtype(k)).to(k.dtype)
+
+    return (F.silu(q1), key(k1), F.silu(q2), key(k2), F.silu(v), decay(z1, bias1), decay(z2, bias2))
+
+
+def sse_gla_features_unsupported(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, z1: Tensor,
+                                 z2: Tensor, bias1: Tensor, bias2: Tensor) -> str | None:
+    """Why the kernel cannot take these inputs, or None."""
+    xs = (q1, k1, q2, k2, v)
+    if q1.dtype not in TRITON_DTYPES or any(x.dtype != q1.dtype for x in xs):
+        return f"dtypes {[str(x.dtype) for x in xs]} (one of {TRITON_DTYPES}, alike)"
+    if z1.dtype not in TRITON_DTYPES or z2.dtype != z1.dtype or bias1.dtype not in TRITON_DTYPES \
+            or bias2.dtype != bias1.dtype:
+        return f"decay dtypes {z1.dtype} / {z2.dtype} / {bias1.dtype} / {bias2.dtype}"
+    if q1.dim() != 4 or any(x.shape != q1.shape for x in xs):
+        return f"shapes {[list(x.shape) for x in xs]} ([B, T, H, D], alike)"
+    B, T, H, D = q1.shape
+    if D > MAX_DIM:
+        return f"head dim {D} (at most {MAX_DIM})"
+    if any(z.shape != (B, T, H * D) for z in (z1, z2)) or any(b.shape != (H * D,) for b in (bias1, bias2)):
+        return f"decay shapes {list(z1.shape)} / {list(z2.shape)}, biases {list(bias1.shape)} / {list(bias2.shape)}"
+    return None
+
+
+def sse_gla_features_takes_kernel(*xs: Tensor) -> bool:
+    """Whether `sse_gla_features(..., backend="auto")` runs the Triton kernels on these inputs (q1, k1,
+    q2, k2, v, z1, z2, bias1, bias2): CUDA, Triton installed, inputs it takes."""
+    return xs[0].is_cuda and triton_available() and sse_gla_features_unsupported(*xs) is None
+
+
+def sse_gla_features(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, z1: Tensor, z2: Tensor,
+                     bias1: Tensor, bias2: Tensor, normalizer: float, backend: str = "auto") -> tuple[Tensor, ...]:
+    """(SiLU(q1), softmax(k1), SiLU(q2), softmax(k2), SiLU(v), g1, g2): the values of
+    `sse_gla_features_reference` (module docstring).
+
+    q1, k1, q2, k2, v: [B, T, H, D] of one dtype; z1, z2: [B, T, H * D]; bias1, bias2: [H * D].
+    backend: "auto" runs the Triton kernels on CUDA for inputs they take, else the PyTorch form;
+    "triton" the kernels on any device Triton runs on (the CPU interpreter in tests) or a
+    ValueError; "torch" the PyTorch form. Differentiable in every tensor."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
+    xs = (q1, k1, q2, k2, v, z1, z2, bias1, bias2)
+    why = sse_gla_features_unsupported(*xs)
+    if backend == "triton" and why is not None:
+        raise ValueError(f"the SSE feature kernel does not take these inputs: {why}; use backend='auto'")
+    if backend == "triton" or (backend == "auto" and sse_gla_features_takes_kernel(*xs)):
+        from .triton_features import SSEFeatures
+
+        return SSEFeatures.apply(*xs, float(normalizer))
+    return sse_gla_features_reference(*xs, normalizer)

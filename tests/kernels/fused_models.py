@@ -1,0 +1,37 @@
+"""The check the fused-kernel tests share: a model's logits and parameter gradients with a kernel
+forced on (as on CUDA; on the CPU under the interpreter) equal those of its PyTorch form."""
+
+from __future__ import annotations
+
+import torch
+
+
+def perturb(model) -> None:
+    """Move every weight away from its initial value (so that zero-initialised parts matter)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+
+
+def forced_kernel_matches(model, monkeypatch, gates: list[tuple[object, str, object]], fn_owner, fn_name: str) -> int:
+    """Run `model` on fixed ids with labels (forward and backward) as it is, then with each
+    (module, name, predicate) of `gates` patched in (the kernel taken) and `fn_owner.fn_name`
+    counted; assert the logits and every parameter gradient agree. Returns the kernel's calls."""
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    results, calls, real = [], [], getattr(fn_owner, fn_name)
+    for forced in (False, True):
+        if forced:
+            for module, name, predicate in gates:
+                monkeypatch.setattr(module, name, predicate)
+            monkeypatch.setattr(fn_owner, fn_name, lambda *a: calls.append(1) or real(*a))
+        model.zero_grad()
+        out = model(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                              if p.grad is not None}))
+    (plain, plain_grads), (fused_logits, fused_grads) = results
+    torch.testing.assert_close(fused_logits, plain, rtol=1e-5, atol=1e-5)
+    assert plain_grads.keys() == fused_grads.keys()
+    for n, g in plain_grads.items():
+        torch.testing.assert_close(fused_grads[n], g, rtol=1e-4, atol=1e-5, msg=n)
+    return len(calls)

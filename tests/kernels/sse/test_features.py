@@ -1,0 +1,169 @@
+"""SSE's fused feature maps and decays (`kernels.sse.features`) against their PyTorch form: values
+(fp32 and bf16, head dims that are not powers of two, rows over several programs, decay inputs far
+into both tails of the logsigmoid) and the gradients of every input against fp64 autograd, with
+poisoned outputs (tests/kernels/conftest.py). On CPU the kernels run under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from subquadratic.kernels.sse.features import sse_gla_features, sse_gla_features_reference  # noqa: E402
+
+from ..fused_models import forced_kernel_matches, perturb  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+NAMES = ["q1", "k1", "q2", "k2", "v", "g1", "g2"]
+
+CASES = [  # B, T, H, D
+    (2, 5, 3, 32),
+    (1, 7, 4, 24),  # D not a power of two
+    (1, 19, 2, 64),  # rows over several programs, a partial last one
+]
+
+
+def make(B, T, H, D, dtype, seed=0, z_scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(B, T, H, D, generator=g) * 2.0 for _ in range(5)]
+    zs = [torch.randn(B, T, H * D, generator=g) * z_scale for _ in range(2)]
+    bs = [torch.randn(H * D, generator=g) * 2.0 for _ in range(2)]
+    return [t.to(DEV, dtype) for t in (*xs, *zs)] + [b.to(DEV, torch.float32) for b in bs]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_match_the_pytorch_form(case, dtype):
+    xs = make(*case, dtype, seed=sum(case))
+    got = sse_gla_features(*xs, 16.0, backend="triton")
+    want = sse_gla_features_reference(*xs, 16.0)
+    exact = sse_gla_features_reference(*(t.double() for t in xs), 16.0)
+    for name, a, b, e in zip(NAMES, got, want, exact, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape == case, name
+        assert a.dtype == (torch.float32 if name[0] == "g" else dtype), name
+        assert torch.isfinite(a).all(), name
+        if dtype == torch.float32 or name[0] == "g":
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        else:  # one rounding each, as the PyTorch form's (the interpreter's bf16 casts may round differently)
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-3, msg=name)
+        assert rel(a, e) < (1e-6 if a.dtype == torch.float32 else 1e-2), name
+    assert (got[5] <= 0).all() and (got[6] <= 0).all()
+
+
+def test_decays_far_into_the_tails():
+    """logsigmoid(z) / n for z from -60 to 60: the large-z side (-exp(-z), tiny) to fp32's relative
+    precision, where log(1 + exp(-z)) alone would round to 0 or to a step of 6e-8."""
+    xs = make(1, 4, 2, 32, torch.float32)
+    z = torch.linspace(-60, 60, 4 * 2 * 32).view(1, 4, 64).to(DEV)
+    xs[5], xs[6] = z, -z
+    xs[7], xs[8] = torch.zeros_like(xs[7]), torch.full_like(xs[8], 0.5)
+    got = sse_gla_features(*xs, 4.0, backend="triton")[5:]
+    exact = sse_gla_features_reference(*(t.double() for t in xs), 4.0)[5:]
+    for a, e in zip(got, exact, strict=True):
+        torch.testing.assert_close(a.double(), e, rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_match_fp64_autograd(case):
+    xs = make(*case, torch.float32, seed=sum(case) + 1)
+    gen = torch.Generator().manual_seed(7)
+    dys = [torch.randn(case, generator=gen).to(DEV) for _ in NAMES]
+
+    def grads(fn, dtype):
+        args = [t.detach().to(dtype).requires_grad_() for t in xs]
+        outs = fn(*args)
+        sum((o * dy.to(o.dtype)).sum() for o, dy in zip(outs, dys, strict=True)).backward()
+        return [a.grad for a in args]
+
+    got = grads(lambda *a: sse_gla_features(*a, 16.0, backend="triton"), torch.float32)
+    want = grads(lambda *a: sse_gla_features_reference(*a, 16.0), torch.float64)
+    for name, a, b in zip([*NAMES[:5], "z1", "z2", "bias1", "bias2"], got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < 1e-5, name
+
+
+def test_bf16_gradients_and_unused_outputs():
+    """bf16 inputs (fp32 biases): gradients in each input's dtype, near the fp64 ones; outputs that
+    take no part in the loss give zero gradients."""
+    xs = make(1, 9, 2, 32, torch.bfloat16, seed=3)
+    args = [t.detach().requires_grad_() for t in xs]
+    outs = sse_gla_features(*args, 16.0, backend="triton")
+    (outs[1].float().square().sum() + outs[5].sum()).backward()
+    ref = [t.detach().double().requires_grad_() for t in xs]
+    routs = sse_gla_features_reference(*ref, 16.0)
+    (routs[1].square().sum() + routs[5].sum()).backward()
+    for i, (a, b) in enumerate(zip(args, ref, strict=True)):
+        assert a.grad.dtype == a.dtype
+        if i in (1, 5, 7):
+            assert rel(a.grad, b.grad) < 2e-2, i
+        else:
+            assert (a.grad == 0).all(), i
+
+
+def test_dispatch():
+    """"auto" keeps the PyTorch form off CUDA (and for fp64); "triton" refuses what the kernel cannot take."""
+    xs = make(1, 3, 2, 16, torch.float64)
+    for a, b in zip(sse_gla_features(*xs, 8.0), sse_gla_features_reference(*xs, 8.0), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="dtypes"):
+        sse_gla_features(*xs, 8.0, backend="triton")
+    xs = make(1, 3, 2, 16, torch.float32)
+    xs[5] = xs[5][..., :-1]
+    with pytest.raises(ValueError, match="decay shapes"):
+        sse_gla_features(*xs, 8.0, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        sse_gla_features(*xs, 8.0, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_real_shapes_on_gpu():
+    """Llama-3.2-1B's heads (32 x 64) at 4k tokens in bf16: the PyTorch form's values (nearly every
+    value equal, each within a bf16 step: the fp32 sigmoid and exp may move the last bit), the
+    fp64 gradients."""
+    xs = make(1, 4096, 32, 64, torch.bfloat16)
+    xs[5], xs[6] = xs[5].to(torch.bfloat16), xs[6].to(torch.bfloat16)
+    got = sse_gla_features(*xs, 16.0)
+    want = sse_gla_features_reference(*xs, 16.0)
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        if a.dtype == torch.bfloat16:
+            assert (a == b).float().mean() > 0.99, name
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-3, msg=name)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    dys = [torch.randn_like(o) for o in got]
+    args = [t.detach().requires_grad_() for t in xs]
+    sum((o * dy).sum() for o, dy in zip(sse_gla_features(*args, 16.0), dys, strict=True)).backward()
+    ref = [t.detach().double().requires_grad_() for t in xs]
+    sum((o * dy.double()).sum() for o, dy in zip(sse_gla_features_reference(*ref, 16.0), dys, strict=True)).backward()
+    for a, b in zip(args, ref, strict=True):
+        assert rel(a.grad, b.grad) < 2e-2
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
+def test_the_mixer_takes_the_kernel_with_the_values_and_gradients_of_its_pytorch_form(preset, monkeypatch,
+                                                                                      one_thread):
+    """SSE's feature maps and decays through the kernel (as on CUDA; here forced on the CPU under the
+    interpreter): the logits and every parameter's gradient of the PyTorch ops, the kernel once per
+    SSE layer and forward, and `sse_key_topk` keeps the PyTorch ops."""
+    from subquadratic.families.sse import modeling as sse_modeling
+    from subquadratic.kernels.sse import features, triton_features
+
+    from ...models.sse.test_modeling_sse import model as sse_model
+
+    model = sse_model(preset, 0)
+    perturb(model)
+    takes = lambda *xs: features.sse_gla_features_unsupported(*xs) is None  # noqa: E731
+    gate = (sse_modeling, "sse_gla_features_takes_kernel", takes)
+    calls = forced_kernel_matches(model, monkeypatch, [gate], triton_features.SSEFeatures, "apply")
+    assert calls == model.config.mixer_types.count("sse") > 0
+    assert any("g1_bias" in n for n, p in model.named_parameters() if p.grad is not None)
+    model.config.sse_key_topk = 4
+    with monkeypatch.context() as m:
+        m.setattr(triton_features.SSEFeatures, "apply", lambda *a: pytest.fail("the kernel ran with sse_key_topk"))
+        model(torch.randint(3, 128, (1, 9)), use_cache=False)
