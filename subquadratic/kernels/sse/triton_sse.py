@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..gla.triton_chunk import chunk_linear_attention, gla_varlen_triton
+from ..triton_utils import block_size
 from ..utils import import_triton, new_output
 from .recurrent import SSEState, setup
 
@@ -87,26 +88,103 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
     BT = B * T
     src, valid, cu = _group(sel, K)
     src_tok = src // N  # [R] the token (b * T + t) of each row
-    # gathers by index_select (backward: index_add, no host synchronisation)
-    p = probs.reshape(-1).index_select(0, src).float() * valid    # [R], 0 at trash rows
-    pc = p[:, None, None]
-    flat = lambda x: x.reshape(BT, H, x.shape[-1])  # noqa: E731
-    gather = lambda x: flat(x).index_select(0, src_tok)  # noqa: E731
-    qp = (gather(q2) * pc).to(dt)  # the product in fp32 (pc is), rounded once
-    kp = (gather(k2) * pc).to(dt)
-    gp = gather(g2).float() * valid[:, None, None]
+    # the partition rows (p q2, p k2, v, g2) in one gather kernel (backward: index_add, no host synchronisation)
+    qp, kp, vp, gp = PartitionRows.apply(q2, k2, v, g2, probs, src, valid, cu)
     # the shared branch: a plain GLA over each row, on the inputs as they are (no copy, no chunk table),
     # then the partition rows
     o, h_shared = chunk_linear_attention(q1, k1, v, g1, initial_state=state.shared, chunk_size=chunk_size,
                                          out_dtype=torch.float32, precision=precision)
-    o = flat(o)
+    o = o.reshape(BT, H, Dv)
     h0 = torch.cat([state.parts.float().reshape(B * N, H, Dk, Dv),
                     state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
-    o_parts, h_parts = gla_varlen_triton(qp, kp, gather(v), gp, cu_seqlens=cu, initial_state=h0,
+    o_parts, h_parts = gla_varlen_triton(qp, kp, vp, gp, cu_seqlens=cu, initial_state=h0,
                                          chunk_size=chunk_size, out_dtype=torch.float32, precision=precision)
-    o = o.index_add(0, src_tok, o_parts)
+    o = o.index_add_(0, src_tok, o_parts)  # o is the shared branch's fresh fp32 output
     new = SSEState(h_shared, h_parts[:B * N].reshape(B, N, H, Dk, Dv))
     return o.view(B, T, H, Dv).to(dt), new
+
+
+@triton.jit
+def _partition_rows(Q2, K2, V, G2, PROBS, SRC, CU, QP, KP, VP, GP, n, NSEG, H: tl.constexpr, N: tl.constexpr,
+                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+    """(row, head) pairs m = r * H + h of the grouped rows: qp = p q2, kp = p k2 (rounded once), vp = v,
+    gp = g2 (fp32) of the row's token, with p its router probability; qp = kp = gp = 0 past the valid
+    rows (the trash segment)."""
+    m_idx = tl.program_id(0) * BR + tl.arange(0, BR)
+    m_r = m_idx < n
+    r = m_idx // H
+    code = tl.load(SRC + r, mask=m_r, other=0)  # (b * T + t) * N + i
+    valid = m_r & (r < tl.load(CU + NSEG))
+    p = tl.where(valid, tl.load(PROBS + code, mask=m_r, other=0.0).to(tl.float32), 0.0)
+    src = (code // N) * H + m_idx % H  # the token's row of the [tokens, H, D] inputs
+    dst = m_idx.to(tl.int64)
+    ok = tl.arange(0, BK)
+    mk = m_r[:, None] & (ok < DK)[None, :]
+    off_s, off_d = src[:, None] * DK + ok[None, :], dst[:, None] * DK + ok[None, :]
+    b = tl.load(Q2 + off_s, mask=mk, other=0.0).to(tl.float32)
+    tl.store(QP + off_d, (b * p[:, None]).to(QP.dtype.element_ty), mask=mk)
+    b = tl.load(K2 + off_s, mask=mk, other=0.0).to(tl.float32)
+    tl.store(KP + off_d, (b * p[:, None]).to(KP.dtype.element_ty), mask=mk)
+    b = tl.load(G2 + off_s, mask=mk, other=0.0)
+    tl.store(GP + off_d, tl.where(valid[:, None], b.to(tl.float32), 0.0), mask=mk)
+    ov = tl.arange(0, BV)
+    mv = m_r[:, None] & (ov < DV)[None, :]
+    b = tl.load(V + src[:, None] * DV + ov[None, :], mask=mv, other=0.0)
+    tl.store(VP + dst[:, None] * DV + ov[None, :], b, mask=mv)
+
+
+class PartitionRows(torch.autograd.Function):
+    """The grouped rows of the partition branch: (p q2, p k2, v, g2) [R, H, D] of the tokens `src`
+    names (`_group`), p = the router probability of the (token, partition), in q2's dtype (p q2, p k2
+    computed in fp32 and rounded once) and fp32 (g2); zero (but v) past the valid rows. One kernel
+    forward; the backward scatters with index_add. q2, k2, v [B, T, H, D], g2 [B, T, H, Dk],
+    probs [B, T, N], src / valid [R], cu [B * N + 2]."""
+
+    @staticmethod
+    def forward(ctx, q2, k2, v, g2, probs, src, valid, cu):
+        B, T, H, Dk = q2.shape
+        N, Dv, R = probs.shape[-1], v.shape[-1], src.shape[0]
+        xs = [x.reshape(B * T, H, x.shape[-1]).contiguous() for x in (q2, k2, v, g2)]
+        pf = probs.reshape(-1).contiguous()
+        qp, kp = (new_output((R, H, Dk), q2.device, q2.dtype) for _ in range(2))
+        vp = new_output((R, H, Dv), v.device, v.dtype)
+        gp = new_output((R, H, Dk), g2.device)  # fp32
+        BK, BV = block_size(Dk), block_size(Dv)
+        BR = max(1, 2048 // max(BK, BV))
+        if R:
+            _partition_rows[(triton.cdiv(R * H, BR),)](*xs, pf, src, cu, qp, kp, vp, gp, R * H, B * N, H, N, Dk, Dv,
+                                                        BK, BV, BR, num_warps=4)
+        ctx.save_for_backward(xs[0], xs[1], pf, src, valid)
+        ctx.shapes = (B, T, H, N, q2.dtype, v.dtype, g2.dtype, probs.shape, probs.dtype)
+        return qp, kp, vp, gp
+
+    @staticmethod
+    def backward(ctx, dqp, dkp, dvp, dgp):
+        q2, k2, pf, src, valid = ctx.saved_tensors
+        B, T, H, N, dt, dtv, dtg, probs_shape, probs_dtype = ctx.shapes
+        tok = src // N
+        p = pf.index_select(0, src).float() * valid  # [R], 0 at trash rows
+        pc = p[:, None, None]
+
+        def scatter(d, dtype):
+            return torch.zeros((B * T, H, d.shape[-1]), device=d.device, dtype=dtype).index_add_(0, tok, d.to(dtype))
+
+        grads = [None] * 8
+        dp = torch.zeros_like(p)
+        for i, (x, dx) in enumerate(((q2, dqp), (k2, dkp))):
+            dxf = dx.float()
+            if ctx.needs_input_grad[i]:
+                grads[i] = scatter(dxf * pc, dt).view(B, T, H, -1)
+            if ctx.needs_input_grad[4]:
+                dp += (dxf * x.index_select(0, tok).float()).sum((1, 2))
+        if ctx.needs_input_grad[2]:
+            grads[2] = scatter(dvp, dtv).view(B, T, H, -1)
+        if ctx.needs_input_grad[3]:
+            grads[3] = scatter(dgp * valid[:, None, None], dtg).view(B, T, H, -1)
+        if ctx.needs_input_grad[4]:
+            grads[4] = torch.zeros_like(pf, dtype=torch.float32).index_add_(0, src, dp * valid).view(
+                probs_shape).to(probs_dtype)
+        return tuple(grads)
 
 
 # ---------------------------------------------------------------------------

@@ -62,9 +62,9 @@ def run_sse(fn, inputs, st, valid, topk, dtype):
     return [o, new.shared, new.parts], [x.grad for x in xs + sts]
 
 
-@pytest.mark.parametrize("topk,chunk,pad", [(1, 16, 5), (2, 32, 0)])
-def test_sse_values_and_grads(topk, chunk, pad):
-    inputs, st, valid = sse_inputs(2, 37, 2, 16, 16, 3, seed=topk, pad=pad)
+@pytest.mark.parametrize("topk,chunk,pad,dv", [(1, 16, 5, 16), (2, 32, 0, 16), (1, 16, 3, 24)])
+def test_sse_values_and_grads(topk, chunk, pad, dv):
+    inputs, st, valid = sse_inputs(2, 37, 2, 16, dv, 3, seed=topk, pad=pad)
     ref_o, ref_g = run_sse(sse_recurrent, inputs, st, valid, topk, torch.float64)
     got_o, got_g = run_sse(lambda *a: sse_triton(*a, chunk_size=chunk, topk=topk), inputs, st, valid, topk,
                            torch.float32)
