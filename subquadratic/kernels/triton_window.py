@@ -6,7 +6,7 @@ Query t of a row sees key j when j <= t and (t - j < W or j < SINKS) (the index 
 query tile [m0, m0 + BM) reads two key ranges: the sinks [0, SINKS), counted only where t - j >= W (the
 window counts the rest), and the window [m0 - W + 1, m0 + BM). Kernels:
   `window_fwd`   o [B, T, HQ, D] and the log-sum-exp [B, HQ, T] (fp32) of every query row;
-  `window_bwd_dq`  dq over the same tiles;
+  `window_bwd_dq`  dq over the same tiles, and each query row's delta = rowsum(do o) for the kernels after it;
   `window_bwd_dkdv`  dk, dv of a key tile [n0, n0 + BN) from the queries whose window holds it
                   (t in [n0, n0 + BN + W - 1)), the G query heads of its KV head in one program (no atomics);
   `window_bwd_sinks`  the sinks' dk, dv from the queries past their window, per chunk of queries,
@@ -129,16 +129,21 @@ def _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE: tl.conste
 
 
 @triton.jit
-def window_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, T, scale,
-                  s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_ot, s_oh, s_db, s_dh, s_dt,
+def window_bwd_dq(Q, K, V, DO, OUT, LSE, DELTA, DQ, T, scale,
+                  s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_ot, s_oh, s_pb, s_pt, s_ph,
+                  s_db, s_dh, s_dt,
                   HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
                   SINKS: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    """dq of a query tile, and its rows' delta = rowsum(do o) [B, HQ, T] (fp32), stored for the
+    kernels after it."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     b, h, Qp, Kp, Vp = _heads(i_bh, Q, K, V, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, HQ, G)
     rows, cols, q, lo, hi = _query_tile(i_m, Qp, s_qt, T, D, BD, BM, W)
     do = _tile(DO + b.to(tl.int64) * s_ob + h * s_oh, s_ot, rows, T, cols, D)
+    o = _tile(OUT + b.to(tl.int64) * s_pb + h * s_ph, s_pt, rows, T, cols, D)
     lse = tl.load(LSE + i_bh.to(tl.int64) * T + rows, mask=rows < T, other=0.0)
-    delta = tl.load(DELTA + i_bh.to(tl.int64) * T + rows, mask=rows < T, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + i_bh.to(tl.int64) * T + rows, delta, mask=rows < T)
     dq = tl.zeros([BM, BD], tl.float32)
     if SINKS > 0:  # own names: the loop's differ in shape
         sink = tl.arange(0, SP)
@@ -261,12 +266,12 @@ class WindowAttention(torch.autograd.Function):
         do = do.to(q.dtype)
         if do.stride(-1) != 1:
             do = do.contiguous()
-        delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()  # [B, HQ, T]
+        delta = new_output((B, HQ, T), q.device)  # rowsum(do o), written by the dq kernel
         dq = torch.empty_like(q)
         strides = (*_strides(q), *_strides(k), *_strides(v), do.stride(0), do.stride(1), do.stride(2))
         window_bwd_dq[(triton.cdiv(T, BM), B * HQ)](
-            q, k, v, do, lse, delta, dq, T, scale, *strides, *_strides(dq), HQ, G, D, BD, W, sinks, SP, BM, BN,
-            ieee, num_warps=_warps(BD))
+            q, k, v, do, o, lse, delta, dq, T, scale, *strides, o.stride(0), o.stride(1), o.stride(2), *_strides(dq),
+            HQ, G, D, BD, W, sinks, SP, BM, BN, ieee, num_warps=_warps(BD))
         dk = new_output((B, H, T, D), q.device)
         dv = new_output((B, H, T, D), q.device)
         window_bwd_dkdv[(triton.cdiv(T, BN), B * H)](
