@@ -189,7 +189,7 @@ class AttentionBase(nn.Module):
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if position_embeddings is not None:
-            q, k = apply_rope(q, k, *position_embeddings)
+            q, k = apply_rope(q, k, *position_embeddings, kernel=self.config.kernel_backend in ("auto", "triton"))
         q, k, v = autocast_operands(q, k, v)
         if heads_first:
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

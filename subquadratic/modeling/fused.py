@@ -9,7 +9,9 @@ fused forms compute what the modules compute (LlamaRMSNorm, LlamaMLP, `apply_rot
 only inside `compiled_step()`, which `cuda_graph.DecodeGraph` enters while it warms up and records a
 step of a cache built with `fuse=True`; the layer code calls the modules and never asks which form
 runs. A chain that fails to compile warns once and runs eagerly from then on. `recording()` tells
-any layer that it runs inside such a warm-up or recording (fused or not).
+any layer that it runs inside such a warm-up or recording (fused or not). Outside a captured step,
+RoPE on CUDA runs as one Triton kernel forward and one backward with Transformers' values
+(`kernels.rope`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+
+from ..kernels.rope import rope as rope_kernel
+from ..kernels.rope import rope_takes_kernel
 
 
 class _Step:
@@ -140,9 +145,15 @@ class MLP(LlamaMLP):
         return super().forward(x)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """RoPE of q [B, T, HQ, D] and k [B, T, H, D] (cos, sin [B, T, D]), fused inside a captured step."""
-    return (rope if _Step.compiled else _rope)(q, k, cos, sin)
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool = True):
+    """RoPE of q [B, T, HQ, D] and k [B, T, H, D] (cos, sin [B, T, D]): fused inside a captured step;
+    elsewhere on CUDA (with `kernel`, the model's Triton backend) one Triton kernel forward and one
+    backward with the values of Transformers' form (`kernels.rope`); else that form."""
+    if _Step.compiled:
+        return rope(q, k, cos, sin)
+    if kernel and rope_takes_kernel(q, k, cos, sin):
+        return rope_kernel(q, k, cos, sin, backend="triton")
+    return _rope(q, k, cos, sin)
 
 
 class HeadNorm(nn.Module):
