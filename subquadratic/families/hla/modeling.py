@@ -21,6 +21,7 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ...kernels.hla import HLAState, hla_attention
+from ...kernels.hla.features import hla_features, hla_features_takes_kernel
 from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel
 from ...modeling.base import (
     AttentionBase,
@@ -116,12 +117,12 @@ class HLAAttention(WindowBranch, AttentionBase):
         packed = seq.is_packed(hidden_states)
         rope = (seq.packed_rope if packed else position_embeddings) if cfg.hla_rope else None
         q, k, v = self.project(hidden_states, rope, heads_first=False)
-        if cfg.qk_norm_l2:  # in the projections' dtype (CUDA autocast computes the norm in fp32)
-            q = Fn.normalize(q, dim=-1).to(q.dtype) * cfg.qk_scale
-            k = Fn.normalize(k, dim=-1).to(k.dtype) * cfg.qk_scale
-        # one state per query head: k, v [B, T, H, D] -> [B, T, HQ, D] (kv head j serves q heads jG..jG+G-1)
-        k = k.repeat_interleave(self.num_key_value_groups, dim=2)
-        v = v.repeat_interleave(self.num_key_value_groups, dim=2)
+        # qk_norm_l2: q and k L2-normalised and scaled, in the projections' dtype (CUDA autocast computes
+        # the norm in fp32); one state per query head: k, v [B, T, H, D] -> [B, T, HQ, D] (KV head j
+        # serves query heads jG..jG+G-1). On CUDA with the Triton backend one kernel forward and one backward.
+        kernel = (cfg.qk_norm_l2 and cfg.kernel_backend in ("auto", "triton")
+                  and hla_features_takes_kernel(q, k, v))
+        q, k, v = hla_features(q, k, v, cfg.qk_scale, cfg.qk_norm_l2, backend="triton" if kernel else "torch")
         log_alpha = self.log_alpha(hidden_states)  # [B, T, HQ]
         if packed:  # the recurrence runs one document per right-padded row
             q, k, v, log_alpha = (seq.documents.unpack(t) for t in (q, k, v, log_alpha))

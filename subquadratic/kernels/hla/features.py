@@ -1,0 +1,71 @@
+"""HLA's inputs in one pass: the L2-normalised, scaled q and k, and k, v repeated over the query
+heads of their KV head (HLA keeps one state per query head).
+
+    q' = s q / max(|q|, 1e-12),   k' = s k / max(|k|, 1e-12) of KV head h // G,   v' = v of KV head h // G
+
+In PyTorch (F.normalize, the cast, the scale, two repeat_interleave) that is about a dozen launches
+forward and more backward (the norm's and the division's gradients, the repeats' sums over G).
+`hla_features` runs it as one Triton kernel forward and one backward (`triton_features.py`),
+computing in fp32 and rounding each output once (the PyTorch form rounds the norm, the quotient and
+the product each to the input dtype: they agree to the input dtype's rounding). Without the
+normalisation (`normalize=False`) the repeat alone runs in PyTorch. `hla_features_reference` is the
+PyTorch form: the fallback off CUDA and the tests' oracle.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..triton_utils import TRITON_DTYPES
+from ..utils import triton_available
+
+#: The largest head dim the kernel takes (one block per row).
+MAX_DIM = 256
+
+
+def hla_features_reference(q: Tensor, k: Tensor, v: Tensor, scale: float, normalize: bool = True
+                           ) -> tuple[Tensor, Tensor, Tensor]:
+    """The PyTorch form (module docstring): q [B, T, HQ, D], k [B, T, H, D], v [B, T, H, Dv] ->
+    q', k' [B, T, HQ, D], v' [B, T, HQ, Dv]."""
+    if normalize:
+        q = F.normalize(q, dim=-1).to(q.dtype) * scale
+        k = F.normalize(k, dim=-1).to(k.dtype) * scale
+    G = q.shape[2] // k.shape[2]
+    return q, k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+
+
+def hla_features_unsupported(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why the kernel cannot take these inputs, or None."""
+    if q.dtype not in TRITON_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype} / {k.dtype} / {v.dtype} (one of {TRITON_DTYPES}, alike)"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] \
+            or q.shape[-1] != k.shape[-1] or q.shape[2] % k.shape[2]:
+        return f"shapes {list(q.shape)} / {list(k.shape)} / {list(v.shape)} ([B, T, heads, D], KV heads dividing HQ)"
+    if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
+        return f"head dims {q.shape[-1]} / {v.shape[-1]} (at most {MAX_DIM})"
+    return None
+
+
+def hla_features_takes_kernel(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether `hla_features(..., backend="auto")` runs the Triton kernels: CUDA, Triton installed,
+    inputs it takes."""
+    return q.is_cuda and triton_available() and hla_features_unsupported(q, k, v) is None
+
+
+def hla_features(q: Tensor, k: Tensor, v: Tensor, scale: float, normalize: bool = True,
+                 backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """(q', k', v') of the module docstring, the values of `hla_features_reference` up to the input
+    dtype's rounding. backend: "auto" runs the Triton kernels on CUDA for inputs they take, else the
+    PyTorch form; "triton" the kernels on any device Triton runs on (the CPU interpreter in tests) or
+    a ValueError; "torch" the PyTorch form. Differentiable in q, k and v."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
+    why = hla_features_unsupported(q, k, v)
+    if backend == "triton" and why is not None:
+        raise ValueError(f"the HLA feature kernel does not take these inputs: {why}; use backend='auto'")
+    if normalize and (backend == "triton" or (backend == "auto" and hla_features_takes_kernel(q, k, v))):
+        from .triton_features import HLAFeatures
+
+        return HLAFeatures.apply(q, k, v, float(scale))
+    return hla_features_reference(q, k, v, scale, normalize)

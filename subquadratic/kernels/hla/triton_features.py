@@ -1,0 +1,117 @@
+"""The Triton kernels of `hla_features` (module `features.py`): one program per ROWS (token, KV head)
+pairs, which writes (forward) or gathers (backward) the G query heads of each pair; the backward
+sums k's and v's gradients over those G heads inside the program (no atomics)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..triton_utils import block_size
+from ..utils import import_triton, new_output
+
+triton, tl = import_triton()
+
+#: (token, KV head) pairs per program.
+ROWS = 16
+#: F.normalize's eps.
+EPS = 1e-12
+
+
+@triton.jit
+def _ld(X, rows, cols, n, D: tl.constexpr):
+    m = (rows < n)[:, None] & (cols < D)[None, :]
+    off = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    return off, m, tl.load(X + off, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _inv_norm(x, eps):
+    """1 / max(|x|, eps) per row, and whether the norm is above eps."""
+    nrm = tl.sqrt(tl.sum(x * x, 1))
+    return 1.0 / tl.maximum(nrm, eps), nrm > eps
+
+
+@triton.jit
+def _norm_bwd(x, dy, scale, eps):
+    """The gradient of s x / max(|x|, eps) for the output gradient dy (rows)."""
+    inv, above = _inv_norm(x, eps)
+    proj = tl.where(above, tl.sum(x * dy, 1) * inv * inv, 0.0)
+    return scale * inv[:, None] * (dy - x * proj[:, None])
+
+
+@triton.jit
+def hla_features_fwd(Q, K, V, QO, KO, VO, n, scale, eps, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                     BD: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr):
+    pairs = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols, cols_v = tl.arange(0, BD), tl.arange(0, BDV)
+    dt = QO.dtype.element_ty
+    _, mk, k = _ld(K, pairs, cols, n, D)
+    inv, _ = _inv_norm(k, eps)
+    k = (k * (inv * scale)[:, None]).to(dt)
+    _, mv, v = _ld(V, pairs, cols_v, n, DV)
+    v = v.to(dt)
+    for g in range(G):
+        rows = pairs * G + g  # the query head kh * G + g of the token
+        off, m, q = _ld(Q, rows, cols, n * G, D)
+        inv, _ = _inv_norm(q, eps)
+        tl.store(QO + off, (q * (inv * scale)[:, None]).to(dt), mask=m)
+        tl.store(KO + off, k, mask=m)
+        tl.store(VO + rows.to(tl.int64)[:, None] * DV + cols_v[None, :], v, mask=mv)
+
+
+@triton.jit
+def hla_features_bwd(Q, K, DQO, DKO, DVO, DQ, DK, DV, n, scale, eps, G: tl.constexpr, D: tl.constexpr,
+                     DV_: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr):
+    pairs = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols, cols_v = tl.arange(0, BD), tl.arange(0, BDV)
+    dk = tl.zeros([BR, BD], tl.float32)
+    dv = tl.zeros([BR, BDV], tl.float32)
+    for g in range(G):
+        rows = pairs * G + g
+        off, m, q = _ld(Q, rows, cols, n * G, D)
+        _, _, dqo = _ld(DQO, rows, cols, n * G, D)
+        tl.store(DQ + off, _norm_bwd(q, dqo, scale, eps).to(DQ.dtype.element_ty), mask=m)
+        dk += _ld(DKO, rows, cols, n * G, D)[2]
+        dv += _ld(DVO, rows, cols_v, n * G, DV_)[2]
+    off, m, k = _ld(K, pairs, cols, n, D)
+    tl.store(DK + off, _norm_bwd(k, dk, scale, eps).to(DK.dtype.element_ty), mask=m)
+    mv = (pairs < n)[:, None] & (cols_v < DV_)[None, :]
+    tl.store(DV + pairs.to(tl.int64)[:, None] * DV_ + cols_v[None, :], dv.to(DV.dtype.element_ty), mask=mv)
+
+
+class HLAFeatures(torch.autograd.Function):
+    """`hla_features` (normalised) on the kernels: q [B, T, HQ, D], k [B, T, H, D], v [B, T, H, Dv] of
+    one dtype, the scale; differentiable in q, k and v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        B, T, HQ, D = q.shape
+        H, Dv = k.shape[2], v.shape[-1]
+        G = HQ // H
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        qo = new_output(q.shape, q.device, q.dtype)
+        ko = new_output(q.shape, q.device, q.dtype)
+        vo = new_output((B, T, HQ, Dv), q.device, q.dtype)
+        n = B * T * H
+        if n:
+            hla_features_fwd[(triton.cdiv(n, ROWS),)](q, k, v, qo, ko, vo, n, scale, EPS, G, D, Dv, block_size(D, 1),
+                                                      block_size(Dv, 1), ROWS, num_warps=4)
+        ctx.save_for_backward(q, k)
+        ctx.scale, ctx.Dv = scale, Dv
+        return qo, ko, vo
+
+    @staticmethod
+    def backward(ctx, dqo, dko, dvo):
+        q, k = ctx.saved_tensors
+        B, T, HQ, D = q.shape
+        H, Dv = k.shape[2], ctx.Dv
+        G = HQ // H
+        dq = new_output(q.shape, q.device, q.dtype)
+        dk = new_output(k.shape, k.device, k.dtype)
+        dv = new_output((B, T, H, Dv), k.device, k.dtype)
+        n = B * T * H
+        if n:
+            hla_features_bwd[(triton.cdiv(n, ROWS),)](q, k, dqo.contiguous(), dko.contiguous(), dvo.contiguous(),
+                                                      dq, dk, dv, n, ctx.scale, EPS, G, D, Dv, block_size(D, 1),
+                                                      block_size(Dv, 1), ROWS, num_warps=4)
+        return dq, dk, dv, None
