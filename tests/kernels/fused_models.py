@@ -35,3 +35,8 @@ def forced_kernel_matches(model, monkeypatch, gates: list[tuple[object, str, obj
     for n, g in plain_grads.items():
         torch.testing.assert_close(fused_grads[n], g, rtol=1e-4, atol=1e-5, msg=n)
     return len(calls)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| (Frobenius norms, fp64)."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 from subquadratic.kernels.hla.features import hla_features, hla_features_reference  # noqa: E402
 
-from ..fused_models import forced_kernel_matches, perturb  # noqa: E402
+from ..fused_models import forced_kernel_matches, perturb, rel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -31,10 +31,6 @@ def make(B, T, HQ, H, D, Dv, dtype, seed=0):
     q[0, 1, 0] = 0.0  # a zero row: the norm under eps
     k[0, 2, 0] = 0.0
     return [t.to(DEV, dtype) for t in (q, k, v)]
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 from subquadratic.kernels.sse.features import sse_gla_features, sse_gla_features_reference  # noqa: E402
 
-from ..fused_models import forced_kernel_matches, perturb  # noqa: E402
+from ..fused_models import forced_kernel_matches, perturb, rel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ["q1", "k1", "q2", "k2", "v", "g1", "g2"]
@@ -29,10 +29,6 @@ def make(B, T, H, D, dtype, seed=0, z_scale=3.0):
     zs = [torch.randn(B, T, H * D, generator=g) * z_scale for _ in range(2)]
     bs = [torch.randn(H * D, generator=g) * 2.0 for _ in range(2)]
     return [t.to(DEV, dtype) for t in (*xs, *zs)] + [b.to(DEV, torch.float32) for b in bs]
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("case", CASES)
