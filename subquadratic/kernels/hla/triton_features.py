@@ -71,8 +71,10 @@ def hla_features_bwd(Q, K, DQO, DKO, DVO, DQ, DK, DV, n, scale, eps, G: tl.const
         off, m, q = _ld(Q, rows, cols, n * G, D)
         _, _, dqo = _ld(DQO, rows, cols, n * G, D)
         tl.store(DQ + off, _norm_bwd(q, dqo, scale, eps).to(DQ.dtype.element_ty), mask=m)
-        dk += _ld(DKO, rows, cols, n * G, D)[2]
-        dv += _ld(DVO, rows, cols_v, n * G, DV_)[2]
+        _, _, dko = _ld(DKO, rows, cols, n * G, D)
+        _, _, dvo = _ld(DVO, rows, cols_v, n * G, DV_)
+        dk += dko
+        dv += dvo
     off, m, k = _ld(K, pairs, cols, n, D)
     tl.store(DK + off, _norm_bwd(k, dk, scale, eps).to(DK.dtype.element_ty), mask=m)
     mv = (pairs < n)[:, None] & (cols_v < DV_)[None, :]
