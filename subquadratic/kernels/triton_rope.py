@@ -54,7 +54,8 @@ def _fwd(X, Y, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2: tl.constexpr, BD2: tl
 def _bwd(DY, DX, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2: tl.constexpr, BD2: tl.constexpr, BR: tl.constexpr):
     """dx = r(r(dy c)) + rotate_half^T(r(dy s)) rounded to x's dtype, rotate_half^T(u) = [u2, -u1]."""
     off, m, g1, g2, c1, c2, s1, s2 = _rows(DY, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2, BD2, BR)
-    dt, xt = DY.dtype.element_ty, DX.dtype.element_ty
+    dt = DY.dtype.element_ty  # (one assignment each: a tuple of dtypes does not compile)
+    xt = DX.dtype.element_ty
     a1 = (g1 * c1).to(dt).to(xt).to(tl.float32)
     a2 = (g2 * c2).to(dt).to(xt).to(tl.float32)
     b1 = (g2 * s2).to(dt).to(xt).to(tl.float32)

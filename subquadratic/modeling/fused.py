@@ -10,8 +10,8 @@ only inside `compiled_step()`, which `cuda_graph.DecodeGraph` enters while it wa
 step of a cache built with `fuse=True`; the layer code calls the modules and never asks which form
 runs. A chain that fails to compile warns once and runs eagerly from then on. `recording()` tells
 any layer that it runs inside such a warm-up or recording (fused or not). Outside a captured step,
-RoPE on CUDA runs as one Triton kernel forward and one backward with Transformers' values
-(`kernels.rope`).
+RoPE on CUDA can run as one Triton kernel forward and one backward with Transformers' values
+(`kernels.rope`, kernel_backend="triton").
 """
 
 from __future__ import annotations
@@ -145,10 +145,15 @@ class MLP(LlamaMLP):
         return super().forward(x)
 
 
+#: The kernel_backend values whose models take the RoPE kernel (`apply_rope`); "auto" keeps Transformers' form.
+ROPE_KERNEL_BACKENDS = ("triton",)
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool = True):
     """RoPE of q [B, T, HQ, D] and k [B, T, H, D] (cos, sin [B, T, D]): fused inside a captured step;
-    elsewhere on CUDA (with `kernel`, the model's Triton backend) one Triton kernel forward and one
-    backward with the values of Transformers' form (`kernels.rope`); else that form."""
+    elsewhere on CUDA with `kernel` (a model whose kernel_backend is in ROPE_KERNEL_BACKENDS) one
+    Triton kernel forward and one backward with the values of that form (`kernels.rope`); else that
+    form."""
     if _Step.compiled:
         return rope(q, k, cos, sin)
     if kernel and rope_takes_kernel(q, k, cos, sin):

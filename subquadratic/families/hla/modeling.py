@@ -35,6 +35,10 @@ from ...modeling.fused import HeadNorm
 from ...modeling.window import WINDOW_FIELDS, WindowBranch
 from .configuration import HLAConfig
 
+#: The kernel_backend values whose HLA layers take the fused q / k / v kernel (`kernels.hla.features`);
+#: "auto" keeps the PyTorch ops.
+FEATURE_KERNEL_BACKENDS = ("triton",)
+
 
 class HLALayer(RecurrentLayer):
     """HLA cache: S [B, H', D, D] and F [B, HQ, D, D] (fp32), plus eta and z of the normalised form,
@@ -119,8 +123,9 @@ class HLAAttention(WindowBranch, AttentionBase):
         q, k, v = self.project(hidden_states, rope, heads_first=False)
         # qk_norm_l2: q and k L2-normalised and scaled, in the projections' dtype (CUDA autocast computes
         # the norm in fp32); one state per query head: k, v [B, T, H, D] -> [B, T, HQ, D] (KV head j
-        # serves query heads jG..jG+G-1). On CUDA with the Triton backend one kernel forward and one backward.
-        kernel = (cfg.qk_norm_l2 and cfg.kernel_backend in ("auto", "triton")
+        # serves query heads jG..jG+G-1). On CUDA with a kernel_backend in FEATURE_KERNEL_BACKENDS one
+        # kernel forward and one backward (`kernels.hla.features`).
+        kernel = (cfg.qk_norm_l2 and cfg.kernel_backend in FEATURE_KERNEL_BACKENDS
                   and hla_features_takes_kernel(q, k, v))
         q, k, v = hla_features(q, k, v, cfg.qk_scale, cfg.qk_norm_l2, backend="triton" if kernel else "torch")
         log_alpha = self.log_alpha(hidden_states)  # [B, T, HQ]

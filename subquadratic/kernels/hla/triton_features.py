@@ -45,16 +45,17 @@ def hla_features_fwd(Q, K, V, QO, KO, VO, n, scale, eps, G: tl.constexpr, D: tl.
     pairs = tl.program_id(0) * BR + tl.arange(0, BR)
     cols, cols_v = tl.arange(0, BD), tl.arange(0, BDV)
     dt = QO.dtype.element_ty
-    _, mk, k = _ld(K, pairs, cols, n, D)
-    inv, _ = _inv_norm(k, eps)
-    k = (k * (inv * scale)[:, None]).to(dt)
-    _, mv, v = _ld(V, pairs, cols_v, n, DV)
+    # (each name keeps one type: Triton rejects a loop-carried variable whose type changes)
+    off_k, mk, k = _ld(K, pairs, cols, n, D)
+    inv_k, above_k = _inv_norm(k, eps)
+    k = (k * (inv_k * scale)[:, None]).to(dt)
+    off_v, mv, v = _ld(V, pairs, cols_v, n, DV)
     v = v.to(dt)
     for g in range(G):
         rows = pairs * G + g  # the query head kh * G + g of the token
         off, m, q = _ld(Q, rows, cols, n * G, D)
-        inv, _ = _inv_norm(q, eps)
-        tl.store(QO + off, (q * (inv * scale)[:, None]).to(dt), mask=m)
+        inv_q, above_q = _inv_norm(q, eps)
+        tl.store(QO + off, (q * (inv_q * scale)[:, None]).to(dt), mask=m)
         tl.store(KO + off, k, mask=m)
         tl.store(VO + rows.to(tl.int64)[:, None] * DV + cols_v[None, :], v, mask=mv)
 
@@ -69,10 +70,10 @@ def hla_features_bwd(Q, K, DQO, DKO, DVO, DQ, DK, DV, n, scale, eps, G: tl.const
     for g in range(G):
         rows = pairs * G + g
         off, m, q = _ld(Q, rows, cols, n * G, D)
-        _, _, dqo = _ld(DQO, rows, cols, n * G, D)
+        off_dq, m_dq, dqo = _ld(DQO, rows, cols, n * G, D)
         tl.store(DQ + off, _norm_bwd(q, dqo, scale, eps).to(DQ.dtype.element_ty), mask=m)
-        _, _, dko = _ld(DKO, rows, cols, n * G, D)
-        _, _, dvo = _ld(DVO, rows, cols_v, n * G, DV_)
+        off_dk, m_dk, dko = _ld(DKO, rows, cols, n * G, D)
+        off_dv, m_dv, dvo = _ld(DVO, rows, cols_v, n * G, DV_)
         dk += dko
         dv += dvo
     off, m, k = _ld(K, pairs, cols, n, D)
