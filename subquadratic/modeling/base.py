@@ -25,7 +25,6 @@ from ..configuration.base import SubquadraticConfig
 from ..kernels.utils import allowed_keys, resolve_backend, slot_offsets
 from ..kernels.window_attention import window_attention, window_unsupported
 from ..registry import mixer, register_mixer
-from . import fused
 from .cache import KVLayer, StateLayer, SubquadraticCache, all_real, positions_from_mask
 from .cuda_graph import decode_step, replays_decode
 from .fused import MLP, HeadNorm, RMSNorm, apply_rope
@@ -190,8 +189,7 @@ class AttentionBase(nn.Module):
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if position_embeddings is not None:
-            kernel = self.config.kernel_backend in fused.ROPE_KERNEL_BACKENDS
-            q, k = apply_rope(q, k, *position_embeddings, kernel=kernel)
+            q, k = apply_rope(q, k, *position_embeddings, backend=self.config.kernel_backend)
         q, k, v = autocast_operands(q, k, v)
         if heads_first:
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

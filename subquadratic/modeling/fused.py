@@ -149,14 +149,13 @@ class MLP(LlamaMLP):
 ROPE_KERNEL_BACKENDS = ("triton",)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool = True):
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "torch"):
     """RoPE of q [B, T, HQ, D] and k [B, T, H, D] (cos, sin [B, T, D]): fused inside a captured step;
-    elsewhere on CUDA with `kernel` (a model whose kernel_backend is in ROPE_KERNEL_BACKENDS) one
-    Triton kernel forward and one backward with the values of that form (`kernels.rope`); else that
-    form."""
+    elsewhere on CUDA with a `backend` (the model's kernel_backend) in ROPE_KERNEL_BACKENDS one Triton
+    kernel forward and one backward with the values of that form (`kernels.rope`); else that form."""
     if _Step.compiled:
         return rope(q, k, cos, sin)
-    if kernel and rope_takes_kernel(q, k, cos, sin):
+    if backend in ROPE_KERNEL_BACKENDS and rope_takes_kernel(q, k, cos, sin):
         return rope_kernel(q, k, cos, sin, backend="triton")
     return _rope(q, k, cos, sin)
 
