@@ -23,9 +23,11 @@ def test_count_ops_hla_and_sse(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {" ".join(line.split()[:3]): line for line in res.stdout.splitlines() if "ops" in line}
-    # HLA: 6 chunked-kernel launches + the norm-gate, no torch.where; SSE: 8 + the norm-gate, the two
-    # torch.where of the grouping and the partitions' chunk table, none of the padding masks
-    for fam, launches, where in (("hla", 7, None), ("sse", 9, "where x2,")):
+    # HLA: 4 chunked-kernel launches (two calls of walk and output; the walk does the decays' cumsum) +
+    # the norm-gate, no torch.where; SSE: 6 (two calls of walk, intra-chunk, output) + the partition rows'
+    # gather + the norm-gate, the two torch.where of the grouping and the partitions' chunk table, none of
+    # the padding masks
+    for fam, launches, where in (("hla", 5, None), ("sse", 8, "where x2,")):
         line = rows[f"{fam} model forward"]
         assert f"<triton> x{launches}" in line, line
         assert "syncs  0" in line and "rsqrt" not in line, line
