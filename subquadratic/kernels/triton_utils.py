@@ -21,8 +21,9 @@ TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: operands on the tensor cores; bf16 / fp16 operands always run there with fp32 accumulation).
 PRECISIONS = ("ieee", "tf32")
 
-#: Autotuning runs on the GPU only; the CPU interpreter launches with the fixed settings.
-AUTOTUNE = os.environ.get("TRITON_INTERPRET", "0") != "1"
+#: Autotuning runs on the GPU only; the CPU interpreter launches with the fixed settings, and so does the
+#: GPU with SUBQUADRATIC_AUTOTUNE=0 (correctness runs: each kernel compiles once instead of once per setting).
+AUTOTUNE = os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("SUBQUADRATIC_AUTOTUNE", "1") != "0"
 
 
 def dot_precision(dtype: torch.dtype, precision: str | None = None) -> str:
