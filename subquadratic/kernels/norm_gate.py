@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .triton_utils import TRITON_DTYPES
-from .utils import acc_dtype, triton_available
+from .utils import acc_dtype, fused_kernel
 
 #: The largest head dim the kernel takes (one block per row).
 MAX_DIM = 256
@@ -48,7 +48,7 @@ def norm_gate_unsupported(x: Tensor, weight: Tensor, gate: Tensor) -> str | None
 def norm_gate_takes_kernel(x: Tensor, weight: Tensor, gate: Tensor) -> bool:
     """Whether `norm_gate(..., backend="auto")` runs the Triton kernels on these inputs (CUDA, Triton
     installed, inputs it takes)."""
-    return x.is_cuda and triton_available() and norm_gate_unsupported(x, weight, gate) is None
+    return fused_kernel("auto", x.device, "norm-gate", norm_gate_unsupported(x, weight, gate))
 
 
 def norm_gate(x: Tensor, weight: Tensor, gate: Tensor, eps: float, backend: str = "auto") -> Tensor:
@@ -58,12 +58,7 @@ def norm_gate(x: Tensor, weight: Tensor, gate: Tensor, eps: float, backend: str 
     Triton kernels on CUDA for inputs they take (`norm_gate_unsupported`), else the PyTorch form;
     "triton" the kernels on any device Triton runs on (the CPU interpreter in tests) or a
     ValueError; "torch" the PyTorch form. Differentiable in x, weight and gate."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
-    why = norm_gate_unsupported(x, weight, gate)
-    if backend == "triton" and why is not None:
-        raise ValueError(f"the norm-gate kernel does not take these inputs: {why}; use backend='auto'")
-    if backend == "triton" or (backend == "auto" and norm_gate_takes_kernel(x, weight, gate)):
+    if fused_kernel(backend, x.device, "norm-gate", norm_gate_unsupported(x, weight, gate)):
         from .triton_norm_gate import NormGate
 
         return NormGate.apply(x, weight, gate, eps)

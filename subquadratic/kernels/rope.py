@@ -15,7 +15,7 @@ from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .triton_utils import TRITON_DTYPES
-from .utils import triton_available
+from .utils import fused_kernel
 
 
 def rope_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -39,7 +39,7 @@ def rope_unsupported(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> str | No
 def rope_takes_kernel(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
     """Whether `rope(..., backend="auto")` runs the Triton kernels: CUDA, Triton installed, inputs
     it takes."""
-    return q.is_cuda and triton_available() and rope_unsupported(q, k, cos, sin) is None
+    return fused_kernel("auto", q.device, "RoPE", rope_unsupported(q, k, cos, sin))
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str = "auto") -> tuple[Tensor, Tensor]:
@@ -48,12 +48,7 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str = "auto") 
     the PyTorch form; "triton" the kernels on any device Triton runs on (the CPU interpreter in
     tests) or a ValueError; "torch" the PyTorch form. Differentiable in q and k (cos and sin are
     buffers: no gradient)."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
-    why = rope_unsupported(q, k, cos, sin)
-    if backend == "triton" and why is not None:
-        raise ValueError(f"the RoPE kernel does not take these inputs: {why}; use backend='auto'")
-    if backend == "triton" or (backend == "auto" and rope_takes_kernel(q, k, cos, sin)):
+    if fused_kernel(backend, q.device, "RoPE", rope_unsupported(q, k, cos, sin)):
         from .triton_rope import Rope
 
         return Rope.apply(q, k, cos.detach(), sin.detach())

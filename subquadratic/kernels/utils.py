@@ -61,6 +61,24 @@ def triton_available() -> bool:
     return True
 
 
+#: The backends of the fused elementwise ops (`norm_gate`, `rope`, SSE's and HLA's feature maps).
+FUSED_BACKENDS = ("auto", "triton", "torch")
+
+
+def fused_kernel(backend: str, device: torch.device, op: str, unsupported: str | None) -> bool:
+    """Whether a fused elementwise op runs its Triton kernel: "auto" on CUDA with Triton installed for
+    inputs the kernel takes (`unsupported` None, else the reason it refuses them), "triton" on any
+    device Triton runs on (the CPU interpreter in tests; a ValueError naming `unsupported` where the
+    kernel refuses the inputs), "torch" never; any other backend is a ValueError."""
+    if backend not in FUSED_BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
+    if backend == "triton":
+        if unsupported is not None:
+            raise ValueError(f"the {op} kernel does not take these inputs: {unsupported}; use backend='auto'")
+        return True
+    return backend == "auto" and unsupported is None and device.type == "cuda" and triton_available()
+
+
 def resolve_backend(
     backend: str,
     device: torch.device,

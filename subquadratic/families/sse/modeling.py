@@ -192,14 +192,14 @@ class SSEAttention(WindowBranch, AttentionBase):
         keep = torch.zeros_like(kf, dtype=torch.bool).scatter(-1, kf.topk(top, dim=-1).indices, True)
         return kf.masked_fill(~keep, float("-inf")).softmax(-1).to(k.dtype)
 
-    def features_take_kernel(self, x: torch.Tensor, xs: tuple[torch.Tensor, ...]) -> bool:
+    def features_take_kernel(self, xs: tuple[torch.Tensor, ...]) -> bool:
         """Whether the GLA base's feature maps and decays run fused (`kernels.sse.features`, the
         values of the PyTorch ops below): the Triton backend on CUDA, inputs it takes (not fp64), no
         `sse_key_topk`. xs: q1, k1, q2, k2, v, the decay projections z1, z2 and the decay biases."""
         cfg = self.config
         top = cfg.sse_key_topk
         return (cfg.kernel_backend in ("auto", "triton") and not (top and top < self.head_dim)
-                and acc_dtype(x) == torch.float32 and sse_gla_features_takes_kernel(*xs))
+                and sse_gla_features_takes_kernel(*xs))
 
     def decays(self, x: torch.Tensor, projected: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -238,7 +238,7 @@ class SSEAttention(WindowBranch, AttentionBase):
         if cfg.sse_base == "gla":
             z1, z2 = self.g1_up(self.g1_down(x)), self.g2_up(self.g2_down(x))
             xs = (q1, k1, q2, k2, v, z1, z2, self.g1_bias, self.g2_bias)
-            if self.features_take_kernel(x, xs):  # CUDA: one kernel forward, one backward
+            if self.features_take_kernel(xs):  # CUDA: one kernel forward, one backward
                 q1, k1, q2, k2, v, g1, g2 = sse_gla_features(*xs, cfg.sse_gate_normalizer, backend="triton")
             else:
                 q1, q2, k1, k2, v = F.silu(q1), F.silu(q2), self.key_map(k1), self.key_map(k2), F.silu(v)

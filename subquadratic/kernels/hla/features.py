@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..triton_utils import TRITON_DTYPES
-from ..utils import triton_available
+from ..utils import fused_kernel
 
 #: The largest head dim the kernel takes (one block per row).
 MAX_DIM = 256
@@ -50,7 +50,7 @@ def hla_features_unsupported(q: Tensor, k: Tensor, v: Tensor) -> str | None:
 def hla_features_takes_kernel(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether `hla_features(..., backend="auto")` runs the Triton kernels: CUDA, Triton installed,
     inputs it takes."""
-    return q.is_cuda and triton_available() and hla_features_unsupported(q, k, v) is None
+    return fused_kernel("auto", q.device, "HLA feature", hla_features_unsupported(q, k, v))
 
 
 def hla_features(q: Tensor, k: Tensor, v: Tensor, scale: float, normalize: bool = True,
@@ -59,12 +59,8 @@ def hla_features(q: Tensor, k: Tensor, v: Tensor, scale: float, normalize: bool 
     dtype's rounding. backend: "auto" runs the Triton kernels on CUDA for inputs they take, else the
     PyTorch form; "triton" the kernels on any device Triton runs on (the CPU interpreter in tests) or
     a ValueError; "torch" the PyTorch form. Differentiable in q, k and v."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
-    why = hla_features_unsupported(q, k, v)
-    if backend == "triton" and why is not None:
-        raise ValueError(f"the HLA feature kernel does not take these inputs: {why}; use backend='auto'")
-    if normalize and (backend == "triton" or (backend == "auto" and hla_features_takes_kernel(q, k, v))):
+    kernel = fused_kernel(backend, q.device, "HLA feature", hla_features_unsupported(q, k, v))
+    if normalize and kernel:
         from .triton_features import HLAFeatures
 
         return HLAFeatures.apply(q, k, v, float(scale))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..triton_utils import TRITON_DTYPES
-from ..utils import acc_dtype, triton_available
+from ..utils import acc_dtype, fused_kernel
 
 #: The largest head dim the kernel takes (one block per row).
 MAX_DIM = 256
@@ -68,7 +68,7 @@ def sse_gla_features_unsupported(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor,
 def sse_gla_features_takes_kernel(*xs: Tensor) -> bool:
     """Whether `sse_gla_features(..., backend="auto")` runs the Triton kernels on these inputs (q1, k1,
     q2, k2, v, z1, z2, bias1, bias2): CUDA, Triton installed, inputs it takes."""
-    return xs[0].is_cuda and triton_available() and sse_gla_features_unsupported(*xs) is None
+    return fused_kernel("auto", xs[0].device, "SSE feature", sse_gla_features_unsupported(*xs))
 
 
 def sse_gla_features(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, z1: Tensor, z2: Tensor,
@@ -80,13 +80,8 @@ def sse_gla_features(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, 
     backend: "auto" runs the Triton kernels on CUDA for inputs they take, else the PyTorch form;
     "triton" the kernels on any device Triton runs on (the CPU interpreter in tests) or a
     ValueError; "torch" the PyTorch form. Differentiable in every tensor."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
     xs = (q1, k1, q2, k2, v, z1, z2, bias1, bias2)
-    why = sse_gla_features_unsupported(*xs)
-    if backend == "triton" and why is not None:
-        raise ValueError(f"the SSE feature kernel does not take these inputs: {why}; use backend='auto'")
-    if backend == "triton" or (backend == "auto" and sse_gla_features_takes_kernel(*xs)):
+    if fused_kernel(backend, q1.device, "SSE feature", sse_gla_features_unsupported(*xs)):
         from .triton_features import SSEFeatures
 
         return SSEFeatures.apply(*xs, float(normalizer))
