@@ -11,7 +11,7 @@ step of a cache built with `fuse=True`; the layer code calls the modules and nev
 runs. A chain that fails to compile warns once and runs eagerly from then on. `recording()` tells
 any layer that it runs inside such a warm-up or recording (fused or not). Outside a captured step,
 RoPE on CUDA can run as one Triton kernel forward and one backward with Transformers' values
-(`kernels.rope`, kernel_backend="triton").
+(`kernels.rope`, kernel_backend "auto" or "triton").
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ class MLP(LlamaMLP):
         return super().forward(x)
 
 
-#: The kernel_backend values whose models take the RoPE kernel (`apply_rope`); "auto" keeps Transformers' form.
-ROPE_KERNEL_BACKENDS = ("triton",)
+#: The kernel_backend values whose models take the RoPE kernel (`apply_rope`); "torch" keeps Transformers' form.
+ROPE_KERNEL_BACKENDS = ("auto", "triton")
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "torch"):

@@ -1,5 +1,6 @@
 """The check the fused-kernel tests share: a model's logits and parameter gradients with a kernel
-forced on (as on CUDA; on the CPU under the interpreter) equal those of its PyTorch form."""
+forced on equal those of its PyTorch form (on a GPU where there is one, else on the CPU under the
+interpreter)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ def perturb(model) -> None:
 def forced_kernel_matches(model, monkeypatch, gates: list[tuple[object, str, object]], fn_owner, fn_name: str) -> int:
     """Run `model` on fixed ids with labels (forward and backward) as it is, then with each
     (module, name, predicate) of `gates` patched in (the kernel taken) and `fn_owner.fn_name`
-    counted; assert the logits and every parameter gradient agree. Returns the kernel's calls."""
-    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    counted; assert the logits and every parameter gradient agree. Returns the kernel's calls. The
+    model moves to the GPU where there is one (the kernels need CUDA tensors without the interpreter)."""
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0)).to(model.device)
     results, calls, real = [], [], getattr(fn_owner, fn_name)
     for forced in (False, True):
         if forced:

@@ -104,7 +104,7 @@ def test_bf16_real_shapes_on_gpu():
 @pytest.mark.parametrize("family", ["hla", "sse"])
 def test_mixers_take_the_kernel_with_the_values_and_gradients_of_their_pytorch_form(family, monkeypatch, one_thread):
     """HLA's and SSE's output norm and gate through the kernel (as on CUDA for several tokens; here
-    forced on the CPU under the interpreter): the logits and gradients of the PyTorch form, and the
+    forced, on a GPU or under the interpreter): the logits and gradients of the PyTorch form, and the
     kernel runs once per layer and forward."""
     from subquadratic import HLAForCausalLM
     from subquadratic.families.hla import modeling as hla_modeling

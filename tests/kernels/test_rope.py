@@ -90,7 +90,7 @@ def test_dispatch():
 @pytest.mark.parametrize("preset", ["tiny-swa", "tiny-h"])
 def test_models_take_the_kernel_with_the_values_and_gradients_of_transformers(preset, monkeypatch, one_thread):
     """A model's RoPE through the kernel (as on CUDA with a kernel_backend in ROPE_KERNEL_BACKENDS;
-    here forced on the CPU under the interpreter): the logits and every parameter's gradient of
+    here forced, on a GPU or under the interpreter): the logits and every parameter's gradient of
     Transformers' form, and kernel_backend="torch" keeps that form."""
     from subquadratic.kernels import rope as rope_module
     from subquadratic.kernels import triton_rope
@@ -105,4 +105,4 @@ def test_models_take_the_kernel_with_the_values_and_gradients_of_transformers(pr
     model.config.kernel_backend = "torch"
     with monkeypatch.context() as m:
         m.setattr(triton_rope.Rope, "apply", lambda *a: pytest.fail("the kernel ran with kernel_backend='torch'"))
-        model(torch.randint(3, 128, (1, 9)), use_cache=False)
+        model(torch.randint(3, 128, (1, 9), device=model.device), use_cache=False)

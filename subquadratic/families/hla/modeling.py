@@ -36,8 +36,8 @@ from ...modeling.window import WINDOW_FIELDS, WindowBranch
 from .configuration import HLAConfig
 
 #: The kernel_backend values whose HLA layers take the fused q / k / v kernel (`kernels.hla.features`);
-#: "auto" keeps the PyTorch ops.
-FEATURE_KERNEL_BACKENDS = ("triton",)
+#: "torch" keeps the PyTorch ops.
+FEATURE_KERNEL_BACKENDS = ("auto", "triton")
 
 
 class HLALayer(RecurrentLayer):

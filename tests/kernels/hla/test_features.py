@@ -86,7 +86,7 @@ def test_dispatch():
 def test_the_mixer_takes_the_kernel_with_the_values_and_gradients_of_its_pytorch_form(window, monkeypatch,
                                                                                       one_thread):
     """HLA's q / k normalisation and repeat through the kernel (as on CUDA with a kernel_backend in
-    FEATURE_KERNEL_BACKENDS; here forced on the CPU under the interpreter): the logits and every
+    FEATURE_KERNEL_BACKENDS; here forced, on a GPU or under the interpreter): the logits and every
     parameter's gradient of the PyTorch ops, the kernel once per HLA layer and forward."""
     from subquadratic import HLAForCausalLM
     from subquadratic.families.hla import modeling as hla_modeling

@@ -145,7 +145,7 @@ def test_bf16_real_shapes_on_gpu():
 @pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
 def test_the_mixer_takes_the_kernel_with_the_values_and_gradients_of_its_pytorch_form(preset, monkeypatch,
                                                                                       one_thread):
-    """SSE's feature maps and decays through the kernel (as on CUDA; here forced on the CPU under the
+    """SSE's feature maps and decays through the kernel (as on CUDA; here forced, on a GPU or under the
     interpreter): the logits and every parameter's gradient of the PyTorch ops, the kernel once per
     SSE layer and forward, and `sse_key_topk` keeps the PyTorch ops."""
     from subquadratic.families.sse import modeling as sse_modeling
@@ -163,4 +163,4 @@ def test_the_mixer_takes_the_kernel_with_the_values_and_gradients_of_its_pytorch
     model.config.sse_key_topk = 4
     with monkeypatch.context() as m:
         m.setattr(triton_features.SSEFeatures, "apply", lambda *a: pytest.fail("the kernel ran with sse_key_topk"))
-        model(torch.randint(3, 128, (1, 9)), use_cache=False)
+        model(torch.randint(3, 128, (1, 9), device=model.device), use_cache=False)
