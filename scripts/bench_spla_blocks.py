@@ -9,7 +9,7 @@ inversion of it is).
   python scripts/bench_spla_blocks.py [--T 32768 65536] [--real FILE] [--sweep [0,1,...]] [--atomics] [--out r.json]
   python scripts/bench_spla_blocks.py --quick        # CPU smoke run in the Triton interpreter
 
-Inputs, B1 HQ32 H8 d128 bf16, 16 blocks of 64 per token (1 sink + 2 local + 13 chosen):
+Inputs, B1 HQ32 H8 d128 (--D) bf16, 16 blocks of 64 per token (1 sink + 2 local + 13 chosen):
   iid   random selections: the forced blocks plus distinct uniformly random past blocks (what a
         random-weight model on random tokens selects: an 8-token tile's union covers nearly every block);
   sel   `select_indices_fast` (the package's selection) on random q, k;
@@ -18,9 +18,10 @@ Inputs, B1 HQ32 H8 d128 bf16, 16 blocks of 64 per token (1 sink + 2 local + 13 c
 Each row prints the mean block union of the tile form's query tiles (training rows / inference rows),
 the (token, block) pairs, and the block-major form's counted floors (tensor-core flops of its dots,
 HBM bytes of its inputs and outputs, fp32 atomic adds); "check" compares its values and gradients
-with the per-token kernels'. --sweep times block-major launch plans (rows, warps, window, sort) on the
-first iid case. A summary table comes last; --out writes every row as JSON. docs/benchmarks.md
-holds the run of 2026-12-01 ("SPLA sparse branch, block-major kernels").
+with the per-token kernels'. --sweep times block-major launch plans (forward form, partials, rows,
+warps, window, sort) on the first iid case, the forward with and without the residual term. A
+summary table comes last; --out writes every row as JSON. docs/benchmarks.md holds the run of
+2026-12-01 ("SPLA sparse branch, block-major kernels").
 """
 
 from __future__ import annotations
@@ -240,7 +241,8 @@ def run_case(label, q, k, v, idx, bs, quick, plan=None, check=True) -> dict:
 
 
 def stages(q, k, v, idx, qpos, koff, bs, plan, g1, g2) -> dict:
-    """ms of the block-major form's pieces: the inversion (both sorts), each forward pass, the backward."""
+    """ms of the block-major form's pieces: the inversion (both sorts), the split forward (its pass and
+    combine), each pass of the atomic forward, the backward."""
     from subquadratic.kernels.spla import triton_blocks
     from subquadratic.kernels.spla.triton_blocks_bwd import blocks_sparse_backward
 
@@ -253,6 +255,8 @@ def stages(q, k, v, idx, qpos, koff, bs, plan, g1, g2) -> dict:
     nsel, G = idx.shape[-1], q.shape[1] // k.shape[1]
     out["st_segments"] = timed(lambda: triton_blocks.segments(bp, plan.seg_pairs(G)), False)
     launch = triton_blocks._launch(q, k, bp, nsel, bs, plan, False)
+    out["st_split"] = timed(lambda: triton_blocks.split_pass(q, k, v, bp, qpos, koff, nsel, True, bs, plan, False,
+                                                             launch), False)
     out["st_pass1"] = timed(lambda: triton_blocks.lse_pass(q, k, bp, qpos, koff, nsel, bs, plan, False, launch), False)
     lse = triton_blocks.lse_pass(q, k, bp, qpos, koff, nsel, bs, plan, False, launch)
     out["st_pass2"] = timed(lambda: triton_blocks.out_pass(q, k, v, bp, qpos, koff, lse, nsel, True, bs, plan, False,
@@ -296,7 +300,8 @@ def make_qkv(B, T, HQ, H, D, seed, dtype=torch.bfloat16):
 
 
 #: Block-major plans that --sweep times (overrides of the default `blocks_plan`), most telling first.
-SWEEP = [dict(), dict(window=4096, seg_chunks=16, bwd_seg_chunks=16), dict(window=16384),
+SWEEP = [dict(), dict(forward="atomic"), dict(partials="bf16"), dict(window=4096, seg_chunks=16, bwd_seg_chunks=16),
+         dict(window=16384),
          dict(seg_chunks=64, bwd_seg_chunks=64), dict(bwd_seg_chunks=16), dict(atomics="scalar"),
          dict(bwd="split"), dict(bwd_rows=64, bwd_warps=8), dict(rows=128, warps=8), dict(dkdv_keys=32),
          dict(sort="count")]
@@ -317,9 +322,9 @@ def sweep(q, k, v, idx, bs, quick, which: str = "all") -> list[dict]:
     for over in plans[:2] if quick else plans:
         plan = triton_blocks.blocks_plan(G, D, DEV, **over)
 
-        def fwd(plan=plan):
+        def fwd(plan=plan, rla=True):
             with torch.no_grad():
-                triton_blocks.blocks_sparse_attention(q, k, v, idx, qpos, koff, True, bs, plan=plan)
+                triton_blocks.blocks_sparse_attention(q, k, v, idx, qpos, koff, rla, bs, plan=plan)
 
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
@@ -328,6 +333,8 @@ def sweep(q, k, v, idx, bs, quick, which: str = "all") -> list[dict]:
             torch.autograd.backward([o, ot], [g1, g2])
 
         r = dict(plan=over or "default", fwd=attempt(f"sweep {over} fwd", lambda fwd=fwd: timed(fwd, quick)),
+                 fwd_sparse_only=attempt(f"sweep {over} fwd without the residual term",
+                                         lambda fwd=fwd: timed(lambda: fwd(rla=False), quick)),
                  fb=attempt(f"sweep {over} fwd+bwd", lambda fb=fb: timed(fb, quick)))
         print(f"sweep T={T} {json.dumps(r)}", flush=True)
         rows.append(r)
@@ -381,6 +388,7 @@ def main() -> None:
     ap.add_argument("--real", default=None, help="a scripts/dump_spla_inputs.py file: time every layer of it")
     ap.add_argument("--sweep", nargs="?", const="all", default=None,
                     help="time block-major launch plans (SWEEP, or a comma list of its indices) on the first iid case")
+    ap.add_argument("--D", type=int, default=128, help="head dim (Llama-3.2-1B: 64)")
     ap.add_argument("--no-check", action="store_true", help="skip the values/gradients comparison")
     ap.add_argument("--atomics", action="store_true", help="measure the fp32 atomic-add rate first")
     ap.add_argument("--out", default=None, help="write the rows as JSON")
@@ -392,7 +400,7 @@ def main() -> None:
     if quick:
         B, HQ, H, D, bs, top, Ts, dtype = 1, 4, 2, 16, 16, 3, args.T or [36], torch.float32
     else:
-        B, HQ, H, D, bs, top, Ts, dtype = 1, 32, 8, 128, 64, 16, args.T or [32768, 65536], torch.bfloat16
+        B, HQ, H, D, bs, top, Ts, dtype = 1, 32, 8, args.D, 64, 16, args.T or [32768, 65536], torch.bfloat16
     rows, sweeps = [], []
     probes = attempt("atomics probe", lambda: atomics_probe(quick), []) if args.atomics else []
     for T in Ts:
@@ -414,7 +422,8 @@ def main() -> None:
     print(json.dumps(meta))
     if sweeps:
         print("\nblock-major plans (first iid case), ms: " + "; ".join(
-            f"{s['plan']}: fwd {s['fwd']:.3f} fwd+bwd {s['fb']:.3f}" for s in sweeps))
+            f"{s['plan']}: fwd {s['fwd']:.3f} (without the residual term {s['fwd_sparse_only']:.3f}) "
+            f"fwd+bwd {s['fb']:.3f}" for s in sweeps))
     summary(rows)
     if args.out:
         with open(args.out, "w") as f:

@@ -18,12 +18,22 @@ segments find a count of 0 and exit.
 
 One program per segment loads its block's K (and V, phi(k)) tile once and walks its pairs in chunks
 of BMQ tokens, the G query heads of each token as rows (BMQ * G <= `rows`, unpadded, so tl.dot sees
-about `rows` rows whatever G is):
-  pass 1 (`blocks_lse_kernel`): S = q k^T * scale with the causal mask (only where the block is the
-    token's current one), the log-sum-exp of each (token, head, slot) into [B, T, H, NSEL, G]; the
-    log-sum-exp per (token, head) over the slots is one torch.logsumexp;
-  pass 2 (`blocks_out_kernel`): P = exp(S - lse) (already normalised), O += P V and, with the
-    residual term, otilde += (phi(q) phi(k)^T, causal-masked) V, added with fp32 atomics.
+about `rows` rows whatever G is). The forward has two forms (`BlocksPlan.forward`):
+  "split" (the default; flash-decoding's split over the slots): one pass (`blocks_split_kernel`)
+    computes S = q k^T * scale with the causal mask (only where the block is the token's current
+    one) once, and stores each (token, head, slot)'s softmax over its block, O_i = softmax(S) V,
+    with its log-sum-exp lse_i (and, with the residual term, its otilde_i = (phi(q) phi(k)^T,
+    causal-masked) V), plain stores into [B, T, H, NSEL, G, D] partials; a combine
+    (`blocks_combine_kernel`, one program per (token, KV head)) gives O = sum_i exp(lse_i - lse) O_i,
+    lse = logsumexp_i lse_i, otilde = sum_i otilde_i. Its partials cost T x HQ x NSEL x D values
+    (in 16-bit inputs' dtype, else fp32: `BlocksPlan.partials`), written once and read once; past
+    SPLIT_BYTES of them (very long calls) the forward takes the atomic form. On the H200 at 16k
+    (HQ32 H8 d64, 19 slots, bf16) the split form with bf16 partials took 1.87 ms without the residual
+    term and 3.99 with it, against the atomic form's 2.27 and 4.23 (fp32 partials: 2.18 and 4.88);
+  "atomic": pass 1 (`blocks_lse_kernel`) the log-sum-exp of each (token, head, slot) into
+    [B, T, H, NSEL, G] and one torch.logsumexp over the slots; pass 2 (`blocks_out_kernel`) the
+    scores again, P = exp(S - lse) (already normalised), O += P V and otilde += (phi(q) phi(k)^T) V
+    added with fp32 atomics: no partials, the scores computed twice.
 The backward (`triton_blocks_bwd`) walks the same segments: dq with atomics per chunk, dk and dv
 accumulated per segment.
 
@@ -52,13 +62,13 @@ from typing import NamedTuple
 
 import torch
 
-from ..utils import import_triton
+from ..utils import import_triton, new_output
 from .triton_common import NEG, softmax_rows
 
 triton, tl = import_triton()
 
 __all__ = ["BlockPairs", "BlocksPlan", "BlocksSparseAttention", "block_pairs", "blocks_plan",
-           "blocks_sparse_attention", "blocks_sparse_forward", "lse_pass", "out_pass", "segments"]
+           "blocks_sparse_attention", "blocks_sparse_forward", "lse_pass", "out_pass", "segments", "split_pass"]
 
 
 @dataclass(frozen=True)
@@ -76,8 +86,10 @@ class BlocksPlan:
     of dq_keys keys of the block, then dk/dv of both branches over parts of dkdv_keys keys) or
     "split3" (the same with dk/dv of each branch in a launch of its own: fewer registers);
     atomics: how rows are added to O, otilde, dq, dk, dv (`_add_rows`): "scalar", "v4" (sm_90 vector
-    reductions) or "v4-split" (v4's column split with scalar atomics, for the interpreter). The
-    defaults are `blocks_plan`'s at d128."""
+    reductions) or "v4-split" (v4's column split with scalar atomics, for the interpreter); forward:
+    "split" (one pass storing per-slot partials, then a combine) or "atomic" (two passes, O added with
+    atomics; module docstring); partials: the split form's partial dtype, "input" (the inputs' dtype
+    where it has 16 bits, else fp32), "fp32" or "bf16". The defaults are `blocks_plan`'s at d128."""
 
     rows: int = 64
     bwd_rows: int = 32
@@ -96,6 +108,8 @@ class BlocksPlan:
     dkdv_keys: int = 64
     dq_keys: int = 64
     atomics: str = "scalar"
+    forward: str = "split"
+    partials: str = "input"
 
     def tokens(self, G: int, backward: bool = False) -> int:
         """Tokens of one chunk: rows // G, at least 1."""
@@ -113,6 +127,11 @@ ATOMIC_MODES = {"scalar": 0, "v4": 1, "v4-split": 2}
 #: otilde): the default window holds that much, under the H200's 50 MB of L2 (8192 tokens at G4 d128;
 #: 4096 and 16384 measured slower at 32k).
 WINDOW_BYTES = 32 << 20
+
+#: The most bytes of per-slot partials (O_i and otilde_i) the split forward allocates; a call that
+#: needs more takes the atomic form (at d64 with 19 slots, bf16, no residual term: 32k tokens x 32
+#: heads need 2.5 GB, 128k 10 GB).
+SPLIT_BYTES = 4 << 30
 
 
 def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True, *,
@@ -151,6 +170,10 @@ def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True
         raise ValueError(f"atomics must be one of {sorted(ATOMIC_MODES)}, got {plan.atomics!r}")
     if plan.bwd not in ("split", "split3"):
         raise ValueError(f"bwd must be 'split' or 'split3', got {plan.bwd!r}")
+    if plan.forward not in ("split", "atomic"):
+        raise ValueError(f"forward must be 'split' or 'atomic', got {plan.forward!r}")
+    if plan.partials not in ("input", "fp32", "bf16"):
+        raise ValueError(f"partials must be 'input', 'fp32' or 'bf16', got {plan.partials!r}")
     for name in ("rows", "bwd_rows", "lse_rows", "dkdv_keys", "dq_keys"):
         n = getattr(plan, name)
         if n < 16 or n & (n - 1):
@@ -244,10 +267,47 @@ def block_pairs(idx: torch.Tensor, qpos: torch.Tensor, num_blocks: int, block_si
     return BlockPairs(pairs, starts, window, NW, NB)
 
 
+@triton.jit
+def segments_kernel(STARTS, SEG_KEY, SEG_FIRST, SEG_COUNT, NK, NSEG, SEG: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: each key's run of pairs (STARTS [NK + 1]) cut into segments of at most SEG pairs,
+    numbered in key order (an exclusive cumsum of the per-key segment counts, carried over tiles of
+    BLOCK keys); the entries past the real segments get the last key, first 0 and count 0."""
+    carry = tl.zeros([], tl.int32)
+    for k0 in range(0, NK, BLOCK):
+        key = k0 + tl.arange(0, BLOCK)
+        ok = key < NK
+        start = tl.load(STARTS + key, mask=ok, other=0)
+        count = tl.load(STARTS + key + 1, mask=ok, other=0) - start
+        nseg = (count + SEG - 1) // SEG
+        base = carry + tl.cumsum(nseg, 0) - nseg
+        for j in range(0, tl.max(nseg, 0)):
+            w = ok & (j < nseg)
+            tl.store(SEG_KEY + base + j, key, mask=w)
+            tl.store(SEG_FIRST + base + j, start + j * SEG, mask=w)
+            tl.store(SEG_COUNT + base + j, tl.minimum(count - j * SEG, SEG), mask=w)
+        carry += tl.sum(nseg, 0)
+    for s0 in range(carry, NSEG, BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        w = s < NSEG
+        tl.store(SEG_KEY + s, tl.full([BLOCK], 0, tl.int32) + NK - 1, mask=w)
+        tl.store(SEG_FIRST + s, tl.zeros([BLOCK], tl.int32), mask=w)
+        tl.store(SEG_COUNT + s, tl.zeros([BLOCK], tl.int32), mask=w)
+
+
 def segments(bp: BlockPairs, seg_pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each key's run of pairs cut into segments of at most `seg_pairs`: (key, first sorted position,
     count) int32, each [NSEG] with NSEG = ceil(P / seg_pairs) + NK (a bound from shapes); entries past
-    the real segments have count 0."""
+    the real segments have count 0. One launch (`segments_kernel`); `segments_reference` is its
+    PyTorch form."""
+    NK = bp.starts.numel() - 1
+    NSEG = triton.cdiv(bp.pairs.numel(), seg_pairs) + NK
+    out = [new_output((NSEG,), bp.starts.device, torch.int32) for _ in range(3)]
+    segments_kernel[(1,)](bp.starts, *out, NK, NSEG, SEG=seg_pairs, BLOCK=1024)
+    return tuple(out)
+
+
+def segments_reference(bp: BlockPairs, seg_pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`segments` in PyTorch ops (the test's oracle)."""
     starts = bp.starts.long()
     NK = starts.numel() - 1
     P = bp.pairs.numel()
@@ -261,7 +321,7 @@ def segments(bp: BlockPairs, seg_pairs: int) -> tuple[torch.Tensor, torch.Tensor
     j = s - (cum[kc] - nseg[kc])  # segment number within its key
     first = starts[kc] + j * seg_pairs
     count = torch.where(key < NK, (counts[kc] - j * seg_pairs).clamp(0, seg_pairs), 0)
-    return kc.to(torch.int32), first.to(torch.int32), count.to(torch.int32)
+    return kc.to(torch.int32), torch.where(key < NK, first, 0).to(torch.int32), count.to(torch.int32)
 
 
 @triton.jit
@@ -424,6 +484,78 @@ def blocks_out_kernel(
             _add_rows(OT, row, _dot(a, v, F32, PREC), ok, D, ATOMICS)
 
 
+@triton.jit
+def blocks_split_kernel(
+    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE_SLOT, PART, PART_T,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    T, H, NW, NB, NSEL, S, scale,
+    G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+):
+    """The split forward's one pass, one segment: for each (token, head, slot) row e * G + g its
+    block's softmax output O_i = softmax(S) V into PART, its log-sum-exp into LSE_SLOT and, with
+    USE_RLA, otilde_i = (phi(q) phi(k)^T masked) V into PART_T (PART, PART_T: [B, T, H, NSEL, G, D];
+    rows of pairs without a causal key are left as they are)."""
+    b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
+        SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+        stride_vs, NW, NB, H, S, BS, BS, D)
+    kt = tl.trans(k)
+    if USE_RLA:
+        phikt = tl.trans(softmax_rows(k).to(k.dtype))
+    d = tl.arange(0, D)
+    for c0 in range(0, count, BMQ):
+        e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        q, _ = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
+        mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
+        sc = tl.where(mask, _dot(q, kt, F32, PREC) * scale, NEG)
+        mx = tl.max(sc, 1)
+        p = tl.where(mask, tl.exp(sc - mx[:, None]), 0.0)
+        lsum = tl.maximum(tl.sum(p, 1), 1e-30)
+        prow = e.to(tl.int64) * G + g
+        tl.store(LSE_SLOT + prow, mx + tl.log(lsum), mask=ok)
+        o = _dot(p, v, F32, PREC) / lsum[:, None]
+        tl.store(PART + prow[:, None] * D + d[None, :], o.to(PART.dtype.element_ty), mask=ok[:, None])
+        if USE_RLA:
+            a = tl.where(mask, _dot(softmax_rows(q), phikt, F32, PREC), 0.0)
+            ot = _dot(a, v, F32, PREC)
+            tl.store(PART_T + prow[:, None] * D + d[None, :], ot.to(PART_T.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def blocks_combine_kernel(LSE_SLOT, PART, PART_T, OUT, OT, LSE, NSEL,
+                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, USE_RLA: tl.constexpr):
+    """The split forward's combine, one (token, KV head) (b * T + t) * H + h: its G rows over the NSEL
+    slots, O = sum_i exp(lse_i - lse) O_i, lse = logsumexp_i lse_i (0 and O = 0 where no slot holds a
+    causal key: lse_i = -inf), otilde = sum_i otilde_i; partials of such slots are never read."""
+    pid = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, GP)
+    gok = g < G
+    d = tl.arange(0, D)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    for i in range(NSEL):
+        m = tl.maximum(m, tl.load(LSE_SLOT + (pid * NSEL + i) * G + g, mask=gok, other=float("-inf")))
+    has = m > float("-inf")
+    m = tl.where(has, m, 0.0)
+    acc = tl.zeros([GP, D], tl.float32)
+    acc_t = tl.zeros([GP, D], tl.float32)
+    lsum = tl.zeros([GP], tl.float32)
+    for i in range(NSEL):
+        row = (pid * NSEL + i) * G + g
+        ls = tl.load(LSE_SLOT + row, mask=gok, other=float("-inf"))
+        valid = ls > float("-inf")
+        w = tl.where(valid, tl.exp(ls - m), 0.0)
+        x = tl.load(PART + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        acc += w[:, None] * x
+        lsum += w
+        if USE_RLA:
+            acc_t += tl.load(PART_T + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    out = pid * G + g  # (b * T + t) * HQ + h * G + g
+    tl.store(OUT + out[:, None] * D + d[None, :], acc / tl.maximum(lsum, 1e-30)[:, None], mask=gok[:, None])
+    tl.store(LSE + out, tl.where(has, m + tl.log(tl.maximum(lsum, 1e-30)), 0.0), mask=gok)
+    if USE_RLA:
+        tl.store(OT + out[:, None] * D + d[None, :], acc_t, mask=gok[:, None])
+
+
 def _operands(q, k, v):
     """Kernel operands: unit stride in D; fp64 (tests) runs in fp32. Returns (q, k, v, F32)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -502,6 +634,49 @@ def out_pass(q, k, v, pairs: BlockPairs, qpos, koff, lse, nsel: int, use_rla: bo
     return o, (ot if use_rla else None)
 
 
+def partial_dtype(q: torch.Tensor, plan: BlocksPlan) -> torch.dtype:
+    """The split forward's partial dtype for the inputs q (`BlocksPlan.partials`)."""
+    if plan.partials == "input":
+        return q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return torch.bfloat16 if plan.partials == "bf16" else torch.float32
+
+
+def split_bytes(q, k, nsel: int, use_rla: bool, plan: BlocksPlan) -> int:
+    """Bytes of the split forward's partials for q [B, HQ, T, D] with nsel slots."""
+    B, HQ, T, D = q.shape
+    per = partial_dtype(q, plan).itemsize
+    return B * T * HQ * nsel * D * per * (2 if use_rla else 1)
+
+
+def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool, block_size: int,
+               plan: BlocksPlan, f32: bool, launch=None):
+    """The split forward (module docstring): (o_sp, otilde or None, lse) [B, T, HQ, D] / [B, T, HQ]
+    fp32 from one pass storing per-slot partials (`plan.partials`' dtype) and their combine."""
+    B, HQ, T, D = q.shape
+    H = k.shape[1]
+    G = HQ // H
+    grid, seg, common, _, meta = launch or _launch(q, k, pairs, nsel, block_size, plan, f32)
+    meta = {n: x for n, x in meta.items() if n != "ATOMICS"}
+    dev = q.device
+    pdtype = partial_dtype(q, plan)
+    lse_slot = torch.full((B, T, H, nsel, G), float("-inf"), device=dev, dtype=torch.float32)
+    part = new_output((B, T, H, nsel, G, D), dev, pdtype)
+    part_t = new_output((B, T, H, nsel, G, D), dev, pdtype) if use_rla else part
+    blocks_split_kernel[grid](
+        q, k, v, *seg, qpos, koff, row_max(qpos), lse_slot, part, part_t,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *common, USE_RLA=use_rla, **meta,
+    )
+    o = new_output((B, T, HQ, D), dev)
+    ot = new_output((B, T, HQ, D), dev) if use_rla else o
+    lse = new_output((B, T, HQ), dev)
+    if B * T * H:
+        blocks_combine_kernel[(B * T * H,)](lse_slot, part, part_t, o, ot, lse, nsel, G=G,
+                                            GP=triton.next_power_of_2(G), D=D, USE_RLA=use_rla,
+                                            num_warps=4 if G * D >= 1024 else 2)
+    return o, (ot if use_rla else None), lse
+
+
 def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: int, plan: BlocksPlan | None = None,
                           pairs: BlockPairs | None = None):
     """The sparse branch and the correction over the selected pairs (module docstring), same operands
@@ -518,6 +693,9 @@ def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: i
         pairs = block_pairs(idx, qpos, triton.cdiv(S, block_size), block_size, plan.window, plan.sort)
     nsel = idx.shape[-1]
     launch = _launch(q, k, pairs, nsel, block_size, plan, f32)
+    if plan.forward == "split" and split_bytes(q, k, nsel, use_rla, plan) <= SPLIT_BYTES:
+        o, ot, lse = split_pass(q, k, v, pairs, qpos, koff, nsel, use_rla, block_size, plan, f32, launch)
+        return o, ot, lse, pairs
     lse = lse_pass(q, k, pairs, qpos, koff, nsel, block_size, plan, f32, launch)
     o, ot = out_pass(q, k, v, pairs, qpos, koff, lse, nsel, use_rla, block_size, plan, f32, launch)
     return o, ot, lse, pairs

@@ -140,6 +140,9 @@ def test_pairs_and_segments_invert_the_selection(sort):
         if sort == "count":
             got = sorted(got)
         assert got == want.get(key, []), key
+    for n in (1, 3, 64):  # the kernel equals its PyTorch form (one segment a pair .. one a key)
+        for a, b in zip(triton_blocks.segments(bp, n), triton_blocks.segments_reference(bp, n), strict=True):
+            assert a.dtype == torch.int32 and torch.equal(a, b), n
     seg_pairs = 5
     key, first, count = (x.tolist() for x in triton_blocks.segments(bp, seg_pairs))
     covered = []
@@ -149,6 +152,21 @@ def test_pairs_and_segments_invert_the_selection(sort):
             assert starts[kk] <= f and f + c <= starts[kk + 1]
             covered += range(f, f + c)
     assert sorted(covered) == list(range(starts[-1]))  # every valid pair in exactly one segment
+
+
+def test_segments_over_many_keys():
+    """More keys than one tile of the segment kernel (the running count carried over tiles), runs of
+    0 .. 40 pairs, one key with thousands (a sink block): the kernel equals its PyTorch form."""
+    g = torch.Generator().manual_seed(5)
+    counts = torch.randint(0, 41, (2500,), generator=g)
+    counts[1700] = 5000
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).to(DEV)
+    bp = triton_blocks.BlockPairs(torch.arange(int(starts[-1]), dtype=torch.int32, device=DEV), starts, 16, 1, 2500)
+    for n in (7, 32):
+        got, want = triton_blocks.segments(bp, n), triton_blocks.segments_reference(bp, n)
+        assert int((got[2] > 0).sum()) == int(((counts + n - 1) // n).sum())
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), n
 
 
 def run(case, grad, *, plan_kw=TINY, dtype=torch.float32, seed=None):
@@ -163,9 +181,11 @@ def run(case, grad, *, plan_kw=TINY, dtype=torch.float32, seed=None):
     return ins, want, outs, got, (idx, qpos, koff, use_rla, bs)
 
 
+@pytest.mark.parametrize("forward", ["split", "atomic"])
 @pytest.mark.parametrize("case,atomics", [(c, "scalar") for c in CASES] + [(CASES[1], "v4-split")])
-def test_forward_matches_definition(case, atomics):
-    _, want, _, got, _ = run(case, False, plan_kw=dict(TINY, atomics=atomics))
+def test_forward_matches_definition(case, atomics, forward):
+    """Both forward forms: one pass of per-slot partials and their combine, or two passes with atomics."""
+    _, want, _, got, _ = run(case, False, plan_kw=dict(TINY, atomics=atomics, forward=forward))
     assert (got[1] is None) == (want[1] is None)
     for name, a, b in zip(["o_sp", "otilde"], got, want, strict=True):
         if b is not None:
@@ -176,7 +196,7 @@ def test_forward_matches_definition(case, atomics):
 BWD = [(c, {}) for c in CASES[:4] + CASES[5:]] + [  # (case, plan overrides of TINY)
     (CASES[0], dict(bwd="split")), (CASES[4], dict(bwd="split")), (CASES[6], dict(bwd="split", dq_keys=16)),
     (CASES[2], dict(atomics="v4-split")), (CASES[3], dict(bwd="split", atomics="v4-split")),
-    (CASES[5], dict(bwd="split", window=8))]
+    (CASES[5], dict(bwd="split", window=8)), (CASES[0], dict(forward="atomic")), (CASES[4], dict(forward="atomic"))]
 
 
 @pytest.mark.parametrize("case,over", BWD)
@@ -188,6 +208,29 @@ def test_backward_matches_definition(case, over):
     for name, a, b in zip(["dq", "dk", "dv"], outs, ins, strict=True):
         assert a.grad.shape == a.shape and torch.isfinite(a.grad).all(), name
         assert rel(a.grad, b.grad) <= 1e-5, (name, rel(a.grad, b.grad))
+
+
+def test_split_forward_past_its_budget_takes_the_atomic_form(monkeypatch):
+    """A call whose partials would pass SPLIT_BYTES runs the two atomic passes (same values)."""
+    calls = []
+    real = triton_blocks.lse_pass
+    monkeypatch.setattr(triton_blocks, "lse_pass", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    kw = dict(TINY, precision="ieee")
+    _, want, _, got, _ = run(CASES[0], False, plan_kw=kw)
+    assert not calls and rel(got[0], want[0]) <= 1e-5
+    monkeypatch.setattr(triton_blocks, "SPLIT_BYTES", 0)
+    _, want, _, got, _ = run(CASES[0], False, plan_kw=kw)
+    assert calls and rel(got[0], want[0]) <= 1e-5 and rel(got[1], want[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[5]])
+def test_bf16_partials(case):
+    """Partials stored in bf16: the fp64 definition to bf16's rounding (each slot's O_i and otilde_i
+    rounded once), fp32 outputs."""
+    _, want, _, got, _ = run(case, False, plan_kw=dict(TINY, partials="bf16"))
+    for a, b in zip(got, want, strict=True):
+        if b is not None:
+            assert a.dtype == torch.float32 and 1e-5 < rel(a, b) <= 1e-2, rel(a, b)
 
 
 def test_fp64_inputs_run_in_fp32_and_return_fp64_gradients():
@@ -245,6 +288,13 @@ def test_bad_inputs_are_refused_with_a_reason():
         triton_blocks.blocks_plan(2, 16, DEV, atomics="v8")
     with pytest.raises(ValueError, match="bwd must be"):
         triton_blocks.blocks_plan(2, 16, DEV, bwd="fused")
+    with pytest.raises(ValueError, match="forward must be"):
+        triton_blocks.blocks_plan(2, 16, DEV, forward="fused")
+    with pytest.raises(ValueError, match="partials must be"):
+        triton_blocks.blocks_plan(2, 16, DEV, partials="fp8")
+    assert triton_blocks.partial_dtype(q.bfloat16(), triton_blocks.blocks_plan(2, 16, DEV)) == torch.bfloat16
+    assert triton_blocks.partial_dtype(q.half(), triton_blocks.blocks_plan(2, 16, DEV)) == torch.float16
+    assert triton_blocks.partial_dtype(q, triton_blocks.blocks_plan(2, 16, DEV)) == torch.float32
     with pytest.raises(ValueError, match="rows must be a power of two"):
         triton_blocks.blocks_plan(2, 16, DEV, rows=48)
 
