@@ -136,15 +136,14 @@ SPLIT_BYTES = 4 << 30
 
 def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True, *,
                 precision: str | None = None, dtype: torch.dtype = torch.bfloat16, **overrides) -> BlocksPlan:
-    """The launch settings for a GQA group of G heads of dimension D, chosen where the kernels
-    compile for sm_90 without register spills (or with the fewest) and measured fastest on the H200
-    (scripts/bench_spla_blocks.py --sweep): see the defaults below. Vector atomics ("v4") on sm_90
-    and later (the same adds per second as scalar ones, fewer instructions and registers: 13.1
-    against 13.8 ms forward at 32k); a window of WINDOW_BYTES of output rows per KV head (a power of two in [256,
-    16384]); `precision` of fp32 dots: "tf32" on CUDA, "ieee" elsewhere (the CPU interpreter, where
-    the fp64-oracle tests run); fp32 operands (`dtype` fp32 or fp64) at d256 take the backward kernels
-    over half blocks (the shared memory of whole ones is over the H200's 227 KB). `overrides`: any field
-    of `BlocksPlan`."""
+    """The launch settings for a GQA group of G heads of dimension D, chosen where the kernels compile for sm_90
+    without register spills (or with the fewest) and measured fastest on the H200 (scripts/bench_spla_blocks.py
+    --sweep): see the defaults below. Vector atomics ("v4") on sm_90 and later (the same adds per second as
+    scalar ones, fewer instructions and registers: 13.1 against 13.8 ms forward at 32k), scalar ones for tiles
+    smaller than the threads (`_v4_covers`); a window of WINDOW_BYTES of output rows per KV head (a power of two
+    in [256, 16384]); `precision` of fp32 dots: "tf32" on CUDA, "ieee" elsewhere (the CPU interpreter, where the
+    fp64-oracle tests run); fp32 operands (`dtype` fp32 or fp64) at d256 take the backward kernels over half
+    blocks (the shared memory of whole ones is over the H200's 227 KB). `overrides`: any field of `BlocksPlan`."""
     device = torch.device(device)
     if precision is None:
         precision = "tf32" if device.type == "cuda" else "ieee"
@@ -162,6 +161,8 @@ def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True
     if dtype in (torch.float32, torch.float64) and D >= 256:  # whole fp32 blocks overflow shared memory
         plan = replace(plan, dq_keys=32, dkdv_keys=32)
     plan = replace(plan, **overrides)
+    if plan.atomics == "v4" and not _v4_covers(plan, D):
+        plan = replace(plan, atomics="scalar")
     if plan.sort not in ("sort", "count"):
         raise ValueError(f"sort must be 'sort' or 'count', got {plan.sort!r}")
     if plan.precision not in ("tf32", "ieee"):
@@ -179,6 +180,15 @@ def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {n}")
     return plan
+
+
+def _v4_covers(plan: BlocksPlan, D: int) -> bool:
+    """Whether every tile the kernels add with vector atomics ([rows, D / 4] groups of four floats:
+    the forward's chunks, the backward's dq chunks, its dk / dv parts of at least 16 keys) has at
+    least one group per thread: inline assembly has no masks for the copies a smaller tile gets on
+    several threads, so each copy would be added (tiny plans, e.g. rows 16 at d16)."""
+    rows = ((plan.rows, plan.warps), (plan.bwd_rows, plan.bwd_warps), (min(16, plan.dkdv_keys), plan.bwd_warps))
+    return all(r * (D // 4) >= 32 * w for r, w in rows)
 
 
 class BlockPairs(NamedTuple):

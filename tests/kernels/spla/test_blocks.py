@@ -292,6 +292,9 @@ def test_bad_inputs_are_refused_with_a_reason():
         triton_blocks.blocks_plan(2, 16, DEV, forward="fused")
     with pytest.raises(ValueError, match="partials must be"):
         triton_blocks.blocks_plan(2, 16, DEV, partials="fp8")
+    # vector atomics only where each tile has a group of four floats per thread
+    assert triton_blocks.blocks_plan(2, 16, DEV, rows=16, atomics="v4").atomics == "scalar"
+    assert triton_blocks.blocks_plan(2, 64, DEV, atomics="v4").atomics == "v4"
     assert triton_blocks.partial_dtype(q.bfloat16(), triton_blocks.blocks_plan(2, 16, DEV)) == torch.bfloat16
     assert triton_blocks.partial_dtype(q.half(), triton_blocks.blocks_plan(2, 16, DEV)) == torch.float16
     assert triton_blocks.partial_dtype(q, triton_blocks.blocks_plan(2, 16, DEV)) == torch.float32
