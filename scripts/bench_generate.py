@@ -3,8 +3,10 @@
 SDPA in the same run, each with a growing cache run eagerly and with a static cache whose step is
 captured (dense: Transformers' StaticCache, which generate() compiles with
 torch.compile(mode="reduce-overhead"); SPLA: the package's static cache, whose one-token steps
-replay one CUDA graph of the whole model); plus the cache bytes of the HLA and SSE-H conversions of
-the same source, whose linear layers must not grow with the context. Prints one table (peer, ours,
+replay one CUDA graph of the whole model); plus, for the HLA and SSE-H conversions of the same source,
+the cache bytes (their linear layers' must not grow with the context) and the decode rate of a plain
+generate() call (--modes default: on CUDA their static cache with the captured step) against the
+dense model's. Prints one table (peer, ours,
 ratio) and writes it as JSON (rewritten after every row, so a run cut short keeps what it measured).
 
   python scripts/bench_generate.py [--contexts 32768,131072] [--batch 1] [--new-tokens 64] [--out r.json]
@@ -257,7 +259,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="decode steps timed (default 64)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measure (median)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default 8192)")
-    ap.add_argument("--families", default="spla,hla,sse-h", help="conversions to run (spla: speed; hla, sse-h: bytes)")
+    ap.add_argument("--families", default="spla,hla,sse-h",
+                    help="conversions to run (spla: every mode; hla, sse-h, ...: bytes and the default mode)")
     ap.add_argument("--modes", default="dynamic,static,default",
                     help="caches to time: dynamic (growing, eager), static (static cache, step compiled / captured), "
                          "default (a plain generate() call: the model's own default cache)")
@@ -314,6 +317,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
         dense = dense_and_conversions(work, shape, max_pos, device, dtype, families, {"spla": spla_options})
+        dense_default: dict[int, dict] = {}  # context -> the dense model's plain generate() rates
 
         if "spla" in families:
             spla = load_converted(work / "spla", device, dtype)
@@ -340,6 +344,8 @@ def main() -> None:
                         log(f"  failed:\n{traceback.format_exc()}")
                         free(device)
                         continue
+                    if (name, mode) == ("dense", "default"):
+                        dense_default[c] = res[name, mode]
                     got = res[name, mode].items()
                     log("  " + ", ".join(f"{k} {v:.4g}" for k, v in got if isinstance(v, float)))
                     if "profile" in res[name, mode]:
@@ -386,6 +392,12 @@ def main() -> None:
                               peer=str(peer["cache_bytes"]), ours=str(ours["cache_bytes"]),
                               ratio=ours["cache_bytes"] / peer["cache_bytes"], target="(info)"))
             del spla
+        others = [f for f in families if f != "spla"]
+        if others and "default" in modes:  # the peer of the other families' default rows
+            for c in [c for c in contexts if c not in dense_default]:
+                log(f"dense, default cache, context {c}")
+                dense_default[c] = measure_default(dense, prompts[c], new_tokens, args.repeats, device)
+                free(device)
         del dense
         free(device)
 
@@ -404,6 +416,21 @@ def main() -> None:
                 emit(dict(id="", what=f"  {fam} softmax-layer KV bytes, ctx {hi} vs {lo}",
                           peer=str(sizes[lo]["softmax"]), ours=str(sizes[hi]["softmax"]),
                           ratio=sizes[hi]["softmax"] / sizes[lo]["softmax"], target="(grow with context)"))
+            for c in contexts if "default" in modes else []:
+                log(f"{fam}, default cache, context {c}")
+                try:
+                    ours = measure_default(model, prompts[c], new_tokens, args.repeats, device)
+                except Exception:  # noqa: BLE001
+                    log(f"  failed:\n{traceback.format_exc()}")
+                    free(device)
+                    continue
+                peer = dense_default[c]
+                for how, target in (("default", ">= 5x at 128k"), ("steady", "(info: a long generation)")):
+                    emit(dict(id="P7", what=f"tok/s {how}, {c}, B{args.batch}: {fam} default vs dense default",
+                              peer=f"{peer[how + '_tok_s']:.1f}", ours=f"{ours[how + '_tok_s']:.1f}",
+                              ratio=ours[how + "_tok_s"] / peer[how + "_tok_s"], target=target, dense=peer,
+                              **{fam: ours}))
+                free(device)
             del model
             free(device)
 
