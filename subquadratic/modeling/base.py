@@ -57,11 +57,12 @@ class SequenceInfo:
     #: Whether every key slot holds a real token in position order and the new tokens are the last
     #: T slots (no padding anywhere, a growing cache or none): a query then sees exactly the slots up
     #: to its own, so the mixers may call SDPA with is_causal (T = S) or without a mask (T = 1)
-    #: instead of an explicit mask. False when unknown.
+    #: instead of an explicit mask. Also a static cache's first call when its tokens are all real
+    #: (`SubquadraticCache.causal_call`). False when unknown.
     causal: bool = False
     #: Slots of every row after this call when that is known on the host and every slot is a real
-    #: token in order (a growing cache whose tokens are all real: `causal`), so that each new token's
-    #: position is length - T + i without reading a tensor; else None.
+    #: token in order (`causal`), so that each new token's position is length - T + i without
+    #: reading a tensor; else None.
     length: int | None = None
     #: What one layer hands to the next within this forward (SPLA's `UnionHint`), by name.
     shared: dict = field(default_factory=dict)
@@ -559,7 +560,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         if position_ids is None:
             position_ids = q_pos.clamp(min=0)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        causal = (cache.all_real if cache is not None
+        causal = (cache.causal_call if cache is not None
                   else all_real(full_valid if attention_mask is not None else None, sync=T > 1))
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos, causal=causal,
                            attentions={} if output_attentions else None,

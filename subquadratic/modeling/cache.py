@@ -323,6 +323,17 @@ class SubquadraticCache(Cache):
         self.length = 0  # slots, padding included (what generate() counts)
         # every slot so far a real token in a growing cache, where known without a host sync (`all_real`)
         self.all_real = self.static is None
+        # the last call of a static cache was its first, of several tokens, all real (`causal_call`)
+        self.first_real = False
+
+    @property
+    def causal_call(self) -> bool:
+        """Whether the keys of the last `advance` call are real tokens in position order with the new
+        tokens last (`SequenceInfo.causal`): every call of a growing cache whose tokens are all real
+        (`all_real`), and a static cache's first call when its tokens are all real (its keys are then
+        the new tokens alone, so the mixers may take their causal forms: SDPA with is_causal, the
+        window kernels, a window ring filled by slicing)."""
+        return self.all_real or self.first_real
 
     @property
     def max_length(self) -> int | None:
@@ -340,7 +351,8 @@ class SubquadraticCache(Cache):
         """Register T new tokens (new_valid [B, T] bool; `known_real`: the caller knows them all real,
         e.g. no attention mask was given). Returns (their positions [B, T], key positions [B, S]).
         Static: no host synchronisation in one-token steps (the slot and counts are updated in place
-        on the device); a longer call checks once that every row's tokens are consecutive. Growing:
+        on the device); a longer call checks once that every row's tokens are consecutive (and the
+        first, whether they are all real: `causal_call`). Growing:
         whether every token so far is real (`all_real`) is read with one host synchronisation for a
         call of several tokens, never for one-token steps."""
         T = new_valid.shape[1]
@@ -356,6 +368,7 @@ class SubquadraticCache(Cache):
         if self.length + T > self.static.max_length:
             raise ValueError(f"the static cache holds {self.static.max_length} tokens; {self.length} are cached and "
                              f"{T} more were given: build it with a larger max_length")
+        self.first_real = self.length == 0 and T > 1 and (known_real or all_real(new_valid, sync=True))
         if self.slot is None:
             self.slot = torch.zeros((), dtype=torch.long, device=new_valid.device)
         self.static.index = self.slot + torch.arange(T, device=new_valid.device)

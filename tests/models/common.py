@@ -160,6 +160,38 @@ class ModelTesterMixin:
         kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, **GEN)
         assert torch.equal(m.generate(ids, cache_implementation="static", **kw), m.generate(ids, **kw))
 
+    def test_static_cache_first_call_of_real_tokens_takes_the_causal_forms(self, monkeypatch):
+        """A static cache's first call of real tokens runs as causal rows (`SequenceInfo.causal`:
+        SDPA with is_causal, the window kernels, a window ring filled by slicing), its later calls
+        (a second chunk, one-token steps) and a first call with padding do not, and the logits
+        equal the growing cache's."""
+        from subquadratic.modeling.base import SubquadraticModel
+
+        m, T = self.tester.model(), self.tester.seq_len
+        seen = []
+        run = SubquadraticModel._run_layers
+        monkeypatch.setattr(SubquadraticModel, "_run_layers",
+                            lambda model, x, pe, seq, *a: seen.append(seq.causal) or run(model, x, pe, seq, *a))
+        ids = self.tester.ids(2)
+        a, b = T // 3, T // 2
+        logits = {}
+        with torch.no_grad():
+            for name, cache in (("growing", m.new_cache()), ("static", m.new_cache(max_length=T + 1))):
+                seen.clear()
+                parts = [m(ids[:, :a], past_key_values=cache).logits, m(ids[:, a:b], past_key_values=cache).logits]
+                parts += [m(ids[:, t : t + 1], past_key_values=cache).logits for t in range(b, T)]
+                logits[name] = torch.cat(parts, 1)
+                want = [True] * (2 + T - b) if name == "growing" else [True] + [False] * (1 + T - b)
+                assert seen == want, (name, seen)
+            seen.clear()
+            m(ids[:, :a], attention_mask=torch.ones_like(ids[:, :a]), past_key_values=m.new_cache(max_length=T))
+            padded = torch.ones_like(ids[:, :a])
+            padded[0, 0] = 0
+            m(ids[:, :a], attention_mask=padded, past_key_values=m.new_cache(max_length=T))
+            assert seen == [True, False]  # an all-ones mask is read (one sync); padding is not causal
+        diff = (logits["static"] - logits["growing"]).abs().max().item()
+        assert diff <= self.tester.atol, diff
+
     def test_left_padded_batch_equals_each_row_alone(self):
         """Logits at the real tokens and greedy continuations of a left-padded batch equal those of
         each row run alone."""
