@@ -441,6 +441,23 @@ def _add_rows(OUT, row, x, ok, D: tl.constexpr, ATOMICS: tl.constexpr):
 
 
 @triton.jit
+def _block_softmax(q, kt, mask, scale, F32: tl.constexpr, PREC: tl.constexpr):
+    """The rows' softmax over one block's keys (mask: the causal selected ones): (P unnormalised
+    [R, BS], the rows' max score, their sum of P, at least 1e-30)."""
+    sc = tl.where(mask, _dot(q, kt, F32, PREC) * scale, NEG)
+    mx = tl.max(sc, 1)
+    p = tl.where(mask, tl.exp(sc - mx[:, None]), 0.0)
+    return p, mx, tl.maximum(tl.sum(p, 1), 1e-30)
+
+
+@triton.jit
+def _residual_rows(q, phikt, v, mask, F32: tl.constexpr, PREC: tl.constexpr):
+    """The rows' correction over one block, (phi(q) phi(k)^T masked) V: [R, D] fp32."""
+    a = tl.where(mask, _dot(softmax_rows(q), phikt, F32, PREC), 0.0)
+    return _dot(a, v, F32, PREC)
+
+
+@triton.jit
 def blocks_lse_kernel(
     Q, K, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE_SLOT,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks,
@@ -459,10 +476,8 @@ def blocks_lse_kernel(
         e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
         q, _ = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
-        sc = tl.where(mask, _dot(q, kt, F32, PREC) * scale, NEG)
-        mx = tl.max(sc, 1)
-        lsum = tl.sum(tl.where(mask, tl.exp(sc - mx[:, None]), 0.0), 1)
-        tl.store(LSE_SLOT + e * G + g, mx + tl.log(tl.maximum(lsum, 1e-30)), mask=ok)
+        _, mx, lsum = _block_softmax(q, kt, mask, scale, F32, PREC)
+        tl.store(LSE_SLOT + e * G + g, mx + tl.log(lsum), mask=ok)
 
 
 @triton.jit
@@ -490,8 +505,7 @@ def blocks_out_kernel(
         p = tl.where(mask, tl.exp(_dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)
         _add_rows(OUT, row, _dot(p, v, F32, PREC), ok, D, ATOMICS)
         if USE_RLA:
-            a = tl.where(mask, _dot(softmax_rows(q), phikt, F32, PREC), 0.0)
-            _add_rows(OT, row, _dot(a, v, F32, PREC), ok, D, ATOMICS)
+            _add_rows(OT, row, _residual_rows(q, phikt, v, mask, F32, PREC), ok, D, ATOMICS)
 
 
 @triton.jit
@@ -517,17 +531,13 @@ def blocks_split_kernel(
         e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
         q, _ = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
-        sc = tl.where(mask, _dot(q, kt, F32, PREC) * scale, NEG)
-        mx = tl.max(sc, 1)
-        p = tl.where(mask, tl.exp(sc - mx[:, None]), 0.0)
-        lsum = tl.maximum(tl.sum(p, 1), 1e-30)
+        p, mx, lsum = _block_softmax(q, kt, mask, scale, F32, PREC)
         prow = e.to(tl.int64) * G + g
         tl.store(LSE_SLOT + prow, mx + tl.log(lsum), mask=ok)
         o = _dot(p, v, F32, PREC) / lsum[:, None]
         tl.store(PART + prow[:, None] * D + d[None, :], o.to(PART.dtype.element_ty), mask=ok[:, None])
         if USE_RLA:
-            a = tl.where(mask, _dot(softmax_rows(q), phikt, F32, PREC), 0.0)
-            ot = _dot(a, v, F32, PREC)
+            ot = _residual_rows(q, phikt, v, mask, F32, PREC)
             tl.store(PART_T + prow[:, None] * D + d[None, :], ot.to(PART_T.dtype.element_ty), mask=ok[:, None])
 
 
@@ -591,8 +601,8 @@ def _check(q, k, v, idx, qpos, koff, block_size):
 
 
 def _launch(q, k, pairs: BlockPairs, nsel: int, block_size: int, plan: BlocksPlan, f32: bool):
-    """The segment table and the launch arguments of both forward passes: (grid, segment operands,
-    scalars, pass-1 constexprs, pass-2 constexprs)."""
+    """The segment table and the launch arguments of the forward passes: (grid, segment operands,
+    scalars, the log-sum-exp pass's constexprs, those of the output pass and of the split pass)."""
     B, HQ, T, D = q.shape
     H, S = k.shape[1], k.shape[2]
     G = HQ // H
@@ -602,8 +612,7 @@ def _launch(q, k, pairs: BlockPairs, nsel: int, block_size: int, plan: BlocksPla
     meta = dict(G=G, D=D, BS=block_size, F32=f32, PREC=plan.precision)
     lse_rows = max(plan.lse_rows, triton.next_power_of_2(G))
     meta1 = dict(meta, R=lse_rows, BMQ=max(1, lse_rows // G), num_warps=plan.lse_warps, num_stages=plan.stages)
-    meta2 = dict(meta, R=plan.rows, BMQ=plan.tokens(G), num_warps=plan.warps, num_stages=plan.stages,
-                 ATOMICS=ATOMIC_MODES[plan.atomics])
+    meta2 = dict(meta, R=plan.rows, BMQ=plan.tokens(G), num_warps=plan.warps, num_stages=plan.stages)
     return (seg_key.numel(), 1), (pairs.pairs, seg_key, seg_first, seg_count), common, meta1, meta2
 
 
@@ -639,7 +648,7 @@ def out_pass(q, k, v, pairs: BlockPairs, qpos, koff, lse, nsel: int, use_rla: bo
     blocks_out_kernel[grid](
         q, k, v, *seg, qpos, koff, row_max(qpos), lse, o, ot,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), *common, USE_RLA=use_rla, **meta,
+        v.stride(0), v.stride(1), v.stride(2), *common, USE_RLA=use_rla, ATOMICS=ATOMIC_MODES[plan.atomics], **meta,
     )
     return o, (ot if use_rla else None)
 
@@ -651,7 +660,7 @@ def partial_dtype(q: torch.Tensor, plan: BlocksPlan) -> torch.dtype:
     return torch.bfloat16 if plan.partials == "bf16" else torch.float32
 
 
-def split_bytes(q, k, nsel: int, use_rla: bool, plan: BlocksPlan) -> int:
+def split_bytes(q, nsel: int, use_rla: bool, plan: BlocksPlan) -> int:
     """Bytes of the split forward's partials for q [B, HQ, T, D] with nsel slots."""
     B, HQ, T, D = q.shape
     per = partial_dtype(q, plan).itemsize
@@ -666,7 +675,6 @@ def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool,
     H = k.shape[1]
     G = HQ // H
     grid, seg, common, _, meta = launch or _launch(q, k, pairs, nsel, block_size, plan, f32)
-    meta = {n: x for n, x in meta.items() if n != "ATOMICS"}
     dev = q.device
     pdtype = partial_dtype(q, plan)
     lse_slot = torch.full((B, T, H, nsel, G), float("-inf"), device=dev, dtype=torch.float32)
@@ -703,7 +711,7 @@ def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: i
         pairs = block_pairs(idx, qpos, triton.cdiv(S, block_size), block_size, plan.window, plan.sort)
     nsel = idx.shape[-1]
     launch = _launch(q, k, pairs, nsel, block_size, plan, f32)
-    if plan.forward == "split" and split_bytes(q, k, nsel, use_rla, plan) <= SPLIT_BYTES:
+    if plan.forward == "split" and split_bytes(q, nsel, use_rla, plan) <= SPLIT_BYTES:
         o, ot, lse = split_pass(q, k, v, pairs, qpos, koff, nsel, use_rla, block_size, plan, f32, launch)
         return o, ot, lse, pairs
     lse = lse_pass(q, k, pairs, qpos, koff, nsel, block_size, plan, f32, launch)
