@@ -27,9 +27,9 @@ about `rows` rows whatever G is). The forward has two forms (`BlocksPlan.forward
     (`blocks_combine_kernel`, one program per (token, KV head)) gives O = sum_i exp(lse_i - lse) O_i,
     lse = logsumexp_i lse_i, otilde = sum_i otilde_i. Its partials cost T x HQ x NSEL x D values
     (in 16-bit inputs' dtype, else fp32: `BlocksPlan.partials`), written once and read once; past
-    SPLIT_BYTES of them (very long calls) the forward takes the atomic form. On the H200 at 16k
-    (HQ32 H8 d64, 19 slots, bf16) the split form with bf16 partials took 1.87 ms without the residual
-    term and 3.99 with it, against the atomic form's 2.27 and 4.23 (fp32 partials: 2.18 and 4.88);
+    SPLIT_BYTES of them (very long calls) a call without a backward runs the split form over query
+    chunks that each stay within it, and a call with one takes the atomic form. On the H200 the
+    split form is the faster of the two, with and without the residual term (docs/benchmarks.md);
   "atomic": pass 1 (`blocks_lse_kernel`) the log-sum-exp of each (token, head, slot) into
     [B, T, H, NSEL, G] and one torch.logsumexp over the slots; pass 2 (`blocks_out_kernel`) the
     scores again, P = exp(S - lse) (already normalised), O += P V and otilde += (phi(q) phi(k)^T) V
@@ -667,6 +667,14 @@ def split_bytes(q, nsel: int, use_rla: bool, plan: BlocksPlan) -> int:
     return B * T * HQ * nsel * D * per * (2 if use_rla else 1)
 
 
+def query_chunk(q, nsel: int, use_rla: bool, plan: BlocksPlan) -> int:
+    """Query rows per call of the split forward whose partials stay within SPLIT_BYTES (all T rows
+    where they already do; at least 1)."""
+    T = q.shape[2]
+    need = split_bytes(q, nsel, use_rla, plan)
+    return T if need <= SPLIT_BYTES else max(1, T * SPLIT_BYTES // need)
+
+
 def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool, block_size: int,
                plan: BlocksPlan, f32: bool, launch=None):
     """The split forward (module docstring): (o_sp, otilde or None, lse) [B, T, HQ, D] / [B, T, HQ]
@@ -696,20 +704,30 @@ def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool,
 
 
 def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: int, plan: BlocksPlan | None = None,
-                          pairs: BlockPairs | None = None):
+                          pairs: BlockPairs | None = None, chunk_queries: bool = False):
     """The sparse branch and the correction over the selected pairs (module docstring), same operands
     as `triton_parallel.sparse_forward`. Returns (o_sp [B, T, HQ, D] normalised, otilde or None
     [B, T, HQ, D], lse [B, T, HQ]; fp32) and the inverted selection (`BlockPairs`, for the backward).
-    Rows without a causal selected key (padded queries) get o_sp = otilde = 0 and lse = 0."""
+    Rows without a causal selected key (padded queries) get o_sp = otilde = 0 and lse = 0.
+    `chunk_queries` (a call without a backward, which needs no inverted selection: then None): where
+    the split form's partials would pass SPLIT_BYTES, the split form runs over consecutive query
+    chunks that each stay within it (`query_chunk`), instead of the atomic form over all of them."""
     _check(q, k, v, idx, qpos, koff, block_size)
     q, k, v, f32 = _operands(q, k, v)
     B, HQ, T, D = q.shape
     S = k.shape[2]
     if plan is None:
         plan = blocks_plan(HQ // k.shape[1], D, q.device, use_rla, dtype=q.dtype)
+    nsel = idx.shape[-1]
+    step = query_chunk(q, nsel, use_rla, plan) if chunk_queries and plan.forward == "split" else T
+    if step < T:
+        outs = [blocks_sparse_forward(q[:, :, t:t + step], k, v, idx[:, t:t + step],
+                                      qpos[:, t:t + step].contiguous(), koff, use_rla, block_size, plan)[:3]
+                for t in range(0, T, step)]
+        o, ot, lse = (None if parts[0] is None else torch.cat(parts, 1) for parts in zip(*outs, strict=True))
+        return o, ot, lse, None
     if pairs is None:
         pairs = block_pairs(idx, qpos, triton.cdiv(S, block_size), block_size, plan.window, plan.sort)
-    nsel = idx.shape[-1]
     launch = _launch(q, k, pairs, nsel, block_size, plan, f32)
     if plan.forward == "split" and split_bytes(q, nsel, use_rla, plan) <= SPLIT_BYTES:
         o, ot, lse = split_pass(q, k, v, pairs, qpos, koff, nsel, use_rla, block_size, plan, f32, launch)
@@ -761,5 +779,5 @@ def blocks_sparse_attention(q, k, v, idx, qpos, koff, use_rla: bool, block_size:
         plan = replace(plan, precision=precision)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return BlocksSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, plan)
-    o, ot, _, _ = blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, plan)
+    o, ot, _, _ = blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, plan, chunk_queries=True)
     return o, ot
