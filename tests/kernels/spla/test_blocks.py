@@ -103,8 +103,9 @@ def loss(outs, w):
     return sum((x.double() * wi).sum() for x, wi in zip([x for x in outs if x is not None], w, strict=True))
 
 
+# exact fp32 dots ("ieee") on every device: the fp32 cases hold the same bound on the GPU (tf32 there by default)
 TINY = dict(rows=16, bwd_rows=16, lse_rows=32, seg_chunks=2, bwd_seg_chunks=2, window=16, dkdv_keys=16,
-            bwd="split3")
+            bwd="split3", precision="ieee")
 
 CASES = [  # B, HQ, H, T, D, block, nsel, use_rla, pad, prefix
     (2, 4, 2, 45, 16, 16, 3, True, 7, 0),  # G = 2, left padding, T not a multiple of the block
@@ -210,17 +211,35 @@ def test_backward_matches_definition(case, over):
         assert rel(a.grad, b.grad) <= 1e-5, (name, rel(a.grad, b.grad))
 
 
-def test_split_forward_past_its_budget_takes_the_atomic_form(monkeypatch):
-    """A call whose partials would pass SPLIT_BYTES runs the two atomic passes (same values)."""
+def test_split_forward_past_its_budget_with_a_backward_takes_the_atomic_form(monkeypatch):
+    """A call with a backward whose partials would pass SPLIT_BYTES runs the two atomic passes (same values)."""
     calls = []
     real = triton_blocks.lse_pass
     monkeypatch.setattr(triton_blocks, "lse_pass", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    kw = dict(TINY, precision="ieee")
-    _, want, _, got, _ = run(CASES[0], False, plan_kw=kw)
+    _, want, _, got, _ = run(CASES[0], True)
     assert not calls and rel(got[0], want[0]) <= 1e-5
     monkeypatch.setattr(triton_blocks, "SPLIT_BYTES", 0)
-    _, want, _, got, _ = run(CASES[0], False, plan_kw=kw)
+    _, want, _, got, _ = run(CASES[0], True)
     assert calls and rel(got[0], want[0]) <= 1e-5 and rel(got[1], want[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]])
+def test_split_forward_past_its_budget_without_a_backward_runs_over_query_chunks(case, monkeypatch):
+    """A call without a backward whose partials would pass SPLIT_BYTES runs the split form over
+    consecutive query chunks that each stay within it (no atomic pass): the definition's values."""
+    B, HQ, H, T, D, bs, nsel, use_rla = case[:8]
+    need = B * T * HQ * nsel * D * 4 * (2 if use_rla else 1)  # fp32 partials of all T rows
+    lse_calls, chunks = [], []
+    real_lse, real_split = triton_blocks.lse_pass, triton_blocks.split_pass
+    monkeypatch.setattr(triton_blocks, "lse_pass", lambda *a, **kw: lse_calls.append(1) or real_lse(*a, **kw))
+    monkeypatch.setattr(triton_blocks, "split_pass",
+                        lambda q, *a, **kw: chunks.append(q.shape[2]) or real_split(q, *a, **kw))
+    monkeypatch.setattr(triton_blocks, "SPLIT_BYTES", need // 4)
+    _, want, _, got, _ = run(case, False)
+    assert not lse_calls and len(chunks) >= 4 and sum(chunks) == T and max(chunks) <= T // 4 + 1, chunks
+    for a, b in zip(got, want, strict=True):
+        if b is not None:
+            assert a.shape == b.shape and rel(a, b) <= 1e-5, rel(a, b)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[5]])
@@ -266,13 +285,14 @@ def test_matches_the_per_token_kernels(case, sort):
 
 
 def test_default_plan_and_no_grad_forward():
-    """The default plan (one segment per key, one window) without autograd: the forward alone."""
+    """The default plan (one segment per key, one window) without autograd: the forward alone (exact
+    fp32 dots, the default of fp32 inputs off CUDA)."""
     case = CASES[2]
     B, HQ, H, T, D, bs, nsel, use_rla, pad, prefix = case
     q, k, v, idx, qpos, koff = make_case(B, HQ, H, T, D, bs, nsel, prefix=prefix, seed=11)
     want = definition(q.double(), k.double(), v.double(), idx, qpos, koff, bs, use_rla)
     with torch.no_grad():
-        got = triton_blocks.blocks_sparse_attention(q, k, v, idx, qpos, koff, use_rla, bs)
+        got = triton_blocks.blocks_sparse_attention(q, k, v, idx, qpos, koff, use_rla, bs, precision="ieee")
     assert rel(got[0], want[0]) <= 1e-5 and rel(got[1], want[1]) <= 1e-5
 
 
