@@ -29,9 +29,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--recall-queries", type=int, default=256, help="queries per case for the recall (0: none)")
     ap.add_argument("--precision", default="bf16", help="score operands of the streamed selection")
-    ap.add_argument("--merge", default="insert", help="top-k merge of the streamed selection: insert or bitonic")
+    ap.add_argument("--merge", default=None,
+                    help="top-k merge of the streamed selection: insert or bitonic (default: the library's, by length)")
     ap.add_argument("--no-old", action="store_true", help="skip select_indices_fast")
-    ap.add_argument("--sweep", action="store_true", help="time launch settings of the streamed selection at 32k")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time launch settings of the streamed selection at each of --lengths x --dims")
+    ap.add_argument("--sweep-only", action="store_true", help="with --sweep: the sweep alone, no cases")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run in Triton's interpreter, tiny shapes")
     ap.add_argument("--out", help="write the rows as JSON here")
     return ap.parse_args()
@@ -101,7 +104,7 @@ def flash_fn(q, k, v):
         return flash_mha, "SDPA flash (KV heads repeated)"
 
 
-def case(T: int, D: int, n_recall: int, precision: str, old: bool, merge: str = "insert") -> dict:
+def case(T: int, D: int, n_recall: int, precision: str, old: bool, merge: str | None = None) -> dict:
     B, HQ, H, bs, top = (SHAPE[k] for k in ("B", "HQ", "H", "bs", "top"))
     g = torch.Generator(device=DEV).manual_seed(T + D)
     q = torch.randn(B, HQ, T, D, device=DEV, dtype=torch.bfloat16, generator=g)
@@ -137,8 +140,14 @@ def case(T: int, D: int, n_recall: int, precision: str, old: bool, merge: str = 
     return row
 
 
+#: the launch settings the sweep times: (merge, rows, block_chunk, warps, stages)
+SWEEP = [(m, r, bn, w, 2) for m in ("insert", "bitonic") for r in (64, 128, 256) for bn in (32, 64, 128)
+         for w in (4, 8)] + [("insert", 128, 64, w, s) for w in (4, 8) for s in (1, 3)]
+
+
 def sweep(T: int = 32768, D: int = 128) -> list[dict]:
-    """Median ms of the streamed selection per launch setting (merge, rows, block_chunk, warps, stages)."""
+    """Median ms of the streamed selection per launch setting (`SWEEP`: merge, rows, block_chunk,
+    warps, stages) at T tokens of head dim D, the default settings first."""
     B, HQ, H, bs, top = (SHAPE[k] for k in ("B", "HQ", "H", "bs", "top"))
     T = T if DEV == "cuda" else 128
     D = D if DEV == "cuda" else 32
@@ -147,10 +156,9 @@ def sweep(T: int = 32768, D: int = 128) -> list[dict]:
     pos = torch.arange(T, device=DEV).expand(B, T).contiguous()
     stats = BlockStats.empty(B, H, D, DEV).add(k, pos, bs)
     cfg = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
-    rows = []
-    settings = [(m, r, bn, w, s) for m in ("insert", "bitonic") for r in (64, 128) for bn in (32, 64)
-                for w in (4, 8) for s in (2,)]
-    for m, rr, bn, w, s in settings if DEV == "cuda" else settings[:2]:
+    rows = [dict(T=T, D=D, default=True, stream_ms=timed(lambda: select_indices_stream(q, stats, pos, cfg)))]
+    print(f"  T={T} D={D} default settings: {rows[0]['stream_ms']:8.3f} ms", flush=True)
+    for m, rr, bn, w, s in SWEEP if DEV == "cuda" else SWEEP[:2]:
         kw = dict(merge=m, rows=rr, block_chunk=bn, num_warps=w, num_stages=s)
         try:
             ms = timed(lambda kw=kw: select_indices_stream(q, stats, pos, cfg, **kw))
@@ -195,11 +203,24 @@ def main() -> None:
     now = datetime.datetime.now().isoformat(timespec="seconds")
     print(f"# SPLA selection, {now}, {device}, torch {torch.__version__}, "
           f"B{SHAPE['B']} HQ{SHAPE['HQ']} H{SHAPE['H']}, blocks of {SHAPE['bs']}, top {SHAPE['top']}, "
-          f"stream operands {ARGS.precision}, merge {ARGS.merge}", flush=True)
+          f"stream operands {ARGS.precision}, merge {ARGS.merge or 'default'}", flush=True)
     rows, sweep_rows = [], []
     if ARGS.sweep:
         print("\nlaunch settings of select_indices_stream (median ms)")
-        sweep_rows = sweep()
+        for D in dims:
+            for T in lengths:
+                part = sweep(T, D)
+                best = min(part[1:], key=lambda r: r["stream_ms"] if r["stream_ms"] == r["stream_ms"] else math.inf)
+                keys = ("merge", "rows", "block_chunk", "num_warps", "num_stages")
+                setting = ", ".join(f"{k}={best[k]}" for k in keys)
+                print(f"  T={part[0]['T']} D={part[0]['D']}: default {part[0]['stream_ms']:.3f} ms, "
+                      f"best {best['stream_ms']:.3f} ms ({setting})", flush=True)
+                sweep_rows += part
+        if ARGS.sweep_only:
+            if ARGS.out:
+                with open(ARGS.out, "w") as f:
+                    json.dump(dict(rows=[], sweep=sweep_rows, args=vars(ARGS)), f, indent=1)
+            return
     for D in dims:
         for T in lengths:
             try:

@@ -249,6 +249,21 @@ def tile_rows(G: int, D: int, rows: int | None = None) -> tuple[int, int]:
     return GP, BM
 
 
+#: Up to this many blocks (32k tokens in blocks of 64) the selection merges by "bitonic" in chunks of
+#: 32 blocks with 8 warps, the fastest setting of the sweep at 16k and 32k; past it by "insert" in
+#: chunks of 64, the fastest at 128k, where the top-k's new entries per chunk fall as the long sweep
+#: fills it (docs/benchmarks.md, 2026-12-03, fifth run).
+BITONIC_MAX_BLOCKS = 512
+
+
+def launch_defaults(num_blocks: int) -> dict:
+    """The streamed selection's default merge, block chunk and warps for `num_blocks` key blocks
+    (None: by the tile, `select_indices_stream`); `BITONIC_MAX_BLOCKS` says why."""
+    if num_blocks <= BITONIC_MAX_BLOCKS:
+        return dict(merge="bitonic", block_chunk=32, num_warps=8)
+    return dict(merge="insert", block_chunk=None, num_warps=None)
+
+
 def select_indices_stream(
     q: torch.Tensor,
     stats: BlockStats,
@@ -260,7 +275,7 @@ def select_indices_stream(
     block_chunk: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    merge: str = "insert",
+    merge: str | None = None,
 ) -> torch.Tensor:
     """The selected blocks of every query q [B, Tq, HQ, D] (any strides, unit stride in D; positions
     q_pos [B, Tq], -1 = padding) as int32 indices [B, Tq, H, local + sink + top_k] (-1 = none): the
@@ -271,13 +286,18 @@ def select_indices_stream(
     its range), "tf32x3" or "ieee" (fp32). Launch settings: `rows` per query tile (tokens x padded
     group), `block_chunk` blocks per step (at least the free budget padded to a power of two),
     `num_warps`, `num_stages`, `merge` (how a chunk joins the running top-k: "insert", one
-    arg-max per new entry, or "bitonic", tl.topk and a bitonic merge). The selection of
+    arg-max per new entry, or "bitonic", tl.topk and a bitonic merge). Unset settings follow
+    `launch_defaults` (by the number of blocks). The selection of
     `select.select_blocks` up to ties within the operands' rounding (`recall.selection_recall`
     measures how close); `params` gives the budget and the selection."""
     block_size, top_k_blocks, selection = params.block_size, params.top_k_blocks, params.selection
     num_sink_blocks, num_local_blocks = params.num_sink_blocks, params.num_local_blocks
     if selection not in ("taylor", "mean"):
         raise ValueError(f"selection must be 'taylor' or 'mean'; got {selection!r}")
+    dflt = launch_defaults(stats.num_blocks)
+    merge = merge or dflt["merge"]
+    block_chunk = block_chunk or dflt["block_chunk"]
+    num_warps = num_warps or dflt["num_warps"]
     if merge not in ("insert", "bitonic"):
         raise ValueError(f"merge must be 'insert' or 'bitonic'; got {merge!r}")
     if precision not in PRECISIONS:
