@@ -58,4 +58,28 @@ def kernel_table(run, calls: int = 3, rows: int = 25, title: str = "", host: int
         for e in sorted(cpu, key=lambda e: -e.cpu_time_total)[:host]:
             lines.append(f"  {e.cpu_time_total / calls / 1e3:9.3f} ms incl, {e.self_cpu_time_total / calls / 1e3:8.3f} "
                          f"ms self  x{e.count // calls:<5} host   {e.key[:110]}")
+        if cuda:
+            lines.extend(sync_sites(run))
     return "\n".join(lines), total
+
+
+def sync_sites(run) -> list[str]:
+    """The source lines of one call of `run` that wait on the device (torch's sync debug mode: a
+    `.item()`, a boolean of a CUDA tensor, a copy to the host...), each with its count: the waits that
+    stop the host from running ahead of the kernels."""
+    import collections
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    if not sites:
+        return ["  host waits on the device: none"]
+    return [f"  host waits on the device: {sum(sites.values())} in one call"] + [
+        f"    x{n:<4} {where}" for where, n in sites.most_common(20)]

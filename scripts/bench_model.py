@@ -189,7 +189,8 @@ def main() -> None:
                          "(its tokenizer)")
     ap.add_argument("--profile", default="", help="comma list of lengths whose calls are also profiled")
     ap.add_argument("--profile-host", type=int, default=0,
-                    help="with --profile, also list this many host functions / ops by CPU time, and the launches")
+                    help="with --profile, also list this many host functions / ops by CPU time, the launches "
+                         "and the source lines that wait on the device")
     ap.add_argument("--profile-out", default=None, help="append the profiler tables here (default: stderr)")
     args = ap.parse_args()
     profile = tuple(int(x) for x in args.profile.split(",") if x)
