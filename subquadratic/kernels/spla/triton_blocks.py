@@ -433,11 +433,11 @@ def _add_rows(OUT, row, x, ok, D: tl.constexpr, ATOMICS: tl.constexpr):
                     "@p red.global.gpu.relaxed.add.v4.f32 [$1], {$2, $3, $4, $5}; mov.u32 $0, 0; }",
                 constraints="=r,l,f,f,f,f,r", args=[p.to(tl.int64), x0, x1, x2, x3, m.to(tl.int32)], dtype=tl.int32,
                 is_pure=False, pack=1)
-        else:
-            tl.atomic_add(p, x0, mask=m, sem="relaxed")
-            tl.atomic_add(p + 1, x1, mask=m, sem="relaxed")
-            tl.atomic_add(p + 2, x2, mask=m, sem="relaxed")
-            tl.atomic_add(p + 3, x3, mask=m, sem="relaxed")
+        else:  # "+ 0.0": fresh tensors (Triton 3.6's interpreter adds a split's strided views from the wrong places)
+            tl.atomic_add(p, x0 + 0.0, mask=m, sem="relaxed")
+            tl.atomic_add(p + 1, x1 + 0.0, mask=m, sem="relaxed")
+            tl.atomic_add(p + 2, x2 + 0.0, mask=m, sem="relaxed")
+            tl.atomic_add(p + 3, x3 + 0.0, mask=m, sem="relaxed")
 
 
 @triton.jit
