@@ -216,12 +216,7 @@ def main() -> None:
                 print(f"  T={part[0]['T']} D={part[0]['D']}: default {part[0]['stream_ms']:.3f} ms, "
                       f"best {best['stream_ms']:.3f} ms ({setting})", flush=True)
                 sweep_rows += part
-        if ARGS.sweep_only:
-            if ARGS.out:
-                with open(ARGS.out, "w") as f:
-                    json.dump(dict(rows=[], sweep=sweep_rows, args=vars(ARGS)), f, indent=1)
-            return
-    for D in dims:
+    for D in dims if not (ARGS.sweep and ARGS.sweep_only) else []:
         for T in lengths:
             try:
                 row = case(T, D, n_recall, ARGS.precision, not ARGS.no_old, ARGS.merge)
@@ -233,10 +228,11 @@ def main() -> None:
                     torch.cuda.empty_cache()
             rows.append(row)
             print(table([row]).splitlines()[-1], flush=True)
-    print("\nsummary (ms are medians; /flash = ratio to SDPA flash's causal forward on the same heads; recall "
-          "and mass: of the exact fp64 Taylor selection's free blocks, on "
-          f"{n_recall} queries per case)")
-    print(table(rows))
+    if rows:
+        print("\nsummary (ms are medians; /flash = ratio to SDPA flash's causal forward on the same heads; recall "
+              "and mass: of the exact fp64 Taylor selection's free blocks, on "
+              f"{n_recall} queries per case)")
+        print(table(rows))
     if ARGS.out:
         with open(ARGS.out, "w") as f:
             json.dump(dict(rows=rows, sweep=sweep_rows, args=vars(ARGS)), f, indent=1)
