@@ -183,7 +183,8 @@ def measure_static(model, prompt: torch.Tensor, n: int, chunk: int, repeats: int
 def measure_default(model, prompt: torch.Tensor, n: int, repeats: int, device: torch.device) -> dict:
     """Decode tokens/s of a plain `model.generate(prompt, max_new_tokens=...)`, what a user runs: the
     cache and the step are the model's defaults (the dense model: Transformers' growing cache, eager;
-    SPLA on CUDA: its static cache with the captured step, built and captured again by every call).
+    ours on CUDA: the static cache with the captured step, which the model keeps between calls: the
+    untimed call builds and captures it, the timed ones rewind it and replay the step).
     Prefill is inside every call, so rates come from differences of medians over `repeats` calls
     (after one untimed call) of 1, k + 1 and n + 1 new tokens, k = n // 8: `default_tok_s` = B x n
     over t(n + 1) - t(1), everything after the first token (the first decode steps, and for a

@@ -183,3 +183,31 @@ def test_default_generate_captures_a_converted_model_on_its_first_call(monkeypat
         fast = model.generate(ids, **kw)
     assert built[-1].decode_graph is not None and built[-1].decode_graph.graph is not None
     assert torch.equal(fast, model.generate(ids, cache_implementation="dynamic", **kw))
+
+
+@pytest.mark.parametrize("family", ["spla+softmax", "hla", "sse-h"])
+def test_later_default_generate_replays_the_kept_graph(family, monkeypatch):
+    """A second default generate() of the same shapes rewinds the kept static cache and replays its
+    captured step without a new capture, with the tokens of the growing eager path; a weight moved to
+    a new address (a re-assigned parameter) makes the next call capture again."""
+    from subquadratic.modeling.cuda_graph import DecodeGraph
+
+    model = FAMILIES[family]().cuda()
+    ids, mask = inputs()
+    built = _generate_caches(monkeypatch, model)
+    captures = []
+    real = DecodeGraph._warm_up_and_capture
+    monkeypatch.setattr(DecodeGraph, "_warm_up_and_capture", lambda self: captures.append(1) or real(self))
+    kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, **GEN)
+    model.generate(ids, **kw)
+    graph = built[-1].decode_graph
+    assert len(captures) == 1 and graph is not None and graph.graph is not None
+    other = torch.where(mask.bool(), torch.roll(ids, 1, 0), ids)
+    second = model.generate(other, **kw)
+    assert built[-1] is built[0] and built[-1].decode_graph is graph and len(captures) == 1  # replayed, not recaptured
+    assert torch.equal(second, model.generate(other, cache_implementation="dynamic", **kw))
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 1.5)
+    third = model.generate(other, **kw)
+    assert len(captures) == 2 and built[-1] is built[0] and built[-1].decode_graph is not graph
+    assert torch.equal(third, model.generate(other, cache_implementation="dynamic", **kw))

@@ -382,6 +382,21 @@ class SubquadraticCausalLMOutput(CausalLMOutputWithPast):
     aux_loss: torch.FloatTensor | None = None
 
 
+class KeptCache:
+    """The static cache generate() keeps on a model for its next call (`key`: batch size and graph
+    setting). Not part of the model's state: a copy or a pickle of the model starts without one."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, bool] | None = None
+        self.cache: SubquadraticCache | None = None
+
+    def __deepcopy__(self, memo) -> KeptCache:
+        return KeptCache()
+
+    def __reduce__(self):
+        return KeptCache, ()
+
+
 class SubquadraticPreTrainedModel(PreTrainedModel):
     config_class = SubquadraticConfig
     base_model_prefix = "model"
@@ -464,6 +479,33 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
             max_length=max_length, cuda_graph=cuda_graph, fuse=fuse,
         )
 
+    #: a kept static cache serves a later generate() call that needs up to this much less room (a step
+    #: on whole buffers costs up to this much more in the layers that read them: softmax, SPLA's selection)
+    GENERATION_CACHE_SLACK = 1.25
+
+    def _generation_static_cache(self, max_length: int, batch_size: int, cuda_graph: bool) -> SubquadraticCache:
+        """The static cache of a generate() call: the one the previous call built, rewound
+        (`SubquadraticCache.rewind`: same allocations, its captured decode step replayed without a new
+        capture), when it fits (same batch size and graph setting, `max_length` <= its length <=
+        GENERATION_CACHE_SLACK x `max_length`); else a new one, kept for the next call (the old one is
+        dropped first). The cache a call returns (`return_dict_in_generate`) is emptied by the next
+        call; `drop_generation_cache()` frees it."""
+        kept = self.__dict__.setdefault("_generation_cache", KeptCache())
+        if kept.cache is not None:
+            if kept.key == (batch_size, cuda_graph) and (
+                    max_length <= kept.cache.max_length <= self.GENERATION_CACHE_SLACK * max_length):
+                kept.cache.rewind()
+                return kept.cache
+            self.drop_generation_cache()
+        kept.key, kept.cache = (batch_size, cuda_graph), self.new_cache(max_length=max_length, cuda_graph=cuda_graph)
+        return kept.cache
+
+    def drop_generation_cache(self) -> None:
+        """Free the static cache (and its captured decode step) that generate() keeps for its next call."""
+        kept = self.__dict__.get("_generation_cache")
+        if kept is not None:
+            kept.key = kept.cache = None
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
         """The cache of a generate() call (`generation_cache`): "static" (asked, or the default on
@@ -478,7 +520,7 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         if implementation == "static":
             if generation_config.max_cache_len is not None:
                 max_cache_length = max(max_cache_length, generation_config.max_cache_len)
-            cache = self.new_cache(max_length=max_cache_length, cuda_graph=not generation_config.disable_compile)
+            cache = self._generation_static_cache(max_cache_length, batch_size, not generation_config.disable_compile)
             # chosen by default, not asked for: a step that cannot be captured runs eagerly instead of raising
             cache.eager_fallback = generation_config.cache_implementation is None
             model_kwargs[CACHE_FIELD] = cache

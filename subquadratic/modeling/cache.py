@@ -48,6 +48,26 @@ class StaticSlots:
         self.max_length = max_length
         self.index: torch.Tensor | None = None
         self.whole = False
+        #: allocations of the sequence before a `SubquadraticCache.rewind`, by (shape, dtype, device), in
+        #: the order they were made: the next sequence takes them back in that order (`take`), so every
+        #: tensor returns to its address and a captured decode step stays valid
+        self.spare: dict[tuple, list[torch.Tensor]] = {}
+
+    def give(self, t: torch.Tensor) -> None:
+        self.spare.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
+
+    def take(self, shape, dtype: torch.dtype, device: torch.device, fill: float | None = None) -> torch.Tensor | None:
+        """A spare allocation of this shape, dtype and device (filled with `fill` unless None), or None."""
+        free = self.spare.get((tuple(shape), dtype, torch.device(device)))
+        if not free:
+            return None
+        t = free.pop(0)
+        return t if fill is None else t.fill_(fill)
+
+    def allocate(self, shape, dtype: torch.dtype, device: torch.device, fill: float = 0) -> torch.Tensor:
+        """A tensor of `shape` filled with `fill`: a spare allocation where one fits, else a new one."""
+        t = self.take(shape, dtype, device, fill)
+        return torch.full(tuple(shape), fill, dtype=dtype, device=device) if t is None else t
 
 
 class GrowingBuffer:
@@ -110,7 +130,10 @@ class GrowingBuffer:
             return
         shape = list(like.shape)
         shape[self.dim] = self.capacity_for(needed)
-        new = like.new_full(shape, self.fill)
+        if self.static is not None:  # allocated once, or taken back after a rewind
+            new = self.static.allocate(shape, like.dtype, like.device, self.fill)
+        else:
+            new = like.new_full(shape, self.fill)
         if self.length:
             new.narrow(self.dim, 0, self.length).copy_(self.view())
         self.data = new
@@ -167,14 +190,19 @@ def _write_back(old: torch.Tensor, new: torch.Tensor, in_place: bool) -> torch.T
 
 class StateDict(dict):
     """A layer's fixed-size tensors. In a static cache (`in_place`), a new value for an existing entry
-    of the same shape is copied into it, so the entry keeps its address (a CUDA graph replays on it)."""
+    of the same shape is copied into it, so the entry keeps its address (a CUDA graph replays on it);
+    a new entry is copied into a spare allocation of the cache where one fits (`StaticSlots.take`:
+    the one it had before a rewind)."""
 
-    def __init__(self, *args, in_place: bool = False, **kw) -> None:
+    def __init__(self, *args, in_place: bool = False, static: StaticSlots | None = None, **kw) -> None:
         super().__init__(*args, **kw)
         self.in_place = in_place
+        self.static = static
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         old = self.get(name)
+        if old is None and self.static is not None:
+            old = self.static.take(value.shape, value.dtype, value.device)
         super().__setitem__(name, value if old is None else _write_back(old, value, self.in_place))
 
     def update(self, *args, **kw) -> None:
@@ -205,9 +233,11 @@ class StateLayer:
 
     @tensors.setter
     def tensors(self, value: dict[str, torch.Tensor]) -> None:
-        if self.static is None or not self._tensors:
-            self._tensors = StateDict(value, in_place=self.static is not None)
+        if self.static is None:
+            self._tensors = StateDict(value)
             return
+        if not self._tensors:
+            self._tensors = StateDict(in_place=True, static=self.static)
         for name in [n for n in self._tensors if n not in value]:
             del self._tensors[name]
         self._tensors.update(value)
@@ -246,8 +276,12 @@ class StateLayer:
             b.apply(fn)
 
     def reset(self) -> None:
-        self._tensors = StateDict(in_place=self.static is not None)
+        self._tensors = StateDict(in_place=self.static is not None, static=self.static)
         self.buffers = {}
+
+    def allocations(self) -> list[torch.Tensor]:
+        """Every tensor the layer holds (fixed-size ones, then the buffers' allocations)."""
+        return [*self.tensors.values(), *(b.data for b in self.buffers.values() if b.data is not None)]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -357,7 +391,9 @@ class SubquadraticCache(Cache):
         call of several tokens, never for one-token steps."""
         T = new_valid.shape[1]
         if self.seen is None:
-            self.seen = torch.zeros(new_valid.shape[0], dtype=torch.long, device=new_valid.device)
+            B, dev = new_valid.shape[0], new_valid.device
+            self.seen = (torch.zeros(B, dtype=torch.long, device=dev) if self.static is None
+                         else self.static.allocate((B,), torch.long, dev))
         pos = positions_from_mask(new_valid, self.seen)
         if self.static is None:
             self.all_real = self.all_real and (known_real or all_real(new_valid, sync=T > 1))
@@ -370,7 +406,7 @@ class SubquadraticCache(Cache):
                              f"{T} more were given: build it with a larger max_length")
         self.first_real = self.length == 0 and T > 1 and (known_real or all_real(new_valid, sync=True))
         if self.slot is None:
-            self.slot = torch.zeros((), dtype=torch.long, device=new_valid.device)
+            self.slot = self.static.allocate((), torch.long, new_valid.device)
         self.static.index = self.slot + torch.arange(T, device=new_valid.device)
         self.static.whole = T == 1
         self.seen.add_(new_valid.sum(-1))
@@ -429,6 +465,30 @@ class SubquadraticCache(Cache):
         super().reset()
         self.decode_graph = None
         self._reset_positions()
+
+    def rewind(self) -> None:
+        """Empty the cache for a new sequence. A growing cache is reset; a static one keeps its
+        allocations and its captured decode step: the next sequence writes into the same tensors
+        (taken back in the order they were made, refilled with their initial values), so the step
+        replays without a new capture unless an address changed (then it is captured again:
+        `cuda_graph.decode_step`). What generate() does with the static cache it keeps between calls."""
+        if self.static is None:
+            self.reset()
+            return
+        held = [self.seen, self.slot, self._key_positions.data]
+        held += [t for layer in self.layers for t in layer.allocations()]
+        self.static.spare = {}
+        for t in held:
+            if t is not None:
+                self.static.give(t)
+        graph = self.decode_graph
+        for layer in self.layers:
+            layer.reset()
+        self._reset_positions()
+        self.static.index, self.static.whole = None, False
+        self.decode_graph = graph
+        if graph is not None:
+            graph.stale = True  # checked against the new addresses at the next one-token step
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("subquadratic caches hold running state and cannot be cropped")

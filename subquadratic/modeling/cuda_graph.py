@@ -38,15 +38,19 @@ class DecodeGraph:
         self.logits: torch.Tensor | None = None
         self.advance: list[int] = []
         self.addresses: list[int] = []
+        #: the cache was rewound since the last step (`SubquadraticCache.rewind`): check the addresses
+        self.stale = False
 
     def _addresses(self) -> list[int]:
         state = [t for layer in self.cache.layers for t in layer.tensors.values()]
         state += [b.data for b in self.cache._buffers() if b.data is not None]
-        return [t.data_ptr() for t in state] + [self.cache.seen.data_ptr()]
+        state += [self.cache.seen, self.cache.slot, *self.model.parameters(), *self.model.buffers()]
+        return [len(self.cache.layers)] + [-1 if t is None else t.data_ptr() for t in state]
 
     def still_valid(self) -> bool:
-        """Whether every state tensor is where the graph was recorded (batch surgery that changes the
-        batch size reallocates them)."""
+        """Whether every state tensor, parameter and buffer of the model is where the graph was recorded
+        (batch surgery that changes the batch size reallocates the states; moving or casting the model
+        its weights)."""
         return self.graph is None or self._addresses() == self.addresses
 
     def __call__(self, model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -108,6 +112,11 @@ def replays_decode(cache, input_ids, inputs_embeds, labels, logits_to_keep, want
 def decode_step(model, cache, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits [B, 1, V] of one real token per row, through the cache's captured step (captured at the
     first call)."""
+    graph = cache.decode_graph
+    if graph is not None and graph.stale:  # a rewound cache: the step replays where nothing moved
+        graph.stale = False
+        if graph.model is not model or graph.ids.shape != input_ids.shape or not graph.still_valid():
+            cache.decode_graph = None
     if cache.decode_graph is None:
         cache.decode_graph = DecodeGraph(model, cache, input_ids)
     return cache.decode_graph(model, input_ids)
