@@ -1,4 +1,5 @@
-"""The output norm and gate of the linear mixers in one pass: RMSNorm_w(x) * SiLU(gate).
+"""The output norm and gate of the linear mixers in one pass, RMSNorm_w(x) * SiLU(gate), and SPLA's
+residual norm added to the sparse output, o + RMSNorm_w(x) (`add_norm`).
 
 HLA (per-head weight [H, D]) and SSE (one weight [D] for every head) end each layer with
 `(x * rsqrt(mean(x^2) + eps) * w).to(x.dtype) * silu(gate)` over the head dim, eleven elementwise
@@ -8,6 +9,11 @@ dgate and the rows' weight gradients, summed per head), computing in fp32 and ro
 PyTorch form rounds (the normalised x and SiLU(gate) to x's dtype before their product), so it
 gives the PyTorch form's values up to the last bit of the rsqrt and the sigmoid.
 `norm_gate_reference` is that PyTorch form (fp64 stays fp64): the fallback off CUDA and the tests' oracle.
+
+`add_norm` is SPLA's o + RMSNorm_gamma(o_rla) (`modeling.fused.HeadNorm.add`; nine launches forward in
+PyTorch, more backward, over [tokens, heads, D] tensors) on the same row kernels: one forward, one
+backward (dx and the rows' weight gradients; do is dy), the norm rounded to x's dtype before the add
+as `add_norm_reference` rounds.
 """
 
 from __future__ import annotations
@@ -63,3 +69,26 @@ def norm_gate(x: Tensor, weight: Tensor, gate: Tensor, eps: float, backend: str 
 
         return NormGate.apply(x, weight, gate, eps)
     return norm_gate_reference(x, weight, gate, eps)
+
+
+def add_norm_reference(o: Tensor, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """o + RMSNorm_weight(x) in PyTorch (x, o [..., H, D], weight [H, D] or [D]): the norm in fp32 (fp64
+    for fp64 x), rounded to x's dtype, then added to o (in their promoted dtype)."""
+    xf = x.to(acc_dtype(x))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return o + (xf * weight.to(xf.dtype)).to(x.dtype)
+
+
+def add_norm_takes_kernel(o: Tensor, x: Tensor, weight: Tensor) -> bool:
+    """Whether `add_norm(..., backend="auto")` runs the Triton kernels on these inputs."""
+    return fused_kernel("auto", x.device, "add-norm", norm_gate_unsupported(x, weight, o))
+
+
+def add_norm(o: Tensor, x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> Tensor:
+    """o + RMSNorm_weight(x), the values of `add_norm_reference`: o, x [..., H, D] of one dtype,
+    weight [H, D] or [D]; backends as `norm_gate`'s. Differentiable in o, x and weight."""
+    if fused_kernel(backend, x.device, "add-norm", norm_gate_unsupported(x, weight, o)):
+        from .triton_norm_gate import AddNorm
+
+        return AddNorm.apply(o, x, weight, eps)
+    return add_norm_reference(o, x, weight, eps)

@@ -1,6 +1,7 @@
 """The Triton kernels of `norm_gate` (RMSNorm_w(x) * SiLU(gate) over the head dim, module
-`norm_gate.py`): one program per ROWS rows of [rows, D] (row r's weight row r % H), forward and
-backward (dx, dgate and each row's weight gradient, summed per head by the caller)."""
+`norm_gate.py`) and of `add_norm` (o + RMSNorm_w(x)): one program per ROWS rows of [rows, D] (row
+r's weight row r % H), forward and backward (dx, dgate and each row's weight gradient, summed per
+head by the caller)."""
 
 from __future__ import annotations
 
@@ -54,34 +55,80 @@ def norm_gate_bwd(X, W, GATE, DY, DX, DG, DW, n_rows, eps, H: tl.constexpr, D: t
     tl.store(DW + off, dn * xhat, mask=m)  # each row's weight gradient, fp32
 
 
+def _launch(kernel, x, weight, eps, *tensors) -> int:
+    """One program per ROWS rows of x [..., D] (contiguous): kernel(*tensors, n_rows, eps, H, D, BD, ROWS);
+    returns H, the rows of the weight (1 for a weight [D])."""
+    D = x.shape[-1]
+    H = weight.shape[0] if weight.dim() == 2 else 1
+    n_rows = x.numel() // D
+    kernel[(triton.cdiv(n_rows, ROWS),)](*tensors, n_rows, eps, H, D, block_size(D, 1), ROWS, num_warps=4)
+    return H
+
+
+def _weight_grad(ctx, dw_rows):
+    """The weight's gradient: the rows' fp32 gradients [rows, D] summed per weight row."""
+    return dw_rows.view(-1, ctx.H, dw_rows.shape[-1]).sum(0).reshape(ctx.weight_shape).to(ctx.weight_dtype)
+
+
 class NormGate(torch.autograd.Function):
     """RMSNorm_weight(x) * SiLU(gate) on the kernels: x, gate [..., H, D] of one dtype, weight [H, D]
     or [D]; differentiable in x, weight and gate."""
 
     @staticmethod
     def forward(ctx, x, weight, gate, eps):
-        D = x.shape[-1]
-        H = weight.shape[0] if weight.dim() == 2 else 1
         xc, gc, wc = x.contiguous(), gate.contiguous(), weight.contiguous()
-        n_rows = xc.numel() // D
         y = new_output(x.shape, x.device, x.dtype)
-        norm_gate_fwd[(triton.cdiv(n_rows, ROWS),)](xc, wc, gc, y, n_rows, eps, H, D, block_size(D, 1), ROWS,
-                                                    num_warps=4)
+        ctx.H = _launch(norm_gate_fwd, xc, wc, eps, xc, wc, gc, y)
         ctx.save_for_backward(xc, wc, gc)
-        ctx.eps, ctx.H, ctx.weight_shape, ctx.weight_dtype = eps, H, weight.shape, weight.dtype
+        ctx.eps, ctx.weight_shape, ctx.weight_dtype = eps, weight.shape, weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, gate = ctx.saved_tensors
-        D, H = x.shape[-1], ctx.H
-        n_rows = x.numel() // D
         dx = new_output(x.shape, x.device, x.dtype)
         dg = new_output(gate.shape, x.device, gate.dtype)
         dw_rows = new_output(x.shape, x.device)  # fp32
-        norm_gate_bwd[(triton.cdiv(n_rows, ROWS),)](x, weight, gate, dy.contiguous(), dx, dg, dw_rows, n_rows,
-                                                    ctx.eps, H, D, block_size(D, 1), ROWS, num_warps=4)
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = dw_rows.view(-1, H, D).sum(0).reshape(ctx.weight_shape).to(ctx.weight_dtype)
-        return dx, dw, dg, None
+        _launch(norm_gate_bwd, x, weight, ctx.eps, x, weight, gate, dy.contiguous(), dx, dg, dw_rows)
+        return dx, _weight_grad(ctx, dw_rows) if ctx.needs_input_grad[1] else None, dg, None
+
+
+@triton.jit
+def add_norm_fwd(X, W, OUT_SP, Y, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                 BR: tl.constexpr):
+    off, m, x, o, w, r = _rows(X, W, OUT_SP, n_rows, eps, H, D, BD, BR)
+    n = (x * r[:, None] * w).to(X.dtype.element_ty).to(tl.float32)  # rounded as the PyTorch form rounds
+    tl.store(Y + off, (o + n).to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def add_norm_bwd(X, W, DY, DX, DW, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                 BR: tl.constexpr):
+    off, m, x, dy, w, r = _rows(X, W, DY, n_rows, eps, H, D, BD, BR)
+    xhat = x * r[:, None]
+    dxhat = dy * w
+    dx = r[:, None] * (dxhat - xhat * (tl.sum(dxhat * xhat, 1) / D)[:, None])
+    tl.store(DX + off, dx.to(DX.dtype.element_ty), mask=m)
+    tl.store(DW + off, dy * xhat, mask=m)  # each row's weight gradient, fp32
+
+
+class AddNorm(torch.autograd.Function):
+    """o + RMSNorm_weight(x) on the kernels: o, x [..., H, D] of one dtype, weight [H, D] or [D];
+    differentiable in o, x and weight."""
+
+    @staticmethod
+    def forward(ctx, o, x, weight, eps):
+        xc, oc, wc = x.contiguous(), o.contiguous(), weight.contiguous()
+        y = new_output(x.shape, x.device, x.dtype)
+        ctx.H = _launch(add_norm_fwd, xc, wc, eps, xc, wc, oc, y)
+        ctx.save_for_backward(xc, wc)
+        ctx.eps, ctx.weight_shape, ctx.weight_dtype, ctx.o_dtype = eps, weight.shape, weight.dtype, o.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = new_output(x.shape, x.device, x.dtype)
+        dw_rows = new_output(x.shape, x.device)  # fp32
+        _launch(add_norm_bwd, x, weight, ctx.eps, x, weight, dy.contiguous(), dx, dw_rows)
+        return dy.to(ctx.o_dtype), dx, _weight_grad(ctx, dw_rows) if ctx.needs_input_grad[2] else None, None

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
+from ..kernels.norm_gate import add_norm, add_norm_takes_kernel
 from ..kernels.rope import rope as rope_kernel
 from ..kernels.rope import rope_takes_kernel
 
@@ -145,7 +146,8 @@ class MLP(LlamaMLP):
         return super().forward(x)
 
 
-#: The kernel_backend values whose models take the RoPE kernel (`apply_rope`); "torch" keeps Transformers' form.
+#: The kernel_backend values whose models take the RoPE kernel (`apply_rope`) and the residual norm's
+#: (`HeadNorm.add`); "torch" keeps the PyTorch forms.
 ROPE_KERNEL_BACKENDS = ("auto", "triton")
 
 
@@ -173,8 +175,14 @@ class HeadNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _head_norm(x, self.weight, self.eps)
 
-    def add(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o + this norm of x (o, x: [B, heads, T, dim])."""
+    def add(self, o: torch.Tensor, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        """o + this norm of x (o, x: [B, heads, T, dim]). With a `backend` (the model's kernel_backend)
+        in ROPE_KERNEL_BACKENDS, on CUDA one Triton kernel forward and one backward with the PyTorch form's
+        values (`kernels.norm_gate.add_norm`, on the [B, T, heads, dim] layout) for inputs it takes."""
         if _Step.compiled:
             return add_head_norm(o, x, self.weight, self.eps)
+        if backend in ROPE_KERNEL_BACKENDS:
+            ot, xt = o.transpose(1, 2), x.transpose(1, 2)
+            if add_norm_takes_kernel(ot, xt, self.weight):
+                return add_norm(ot, xt, self.weight, self.eps, backend="triton").transpose(1, 2)
         return o + self(x)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from subquadratic.kernels.norm_gate import norm_gate, norm_gate_reference  # noqa: E402
+from subquadratic.kernels.norm_gate import add_norm, add_norm_reference, norm_gate, norm_gate_reference  # noqa: E402
 
 from .fused_models import forced_kernel_matches, perturb  # noqa: E402
 
@@ -51,17 +51,21 @@ def test_values_match_the_pytorch_form(case, dtype):
 @pytest.mark.parametrize("case", CASES)
 def test_gradients_match_fp64_autograd(case):
     x, w, gate = make(*case, torch.float32, seed=sum(case[:4]) + 1)
-    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(DEV)
+    assert_fp64_gradients(lambda *a: norm_gate(*a, 1e-6, backend="triton"), lambda *a: norm_gate_reference(*a, 1e-6),
+                          (x, w, gate), ["out", "dx", "dweight", "dgate"], seed=7)
 
-    def grads(fn, dtype):
-        args = [t.detach().to(dtype).requires_grad_() for t in (x, w, gate)]
-        out = fn(*args)
+
+def assert_fp64_gradients(fn, reference, inputs, names, seed):
+    """fn's output and input gradients (fp32) against reference's in fp64 autograd, for a random dy."""
+    dy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(seed)).to(DEV)
+
+    def grads(f, dtype):
+        args = [t.detach().to(dtype).requires_grad_() for t in inputs]
+        out = f(*args)
         (out * dy.to(dtype)).sum().backward()
         return [out.detach(), *(a.grad for a in args)]
 
-    got = grads(lambda *a: norm_gate(*a, 1e-6, backend="triton"), torch.float32)
-    want = grads(lambda *a: norm_gate_reference(*a, 1e-6), torch.float64)
-    for name, a, b in zip(["out", "dx", "dweight", "dgate"], got, want, strict=True):
+    for name, a, b in zip(names, grads(fn, torch.float32), grads(reference, torch.float64), strict=True):
         assert a.shape == b.shape and a.dtype == torch.float32, name
         assert torch.isfinite(a).all(), name
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-5, name
@@ -123,3 +127,56 @@ def test_mixers_take_the_kernel_with_the_values_and_gradients_of_their_pytorch_f
     perturb(model)
     gate = (module, "norm_gate_takes_kernel", lambda x, w, g: ng.norm_gate_unsupported(x, w, g) is None)
     assert forced_kernel_matches(model, monkeypatch, [gate], tng.NormGate, "apply") == model.config.num_hidden_layers
+
+
+# --- add_norm: o + RMSNorm_w(x), SPLA's residual norm ---------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_norm_values_match_the_pytorch_form(case, dtype):
+    x, w, o = make(*case, dtype, seed=sum(case[:4]) + 2)
+    got = add_norm(o, x, w, 1e-6, backend="triton")
+    want = add_norm_reference(o, x, w, 1e-6)
+    assert got.dtype == want.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5)
+        if DEV == "cuda":
+            assert (got == want).float().mean() > 0.9
+    exact = add_norm_reference(*(t.double() for t in (o, x, w)), 1e-6)
+    assert ((got.double() - exact).norm() / exact.norm()).item() < (1e-6 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_add_norm_gradients_match_fp64_autograd(case):
+    x, w, o = make(*case, torch.float32, seed=sum(case[:4]) + 3)
+    assert_fp64_gradients(lambda *a: add_norm(*a, 1e-6, backend="triton"), lambda *a: add_norm_reference(*a, 1e-6),
+                          (o, x, w), ["out", "do", "dx", "dweight"], seed=8)
+
+
+def test_add_norm_dispatch():
+    x, w, o = make(1, 3, 2, 16, True, torch.float64)
+    assert torch.equal(add_norm(o, x, w, 1e-6), add_norm_reference(o, x, w, 1e-6))
+    with pytest.raises(ValueError, match="dtypes"):
+        add_norm(o, x, w, 1e-6, backend="triton")
+    x, w, o = make(1, 3, 2, 16, True, torch.float32)
+    with pytest.raises(ValueError, match="weight"):
+        add_norm(o, x, w[:1], 1e-6, backend="triton")
+
+
+def test_spla_takes_the_add_norm_kernel_with_the_values_and_gradients_of_its_pytorch_form(monkeypatch, one_thread):
+    """SPLA's o + RMSNorm_gamma(o_rla) through the kernel (as on CUDA; here forced, on a GPU or under the
+    interpreter), past the budget so that the residual term counts: the logits and gradients of the
+    PyTorch form, the kernel once per layer and forward."""
+    from subquadratic.kernels import norm_gate as ng
+    from subquadratic.kernels import triton_norm_gate as tng
+    from subquadratic.modeling import fused
+
+    from ..models.spla.tiny import tiny_spla
+
+    model = tiny_spla(block_size=4, top_k_blocks=2, num_sink_blocks=1, num_local_blocks=1)
+    perturb(model)
+    gate = (fused, "add_norm_takes_kernel", lambda o, x, w: ng.norm_gate_unsupported(x, w, o) is None)
+    assert forced_kernel_matches(model, monkeypatch, [gate], tng.AddNorm, "apply") == model.config.num_hidden_layers
