@@ -249,19 +249,14 @@ def tile_rows(G: int, D: int, rows: int | None = None) -> tuple[int, int]:
     return GP, BM
 
 
-#: Up to this many blocks (32k tokens in blocks of 64) the selection merges by "bitonic" in chunks of
-#: 32 blocks with 8 warps, the fastest setting of the sweep at 16k and 32k; past it by "insert" in
-#: chunks of 64, the fastest at 128k, where the top-k's new entries per chunk fall as the long sweep
-#: fills it (docs/benchmarks.md, 2026-12-03, fifth run).
-BITONIC_MAX_BLOCKS = 512
-
-
-def launch_defaults(num_blocks: int) -> dict:
-    """The streamed selection's default merge, block chunk and warps for `num_blocks` key blocks
-    (None: by the tile, `select_indices_stream`); `BITONIC_MAX_BLOCKS` says why."""
-    if num_blocks <= BITONIC_MAX_BLOCKS:
-        return dict(merge="bitonic", block_chunk=32, num_warps=8)
-    return dict(merge="insert", block_chunk=None, num_warps=None)
+#: The streamed selection's default launch settings: "bitonic" merge in chunks of 32 blocks with 8 warps,
+#: the fastest setting of the sweep at 16k and 32k (docs/benchmarks.md, 2026-12-03, fifth run). At 128k
+#: on random q / k "insert" in chunks of 64 with 4 warps timed faster alone (20.3 against 21.8 ms), but
+#: in the model (q / k of the layers, whose scores come in longer runs of new top-k entries) bitonic's
+#: fixed cost won: time to first token 1213.6 against 1280.9 ms (sixth run), so bitonic at every length.
+#: A caller's "insert" keeps its own defaults: chunks and warps by the tile.
+DEFAULT_MERGE = "bitonic"
+LAUNCH_DEFAULTS = {"bitonic": dict(block_chunk=32, num_warps=8), "insert": dict(block_chunk=None, num_warps=None)}
 
 
 def select_indices_stream(
@@ -287,19 +282,18 @@ def select_indices_stream(
     group), `block_chunk` blocks per step (at least the free budget padded to a power of two),
     `num_warps`, `num_stages`, `merge` (how a chunk joins the running top-k: "insert", one
     arg-max per new entry, or "bitonic", tl.topk and a bitonic merge). Unset settings follow
-    `launch_defaults` (by the number of blocks). The selection of
+    `DEFAULT_MERGE` and that merge's `LAUNCH_DEFAULTS`. The selection of
     `select.select_blocks` up to ties within the operands' rounding (`recall.selection_recall`
     measures how close); `params` gives the budget and the selection."""
     block_size, top_k_blocks, selection = params.block_size, params.top_k_blocks, params.selection
     num_sink_blocks, num_local_blocks = params.num_sink_blocks, params.num_local_blocks
     if selection not in ("taylor", "mean"):
         raise ValueError(f"selection must be 'taylor' or 'mean'; got {selection!r}")
-    dflt = launch_defaults(stats.num_blocks)
-    merge = merge or dflt["merge"]
-    block_chunk = block_chunk or dflt["block_chunk"]
-    num_warps = num_warps or dflt["num_warps"]
-    if merge not in ("insert", "bitonic"):
+    merge = merge or DEFAULT_MERGE
+    if merge not in LAUNCH_DEFAULTS:
         raise ValueError(f"merge must be 'insert' or 'bitonic'; got {merge!r}")
+    block_chunk = block_chunk or LAUNCH_DEFAULTS[merge]["block_chunk"]
+    num_warps = num_warps or LAUNCH_DEFAULTS[merge]["num_warps"]
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     if num_local_blocks < 1 or num_sink_blocks < 0:

@@ -206,11 +206,10 @@ def test_recall_counts_what_it_says():
     assert not selection_recall(q, stats, pos, twice, params(cfg))["valid"]
 
 
-def test_default_launch_settings_follow_the_number_of_blocks(monkeypatch):
-    """Unset launch settings come from `launch_defaults`: bitonic in chunks of 32 with 8 warps up to
-    BITONIC_MAX_BLOCKS blocks, insert past it; a setting given by the caller wins; same indices."""
-    assert triton_select_stream.launch_defaults(triton_select_stream.BITONIC_MAX_BLOCKS)["merge"] == "bitonic"
-    assert triton_select_stream.launch_defaults(triton_select_stream.BITONIC_MAX_BLOCKS + 1)["merge"] == "insert"
+def test_default_launch_settings_and_a_callers_settings(monkeypatch):
+    """Unset launch settings come from `DEFAULT_MERGE` and `LAUNCH_DEFAULTS` (bitonic in chunks of 32
+    with 8 warps); a setting given by the caller wins (insert: chunks and warps by the tile); same
+    indices."""
     seen = []
     real = triton_select_stream.stream_select_kernel
 
@@ -224,12 +223,11 @@ def test_default_launch_settings_follow_the_number_of_blocks(monkeypatch):
     monkeypatch.setattr(triton_select_stream, "stream_select_kernel", Spy())
     q, stats, pos = make(1, 2, 1, 320, 16, 16, seed=3)  # 20 blocks
     cfg = params(dict(block_size=16, top_k_blocks=7, num_sink_blocks=1, num_local_blocks=2))
-    short = triton_select_stream.select_indices_stream(q, stats, pos, cfg)
-    monkeypatch.setattr(triton_select_stream, "BITONIC_MAX_BLOCKS", 19)
-    long = triton_select_stream.select_indices_stream(q, stats, pos, cfg)
+    dflt = triton_select_stream.select_indices_stream(q, stats, pos, cfg)
+    insert = triton_select_stream.select_indices_stream(q, stats, pos, cfg, merge="insert")
     given = triton_select_stream.select_indices_stream(q, stats, pos, cfg, merge="bitonic", num_warps=2)
-    assert seen == [(True, 32, 8), (False, 64, 4), (True, 64, 2)], seen
-    assert torch.equal(short, long) and torch.equal(short, given)
+    assert seen == [(True, 32, 8), (False, 64, 4), (True, 32, 2)], seen
+    assert torch.equal(dflt, insert) and torch.equal(dflt, given)
 
 
 def test_clear_errors():
