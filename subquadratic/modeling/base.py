@@ -383,11 +383,11 @@ class SubquadraticCausalLMOutput(CausalLMOutputWithPast):
 
 
 class KeptCache:
-    """The static cache generate() keeps on a model for its next call (`key`: batch size and graph
-    setting). Not part of the model's state: a copy or a pickle of the model starts without one."""
+    """The static cache generate() keeps on a model for its next call (`key`: batch size, graph
+    setting, device). Not part of the model's state: a copy or a pickle of the model starts without one."""
 
     def __init__(self) -> None:
-        self.key: tuple[int, bool] | None = None
+        self.key: tuple[int, bool, torch.device] | None = None
         self.cache: SubquadraticCache | None = None
 
     def __deepcopy__(self, memo) -> KeptCache:
@@ -486,18 +486,19 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
     def _generation_static_cache(self, max_length: int, batch_size: int, cuda_graph: bool) -> SubquadraticCache:
         """The static cache of a generate() call: the one the previous call built, rewound
         (`SubquadraticCache.rewind`: same allocations, its captured decode step replayed without a new
-        capture), when it fits (same batch size and graph setting, `max_length` <= its length <=
+        capture), when it fits (same batch size, graph setting and device, `max_length` <= its length <=
         GENERATION_CACHE_SLACK x `max_length`); else a new one, kept for the next call (the old one is
         dropped first). The cache a call returns (`return_dict_in_generate`) is emptied by the next
         call; `drop_generation_cache()` frees it."""
         kept = self.__dict__.setdefault("_generation_cache", KeptCache())
         if kept.cache is not None:
-            if kept.key == (batch_size, cuda_graph) and (
+            if kept.key == (batch_size, cuda_graph, self.device) and (
                     max_length <= kept.cache.max_length <= self.GENERATION_CACHE_SLACK * max_length):
                 kept.cache.rewind()
                 return kept.cache
             self.drop_generation_cache()
-        kept.key, kept.cache = (batch_size, cuda_graph), self.new_cache(max_length=max_length, cuda_graph=cuda_graph)
+        kept.key, kept.cache = (batch_size, cuda_graph, self.device), self.new_cache(max_length=max_length,
+                                                                                     cuda_graph=cuda_graph)
         return kept.cache
 
     def drop_generation_cache(self) -> None:
