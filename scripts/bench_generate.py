@@ -111,6 +111,18 @@ def profile_steps(model, prompt: torch.Tensor, cache, n: int = 4) -> dict:
                 top={e.key[:70]: round(e.device_time_total / n / 1000, 4) for e in top})
 
 
+def profile_captured(model, prompt: torch.Tensor, n: int = 4) -> dict:
+    """`profile_steps` of our model's captured one-token step at the prompt's length: a static cache
+    prefilled with prompt[:, :-1], two steps to warm up and capture, then n profiled replays."""
+    from subquadratic import CACHE_FIELD
+
+    cache = model.new_cache(max_length=prompt.shape[1] + n + 2)
+    with torch.no_grad():
+        model(prompt[:, :-1], use_cache=True, logits_to_keep=1, **{CACHE_FIELD: cache})
+    decode_loop(model, prompt, cache, 2)
+    return profile_steps(model, prompt, cache, n)
+
+
 def decode_loop(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
     from subquadratic import CACHE_FIELD
 
@@ -421,6 +433,10 @@ def main() -> None:
                 log(f"{fam}, default cache, context {c}")
                 try:
                     ours = measure_default(model, prompts[c], new_tokens, args.repeats, device)
+                    if device.type == "cuda" and not args.quick:
+                        model.drop_generation_cache()
+                        ours["profile"] = profile_captured(model, prompts[c])
+                        log(f"  profile of the captured step: {json.dumps(ours['profile'])}")
                 except Exception:  # noqa: BLE001
                     log(f"  failed:\n{traceback.format_exc()}")
                     free(device)
