@@ -66,6 +66,9 @@ class SequenceInfo:
     length: int | None = None
     #: What one layer hands to the next within this forward (SPLA's `UnionHint`), by name.
     shared: dict = field(default_factory=dict)
+    #: Whether every new token is real by the cache's rule without a mask being read: a static cache's
+    #: one-token step after its first call (`SubquadraticCache`: one-token steps must be real tokens).
+    new_real: bool = False
 
     def key_offsets(self) -> torch.Tensor | None:
         """Slot of each row's position 0 when each row's real tokens sit in consecutive slots (left or
@@ -88,10 +91,10 @@ class SequenceInfo:
     @property
     def padding_unread(self) -> bool:
         """Whether no real token can read what a padding slot's inputs write: every new token is real
-        (`causal`), or the rows are a packed batch's documents (each right-padded after its real tokens,
-        no cache outliving the call, the padding's outputs dropped when packed back). The mixers then
-        need not zero the padding's inputs or outputs."""
-        return self.causal or self.documents is not None
+        (`causal`, `new_real`), or the rows are a packed batch's documents (each right-padded after its
+        real tokens, no cache outliving the call, the padding's outputs dropped when packed back). The
+        mixers then need not zero the padding's inputs or outputs."""
+        return self.causal or self.new_real or self.documents is not None
 
 
 def autocast_operands(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -608,7 +611,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=k_pos, causal=causal,
                            attentions={} if output_attentions else None,
                            consecutive=causal or (cache is not None and cache.static is not None),
-                           length=cache.length if cache is not None and causal else None)
+                           length=cache.length if cache is not None and causal else None,
+                           new_real=T == 1 and cache is not None and cache.static is not None and cache.length > 1)
 
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, cache,
                                                          output_hidden_states)

@@ -178,6 +178,8 @@ class WindowBranch:
             return self.swa(x, position_embeddings, window_seq, None)[0]
         if self._steady_step(x, seq, cache_layer):
             return self.steady_window_step(x, position_embeddings, seq.length - 1, cache_layer)
+        if self._static_step(x, seq, cache_layer):
+            return self.static_window_step(x, position_embeddings, seq.positions[:, 0], cache_layer)
         if self._fresh_prefill(x, seq, cache_layer):
             # a first call of real tokens (a prefill): causal rows over the new tokens, the ring filled by slicing
             fresh = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=True)
@@ -200,6 +202,53 @@ class WindowBranch:
         return (x.shape[1] == 1 and seq.length is not None and seq.length > self.window + self.swa.sinks
                 and seq.attentions is None and not torch.is_grad_enabled() and "swa_k" in t
                 and (not self.swa.sinks or "swa_sink_k" in t) and self.config._attn_implementation != "eager")
+
+    def _static_step(self, x: torch.Tensor, seq: SequenceInfo, cache_layer) -> bool:
+        """Whether this call is a static cache's one-token step (`static_window_step`): whole buffers
+        (a real new token per row, the static cache's rule), no gradients, SDPA, the ring made."""
+        t = cache_layer.tensors
+        return (x.shape[1] == 1 and cache_layer.whole and seq.attentions is None and not torch.is_grad_enabled()
+                and "swa_k" in t and (not self.swa.sinks or "swa_sink_k" in t)
+                and self.config._attn_implementation != "eager")
+
+    def static_window_step(self, x: torch.Tensor, position_embeddings, position: torch.Tensor,
+                           cache_layer) -> torch.Tensor:
+        """One decode step of the window with the positions on the device (position [B], each row's new
+        token, real), as a captured step runs it: the new key / value / position go into ring slot
+        position % W (and into the sinks while position < sinks) in place, and the query attends over
+        the sinks and the ring under the mask `window_keys` gives (ring slots of the last W positions,
+        sink copies W or more back). The values of the masked path (`WindowRing`) in about a quarter
+        of its operations."""
+        import torch.nn.functional as F
+
+        attn, t = self.swa, cache_layer.tensors
+        q, k, v = attn.project(x, position_embeddings)  # [B, heads, 1, D]
+        B, H, _, D = k.shape
+        W, n_sinks = self.window, attn.sinks
+        pos = position[:, None]  # [B, 1]
+        slot = pos % W
+        index = slot[:, :, None, None].expand(B, 1, 1, D).transpose(1, 2).expand(B, H, 1, D)
+        t["swa_k"].scatter_(2, index, k)
+        t["swa_v"].scatter_(2, index, v)
+        t["swa_pos"].scatter_(1, slot, pos)
+        keys, values, key_pos = t["swa_k"], t["swa_v"], t["swa_pos"]
+        if n_sinks:  # the first tokens are also kept as sinks: written there while position < sinks
+            s = pos.clamp(max=n_sinks - 1)
+            first = pos < n_sinks  # [B, 1]
+            index = s[:, :, None, None].expand(B, 1, 1, D).transpose(1, 2).expand(B, H, 1, D)
+            for name, new in (("swa_sink_k", k), ("swa_sink_v", v)):
+                buf = t[name]
+                buf.scatter_(2, index, torch.where(first[:, :, None, None], new, buf.gather(2, index)))
+            buf = t["swa_sink_pos"]
+            buf.scatter_(1, s, torch.where(first, pos, buf.gather(1, s)))
+            keys, values = torch.cat([t["swa_sink_k"], keys], dim=2), torch.cat([t["swa_sink_v"], values], dim=2)
+            key_pos = torch.cat([buf, key_pos], dim=1)
+        back = pos - key_pos  # [B, S]: how far back each key is
+        sink_copy = torch.arange(key_pos.shape[1], device=x.device) < n_sinks
+        allowed = (key_pos >= 0) & (back >= 0) & ((back < W) != sink_copy)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None, None], scale=attn.scaling,
+                                           enable_gqa=q.shape[1] != H)
+        return attn.o_proj(o.transpose(1, 2).reshape(B, 1, -1))
 
     def steady_window_step(self, x: torch.Tensor, position_embeddings, position: int, cache_layer) -> torch.Tensor:
         """One decode step of the window at `position` >= W + sinks, every token so far real: the new

@@ -1,7 +1,8 @@
-"""The window branch's steady decode step (`window.WindowBranch.steady_window_step`): once W + sinks
-real tokens are cached, a one-token step writes its ring slot in place and attends over the sinks and
-the whole ring without a mask. It must give the masked path's values (fp64) and the full forward's
-logits, and leave the ring as the masked path leaves it."""
+"""The window branch's lean decode steps: the steady step (`window.WindowBranch.steady_window_step`:
+once W + sinks real tokens are cached, a one-token step writes its ring slot in place and attends over
+the sinks and the whole ring without a mask) and a static cache's step (`static_window_step`: the
+positions on the device, as a captured step runs). Each must give the masked path's values (fp64) and
+the full forward's logits, and leave the ring as the masked path leaves it."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ def hla_window_sinks(sinks: int):
     return m
 
 
-def decode(m, ids, prefill: int, mask=None):
-    """Prefill `prefill` tokens, then one token a step: the logits of every position and the cache."""
+def decode(m, ids, prefill: int, mask=None, cache=None):
+    """Prefill `prefill` tokens, then one token a step: the logits of every position and the cache
+    (a growing one unless `cache` is given)."""
     with torch.no_grad():
-        out = m(ids[:, :prefill], attention_mask=None if mask is None else mask[:, :prefill], use_cache=True)
+        out = m(ids[:, :prefill], attention_mask=None if mask is None else mask[:, :prefill], use_cache=True,
+                **({} if cache is None else {CACHE_FIELD: cache}))
         cache, logits = getattr(out, CACHE_FIELD), [out.logits]
         for t in range(prefill, ids.shape[1]):
             step = m(ids[:, t : t + 1], attention_mask=None if mask is None else mask[:, : t + 1],
@@ -101,6 +104,38 @@ def test_a_fresh_prefill_fills_the_ring_as_the_masked_path_does(make, sinks, pre
     masked, masked_cache = decode(m, ids, prefill=n)
     torch.testing.assert_close(fresh, masked, rtol=0, atol=1e-12)
     for a, b in zip(fresh_cache.layers, masked_cache.layers, strict=True):
+        for name in window_module.WINDOW_FIELDS:
+            assert (name in a.tensors) == (name in b.tensors), name
+            if name in b.tensors:
+                assert torch.equal(a.tensors[name], b.tensors[name]), name
+
+
+@pytest.mark.parametrize("make, sinks", [(sse_window, 0), (sse_window, 3), (hla_window_sinks, 2)])
+@pytest.mark.parametrize("prefill", [1, 2, 6, 13], ids=["1", "2", "6", "13"])
+def test_static_steps_equal_the_masked_path(make, sinks, prefill, monkeypatch):
+    """A static cache's one-token steps take `static_window_step` (every window layer, every step) and
+    give the masked path's logits, ring and sinks, on a left-padded batch whose rows start shorter than
+    the sinks (the steps write the sinks), inside the window and past it."""
+    m = make(sinks)
+    W = m.model.layers[0].self_attn.window
+    T = prefill + W + sinks + 6
+    ids = torch.randint(3, 128, (2, T), generator=torch.Generator().manual_seed(prefill))
+    mask = torch.ones_like(ids)
+    mask[1, :1] = 0  # row 1 starts one token later
+    steps = []
+    real = window_module.WindowBranch.static_window_step
+    monkeypatch.setattr(window_module.WindowBranch, "static_window_step",
+                        lambda self, *a: steps.append(1) or real(self, *a))
+    fast, fast_cache = decode(m, ids, prefill, mask, cache=m.new_cache(max_length=T))
+    window_layers = sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
+    assert len(steps) == window_layers * (T - prefill)
+    monkeypatch.setattr(window_module.WindowBranch, "_static_step", lambda *a: False)
+    masked, masked_cache = decode(m, ids, prefill, mask, cache=m.new_cache(max_length=T))
+    real_rows = mask[:, :, None].bool()
+    torch.testing.assert_close(fast * real_rows, masked * real_rows, rtol=0, atol=1e-12)
+    growing, _ = decode(m, ids, prefill, mask)
+    torch.testing.assert_close(fast * real_rows, growing * real_rows, rtol=0, atol=1e-10)
+    for a, b in zip(fast_cache.layers, masked_cache.layers, strict=True):
         for name in window_module.WINDOW_FIELDS:
             assert (name in a.tensors) == (name in b.tensors), name
             if name in b.tensors:

@@ -150,9 +150,9 @@ class HLAAttention(WindowBranch, AttentionBase):
             o = seq.documents.pack(o)
 
         gate = self.g_proj(hidden_states).view(B, T, self.num_heads, self.head_dim) if cfg.output_gate else None
-        if (cfg.output_norm and gate is not None and T > 1 and cfg.kernel_backend in ("auto", "triton")
+        if (cfg.output_norm and gate is not None and cfg.kernel_backend in ("auto", "triton")
                 and norm_gate_takes_kernel(o, self.o_norm.weight, gate)):
-            # prefill / training on CUDA: the norm and the gate in one kernel, the values of the two lines below
+            # on CUDA: the norm and the gate in one kernel, the values of the two lines below
             o = norm_gate(o, self.o_norm.weight, gate, self.o_norm.eps, backend="triton")
         else:
             if cfg.output_norm:

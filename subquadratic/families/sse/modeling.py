@@ -279,8 +279,8 @@ class SSEAttention(WindowBranch, AttentionBase):
 
         gate = self.g_proj(x).view(B, T, self.num_heads, self.head_dim)
         w, eps = self.o_norm.weight, self.o_norm.variance_epsilon
-        if T > 1 and cfg.kernel_backend in ("auto", "triton") and norm_gate_takes_kernel(o, w, gate):
-            o = norm_gate(o, w, gate, eps, backend="triton")  # prefill / training on CUDA: one kernel, same values
+        if cfg.kernel_backend in ("auto", "triton") and norm_gate_takes_kernel(o, w, gate):
+            o = norm_gate(o, w, gate, eps, backend="triton")  # on CUDA: one kernel (a decode step's too), same values
         else:
             o = self.o_norm(o) * F.silu(gate)
         out = self.o_proj((o if seq.padding_unread else o * tok).reshape(B, T, -1))
