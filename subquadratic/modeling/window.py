@@ -227,7 +227,7 @@ class WindowBranch:
         W, n_sinks = self.window, attn.sinks
         pos = position[:, None]  # [B, 1]
         slot = pos % W
-        index = slot[:, :, None, None].expand(B, 1, 1, D).transpose(1, 2).expand(B, H, 1, D)
+        index = slot.view(B, 1, 1, 1).expand(B, H, 1, D)
         t["swa_k"].scatter_(2, index, k)
         t["swa_v"].scatter_(2, index, v)
         t["swa_pos"].scatter_(1, slot, pos)
@@ -235,7 +235,7 @@ class WindowBranch:
         if n_sinks:  # the first tokens are also kept as sinks: written there while position < sinks
             s = pos.clamp(max=n_sinks - 1)
             first = pos < n_sinks  # [B, 1]
-            index = s[:, :, None, None].expand(B, 1, 1, D).transpose(1, 2).expand(B, H, 1, D)
+            index = s.view(B, 1, 1, 1).expand(B, H, 1, D)
             for name, new in (("swa_sink_k", k), ("swa_sink_v", v)):
                 buf = t[name]
                 buf.scatter_(2, index, torch.where(first[:, :, None, None], new, buf.gather(2, index)))
