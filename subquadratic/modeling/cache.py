@@ -189,21 +189,20 @@ def _write_back(old: torch.Tensor, new: torch.Tensor, in_place: bool) -> torch.T
 
 
 class StateDict(dict):
-    """A layer's fixed-size tensors. In a static cache (`in_place`), a new value for an existing entry
-    of the same shape is copied into it, so the entry keeps its address (a CUDA graph replays on it);
-    a new entry is copied into a spare allocation of the cache where one fits (`StaticSlots.take`:
+    """A layer's fixed-size tensors. In a static cache (`static` given), a new value for an existing
+    entry of the same shape is copied into it, so the entry keeps its address (a CUDA graph replays on
+    it); a new entry is copied into a spare allocation of the cache where one fits (`StaticSlots.take`:
     the one it had before a rewind)."""
 
-    def __init__(self, *args, in_place: bool = False, static: StaticSlots | None = None, **kw) -> None:
+    def __init__(self, *args, static: StaticSlots | None = None, **kw) -> None:
         super().__init__(*args, **kw)
-        self.in_place = in_place
         self.static = static
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         old = self.get(name)
         if old is None and self.static is not None:
             old = self.static.take(value.shape, value.dtype, value.device)
-        super().__setitem__(name, value if old is None else _write_back(old, value, self.in_place))
+        super().__setitem__(name, value if old is None else _write_back(old, value, self.static is not None))
 
     def update(self, *args, **kw) -> None:
         for name, value in dict(*args, **kw).items():
@@ -237,7 +236,7 @@ class StateLayer:
             self._tensors = StateDict(value)
             return
         if not self._tensors:
-            self._tensors = StateDict(in_place=True, static=self.static)
+            self._tensors = StateDict(static=self.static)
         for name in [n for n in self._tensors if n not in value]:
             del self._tensors[name]
         self._tensors.update(value)
@@ -276,7 +275,7 @@ class StateLayer:
             b.apply(fn)
 
     def reset(self) -> None:
-        self._tensors = StateDict(in_place=self.static is not None, static=self.static)
+        self._tensors = StateDict(static=self.static)
         self.buffers = {}
 
     def allocations(self) -> list[torch.Tensor]:
@@ -466,6 +465,12 @@ class SubquadraticCache(Cache):
         self.decode_graph = None
         self._reset_positions()
 
+    def allocations(self) -> list[torch.Tensor | None]:
+        """Every tensor the cache holds, in the order a sequence allocates them (None: not yet made):
+        the counts, the key positions, then each layer's (`StateLayer.allocations`)."""
+        return [self.seen, self.slot, self._key_positions.data,
+                *(t for layer in self.layers for t in layer.allocations())]
+
     def rewind(self) -> None:
         """Empty the cache for a new sequence. A growing cache is reset; a static one keeps its
         allocations and its captured decode step: the next sequence writes into the same tensors
@@ -475,10 +480,8 @@ class SubquadraticCache(Cache):
         if self.static is None:
             self.reset()
             return
-        held = [self.seen, self.slot, self._key_positions.data]
-        held += [t for layer in self.layers for t in layer.allocations()]
         self.static.spare = {}
-        for t in held:
+        for t in self.allocations():
             if t is not None:
                 self.static.give(t)
         graph = self.decode_graph

@@ -42,9 +42,7 @@ class DecodeGraph:
         self.stale = False
 
     def _addresses(self) -> list[int]:
-        state = [t for layer in self.cache.layers for t in layer.tensors.values()]
-        state += [b.data for b in self.cache._buffers() if b.data is not None]
-        state += [self.cache.seen, self.cache.slot, *self.model.parameters(), *self.model.buffers()]
+        state = [*self.cache.allocations(), *self.model.parameters(), *self.model.buffers()]
         return [len(self.cache.layers)] + [-1 if t is None else t.data_ptr() for t in state]
 
     def still_valid(self) -> bool:

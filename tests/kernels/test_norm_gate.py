@@ -34,9 +34,14 @@ def make(B, T, H, D, per_head, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_values_match_the_pytorch_form(case, dtype):
     x, w, gate = make(*case, dtype, seed=sum(case[:4]))
-    got = norm_gate(x, w, gate, 1e-6, backend="triton")
-    want = norm_gate_reference(x, w, gate, 1e-6)
-    assert got.dtype == want.dtype == dtype and got.shape == x.shape
+    assert_values_match(lambda *a: norm_gate(*a, 1e-6, backend="triton"), lambda *a: norm_gate_reference(*a, 1e-6),
+                        (x, w, gate), dtype)
+
+
+def assert_values_match(fn, reference, inputs, dtype):
+    """fn's values against reference's on the same inputs (the same roundings) and in fp64."""
+    got, want = fn(*inputs), reference(*inputs)
+    assert got.dtype == want.dtype == dtype and got.shape == inputs[0].shape
     assert torch.isfinite(got).all()
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -44,7 +49,7 @@ def test_values_match_the_pytorch_form(case, dtype):
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5)
         if DEV == "cuda":  # the fp32 rsqrt and sigmoid may move the last bit
             assert (got == want).float().mean() > 0.9
-    exact = norm_gate_reference(*(t.double() for t in (x, w, gate)), 1e-6)
+    exact = reference(*(t.double() for t in inputs))
     assert ((got.double() - exact).norm() / exact.norm()).item() < (1e-6 if dtype == torch.float32 else 2e-2)
 
 
@@ -136,17 +141,8 @@ def test_mixers_take_the_kernel_with_the_values_and_gradients_of_their_pytorch_f
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_norm_values_match_the_pytorch_form(case, dtype):
     x, w, o = make(*case, dtype, seed=sum(case[:4]) + 2)
-    got = add_norm(o, x, w, 1e-6, backend="triton")
-    want = add_norm_reference(o, x, w, 1e-6)
-    assert got.dtype == want.dtype == dtype and got.shape == x.shape
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    else:
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5)
-        if DEV == "cuda":
-            assert (got == want).float().mean() > 0.9
-    exact = add_norm_reference(*(t.double() for t in (o, x, w)), 1e-6)
-    assert ((got.double() - exact).norm() / exact.norm()).item() < (1e-6 if dtype == torch.float32 else 2e-2)
+    assert_values_match(lambda *a: add_norm(*a, 1e-6, backend="triton"), lambda *a: add_norm_reference(*a, 1e-6),
+                        (o, x, w), dtype)
 
 
 @pytest.mark.parametrize("case", CASES)
