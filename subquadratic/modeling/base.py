@@ -281,6 +281,35 @@ def banded_window_attention(q, k, v, q_pos, k_pos, window: int, scaling: float, 
     return o.view(B, n, HQ, C, D).transpose(2, 3).reshape(B, n * C, HQ, D)[:, :T]
 
 
+def grouped_query_packs(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `grouped_query_attention` serves a masked call of q [B, HQ, T, D] over k [B, H, S, D]:
+    grouped queries (HQ > H) and a mask copied G = HQ / H times that is smaller than the keys and
+    values repeated G times (T < 2 H D; at one new token the mask is not copied at all)."""
+    HQ, T, D = q.shape[1:]
+    H = k.shape[1]
+    return HQ != H and HQ % H == 0 and T < 2 * H * D
+
+
+def grouped_query_attention(q, k, v, mask: torch.Tensor, scaling: float, dropout: float = 0.0) -> torch.Tensor:
+    """Masked SDPA of HQ query heads over H key / value heads without repeating the keys and values:
+    the G = HQ / H query heads of a group (heads hG .. hG + G - 1, `repeat_kv`'s order) become G T rows
+    of one head against its keys, under the additive mask [B, 1, T, S] tiled G times along the rows
+    (a stride-0 view at T = 1). Transformers' SDPA function copies the keys and values G times when a
+    mask is given (at a one-token step over a long static cache that copy is the step's largest cost).
+    Returns o [B, T, HQ, D] as Transformers' attention functions do."""
+    import torch.nn.functional as F
+
+    B, HQ, T, D = q.shape
+    H, S = k.shape[1], k.shape[2]
+    G = HQ // H
+    mask = mask.expand(B, 1, T, S)
+    mask = mask.expand(B, G, T, S).reshape(B, 1, G * T, S) if T == 1 else \
+        mask[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
+    o = F.scaled_dot_product_attention(q.reshape(B, H, G * T, D), k, v, attn_mask=mask, dropout_p=dropout,
+                                       scale=scaling)
+    return o.view(B, HQ, T, D).transpose(1, 2)
+
+
 class SoftmaxAttention(AttentionBase):
     """Exact softmax attention (full, or a sliding window for `sliding_attention` layers), through
     Transformers' eager or SDPA attention function with an explicit position-based mask. When the
@@ -333,13 +362,16 @@ class SoftmaxAttention(AttentionBase):
                 allowed = window_keys(seq.positions, seq.key_positions, self.window, self.sinks, sink_slots)
                 mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
                 mask, is_causal = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None], False
-            if not sdpa:
-                fn = eager_attention_forward
+            if sdpa and mask is not None and grouped_query_packs(q, k):
+                o = grouped_query_attention(q, k, v, mask, self.scaling, dropout)
             else:
-                from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
-            o, weights = fn(self, q, k, v, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal)
-            if seq.attentions is not None:
-                seq.attentions[self.layer_idx] = weights
+                if not sdpa:
+                    fn = eager_attention_forward
+                else:
+                    from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+                o, weights = fn(self, q, k, v, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal)
+                if seq.attentions is not None:
+                    seq.attentions[self.layer_idx] = weights
         if not seq.padding_unread:  # else every new token is real, or the padding's outputs are dropped
             o = o * seq.valid[:, :, None, None]  # [B, T, HQ, D]
         if packed:
