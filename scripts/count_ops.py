@@ -94,7 +94,7 @@ def cuda_paths():
     CUDA."""
     from subquadratic.families.hla import modeling as hla_modeling
     from subquadratic.families.sse import modeling as sse_modeling
-    from subquadratic.kernels import hla, norm_gate, sse, utils
+    from subquadratic.kernels import hla, norm_gate, sse, utils, window_attention
     from subquadratic.kernels.spla import plan
 
     real = utils.resolve_backend
@@ -107,7 +107,7 @@ def cuda_paths():
         return real_plan(q_shape, k_shape, dtype, "cuda", params, **kw)
 
     patched = [(hla, "resolve_backend", resolve), (sse, "resolve_backend", resolve),
-               (plan, "resolve_backend", resolve)]
+               (plan, "resolve_backend", resolve), (window_attention, "resolve_backend", resolve)]
     import subquadratic.kernels.spla as spla
 
     patched.append((spla, "plan_spla", plan_cuda))

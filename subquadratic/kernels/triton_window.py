@@ -10,7 +10,10 @@ window counts the rest), and the window [m0 - W + 1, m0 + BM). Kernels:
   `window_bwd_dkdv`  dk, dv of a key tile [n0, n0 + BN) from the queries whose window holds it
                   (t in [n0, n0 + BN + W - 1)), the G query heads of its KV head in one program (no atomics);
   `window_bwd_sinks`  the sinks' dk, dv from the queries past their window, per chunk of queries,
-                  summed over chunks and heads by the caller.
+                  summed over chunks and heads by the caller;
+  `window_step_fwd`  a static cache's one-token step (`window_attention.window_step`): the new key /
+                  value written into the window's ring (and the sinks), the G query heads of a KV head
+                  attending over both in one program.
 fp32 accumulation everywhere (the dots are `spla.triton_common.mm`); 16-bit operands on the tensor cores,
 fp32 ones exact ("ieee") or TF32.
 """
@@ -229,6 +232,86 @@ def window_bwd_sinks(Q, K, V, DO, LSE, DELTA, DKS, DVS, T, scale,
     m = (cols < D)[None, :] & (keys < SP)[:, None]
     tl.store(DKS + off, dk * scale, mask=m)
     tl.store(DVS + off, dv, mask=m)
+
+
+@triton.jit
+def _step_keys(kn, vn, pos, Kp, Vp, Pp, s_kt, s_vt, rows, n_rows, cols, at, D: tl.constexpr):
+    """A window step's key tile `rows` (< n_rows) of a ring or of the sinks, with row `at` holding the new
+    key / value / position (from registers: the buffer's row may be written by now): k, v, positions."""
+    k, v = _kv(Kp, Vp, s_kt, s_vt, rows, n_rows, cols, D)
+    new = rows == at
+    k = tl.where(new[:, None], kn[None, :], k)
+    v = tl.where(new[:, None], vn[None, :], v)
+    return k, v, tl.where(new, pos, tl.load(Pp + rows, mask=rows < n_rows, other=-1))
+
+
+@triton.jit
+def window_step_fwd(Q, K, V, RK, RV, RP, SK, SV, SPOS, POS, OUT, scale, s_pos,
+                    s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt, s_rpb,
+                    s_skb, s_skh, s_skt, s_svb, s_svh, s_svt, s_spb, s_ob, s_oh,
+                    H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                    W: tl.constexpr, BW: tl.constexpr, SINKS: tl.constexpr, SP: tl.constexpr, IEEE: tl.constexpr):
+    """One program per (row b, KV head h): the new key / value of q's token (position POS[b]) go into
+    ring slot pos % W (and sink slot pos while pos < SINKS), and the G query heads of the group attend
+    over the ring's keys 0 <= pos - j < W and the sinks W or more back."""
+    i = tl.program_id(0)
+    b, h = i // H, i % H
+    bb = b.to(tl.int64)
+    pos = tl.load(POS + bb * s_pos)
+    cols = tl.arange(0, BD)
+    heads = tl.arange(0, BG)
+    q = tl.load(Q + bb * s_qb + (h * G + heads)[:, None] * s_qh + cols[None, :],
+                mask=(heads < G)[:, None] & (cols < D)[None, :], other=0.0)
+    kn = tl.load(K + bb * s_kb + h * s_kh + cols, mask=cols < D, other=0.0)
+    vn = tl.load(V + bb * s_vb + h * s_vh + cols, mask=cols < D, other=0.0)
+    Kp, Vp, Pp = RK + bb * s_rkb + h * s_rkh, RV + bb * s_rvb + h * s_rvh, RP + bb * s_rpb
+    slot = pos % W
+    m_i = tl.full([BG], NEG, tl.float32)
+    l_i = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, BD], tl.float32)
+    for n0 in range(0, W, BW):
+        rows = n0 + tl.arange(0, BW)
+        k, v, kp = _step_keys(kn, vn, pos, Kp, Vp, Pp, s_rkt, s_rvt, rows, W, cols, slot, D)
+        back = pos - kp
+        ok = (kp >= 0) & (back >= 0) & (back < W) & (rows < W)
+        m_i, l_i, acc = _online_softmax(q, k, v, ok[None, :], m_i, l_i, acc, scale, IEEE)
+    tl.store(Kp + slot * s_rkt + cols, kn.to(RK.dtype.element_ty), mask=cols < D)
+    tl.store(Vp + slot * s_rvt + cols, vn.to(RV.dtype.element_ty), mask=cols < D)
+    tl.store(Pp + slot, pos, mask=h == 0)
+    if SINKS > 0:  # the sinks, where they are W or more positions back; the first SINKS tokens are written there
+        Kp, Vp, Pp = SK + bb * s_skb + h * s_skh, SV + bb * s_svb + h * s_svh, SPOS + bb * s_spb
+        rows = tl.arange(0, SP)
+        sk, sv, sp = _step_keys(kn, vn, pos, Kp, Vp, Pp, s_skt, s_svt, rows, SINKS, cols, pos, D)
+        back = pos - sp
+        ok = (sp >= 0) & (back >= W) & (rows < SINKS)
+        m_i, l_i, acc = _online_softmax(q, sk, sv, ok[None, :], m_i, l_i, acc, scale, IEEE)
+        if pos < SINKS:
+            tl.store(Kp + pos * s_skt + cols, kn.to(SK.dtype.element_ty), mask=cols < D)
+            tl.store(Vp + pos * s_svt + cols, vn.to(SV.dtype.element_ty), mask=cols < D)
+            tl.store(Pp + pos, pos, mask=h == 0)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(OUT + bb * s_ob + (h * G + heads)[:, None] * s_oh + cols[None, :], o.to(OUT.dtype.element_ty),
+             mask=(heads < G)[:, None] & (cols < D)[None, :])
+
+
+def window_step_triton(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window: int,
+                       scale: float, ieee: bool) -> torch.Tensor:
+    """`window_attention.window_step` on the kernel (its checks done by the caller): o [B, HQ, 1, D]."""
+    B, HQ, _, D = q.shape
+    H = k.shape[1]
+    sinks = 0 if sink_k is None else sink_k.shape[2]
+    if not sinks:  # the kernel reads no sinks: any tensors of the right kind stand in
+        sink_k, sink_v, sink_pos = ring_k, ring_v, ring_pos
+    o = new_output((B, HQ, 1, D), q.device, q.dtype)
+    G, BD = HQ // H, block_size(D)
+    BW = min(block_size(window), max(16, 8192 // BD))
+    window_step_fwd[(B * H,)](
+        q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, o, scale, position.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *_strides(ring_k),
+        *_strides(ring_v), ring_pos.stride(0), *_strides(sink_k), *_strides(sink_v), sink_pos.stride(0),
+        o.stride(0), o.stride(1), H, G, block_size(G), D, BD, window, BW, sinks, _sink_pad(sinks), ieee,
+        num_warps=_warps(BD))
+    return o
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:

@@ -3,7 +3,9 @@
 row's index being the position (every token real, or padding only after the real ones, whose outputs
 the caller drops). That is the attention of a window branch (`modeling/window.py`) and of the sliding
 layers of converted Mistral / Qwen models at prefill and in training: O(T W) work and memory, no mask
-tensor, forward and backward. `modeling.base.banded_window_attention` is the PyTorch form the model
+tensor, forward and backward. `window_step` is a static cache's one-token step of a window branch (the
+new key written into the window's ring, the query over the ring and the sinks) as one kernel.
+`modeling.base.banded_window_attention` is the PyTorch form the model
 runs where the kernels do not apply (the CPU, padding before real tokens, a window ring holding earlier
 keys, attention dropout).
 """
@@ -14,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .triton_utils import TRITON_DTYPES
-from .utils import resolve_precision
+from .utils import resolve_backend, resolve_precision
 
 #: The largest head dim the kernels take.
 MAX_DIM = 256
@@ -56,3 +58,69 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scaling: floa
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     ieee = q.dtype == torch.float32 and resolve_precision(precision, q.device) == "ieee"
     return WindowAttention.apply(q, k, v, window, sinks, float(scaling), ieee)
+
+
+def window_step_reference(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window: int,
+                          scaling: float) -> Tensor:
+    """`window_step` in PyTorch (the kernel's oracle, and the path off CUDA)."""
+    import torch.nn.functional as F
+
+    B, H, _, D = k.shape
+    W = window
+    pos = position[:, None]  # [B, 1]
+    slot = pos % W
+    index = slot.view(B, 1, 1, 1).expand(B, H, 1, D)
+    ring_k.scatter_(2, index, k)
+    ring_v.scatter_(2, index, v)
+    ring_pos.scatter_(1, slot, pos)
+    keys, values, key_pos = ring_k, ring_v, ring_pos
+    n_sinks = 0 if sink_k is None else sink_k.shape[2]
+    if n_sinks:  # the first tokens are also kept as sinks: written there while position < sinks
+        s = pos.clamp(max=n_sinks - 1)
+        first = pos < n_sinks  # [B, 1]
+        index = s.view(B, 1, 1, 1).expand(B, H, 1, D)
+        for buf, new in ((sink_k, k), (sink_v, v)):
+            buf.scatter_(2, index, torch.where(first[:, :, None, None], new, buf.gather(2, index)))
+        sink_pos.scatter_(1, s, torch.where(first, pos, sink_pos.gather(1, s)))
+        keys, values = torch.cat([sink_k, keys], dim=2), torch.cat([sink_v, values], dim=2)
+        key_pos = torch.cat([sink_pos, key_pos], dim=1)
+    back = pos - key_pos  # [B, S]: how far back each key is
+    sink_copy = torch.arange(key_pos.shape[1], device=q.device) < n_sinks
+    allowed = (key_pos >= 0) & (back >= 0) & ((back < W) != sink_copy)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None, None], scale=scaling,
+                                          enable_gqa=q.shape[1] != H)
+
+
+def window_step_unsupported(q: Tensor, k: Tensor, ring_k: Tensor, sink_k: Tensor | None) -> str | None:
+    """Why the step kernel cannot take these inputs, or None."""
+    tensors = (q, k, ring_k) + (() if sink_k is None else (sink_k,))
+    if q.dtype not in TRITON_DTYPES or any(x.dtype != q.dtype for x in tensors):
+        return f"dtypes {[x.dtype for x in tensors]} (one of {TRITON_DTYPES}, alike)"
+    if q.shape[2] != 1 or q.shape[1] % k.shape[1]:
+        return f"q {list(q.shape)} over k {list(k.shape)} (one token, H dividing HQ)"
+    if q.shape[-1] > MAX_DIM or (sink_k is not None and sink_k.shape[2] > MAX_SINKS):
+        return f"head dim {q.shape[-1]} (at most {MAX_DIM}) or more than {MAX_SINKS} sinks"
+    if any(x.stride(-1) != 1 for x in tensors):
+        return "a tensor without unit stride in the head dim"
+    return None
+
+
+def window_step(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window: int,
+                scaling: float, backend: str = "auto", precision: str = "auto") -> Tensor:
+    """One decode token of a sliding window with sinks over a ring, the step a captured decode replays:
+    the new key / value (k, v [B, H, 1, D]) and position (`position` [B], each row's new token, real)
+    go into ring slot position % W of ring_k, ring_v [B, H, W, D] / ring_pos [B, W] and, while position
+    < sinks, into sink slot position of sink_k, sink_v [B, H, sinks, D] / sink_pos [B, sinks] (None:
+    no sinks), in place; the query q [B, HQ, 1, D] attends over the ring's keys 0 <= position - p < W
+    and the sinks W or more back (slots of position -1 are empty). Returns o [B, HQ, 1, D]. `backend`
+    as every op's ("auto": the Triton kernel on CUDA, one launch); no gradients (a decode step)."""
+    why = window_step_unsupported(q, k, ring_k, sink_k)
+    if resolve_backend(backend, q.device, op="window decode step", has_triton=True, has_naive=True,
+                       unsupported=why) != "triton":
+        return window_step_reference(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window,
+                                     scaling)
+    from .triton_window import window_step_triton
+
+    ieee = q.dtype == torch.float32 and resolve_precision(precision, q.device) == "ieee"
+    return window_step_triton(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window,
+                              float(scaling), ieee)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.window_attention import window_step
 from .base import SequenceInfo, SoftmaxAttention
 
 #: The cache layer's tensors of the window branch.
@@ -217,38 +218,14 @@ class WindowBranch:
         token, real), as a captured step runs it: the new key / value / position go into ring slot
         position % W (and into the sinks while position < sinks) in place, and the query attends over
         the sinks and the ring under the mask `window_keys` gives (ring slots of the last W positions,
-        sink copies W or more back). The values of the masked path (`WindowRing`) in about a quarter
-        of its operations."""
-        import torch.nn.functional as F
-
+        sink copies W or more back): `kernels.window_attention.window_step`, on CUDA one kernel. The
+        values of the masked path (`WindowRing`)."""
         attn, t = self.swa, cache_layer.tensors
         q, k, v = attn.project(x, position_embeddings)  # [B, heads, 1, D]
-        B, H, _, D = k.shape
-        W, n_sinks = self.window, attn.sinks
-        pos = position[:, None]  # [B, 1]
-        slot = pos % W
-        index = slot.view(B, 1, 1, 1).expand(B, H, 1, D)
-        t["swa_k"].scatter_(2, index, k)
-        t["swa_v"].scatter_(2, index, v)
-        t["swa_pos"].scatter_(1, slot, pos)
-        keys, values, key_pos = t["swa_k"], t["swa_v"], t["swa_pos"]
-        if n_sinks:  # the first tokens are also kept as sinks: written there while position < sinks
-            s = pos.clamp(max=n_sinks - 1)
-            first = pos < n_sinks  # [B, 1]
-            index = s.view(B, 1, 1, 1).expand(B, H, 1, D)
-            for name, new in (("swa_sink_k", k), ("swa_sink_v", v)):
-                buf = t[name]
-                buf.scatter_(2, index, torch.where(first[:, :, None, None], new, buf.gather(2, index)))
-            buf = t["swa_sink_pos"]
-            buf.scatter_(1, s, torch.where(first, pos, buf.gather(1, s)))
-            keys, values = torch.cat([t["swa_sink_k"], keys], dim=2), torch.cat([t["swa_sink_v"], values], dim=2)
-            key_pos = torch.cat([buf, key_pos], dim=1)
-        back = pos - key_pos  # [B, S]: how far back each key is
-        sink_copy = torch.arange(key_pos.shape[1], device=x.device) < n_sinks
-        allowed = (key_pos >= 0) & (back >= 0) & ((back < W) != sink_copy)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None, None], scale=attn.scaling,
-                                           enable_gqa=q.shape[1] != H)
-        return attn.o_proj(o.transpose(1, 2).reshape(B, 1, -1))
+        sinks = [t[n] for n in ("swa_sink_k", "swa_sink_v", "swa_sink_pos")] if attn.sinks else [None] * 3
+        o = window_step(q, k, v, t["swa_k"], t["swa_v"], t["swa_pos"], *sinks, position, self.window, attn.scaling,
+                        self.config.kernel_backend, self.config.kernel_precision)
+        return attn.o_proj(o.transpose(1, 2).reshape(x.shape[0], 1, -1))
 
     def steady_window_step(self, x: torch.Tensor, position_embeddings, position: int, cache_layer) -> torch.Tensor:
         """One decode step of the window at `position` >= W + sinks, every token so far real: the new

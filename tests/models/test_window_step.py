@@ -140,3 +140,34 @@ def test_static_steps_equal_the_masked_path(make, sinks, prefill, monkeypatch):
             assert (name in a.tensors) == (name in b.tensors), name
             if name in b.tensors:
                 assert torch.equal(a.tensors[name], b.tensors[name]), name
+
+
+@pytest.mark.parametrize("make, sinks", [(sse_window, 3), (hla_window_sinks, 2)])
+def test_static_steps_on_the_kernel_equal_the_masked_path(make, sinks, monkeypatch):
+    """The same steps with the window step on its Triton kernel (as on CUDA; here forced, on a GPU or
+    under the interpreter), fp32: the masked path's logits, ring and sinks, one launch a layer a step."""
+    pytest.importorskip("triton")
+    from subquadratic.kernels import triton_window
+    from subquadratic.kernels import window_attention as wa
+
+    m = make(sinks).float()
+    W = m.model.layers[0].self_attn.window
+    T = 2 + W + sinks + 6
+    ids = torch.randint(3, 128, (2, T), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :1] = 0
+    launches = []
+    real = triton_window.window_step_triton
+    monkeypatch.setattr(triton_window, "window_step_triton", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    monkeypatch.setattr(wa, "resolve_backend", lambda *a, unsupported=None, **kw: "torch" if unsupported else "triton")
+    fast, fast_cache = decode(m, ids, 2, mask, cache=m.new_cache(max_length=T))
+    window_layers = sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
+    assert len(launches) == window_layers * (T - 2)
+    monkeypatch.setattr(window_module.WindowBranch, "_static_step", lambda *a: False)
+    masked, masked_cache = decode(m, ids, 2, mask, cache=m.new_cache(max_length=T))
+    real_rows = mask[:, :, None].bool()
+    torch.testing.assert_close(fast * real_rows, masked * real_rows, rtol=0, atol=2e-5)
+    for a, b in zip(fast_cache.layers, masked_cache.layers, strict=True):  # a later layer's keys: rounding apart
+        for name in window_module.WINDOW_FIELDS:
+            if name in b.tensors:
+                torch.testing.assert_close(a.tensors[name], b.tensors[name], rtol=0, atol=2e-5, msg=name)

@@ -1,0 +1,105 @@
+"""A window branch's one-token step on the Triton kernel (`kernels.window_attention.window_step`), step
+after step from an empty ring: each step's output against the definition over the row's whole history
+in fp64 (key j of query p when p - j < W or j < sinks), and the ring and sinks it writes equal to the
+PyTorch step's (`window_step_reference`), rows at different positions, GQA groups 1..4, head dims and
+windows that are not powers of two, windows over one key tile, more sinks than the window, poisoned
+empty slots and outputs. On CPU the kernel runs under TRITON_INTERPRET=1; the `gpu` test runs bf16 at
+real shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from subquadratic.kernels.triton_window import window_step_triton  # noqa: E402
+from subquadratic.kernels.window_attention import window_step, window_step_reference  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+CASES = [  # B, HQ, H, D, window, sinks, steps, row offsets
+    (2, 4, 2, 16, 8, 3, 22, (0, 5)),
+    (1, 4, 1, 24, 20, 0, 26, (3,)),
+    (2, 2, 2, 16, 5, 8, 14, (0, 2)),
+    (1, 2, 1, 32, 200, 2, 6, (190,)),  # two key tiles of the ring
+]
+
+
+def buffers(B, H, W, D, sinks, dtype):
+    """An empty ring and sinks as a cache makes them, the key / value slots poisoned with large values
+    (an empty slot must not count)."""
+    ring = [torch.full((B, H, W, D), 1e4, dtype=dtype, device=DEV) for _ in range(2)]
+    ring.append(torch.full((B, W), -1, dtype=torch.long, device=DEV))
+    if not sinks:
+        return ring + [None] * 3
+    return ring + [torch.full((B, H, sinks, D), 1e4, dtype=dtype, device=DEV) for _ in range(2)] + \
+        [torch.full((B, sinks), -1, dtype=torch.long, device=DEV)]
+
+
+def definition(q, keys, values, p, W, sinks, scale):
+    """o [HQ, D] of one row's query q [HQ, D] at position p over its history keys, values [H, p + 1, D]."""
+    G = q.shape[0] // keys.shape[0]
+    j = torch.arange(p + 1, device=q.device)
+    allowed = (p - j < W) | (j < sinks)
+    kk, vv = keys.repeat_interleave(G, 0)[:, allowed], values.repeat_interleave(G, 0)[:, allowed]
+    w = ((q[:, None] * kk).sum(-1) * scale).softmax(-1)
+    return (w[..., None] * vv).sum(1)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_steps_match_the_definition_and_write_what_the_torch_step_writes(case):
+    B, HQ, H, D, W, sinks, steps, offsets = case
+    g = torch.Generator().manual_seed(sum(case[:6]))
+    n = max(offsets) + steps
+    # every row's keys / values / queries by position
+    K, V, Q = (torch.randn(B, heads, n, D, generator=g, dtype=torch.float64).to(DEV) for heads in (H, H, HQ))
+    kern, ref = buffers(B, H, W, D, sinks, torch.float32), buffers(B, H, W, D, sinks, torch.float32)
+    scale = D ** -0.5
+    for b, off in enumerate(offsets):  # row b's first `off` tokens, written by the PyTorch step
+        for p in range(off):
+            for bufs in (kern, ref):
+                view = [None if x is None else x[b:b + 1] for x in bufs]
+                window_step_reference(*(X[b:b + 1, :, p:p + 1].float() for X in (Q, K, V)), *view,
+                                      torch.tensor([p], device=DEV), W, scale)
+    off = torch.tensor(offsets, device=DEV)
+    for t in range(steps):
+        pos = off + t
+        rows = torch.arange(B, device=DEV)
+        q, k, v = (X[rows, :, pos][:, :, None].float() for X in (Q, K, V))  # [B, heads, 1, D]
+        got = window_step_triton(q, k, v, *kern, pos, W, scale, ieee=True)
+        want = window_step_reference(q, k, v, *ref, pos, W, scale)
+        for b in range(B):
+            p = int(pos[b])
+            exact = definition(Q[b, :, p], K[b, :, : p + 1], V[b, :, : p + 1], p, W, sinks, scale)
+            assert torch.allclose(got[b, :, 0].double(), exact, atol=2e-5, rtol=0), (t, b)
+        assert torch.allclose(got, want, atol=2e-5, rtol=0)
+        for a, r in zip(kern, ref, strict=True):
+            assert a is None and r is None or torch.equal(a, r)
+
+
+def test_dispatch_takes_the_kernel_on_cuda_only_and_checks_its_inputs():
+    B, H, W, D = 1, 2, 8, 16
+    q, k, v = torch.randn(B, 4, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+    bufs = buffers(B, H, W, D, 2, torch.float32)
+    if DEV == "cpu":
+        bufs = [x.cpu() for x in bufs]
+        with pytest.raises(ValueError, match="CUDA"):
+            window_step(q, k, v, *bufs, torch.tensor([0]), W, 0.25, backend="triton")
+    out = window_step(q, k, v, *buffers(B, H, W, D, 2, torch.float32), torch.tensor([0], device=DEV), W, 0.25)
+    assert out.shape == (B, 4, 1, D) and torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_steps_at_real_shapes_match_the_torch_step():
+    B, HQ, H, D, W, sinks = 2, 32, 8, 64, 64, 4
+    g = torch.Generator().manual_seed(0)
+    kern, ref = buffers(B, H, W, D, sinks, torch.bfloat16), buffers(B, H, W, D, sinks, torch.bfloat16)
+    for t in range(80):
+        q, k, v = (torch.randn(B, h, 1, D, generator=g).to(DEV, torch.bfloat16) for h in (HQ, H, H))
+        pos = torch.tensor([t, t + 7], device=DEV)
+        got = window_step_triton(q, k, v, *kern, pos, W, D ** -0.5, ieee=False)
+        want = window_step_reference(q, k, v, *ref, pos, W, D ** -0.5)
+        assert (got.float() - want.float()).abs().max() < 2e-2
+        for a, r in zip(kern, ref, strict=True):
+            assert torch.equal(a, r)
