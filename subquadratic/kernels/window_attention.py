@@ -113,14 +113,15 @@ def window_step(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, pos
     < sinks, into sink slot position of sink_k, sink_v [B, H, sinks, D] / sink_pos [B, sinks] (None:
     no sinks), in place; the query q [B, HQ, 1, D] attends over the ring's keys 0 <= position - p < W
     and the sinks W or more back (slots of position -1 are empty). Returns o [B, HQ, 1, D]. `backend`
-    as every op's ("auto": the Triton kernel on CUDA, one launch); no gradients (a decode step)."""
+    as every op's ("auto": the Triton kernel on CUDA, one launch); fp32 dots exact unless `precision`
+    is "tf32" (`decode_attention.exact_decode_dots`); no gradients (a decode step)."""
     why = window_step_unsupported(q, k, ring_k, sink_k)
     if resolve_backend(backend, q.device, op="window decode step", has_triton=True, has_naive=True,
                        unsupported=why) != "triton":
         return window_step_reference(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window,
                                      scaling)
+    from .decode_attention import exact_decode_dots
     from .triton_window import window_step_triton
 
-    ieee = q.dtype == torch.float32 and resolve_precision(precision, q.device) == "ieee"
     return window_step_triton(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window,
-                              float(scaling), ieee)
+                              float(scaling), exact_decode_dots(q.dtype, precision))

@@ -22,6 +22,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, eager_attention_forward
 
 from ..configuration.base import SubquadraticConfig
+from ..kernels.decode_attention import decode_attention
 from ..kernels.utils import allowed_keys, resolve_backend, slot_offsets
 from ..kernels.window_attention import window_attention, window_unsupported
 from ..registry import mixer, register_mixer
@@ -283,11 +284,12 @@ def banded_window_attention(q, k, v, q_pos, k_pos, window: int, scaling: float, 
 
 def grouped_query_packs(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether `grouped_query_attention` serves a masked call of q [B, HQ, T, D] over k [B, H, S, D]:
-    grouped queries (HQ > H) and a mask copied G = HQ / H times that is smaller than the keys and
-    values repeated G times (T < 2 H D; at one new token the mask is not copied at all)."""
+    no gradients (a chunk of new tokens over a cache; training keeps Transformers' function), grouped
+    queries (HQ > H) and a mask copied G = HQ / H times that is smaller than the keys and values
+    repeated G times (T < 2 H D)."""
     HQ, T, D = q.shape[1:]
     H = k.shape[1]
-    return HQ != H and HQ % H == 0 and T < 2 * H * D
+    return not torch.is_grad_enabled() and HQ != H and HQ % H == 0 and T < 2 * H * D
 
 
 def grouped_query_attention(q, k, v, mask: torch.Tensor, scaling: float, dropout: float = 0.0) -> torch.Tensor:
@@ -353,25 +355,30 @@ class SoftmaxAttention(AttentionBase):
             else:
                 o = banded_window_attention(q, k, v, seq.positions, seq.key_positions, W, self.scaling, dropout,
                                             self.sinks, sink_slots)
+        elif sdpa and (causal_rows or seq.causal and T == 1) and (not self.window or S <= self.window):
+            # the queries the last T: causal (T = S; padding only after the real tokens, whose outputs
+            # are zeroed below) or every key (one query, every slot real), no mask
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            o, _ = sdpa_attention_forward(self, q, k, v, None, dropout=dropout, scaling=self.scaling, is_causal=T > 1)
         else:
-            if sdpa and (causal_rows or seq.causal and T == 1) and (not self.window or S <= self.window):
-                # the queries the last T: causal (T = S; padding only after the real tokens, whose
-                # outputs are zeroed below) or every key (one query, every slot real), no mask
-                mask, is_causal = None, T > 1
+            allowed = window_keys(seq.positions, seq.key_positions, self.window, self.sinks, sink_slots)
+            if sdpa and T == 1 and not dropout:  # a decode step under a mask (a static cache's): split over the keys
+                o = decode_attention(q, k, v, allowed[:, 0], self.scaling, self.config.kernel_backend,
+                                     self.config.kernel_precision).transpose(1, 2)
             else:
-                allowed = window_keys(seq.positions, seq.key_positions, self.window, self.sinks, sink_slots)
                 mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-                mask, is_causal = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None], False
-            if sdpa and mask is not None and grouped_query_packs(q, k):
-                o = grouped_query_attention(q, k, v, mask, self.scaling, dropout)
-            else:
-                if not sdpa:
-                    fn = eager_attention_forward
+                mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None]
+                if sdpa and grouped_query_packs(q, k):
+                    o = grouped_query_attention(q, k, v, mask, self.scaling, dropout)
+                elif sdpa:
+                    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+                    o, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=dropout, scaling=self.scaling)
                 else:
-                    from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
-                o, weights = fn(self, q, k, v, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal)
-                if seq.attentions is not None:
-                    seq.attentions[self.layer_idx] = weights
+                    o, weights = eager_attention_forward(self, q, k, v, mask, dropout=dropout, scaling=self.scaling)
+                    if seq.attentions is not None:
+                        seq.attentions[self.layer_idx] = weights
         if not seq.padding_unread:  # else every new token is real, or the padding's outputs are dropped
             o = o * seq.valid[:, :, None, None]  # [B, T, HQ, D]
         if packed:
