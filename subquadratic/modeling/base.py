@@ -534,7 +534,9 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         call; `drop_generation_cache()` frees it."""
         kept = self.__dict__.setdefault("_generation_cache", KeptCache())
         if kept.cache is not None:
-            if kept.key == (batch_size, cuda_graph, self.device) and (
+            # (a cache whose capture failed and fell back to eager steps is not reused by a call that asks
+            # for the graph: that call captures again, and raises where a static cache was asked for)
+            if kept.key == (batch_size, cuda_graph, self.device) and kept.cache.cuda_graph == cuda_graph and (
                     max_length <= kept.cache.max_length <= self.GENERATION_CACHE_SLACK * max_length):
                 kept.cache.rewind()
                 return kept.cache

@@ -85,6 +85,7 @@ def test_dispatch_takes_the_kernel_on_cuda_only_and_checks_its_inputs():
         bufs = [x.cpu() for x in bufs]
         with pytest.raises(ValueError, match="CUDA"):
             window_step(q, k, v, *bufs, torch.tensor([0]), W, 0.25, backend="triton")
+    q, k, v = q.to(DEV), k.to(DEV), v.to(DEV)
     out = window_step(q, k, v, *buffers(B, H, W, D, 2, torch.float32), torch.tensor([0], device=DEV), W, 0.25)
     assert out.shape == (B, 4, 1, D) and torch.isfinite(out).all()
 

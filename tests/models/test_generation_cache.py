@@ -110,3 +110,15 @@ def test_kept_cache_follows_batch_size_and_is_not_copied():
     assert clone._generation_cache.cache is None and model._generation_cache.cache is not None
     model.drop_generation_cache()
     assert model._generation_cache.cache is None
+
+
+def test_a_cache_that_fell_back_to_eager_steps_is_not_reused_by_a_call_that_asks_for_the_graph():
+    """A default call whose capture failed leaves its cache with eager steps (cuda_graph False): a later
+    call asking for the captured step gets a new cache (and captures, or raises where static was
+    asked); one that asks for eager steps reuses it."""
+    model = FAMILIES["hla"]()
+    first = model._generation_static_cache(64, 2, True)
+    first.cuda_graph = False  # what a failed capture leaves (`cuda_graph.DecodeGraph`)
+    assert model._generation_static_cache(64, 2, True) is not first
+    eager = model._generation_static_cache(64, 2, False)
+    assert model._generation_static_cache(60, 2, False) is eager

@@ -61,7 +61,9 @@ def test_static_steps_of_a_softmax_layer_take_the_decode_attention_and_match_the
 
     from .sse.test_modeling_sse import lively
 
-    model = lively("tiny-h", 0).to(torch.float32 if kernel else torch.float64)
+    dev = "cuda" if kernel and torch.cuda.is_available() else "cpu"
+    model = lively("tiny-h", 0).to(dev, torch.float32 if kernel else torch.float64)
+    model.config.kernel_precision = "ieee"  # on CUDA: every kernel's fp32 dots exact, as the interpreter's
     assert model.config.num_attention_heads != model.config.num_key_value_heads
     steps, chunks = [], []
     real_decode, real_grouped = base.decode_attention, base.grouped_query_attention
@@ -72,7 +74,7 @@ def test_static_steps_of_a_softmax_layer_take_the_decode_attention_and_match_the
         forced = lambda *a, unsupported=None, **kw: "torch" if unsupported else "triton"  # noqa: E731
         monkeypatch.setattr(da, "resolve_backend", forced)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 128, (2, 24), generator=g)
+    ids = torch.randint(3, 128, (2, 24), generator=g).to(dev)
     with torch.no_grad():
         full = model(ids).logits
         cache = model.new_cache(max_length=40, cuda_graph=False)
