@@ -309,7 +309,7 @@ def grouped_query_attention(q, k, v, mask: torch.Tensor, scaling: float, dropout
         mask[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
     o = F.scaled_dot_product_attention(q.reshape(B, H, G * T, D), k, v, attn_mask=mask, dropout_p=dropout,
                                        scale=scaling)
-    return o.view(B, HQ, T, D).transpose(1, 2)
+    return o.reshape(B, HQ, T, D).transpose(1, 2)  # SDPA may return a transposed layout (CUDA)
 
 
 class SoftmaxAttention(AttentionBase):
