@@ -84,3 +84,17 @@ def test_static_steps_of_a_softmax_layer_take_the_decode_attention_and_match_the
     softmax_layers = len(model.config.softmax_layers)
     assert len(steps) == 3 * softmax_layers and len(chunks) == softmax_layers
     torch.testing.assert_close(torch.cat(logits, 1), full[:, 15:23], atol=1e-4 if kernel else 1e-9, rtol=0)
+
+
+def test_takes_sdpa_outputs_in_any_layout(monkeypatch):
+    """SDPA on CUDA may return its output in a transposed layout: the grouped form reshapes it."""
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: real(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8,
+                                                                                                   generator=g)
+    mask = torch.zeros(1, 1, 3, 5)
+    torch.testing.assert_close(grouped_query_attention(q, k, v, mask, 0.3), reference(q, k, v, mask, 0.3))
