@@ -300,7 +300,8 @@ def make_qkv(B, T, HQ, H, D, seed, dtype=torch.bfloat16):
 
 
 #: Block-major plans that --sweep times (overrides of the default `blocks_plan`), most telling first.
-SWEEP = [dict(), dict(forward="atomic"), dict(partials="bf16"), dict(window=4096, seg_chunks=16, bwd_seg_chunks=16),
+SWEEP = [dict(), dict(dq="pairs"), dict(forward="atomic"), dict(partials="bf16"),
+         dict(window=4096, seg_chunks=16, bwd_seg_chunks=16),
          dict(window=16384),
          dict(seg_chunks=64, bwd_seg_chunks=64), dict(bwd_seg_chunks=16), dict(atomics="scalar"),
          dict(bwd="split"), dict(bwd_rows=64, bwd_warps=8), dict(rows=128, warps=8), dict(dkdv_keys=32),

@@ -89,7 +89,10 @@ class BlocksPlan:
     reductions) or "v4-split" (v4's column split with scalar atomics, for the interpreter); forward:
     "split" (one pass storing per-slot partials, then a combine) or "atomic" (two passes, O added with
     atomics; module docstring); partials: the split form's partial dtype, "input" (the inputs' dtype
-    where it has 16 bits, else fp32), "fp32" or "bf16". The defaults are `blocks_plan`'s at d128."""
+    where it has 16 bits, else fp32), "fp32" or "bf16"; dq: "atomic" (the backward adds each pair's dq
+    to its (token, head) row with atomics) or "pairs" (each pair's dq stored in a row of its own, fp32,
+    then summed over the slots: no atomics, T x HQ x NSEL x D floats; past `DQ_PAIR_BYTES` the atomic
+    form). The defaults are `blocks_plan`'s at d128."""
 
     rows: int = 64
     bwd_rows: int = 32
@@ -110,6 +113,7 @@ class BlocksPlan:
     atomics: str = "scalar"
     forward: str = "split"
     partials: str = "input"
+    dq: str = "atomic"
 
     def tokens(self, G: int, backward: bool = False) -> int:
         """Tokens of one chunk: rows // G, at least 1."""
@@ -173,6 +177,8 @@ def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True
         raise ValueError(f"bwd must be 'split' or 'split3', got {plan.bwd!r}")
     if plan.forward not in ("split", "atomic"):
         raise ValueError(f"forward must be 'split' or 'atomic', got {plan.forward!r}")
+    if plan.dq not in ("atomic", "pairs"):
+        raise ValueError(f"dq must be 'atomic' or 'pairs', got {plan.dq!r}")
     if plan.partials not in ("input", "fp32", "bf16"):
         raise ValueError(f"partials must be 'input', 'fp32' or 'bf16', got {plan.partials!r}")
     for name in ("rows", "bwd_rows", "lse_rows", "dkdv_keys", "dq_keys"):

@@ -40,17 +40,21 @@ from .triton_common import softmax_rows
 
 triton, tl = import_triton()
 
+#: The most bytes of per-pair dq rows (fp32, T x HQ x NSEL x D) the backward allocates with
+#: `BlocksPlan.dq` "pairs"; a call that needs more adds dq with atomics.
+DQ_PAIR_BYTES = 8 << 30
+
 
 @triton.jit
 def _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h, stride_qb, stride_qh, stride_qt, T, H, NSEL,
                G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr):
     """A chunk's rows for the backward: (t, positions, g, ok, q [R, D], lse, delta, the rows' offsets
-    [R, D] into the [B, T, HQ, D] gradients)."""
-    _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+    [R, D] into the [B, T, HQ, D] gradients, the rows' pairs e)."""
+    e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
     q, row = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
     lse = tl.load(LSE + row, mask=ok, other=0.0)
     delta = tl.load(DELTA + row, mask=ok, other=0.0)
-    return t, tpos, g, ok, q, row, lse, delta, row[:, None] * D + tl.arange(0, D)[None, :]
+    return t, tpos, g, ok, q, row, lse, delta, row[:, None] * D + tl.arange(0, D)[None, :], e
 
 
 @triton.jit
@@ -74,7 +78,7 @@ def blocks_bwd_dkdv_kernel(
         phik = softmax_rows(k)
         phik_lp = phik.to(k.dtype)
     for c0 in range(0, count, BMQ):
-        t, tpos, g, ok, q, row, lse, delta, rd = _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h,
+        t, tpos, g, ok, q, row, lse, delta, rd, e = _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h,
                                                             stride_qb, stride_qh, stride_qt, T, H, NSEL, G, R, BMQ, D)
         mask_t = ok[None, :] & (pos[:, None] <= tpos[None, :])
         if PART != 2:
@@ -103,11 +107,14 @@ def blocks_bwd_dq_kernel(
     T, H, NW, NB, NSEL, S, scale,
     G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BSK: tl.constexpr,
     USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr,
+    PAIR_ROWS: tl.constexpr, ONE_PART: tl.constexpr,
 ):
-    """dq of one segment's rows over BSK keys (part program_id(1) of the block; fp32 atomics into DQ
-    [B, T, HQ, D]): dS K * scale and the feature map's Jacobian of dA phi(k). LSE, DELTA: [B, T, HQ]
-    fp32; DO, DOT: [B, T, HQ, D] in the operands' dtype; DQ [B, T, HQ, D] (and the dk/dv kernel's DK,
-    DV [B, H, S, D]): fp32, zeroed by the caller."""
+    """dq of one segment's rows over BSK keys (part program_id(1) of the block): dS K * scale and the
+    feature map's Jacobian of dA phi(k), added with fp32 atomics into DQ [B, T, HQ, D]; with
+    PAIR_ROWS into the pairs' own rows of DQ [P, G, D] (row e G + g of pair e), stored without atomics
+    where the block is one part (ONE_PART: no other program writes the row). LSE, DELTA: [B, T, HQ]
+    fp32; DO, DOT: [B, T, HQ, D] in the operands' dtype; DQ (and the dk/dv kernel's DK, DV
+    [B, H, S, D]): fp32, zeroed by the caller."""
     b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
         SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
         stride_vs, NW, NB, H, S, BS, BSK, D)
@@ -116,7 +123,7 @@ def blocks_bwd_dq_kernel(
     if USE_RLA:
         phik_lp = softmax_rows(k).to(k.dtype)
     for c0 in range(0, count, BMQ):
-        t, tpos, g, ok, q, row, lse, delta, rd = _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h,
+        t, tpos, g, ok, q, row, lse, delta, rd, e = _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h,
                                                             stride_qb, stride_qh, stride_qt, T, H, NSEL, G, R, BMQ, D)
         do = tl.load(DO + rd, mask=ok[:, None], other=0.0)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
@@ -129,7 +136,13 @@ def blocks_bwd_dq_kernel(
             da = tl.where(mask, _dot(dot_, vt, F32, PREC), 0.0)
             dphiq = _dot(da, phik_lp, F32, PREC)
             dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
-        _add_rows(DQ, row, dq, ok, D, ATOMICS)
+        if PAIR_ROWS and ONE_PART:
+            dst = e.to(tl.int64) * G + g
+            tl.store(DQ + dst[:, None] * D + tl.arange(0, D)[None, :], dq, mask=ok[:, None])
+        elif PAIR_ROWS:
+            _add_rows(DQ, e.to(tl.int64) * G + g, dq, ok, D, ATOMICS)
+        else:
+            _add_rows(DQ, row, dq, ok, D, ATOMICS)
 
 
 def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel: int, do, dot_, use_rla: bool,
@@ -153,7 +166,9 @@ def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel:
     BMQ = plan.tokens(G, backward=True)
     seg_pairs = plan.seg_pairs(G, backward=True)
     seg_key, seg_first, seg_count = segments(pairs, seg_pairs)
-    dq = torch.zeros(B, T, HQ, D, device=dev, dtype=torch.float32)
+    pair_rows = plan.dq == "pairs" and B * T * H * nsel * G * D * 4 <= DQ_PAIR_BYTES
+    # dq: added per (token, head) row with atomics, or written per pair (token, slot, head) and summed
+    dq = torch.zeros(B * T * H * nsel * G if pair_rows else B * T * HQ, D, device=dev, dtype=torch.float32)
     dk = torch.zeros(B, H, S, D, device=dev, dtype=torch.float32)
     dv = torch.zeros_like(dk)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -165,7 +180,10 @@ def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel:
     seg = (q, k, v, pairs.pairs, seg_key, seg_first, seg_count, qpos, koff, row_max(qpos), lse, delta, do, dot_)
     NSEG = seg_key.numel()
     dqk = min(block_size, plan.dq_keys)  # dq, then dk and dv (both branches at once, or a launch per branch)
-    blocks_bwd_dq_kernel[(NSEG, block_size // dqk)](*seg, dq, *strides, *common, BSK=dqk, **meta)
+    blocks_bwd_dq_kernel[(NSEG, block_size // dqk)](*seg, dq, *strides, *common, BSK=dqk, PAIR_ROWS=pair_rows,
+                                                      ONE_PART=dqk == block_size, **meta)
+    dq = dq.view(B, T, H, nsel, G, D).sum(3) if pair_rows else dq
+    dq = dq.view(B, T, HQ, D)
     bsk = min(block_size, plan.dkdv_keys)
     for part in (0,) if plan.bwd == "split" or not use_rla else (1, 2):
         blocks_bwd_dkdv_kernel[(NSEG, block_size // bsk)](*seg, dk, dv, *strides, *common, BSK=bsk, PART=part, **meta)

@@ -197,7 +197,10 @@ def test_forward_matches_definition(case, atomics, forward):
 BWD = [(c, {}) for c in CASES[:4] + CASES[5:]] + [  # (case, plan overrides of TINY)
     (CASES[0], dict(bwd="split")), (CASES[4], dict(bwd="split")), (CASES[6], dict(bwd="split", dq_keys=16)),
     (CASES[2], dict(atomics="v4-split")), (CASES[3], dict(bwd="split", atomics="v4-split")),
-    (CASES[5], dict(bwd="split", window=8)), (CASES[0], dict(forward="atomic")), (CASES[4], dict(forward="atomic"))]
+    (CASES[5], dict(bwd="split", window=8)), (CASES[0], dict(forward="atomic")), (CASES[4], dict(forward="atomic")),
+    # dq per pair: stored (whole blocks), or added per part of the block into the pairs' rows
+    (CASES[0], dict(dq="pairs")), (CASES[4], dict(dq="pairs", bwd="split")), (CASES[6], dict(dq="pairs", dq_keys=16)),
+    (CASES[2], dict(dq="pairs", atomics="v4-split", dq_keys=16))]
 
 
 @pytest.mark.parametrize("case,over", BWD)
@@ -209,6 +212,30 @@ def test_backward_matches_definition(case, over):
     for name, a, b in zip(["dq", "dk", "dv"], outs, ins, strict=True):
         assert a.grad.shape == a.shape and torch.isfinite(a.grad).all(), name
         assert rel(a.grad, b.grad) <= 1e-5, (name, rel(a.grad, b.grad))
+
+
+def test_dq_per_pair_past_its_budget_adds_with_atomics(monkeypatch):
+    """A backward whose per-pair dq rows would pass DQ_PAIR_BYTES adds dq with atomics (same values)."""
+    from subquadratic.kernels.spla import triton_blocks_bwd
+
+    monkeypatch.setattr(triton_blocks_bwd, "DQ_PAIR_BYTES", 0)
+    launched = []
+    real = triton_blocks_bwd.blocks_bwd_dq_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launched.append(kw["PAIR_ROWS"])
+                return real[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(triton_blocks_bwd, "blocks_bwd_dq_kernel", Spy())
+    ins, want, outs, got, _ = run(CASES[0], True, plan_kw=dict(TINY, dq="pairs"))
+    w = weights(want)
+    loss(want, w).backward()
+    loss(got, w).backward()
+    assert launched == [False]
+    assert rel(outs[0].grad, ins[0].grad) <= 1e-5
 
 
 def test_split_forward_past_its_budget_with_a_backward_takes_the_atomic_form(monkeypatch):
@@ -312,6 +339,8 @@ def test_bad_inputs_are_refused_with_a_reason():
         triton_blocks.blocks_plan(2, 16, DEV, forward="fused")
     with pytest.raises(ValueError, match="partials must be"):
         triton_blocks.blocks_plan(2, 16, DEV, partials="fp8")
+    with pytest.raises(ValueError, match="dq must be"):
+        triton_blocks.blocks_plan(2, 16, DEV, dq="sorted")
     # vector atomics only where each tile has a group of four floats per thread
     assert triton_blocks.blocks_plan(2, 16, DEV, rows=16, atomics="v4").atomics == "scalar"
     assert triton_blocks.blocks_plan(2, 64, DEV, atomics="v4").atomics == "v4"
