@@ -34,8 +34,9 @@ about `rows` rows whatever G is). The forward has two forms (`BlocksPlan.forward
     [B, T, H, NSEL, G] and one torch.logsumexp over the slots; pass 2 (`blocks_out_kernel`) the
     scores again, P = exp(S - lse) (already normalised), O += P V and otilde += (phi(q) phi(k)^T) V
     added with fp32 atomics: no partials, the scores computed twice.
-The backward (`triton_blocks_bwd`) walks the same segments: dq with atomics per chunk, dk and dv
-accumulated per segment.
+The backward (`triton_blocks_bwd`) walks the same segments: dq with atomics per chunk (or, with
+`BlocksPlan.dq` "pairs", stored per pair and summed over the slots after), dk and dv accumulated per
+segment.
 
 The windows keep the atomics in L2: the table runs key by key, so the programs in flight work on one
 window of one KV head, whose output rows (window x G x D fp32, O and otilde) stay resident while all

@@ -7,7 +7,8 @@ Per segment a program loads the block's K, V and phi(k) once; per chunk (BMQ tok
 rows) it recomputes P = exp(S - lse) and A = phi(q) phi(k)^T (causal-masked), then
   dq = dS K * scale + J_phi(q)(dA phi(k)),  dS = P (dO V^T - Delta),  dA = dOt V^T (masked),
 added to the chunk's rows with fp32 atomics (one add per pair and head; the window order keeps those
-rows in L2), and on key-major tiles [keys, rows]
+rows in L2; with the plan's dq "pairs", stored in the pair's own row instead and summed over the
+slots by one reduction after the kernel), and on key-major tiles [keys, rows]
   dv += P^T dO + A^T dOt,  dk += dS^T Q * scale + J_phi(k)(dA^T phi(q)),
 accumulated over the segment and added to the block's slots once. Delta = rowsum(dO * O);
 J_phi(x) g = phi(x) * (g - sum(g * phi(x))) is the softmax feature map's Jacobian (linear in g, so
