@@ -90,8 +90,8 @@ def launches(c: collections.Counter) -> int:
 @contextlib.contextmanager
 def cuda_paths():
     """Make "auto" resolve as on CUDA (the Triton kernels, under the interpreter) for the model's
-    dispatch functions, SPLA's plans as for a CUDA device, and the fused output norm and gate as on
-    CUDA."""
+    dispatch functions, SPLA's plans as for a CUDA device, and the fused elementwise kernels (output
+    norm and gate, feature maps, RoPE) as on CUDA."""
     from subquadratic.families.hla import modeling as hla_modeling
     from subquadratic.families.sse import modeling as sse_modeling
     from subquadratic.kernels import hla, norm_gate, sse, utils, window_attention
@@ -106,7 +106,17 @@ def cuda_paths():
     def plan_cuda(q_shape, k_shape, dtype, device, params, **kw):
         return real_plan(q_shape, k_shape, dtype, "cuda", params, **kw)
 
-    patched = [(hla, "resolve_backend", resolve), (sse, "resolve_backend", resolve),
+    real_fused = utils.fused_kernel
+
+    def fused(backend, device, op, unsupported):
+        return real_fused(backend, torch.device("cuda") if device.type == "cpu" else device, op, unsupported)
+
+    import subquadratic.kernels.hla.features as hla_features
+    import subquadratic.kernels.rope as rope
+    import subquadratic.kernels.sse.features as sse_features
+
+    patched = [(m, "fused_kernel", fused) for m in (hla_features, sse_features, norm_gate, rope)]
+    patched += [(hla, "resolve_backend", resolve), (sse, "resolve_backend", resolve),
                (plan, "resolve_backend", resolve), (window_attention, "resolve_backend", resolve)]
     import subquadratic.kernels.spla as spla
 

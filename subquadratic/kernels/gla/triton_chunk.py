@@ -77,10 +77,61 @@ class Chunks:
         return self.bos, self.n, self.T, self.NT
 
 
+#: The most sequences whose chunk table one launch of `chunk_table_kernel` builds (their lengths in
+#: one register tile); more take the PyTorch ops of `chunk_table_reference`.
+TABLE_SEQS = 4096
+#: Chunk slots a block of `chunk_table_kernel` fills at a time.
+TABLE_SLOTS = 64
+
+
+@triton.jit
+def chunk_table_kernel(CU, CCU, BOS, CNT, N, NC, C: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr):
+    """The chunk table in one program: the chunks per sequence and their exclusive cumulative count
+    ccu [N + 1] in registers, then per block of slots j: the sequence seg = #{s: ccu[s + 1] <= j}
+    (clamped to N - 1), bos = cu[seg] + (j - ccu[seg]) C and the valid tokens n (0 past the last
+    chunk), as `chunk_table_reference` computes them."""
+    s = tl.arange(0, BN)
+    real = s < N
+    lo = tl.load(CU + s, mask=real, other=0)
+    hi = tl.load(CU + s + 1, mask=real, other=0)
+    nch = tl.where(real, (hi - lo + C - 1) // C, 0)
+    incl = tl.cumsum(nch, 0)  # ccu[s + 1]
+    total = tl.sum(nch, 0)
+    tl.store(CCU + 1 + s, incl, mask=real)
+    tl.store(CCU + s, 0, mask=s == 0)
+    ends = tl.where(real, incl, 2147483647)  # past the sequences: never <= j
+    for j0 in range(0, NC, BJ):
+        j = j0 + tl.arange(0, BJ)
+        seg = tl.minimum(tl.sum((ends[None, :] <= j[:, None]).to(tl.int32), 1), tl.maximum(N - 1, 0))
+        before = tl.sum(tl.where(s[None, :] < seg[:, None], nch[None, :], 0), 1)  # ccu[seg]
+        bos = tl.load(CU + seg) + (j - before) * C
+        n = tl.minimum(tl.maximum(tl.load(CU + seg + 1) - bos, 0), C)
+        n = tl.where(j < total, n, 0)
+        tl.store(BOS + j, bos, mask=j < NC)
+        tl.store(CNT + j, n, mask=j < NC)
+
+
 def chunk_table(cu: Tensor, M: int, C: int) -> Chunks:
     """The chunk table of packed sequences cut by cu [N + 1] (int32, on the device) over M tokens,
-    with device ops only: NC = M // C + N chunk slots (an upper bound of sum_s ceil(len_s / C));
-    slot j holds chunk j of the sequence-major chunk list, or nothing (0 valid tokens)."""
+    with no host synchronisation: NC = M // C + N chunk slots (an upper bound of sum_s
+    ceil(len_s / C)); slot j holds chunk j of the sequence-major chunk list, or nothing (0 valid
+    tokens). One launch (`chunk_table_kernel`) for up to TABLE_SEQS sequences, else the PyTorch ops
+    of `chunk_table_reference`."""
+    N = cu.numel() - 1
+    if not 1 <= N <= TABLE_SEQS:
+        return chunk_table_reference(cu, M, C)
+    NC = M // C + N
+    ccu = new_output((N + 1,), cu.device, torch.int32)
+    bos = new_output((NC,), cu.device, torch.int32)
+    n = new_output((NC,), cu.device, torch.int32)
+    BN = block_size(N)
+    # a [slots, sequences] tile of comparisons per block of slots: at most 16k elements
+    chunk_table_kernel[(1,)](cu, ccu, bos, n, N, NC, C, BN, max(4, min(TABLE_SLOTS, 16384 // BN)), num_warps=4)
+    return Chunks(C, N, NC, cu=cu, ccu=ccu, bos=bos, n=n)
+
+
+def chunk_table_reference(cu: Tensor, M: int, C: int) -> Chunks:
+    """`chunk_table` in PyTorch ops (about twenty launches; the kernel's oracle)."""
     N = cu.numel() - 1
     NC = M // C + N
     lens = cu[1:] - cu[:-1]

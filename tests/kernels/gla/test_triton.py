@@ -286,3 +286,20 @@ def test_gpu_fp32_precision_reaches_the_dots():
         o, _ = chunk_linear_attention(*(x.float() for x in dev[:4]), initial_state=dev[4].float(), precision=prec)
         errs[prec] = rel(o, want)
     assert errs["ieee"] <= 1e-5 and errs["tf32"] <= 1e-2 and errs["tf32"] > 4 * errs["ieee"], errs
+
+
+@pytest.mark.parametrize("lens", [[5], [0, 17, 64, 0, 3], [64] * 3 + [1], list(range(0, 300, 7)),
+                                  [i % 97 for i in range(0, 5000, 3)]], ids=["1", "5", "4", "43", "1667"])
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("spare", [0, 37])
+def test_chunk_table_kernel_matches_the_torch_ops(lens, chunk, spare):
+    """The chunk table in one launch: the PyTorch ops' table exactly, with empty sequences, a
+    sequence of one token, many sequences (a tile of several slots per block), and packed tokens
+    past the last sequence (M > cu[-1])."""
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEV)
+    M = int(cu[-1]) + spare
+    got, want = tc.chunk_table(cu, M, chunk), tc.chunk_table_reference(cu, M, chunk)
+    assert (got.C, got.N, got.NC) == (want.C, want.N, want.NC)
+    for name in ("ccu", "bos", "n"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), name
