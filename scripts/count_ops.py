@@ -116,6 +116,9 @@ def cuda_paths():
     import subquadratic.kernels.sse.features as sse_features
 
     patched = [(m, "fused_kernel", fused) for m in (hla_features, sse_features, norm_gate, rope)]
+    from subquadratic.modeling import base as model_base
+
+    patched += [(model_base, "resolve_backend", resolve)]  # the softmax layers' and window branches' kernels
     patched += [(hla, "resolve_backend", resolve), (sse, "resolve_backend", resolve),
                (plan, "resolve_backend", resolve), (window_attention, "resolve_backend", resolve)]
     import subquadratic.kernels.spla as spla

@@ -24,10 +24,10 @@ def test_count_ops_hla_and_sse(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {" ".join(line.split()[:3]): line for line in res.stdout.splitlines() if "ops" in line}
     # HLA: 4 chunked-kernel launches (two calls of walk and output; the walk does the decays' cumsum) +
-    # the norm-gate, no torch.where; SSE: 6 (two calls of walk, intra-chunk, output) + the partition rows'
-    # gather + the norm-gate, the two torch.where of the grouping and the partitions' chunk table, none of
-    # the padding masks
-    for fam, launches, where in (("hla", 5, None), ("sse", 8, "where x2,")):
+    # the feature maps + the norm-gate, no torch.where; SSE: 6 (two calls of walk, intra-chunk, output) +
+    # the partitions' chunk table + the partition rows' gather + the feature maps + the norm-gate, the one
+    # torch.where of the grouping, none of the padding masks
+    for fam, launches, where in (("hla", 6, None), ("sse", 10, "where x1,")):
         line = rows[f"{fam} model forward"]
         assert f"<triton> x{launches}" in line, line
         assert "syncs  0" in line and "rsqrt" not in line, line
