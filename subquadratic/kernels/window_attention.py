@@ -91,9 +91,10 @@ def window_step_reference(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sin
                                           enable_gqa=q.shape[1] != H)
 
 
-def window_step_unsupported(q: Tensor, k: Tensor, ring_k: Tensor, sink_k: Tensor | None) -> str | None:
+def window_step_unsupported(q: Tensor, k: Tensor, v: Tensor, ring_k: Tensor, ring_v: Tensor, sink_k: Tensor | None,
+                            sink_v: Tensor | None) -> str | None:
     """Why the step kernel cannot take these inputs, or None."""
-    tensors = (q, k, ring_k) + (() if sink_k is None else (sink_k,))
+    tensors = (q, k, v, ring_k, ring_v) + (() if sink_k is None else (sink_k, sink_v))
     if q.dtype not in TRITON_DTYPES or any(x.dtype != q.dtype for x in tensors):
         return f"dtypes {[x.dtype for x in tensors]} (one of {TRITON_DTYPES}, alike)"
     if q.shape[2] != 1 or q.shape[1] % k.shape[1]:
@@ -115,7 +116,7 @@ def window_step(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, pos
     and the sinks W or more back (slots of position -1 are empty). Returns o [B, HQ, 1, D]. `backend`
     as every op's ("auto": the Triton kernel on CUDA, one launch); fp32 dots exact unless `precision`
     is "tf32" (`decode_attention.exact_decode_dots`); no gradients (a decode step)."""
-    why = window_step_unsupported(q, k, ring_k, sink_k)
+    why = window_step_unsupported(q, k, v, ring_k, ring_v, sink_k, sink_v)
     if resolve_backend(backend, q.device, op="window decode step", has_triton=True, has_naive=True,
                        unsupported=why) != "triton":
         return window_step_reference(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window,

@@ -304,9 +304,7 @@ def grouped_query_attention(q, k, v, mask: torch.Tensor, scaling: float, dropout
     B, HQ, T, D = q.shape
     H, S = k.shape[1], k.shape[2]
     G = HQ // H
-    mask = mask.expand(B, 1, T, S)
-    mask = mask.expand(B, G, T, S).reshape(B, 1, G * T, S) if T == 1 else \
-        mask[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
+    mask = mask.expand(B, 1, T, S)[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
     o = F.scaled_dot_product_attention(q.reshape(B, H, G * T, D), k, v, attn_mask=mask, dropout_p=dropout,
                                        scale=scaling)
     return o.reshape(B, HQ, T, D).transpose(1, 2)  # SDPA may return a transposed layout (CUDA)
@@ -314,9 +312,11 @@ def grouped_query_attention(q, k, v, mask: torch.Tensor, scaling: float, dropout
 
 class SoftmaxAttention(AttentionBase):
     """Exact softmax attention (full, or a sliding window for `sliding_attention` layers), through
-    Transformers' eager or SDPA attention function with an explicit position-based mask. When the
-    caller asks for attention weights (`seq.attentions` is a dict), the eager path runs and records
-    them."""
+    Transformers' eager or SDPA attention function with an explicit position-based mask where one is
+    needed; a masked one-token step runs `kernels.decode_attention` and a masked chunk over a cache
+    without gradients `grouped_query_attention` (neither repeats the keys and values per query head),
+    the window over causal rows `kernels.window_attention`. When the caller asks for attention weights
+    (`seq.attentions` is a dict), the eager path runs and records them."""
 
     computes_attention_weights = True
     #: a packed batch's hidden states come packed (`SubquadraticDecoderLayer`): the projections run on

@@ -13,7 +13,11 @@ import torch
 
 pytest.importorskip("triton")
 from subquadratic.kernels.triton_window import window_step_triton  # noqa: E402
-from subquadratic.kernels.window_attention import window_step, window_step_reference  # noqa: E402
+from subquadratic.kernels.window_attention import (  # noqa: E402
+    window_step,
+    window_step_reference,
+    window_step_unsupported,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -85,6 +89,11 @@ def test_dispatch_takes_the_kernel_on_cuda_only_and_checks_its_inputs():
         bufs = [x.cpu() for x in bufs]
         with pytest.raises(ValueError, match="CUDA"):
             window_step(q, k, v, *bufs, torch.tensor([0]), W, 0.25, backend="triton")
+    ring_k, ring_v, _, sink_k, sink_v, _ = bufs
+    assert window_step_unsupported(q, k, v, ring_k, ring_v, sink_k, sink_v) is None
+    assert "dtypes" in window_step_unsupported(q.double(), k, v, ring_k, ring_v, sink_k, sink_v)
+    strided_v = torch.randn(B, H, 1, 2 * D)[..., ::2]
+    assert "unit stride" in window_step_unsupported(q, k, strided_v, ring_k, ring_v, sink_k, sink_v)
     q, k, v = q.to(DEV), k.to(DEV), v.to(DEV)
     out = window_step(q, k, v, *buffers(B, H, W, D, 2, torch.float32), torch.tensor([0], device=DEV), W, 0.25)
     assert out.shape == (B, 4, 1, D) and torch.isfinite(out).all()
