@@ -40,6 +40,8 @@ def decode_unsupported(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> str 
         return f"dtypes {q.dtype} / {k.dtype} / {v.dtype} (one of {TRITON_DTYPES}, alike)"
     if q.dim() != 4 or q.shape[2] != 1 or k.dim() != 4 or k.shape != v.shape or q.shape[1] % k.shape[1]:
         return f"shapes {list(q.shape)} / {list(k.shape)} / {list(v.shape)} ([B, HQ, 1, D], [B, H, S, D] twice)"
+    if allowed.dtype != torch.bool or allowed.shape != (q.shape[0], k.shape[2]):
+        return f"allowed {allowed.dtype} {list(allowed.shape)} (bool [B, S])"
     if q.shape[-1] > MAX_DIM or q.shape[1] // k.shape[1] > MAX_GROUP:
         return f"head dim {q.shape[-1]} (at most {MAX_DIM}) or {q.shape[1] // k.shape[1]} query heads a KV head"
     if any(x.stride(-1) != 1 for x in (q, k, v, allowed)):

@@ -74,6 +74,8 @@ def test_dispatch_and_precision():
     assert decode_unsupported(q, k, v, allowed) is None
     assert "shapes" in decode_unsupported(q.expand(1, 4, 2, 16), k, v, allowed)
     assert "dtypes" in decode_unsupported(q.double(), k, v, allowed)
+    assert "allowed" in decode_unsupported(q, k, v, allowed.long())
+    assert "allowed" in decode_unsupported(q, k, v, allowed[:, :-1])
     assert exact_decode_dots(torch.float32, "auto") and not exact_decode_dots(torch.float32, "tf32")
     assert not exact_decode_dots(torch.bfloat16, "ieee")
     with pytest.raises(ValueError, match="kernel_precision"):
