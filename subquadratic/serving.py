@@ -6,7 +6,9 @@ Transformers' server loads a folder as `getattr(transformers, config.architectur
 knows only Transformers' own classes; `expose_model_classes` makes every registered family's model
 classes attributes of the `transformers` module, and `serve` then runs Transformers' own `serve`
 command with the folder pinned and the remaining options passed through (`--host`, `--port`,
-`--device`, `--dtype`, `--compile`, ...). Generation is the model's own `generate()`, with its
+`--device`, `--dtype`, `--compile`, ...). From Transformers 5.25 the server loads each model in a
+process of its own: its loader is `FamilyModelLoader`, which registers the families there first.
+Generation is the model's own `generate()`, with its
 cache; `--compile` asks it for a static cache (`cache_implementation="static"`), whose one-token
 steps replay a CUDA graph on CUDA. The serving dependencies (Transformers' `serving` extra) install
 with `pip install 'subquadratic[serve]'`. Nothing here imports PyTorch before the checks pass.
@@ -74,6 +76,40 @@ def expose_model_classes() -> list[str]:
     return sorted(set(added))
 
 
+def _family_loader_class():
+    """`FamilyModelLoader`: Transformers' `ModelLoader` (5.25 and later: each model loads in a process the
+    server spawns, with a copy of the server's loader) that registers the families and exposes their
+    classes (`expose_model_classes`) in whichever process loads, before it loads. None for older
+    Transformers, whose server loads in its own process."""
+    try:
+        from transformers.cli.serving.model_manager import ModelLoader
+    except ImportError:
+        return None
+
+    class FamilyModelLoader(ModelLoader):
+        def load_config(self, model_id: str):
+            expose_model_classes()
+            return super().load_config(model_id)
+
+        def load_model_and_processor(self, model_id: str, *args, **kwargs):
+            expose_model_classes()
+            return super().load_model_and_processor(model_id, *args, **kwargs)
+
+    FamilyModelLoader.__module__, FamilyModelLoader.__qualname__ = __name__, "FamilyModelLoader"
+    return FamilyModelLoader
+
+
+def __getattr__(name: str):
+    """`FamilyModelLoader`, made on first use (importing Transformers' server then, not at import): a
+    spawned process unpickles the loader by this name."""
+    if name == "FamilyModelLoader":
+        cls = _family_loader_class()
+        if cls is not None:
+            globals()[name] = cls
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def serve(folder: str, server_args: list[str] = ()) -> None:
     """Run Transformers' `serve` command on `folder` (pinned: requests name it as given, or name no
     model) with `server_args`, its own options; blocks until the server stops."""
@@ -82,6 +118,12 @@ def serve(folder: str, server_args: list[str] = ()) -> None:
     from transformers.cli.transformers import app
 
     expose_model_classes()
+    loader = _family_loader_class()
+    if loader is not None:  # the server's processes load with it (their own registrations)
+        from transformers.cli.serving import model_manager
+
+        globals()["FamilyModelLoader"] = loader
+        model_manager.ModelLoader = loader
 
     app(["serve", folder, *server_args], prog_name="subquadratic serve")
 

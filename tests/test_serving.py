@@ -161,13 +161,23 @@ def test_models_lists_the_pinned_folder(server, folder):
 
 def test_transformers_model_manager_loads_the_family_classes(folder):
     """The class lookup of Transformers' server (`getattr(transformers, architectures[0])`) finds the
-    family's class once exposed, on the module object the model manager holds."""
-    from transformers.cli.serving.model_manager import ModelManager
+    family's class once exposed, on the module object the model manager holds; from Transformers 5.25
+    (a process per model, loading with a copy of the server's loader) through `FamilyModelLoader`,
+    which a spawned process unpickles by name and which exposes the classes there itself."""
+    import pickle
+
+    from transformers.cli.serving import model_manager
 
     from subquadratic import SPLAForCausalLM
 
+    if hasattr(model_manager, "ModelLoader"):
+        loader = pickle.loads(pickle.dumps(serving.FamilyModelLoader(device="cpu")))
+        assert type(loader).__module__ == "subquadratic.serving"
+        model, processor = loader.load_model_and_processor(folder)
+        assert type(model) is SPLAForCausalLM and processor.chat_template == CHAT_TEMPLATE
+        return
     serving.expose_model_classes()
-    manager = ModelManager(device="cpu")
+    manager = model_manager.ModelManager(device="cpu")
     model, processor = manager.load_model_and_processor(manager.process_model_name(folder))
     try:
         assert type(model) is SPLAForCausalLM and processor.chat_template == CHAT_TEMPLATE
