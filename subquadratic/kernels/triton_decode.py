@@ -2,16 +2,18 @@
 module `decode_attention.py`), split over the keys in the manner of flash decoding: `decode_split`
 runs the online softmax of the G query heads of one KV head over one span of keys (each key tile read
 once for the whole group) and writes the span's running max, sum and unnormalised output in fp32;
-`decode_combine` merges the spans of a row and head. fp32 accumulation; 16-bit operands on the tensor
-cores, fp32 ones exact ("ieee") or TF32.
+`decode_combine` merges the spans of a row and head. The tiles, the online softmax and the group's
+query / output rows are the window kernels' (`triton_window.py`). fp32 accumulation; 16-bit operands
+on the tensor cores, fp32 ones exact ("ieee") or TF32.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .spla.triton_common import NEG, mm
+from .spla.triton_common import NEG
 from .triton_utils import block_size
+from .triton_window import _group_queries, _kv, _online_softmax, _store_group
 from .utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -30,8 +32,7 @@ def decode_split(Q, K, V, OK, M, L, ACC, S, span, scale, s_qb, s_qh, s_kb, s_kh,
     bb = b.to(tl.int64)
     cols = tl.arange(0, BD)
     heads = tl.arange(0, BG)
-    q = tl.load(Q + bb * s_qb + (h * G + heads)[:, None] * s_qh + cols[None, :],
-                mask=(heads < G)[:, None] & (cols < D)[None, :], other=0.0)
+    q = _group_queries(Q, bb, h, s_qb, s_qh, heads, cols, G, D)
     Kp, Vp = K + bb * s_kb + h * s_kh, V + bb * s_vb + h * s_vh
     m_i = tl.full([BG], NEG, tl.float32)
     l_i = tl.zeros([BG], tl.float32)
@@ -41,18 +42,9 @@ def decode_split(Q, K, V, OK, M, L, ACC, S, span, scale, s_qb, s_qh, s_kb, s_kh,
     for n0 in range(lo, hi, BN):
         keys = n0 + tl.arange(0, BN)
         inside = keys < hi
-        kt = keys.to(tl.int64)
-        ok = inside & (tl.load(OK + bb * s_mb + kt, mask=inside, other=0) != 0)
-        km = inside[:, None] & (cols < D)[None, :]
-        k = tl.load(Kp + kt[:, None] * s_kt + cols[None, :], mask=km, other=0.0)
-        v = tl.load(Vp + kt[:, None] * s_vt + cols[None, :], mask=km, other=0.0)
-        s = tl.where(ok[None, :], mm(q, tl.trans(k), IEEE) * scale, NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.where(ok[None, :], tl.exp(s - m_new[:, None]), 0.0)
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + mm(p, v, IEEE)
-        m_i = m_new
+        ok = inside & (tl.load(OK + bb * s_mb + keys.to(tl.int64), mask=inside, other=0) != 0)
+        k, v = _kv(Kp, Vp, s_kt, s_vt, keys, hi, cols, D)
+        m_i, l_i, acc = _online_softmax(q, k, v, ok[None, :], m_i, l_i, acc, scale, IEEE)
     row = (i_bh * n_spans + i_s).to(tl.int64) * BG + heads  # partials [B H, spans, BG (, BD)]
     tl.store(M + row, m_i)
     tl.store(L + row, l_i)
@@ -79,9 +71,8 @@ def decode_combine(M, L, ACC, OUT, n_spans, s_ob, s_oh, H: tl.constexpr, G: tl.c
         w = tl.exp(tl.load(M + row) - m_all)
         l_all += tl.load(L + row) * w
         acc += tl.load(ACC + row[:, None] * BD + cols[None, :]) * w[:, None]
-    o = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
-    tl.store(OUT + b.to(tl.int64) * s_ob + (h * G + heads)[:, None] * s_oh + cols[None, :],
-             o.to(OUT.dtype.element_ty), mask=(heads < G)[:, None] & (cols < D)[None, :])
+    _store_group(OUT, b.to(tl.int64), h, s_ob, s_oh, heads, cols, acc / tl.where(l_all > 0, l_all, 1.0)[:, None], G,
+                 D)
 
 
 def spans_for(S: int, rows_x_heads: int, sms: int) -> int:

@@ -235,6 +235,20 @@ def window_bwd_sinks(Q, K, V, DO, LSE, DELTA, DKS, DVS, T, scale,
 
 
 @triton.jit
+def _group_queries(Q, bb, h, s_qb, s_qh, heads, cols, G: tl.constexpr, D: tl.constexpr):
+    """The one-token queries [BG, BD] of the G query heads of KV head h (row bb), 0 past G and D."""
+    return tl.load(Q + bb * s_qb + (h * G + heads)[:, None] * s_qh + cols[None, :],
+                   mask=(heads < G)[:, None] & (cols < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_group(OUT, bb, h, s_ob, s_oh, heads, cols, o, G: tl.constexpr, D: tl.constexpr):
+    """Store the outputs o [BG, BD] of the G query heads of KV head h (row bb) in OUT's dtype."""
+    tl.store(OUT + bb * s_ob + (h * G + heads)[:, None] * s_oh + cols[None, :], o.to(OUT.dtype.element_ty),
+             mask=(heads < G)[:, None] & (cols < D)[None, :])
+
+
+@triton.jit
 def _step_keys(kn, vn, pos, Kp, Vp, Pp, s_kt, s_vt, rows, n_rows, cols, at, D: tl.constexpr):
     """A window step's key tile `rows` (< n_rows) of a ring or of the sinks, with row `at` holding the new
     key / value / position (from registers: the buffer's row may be written by now): k, v, positions."""
@@ -260,8 +274,7 @@ def window_step_fwd(Q, K, V, RK, RV, RP, SK, SV, SPOS, POS, OUT, scale, s_pos,
     pos = tl.load(POS + bb * s_pos)
     cols = tl.arange(0, BD)
     heads = tl.arange(0, BG)
-    q = tl.load(Q + bb * s_qb + (h * G + heads)[:, None] * s_qh + cols[None, :],
-                mask=(heads < G)[:, None] & (cols < D)[None, :], other=0.0)
+    q = _group_queries(Q, bb, h, s_qb, s_qh, heads, cols, G, D)
     kn = tl.load(K + bb * s_kb + h * s_kh + cols, mask=cols < D, other=0.0)
     vn = tl.load(V + bb * s_vb + h * s_vh + cols, mask=cols < D, other=0.0)
     Kp, Vp, Pp = RK + bb * s_rkb + h * s_rkh, RV + bb * s_rvb + h * s_rvh, RP + bb * s_rpb
@@ -289,9 +302,7 @@ def window_step_fwd(Q, K, V, RK, RV, RP, SK, SV, SPOS, POS, OUT, scale, s_pos,
             tl.store(Kp + pos * s_skt + cols, kn.to(SK.dtype.element_ty), mask=cols < D)
             tl.store(Vp + pos * s_svt + cols, vn.to(SV.dtype.element_ty), mask=cols < D)
             tl.store(Pp + pos, pos, mask=h == 0)
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(OUT + bb * s_ob + (h * G + heads)[:, None] * s_oh + cols[None, :], o.to(OUT.dtype.element_ty),
-             mask=(heads < G)[:, None] & (cols < D)[None, :])
+    _store_group(OUT, bb, h, s_ob, s_oh, heads, cols, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], G, D)
 
 
 def window_step_triton(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window: int,
