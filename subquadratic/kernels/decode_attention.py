@@ -4,7 +4,8 @@ with padding. On CUDA it runs on Triton kernels split over the keys (`triton_dec
 launches), reading each key and value once for the G query heads of its KV head; Transformers'
 SDPA function instead copies the keys and values G times whenever a mask is given, and SDPA itself
 parallelises a single query row poorly. `decode_attention_reference` is the PyTorch form (the path off
-CUDA and the oracle).
+CUDA and the oracle), the one-token case of `grouped_query_attention` (several new tokens under a mask:
+the G query heads of a KV head as G T rows of it).
 """
 
 from __future__ import annotations
@@ -21,17 +22,26 @@ MAX_DIM = 256
 MAX_GROUP = 64
 
 
-def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling: float) -> Tensor:
-    """`decode_attention` in PyTorch (the G query heads of a KV head as G rows of one head: no repeated
-    keys)."""
+def grouped_query_attention(q, k, v, mask: Tensor, scaling: float, dropout: float = 0.0) -> Tensor:
+    """Masked SDPA of HQ query heads over H key / value heads without repeating the keys and values:
+    the G = HQ / H query heads of a group (heads hG .. hG + G - 1, `repeat_kv`'s order) become G T rows
+    of one head against its keys, under the mask [B, 1, T, S] (additive or bool) tiled G times along
+    the rows (a stride-0 view at T = 1). Transformers' SDPA function copies the keys and values G times
+    when a mask is given. Returns o [B, T, HQ, D] as Transformers' attention functions do."""
     import torch.nn.functional as F
 
-    B, HQ, _, D = q.shape
+    B, HQ, T, D = q.shape
     H, S = k.shape[1], k.shape[2]
     G = HQ // H
-    mask = allowed[:, None, None, :].expand(B, 1, G, S)
-    o = F.scaled_dot_product_attention(q.reshape(B, H, G, D), k, v, attn_mask=mask, scale=scaling)
-    return o.reshape(B, HQ, 1, D)
+    mask = mask.expand(B, 1, T, S)[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
+    o = F.scaled_dot_product_attention(q.reshape(B, H, G * T, D), k, v, attn_mask=mask, dropout_p=dropout,
+                                       scale=scaling)
+    return o.reshape(B, HQ, T, D).transpose(1, 2)  # SDPA may return a transposed layout (CUDA)
+
+
+def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling: float) -> Tensor:
+    """`decode_attention` in PyTorch: `grouped_query_attention` at one token (no repeated keys)."""
+    return grouped_query_attention(q, k, v, allowed[:, None, None, :], scaling).transpose(1, 2)
 
 
 def decode_unsupported(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> str | None:

@@ -22,7 +22,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, eager_attention_forward
 
 from ..configuration.base import SubquadraticConfig
-from ..kernels.decode_attention import decode_attention
+from ..kernels.decode_attention import decode_attention, grouped_query_attention
 from ..kernels.utils import allowed_keys, resolve_backend, slot_offsets
 from ..kernels.window_attention import window_attention, window_unsupported
 from ..registry import mixer, register_mixer
@@ -290,24 +290,6 @@ def grouped_query_packs(q: torch.Tensor, k: torch.Tensor) -> bool:
     HQ, T, D = q.shape[1:]
     H = k.shape[1]
     return not torch.is_grad_enabled() and HQ != H and HQ % H == 0 and T < 2 * H * D
-
-
-def grouped_query_attention(q, k, v, mask: torch.Tensor, scaling: float, dropout: float = 0.0) -> torch.Tensor:
-    """Masked SDPA of HQ query heads over H key / value heads without repeating the keys and values:
-    the G = HQ / H query heads of a group (heads hG .. hG + G - 1, `repeat_kv`'s order) become G T rows
-    of one head against its keys, under the additive mask [B, 1, T, S] tiled G times along the rows
-    (a stride-0 view at T = 1). Transformers' SDPA function copies the keys and values G times when a
-    mask is given (at a one-token step over a long static cache that copy is the step's largest cost).
-    Returns o [B, T, HQ, D] as Transformers' attention functions do."""
-    import torch.nn.functional as F
-
-    B, HQ, T, D = q.shape
-    H, S = k.shape[1], k.shape[2]
-    G = HQ // H
-    mask = mask.expand(B, 1, T, S)[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
-    o = F.scaled_dot_product_attention(q.reshape(B, H, G * T, D), k, v, attn_mask=mask, dropout_p=dropout,
-                                       scale=scaling)
-    return o.reshape(B, HQ, T, D).transpose(1, 2)  # SDPA may return a transposed layout (CUDA)
 
 
 class SoftmaxAttention(AttentionBase):
