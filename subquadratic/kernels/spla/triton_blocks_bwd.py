@@ -137,13 +137,11 @@ def blocks_bwd_dq_kernel(
             da = tl.where(mask, _dot(dot_, vt, F32, PREC), 0.0)
             dphiq = _dot(da, phik_lp, F32, PREC)
             dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
-        if PAIR_ROWS and ONE_PART:
-            dst = e.to(tl.int64) * G + g
+        dst = e.to(tl.int64) * G + g if PAIR_ROWS else row
+        if PAIR_ROWS and ONE_PART:  # no other program writes the row
             tl.store(DQ + dst[:, None] * D + tl.arange(0, D)[None, :], dq, mask=ok[:, None])
-        elif PAIR_ROWS:
-            _add_rows(DQ, e.to(tl.int64) * G + g, dq, ok, D, ATOMICS)
         else:
-            _add_rows(DQ, row, dq, ok, D, ATOMICS)
+            _add_rows(DQ, dst, dq, ok, D, ATOMICS)
 
 
 def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel: int, do, dot_, use_rla: bool,
