@@ -16,6 +16,7 @@ with `pip install 'subquadratic[serve]'`. Nothing here imports PyTorch before th
 
 from __future__ import annotations
 
+import functools
 import sys
 from importlib.util import find_spec
 from pathlib import Path
@@ -76,6 +77,7 @@ def expose_model_classes() -> list[str]:
     return sorted(set(added))
 
 
+@functools.cache
 def _family_loader_class():
     """`FamilyModelLoader`: Transformers' `ModelLoader` (5.25 and later: each model loads in a process the
     server spawns, with a copy of the server's loader) that registers the families and exposes their
@@ -100,8 +102,8 @@ def _family_loader_class():
 
 
 def __getattr__(name: str):
-    """`FamilyModelLoader`, made on first use (importing Transformers' server then, not at import): a
-    spawned process unpickles the loader by this name."""
+    """`FamilyModelLoader`, made once on first use (importing Transformers' server then, not at import):
+    a spawned process unpickles the loader by this name."""
     if name == "FamilyModelLoader":
         cls = _family_loader_class()
         if cls is not None:
@@ -122,7 +124,6 @@ def serve(folder: str, server_args: list[str] = ()) -> None:
     if loader is not None:  # the server's processes load with it (their own registrations)
         from transformers.cli.serving import model_manager
 
-        globals()["FamilyModelLoader"] = loader
         model_manager.ModelLoader = loader
 
     app(["serve", folder, *server_args], prog_name="subquadratic serve")
