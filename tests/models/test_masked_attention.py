@@ -1,5 +1,5 @@
 """The masked softmax attention of grouped query heads without repeating the keys and values:
-`base.grouped_query_attention` (several new tokens) against the definition (keys and values repeated
+`kernels.decode_attention.grouped_query_attention` (several new tokens) against the definition (keys and values repeated
 per query head, an additive mask), values and gradients in fp64; and a static cache's steps of a
 model with a grouped softmax layer: one-token steps on `kernels.decode_attention`, a chunk of tokens
 on the grouped form, both giving the full forward's logits."""
@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from subquadratic.kernels.decode_attention import grouped_query_attention
 from subquadratic.modeling import base
-from subquadratic.modeling.base import CACHE_FIELD, grouped_query_attention, grouped_query_packs
+from subquadratic.modeling.base import CACHE_FIELD, grouped_query_packs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
