@@ -104,6 +104,10 @@ class SubquadraticConfig(PreTrainedConfig):
     #: oracle ask for). bf16 / fp16 operands (autocast, bf16 weights) always run on the tensor cores
     #: with fp32 accumulation.
     kernel_precision: str = "auto"
+    #: Without gradients, run each mixer's input projections (q, k, v and the family's own) as one
+    #: matmul over a packed weight that the members' parameters become views of
+    #: (`modeling.projections`); False keeps one matmul per projection.
+    fuse_projections: bool = True
 
     def __post_init__(self, **kwargs):
         for name in [n for n in kwargs if n.endswith("_backend") and n != "kernel_backend"]:

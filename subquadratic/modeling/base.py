@@ -30,6 +30,7 @@ from .cache import KVLayer, StateLayer, SubquadraticCache, all_real, positions_f
 from .cuda_graph import decode_step, replays_decode
 from .fused import MLP, HeadNorm, RMSNorm, apply_rope
 from .packing import find_documents, positions_from_cu_seqlens
+from .projections import QKV, input_projections
 
 #: Name of the cache field in model outputs and of the forward argument generate() passes:
 #: Transformers 5.24 renamed `past_key_values` to `cache`; both names are accepted on input.
@@ -150,6 +151,9 @@ class AttentionBase(nn.Module):
 
     cache_layer_cls: type[StateLayer] = KVLayer
     needs_key_positions = True
+    #: The linear maps of the layer's input that run as one matmul without gradients
+    #: (`projections.input_projections`); a family's mixer lists its own beside q, k, v.
+    input_projection_names: tuple[str, ...] = QKV
     #: Whether the mixer forms softmax attention weights it can return for `output_attentions`.
     computes_attention_weights = False
 
@@ -176,21 +180,31 @@ class AttentionBase(nn.Module):
     def reset_mixer_parameters(self) -> None:
         """Initialise the parameters a dense checkpoint does not provide (none here)."""
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, hidden] -> q [B, T, HQ, D], k, v [B, T, H, D]: the projections alone."""
+    def _apply(self, fn, recurse=True):
+        # a device / dtype change gives the members new tensors: drop the packed weight they left behind
+        self.__dict__.pop("_input_pack", None)
+        return super()._apply(fn, recurse)
+
+    def qkv(self, x: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, hidden] -> q [B, T, HQ, D], k, v [B, T, H, D]: the projections alone (from
+        `inputs`, the `input_projections` of x, when given; without gradients one matmul with the
+        mixer's other input projections)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        p = input_projections(self, x, QKV) if inputs is None else inputs
+        q = p["q_proj"].view(B, T, self.num_heads, self.head_dim)
+        k = p["k_proj"].view(B, T, self.num_kv_heads, self.head_dim)
+        v = p["v_proj"].view(B, T, self.num_kv_heads, self.head_dim)
         return q, k, v
 
     def project(
-        self, x: torch.Tensor, position_embeddings=None, heads_first: bool = True
+        self, x: torch.Tensor, position_embeddings=None, heads_first: bool = True,
+        inputs: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, hidden] -> q [B, T, HQ, D], k, v [B, T, H, D] with the source's qk-norm, and RoPE
         when `position_embeddings` (cos, sin) are given, in the autocast dtype under autocast
-        (`autocast_operands`); `heads_first` returns them as [B, heads, T, D]."""
-        q, k, v = self.qkv(x)
+        (`autocast_operands`); `heads_first` returns them as [B, heads, T, D]. `inputs`: as `qkv`."""
+        q, k, v = self.qkv(x, inputs)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if position_embeddings is not None:

@@ -105,6 +105,59 @@ class ModelTesterMixin:
         with torch.no_grad():
             assert torch.equal(loaded.eval()(ids).logits, m(ids).logits)
 
+    def test_packed_input_projections_are_the_separate_ones(self, tmp_path):
+        """Without gradients each mixer's input projections run as one matmul over a packed weight whose
+        rows the members' parameters become views of (`modeling.projections`): the logits of the
+        separate projections; training does not pack; an in-place update of a packed weight is seen by
+        the next call; a dtype change drops the pack and packs again; a packed model saves and reloads
+        to the same weights; a member with a hook runs on its own (the hook is honoured)."""
+        m, ids = self.tester.model(), self.tester.ids(2)
+        mixers = [mod for mod in m.modules() if hasattr(mod, "input_projection_names")]
+        assert mixers
+        m.train()
+        m(ids, labels=ids, use_cache=False).loss.backward()
+        assert not any("_input_pack" in mod.__dict__ for mod in mixers)  # gradients: no pack
+        with torch.no_grad():  # training mode (a reentrant checkpoint's first pass): no pack either
+            m(ids, use_cache=False)
+        assert not any("_input_pack" in mod.__dict__ for mod in mixers)
+        m.eval()
+        with torch.no_grad():
+            m.config.fuse_projections = False
+            separate = m(ids).logits
+            m.config.fuse_projections = True
+            fused = m(ids).logits
+            assert torch.allclose(fused, separate, rtol=1e-4, atol=1e-4)  # fp32: the summation order
+            for mod in mixers:
+                pack = mod.__dict__["_input_pack"]
+                names = [n for n in mod.input_projection_names if hasattr(mod, n.split(".")[0])]
+                assert sum(pack.sizes) == pack.weight.shape[0] and len(pack.sizes) == len(names) >= 3
+                base = pack.weight.untyped_storage().data_ptr()
+                assert mod.q_proj.weight.untyped_storage().data_ptr() == base  # a view of the pack
+                assert mod.v_proj.weight.untyped_storage().data_ptr() == base
+            mixers[0].v_proj.weight.mul_(0.5)  # in place, as an optimizer step: the pack sees it
+            m.config.fuse_projections = False
+            separate = m(ids).logits
+            m.config.fuse_projections = True
+            assert torch.allclose(m(ids).logits, separate, rtol=1e-4, atol=1e-4)
+            m.double()  # new tensors: the pack is dropped, then rebuilt in fp64
+            assert not any("_input_pack" in mod.__dict__ for mod in mixers)
+            m.config.fuse_projections = False
+            separate = m(ids).logits
+            m.config.fuse_projections = True
+            assert torch.allclose(m(ids).logits, separate, rtol=1e-10, atol=1e-10)
+            assert mixers[0].__dict__["_input_pack"].weight.dtype == torch.float64
+            m.save_pretrained(tmp_path)
+            loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+            sd, sd2 = m.state_dict(), loaded.state_dict()
+            assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+            assert torch.equal(loaded(ids).logits, m(ids).logits)
+            seen = []
+            mixers[0].k_proj.register_forward_hook(lambda mod, inp, out: seen.append(1) or out * 0)
+            m.config.fuse_projections = False
+            zeroed = m(ids).logits
+            m.config.fuse_projections = True
+            assert torch.equal(m(ids).logits, zeroed) and len(seen) == 2
+
     def test_remote_code_without_the_package(self, tmp_path):
         m = self.tester.model()
         m.save_pretrained(tmp_path)

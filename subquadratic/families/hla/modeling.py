@@ -32,6 +32,7 @@ from ...modeling.base import (
 )
 from ...modeling.cache import RecurrentLayer
 from ...modeling.fused import HeadNorm
+from ...modeling.projections import QKV, input_projections
 from ...modeling.window import WINDOW_FIELDS, WindowBranch
 from .configuration import HLAConfig
 
@@ -73,6 +74,7 @@ class HLAAttention(WindowBranch, AttentionBase):
     #: real tokens, the recurrence one document per row
     takes_packed = True
     needs_key_positions = False
+    input_projection_names = (*QKV, "decay_proj", "g_proj")
 
     def __init__(self, config: HLAConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -106,12 +108,13 @@ class HLAAttention(WindowBranch, AttentionBase):
         if cfg.output_norm:
             init.ones_(self.o_norm.weight)
 
-    def log_alpha(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, hidden] -> log alpha [B, T, HQ] (<= 0; fp32, or fp64 for an fp64 model)."""
+    def log_alpha(self, x: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, hidden] -> log alpha [B, T, HQ] (<= 0; fp32, or fp64 for an fp64 model);
+        `projected`: decay_proj(x) when already computed."""
         dtype = torch.promote_types(x.dtype, torch.float32)
         logit = self.decay_bias.to(dtype).expand(*x.shape[:2], -1)
         if self.config.decay_mode == "data":
-            logit = logit + self.decay_proj(x).to(dtype)
+            logit = logit + (self.decay_proj(x) if projected is None else projected).to(dtype)
         return Fn.logsigmoid(logit)
 
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer: HLALayer | None = None):
@@ -120,7 +123,8 @@ class HLAAttention(WindowBranch, AttentionBase):
         # q [B, T, HQ, D], k, v [B, T, H, D]: the source's qk-norm, RoPE only with hla_rope
         packed = seq.is_packed(hidden_states)
         rope = (seq.packed_rope if packed else position_embeddings) if cfg.hla_rope else None
-        q, k, v = self.project(hidden_states, rope, heads_first=False)
+        p = input_projections(self, hidden_states)  # without gradients one matmul
+        q, k, v = self.project(hidden_states, rope, heads_first=False, inputs=p)
         # qk_norm_l2: q and k L2-normalised and scaled, in the projections' dtype (CUDA autocast computes
         # the norm in fp32); one state per query head: k, v [B, T, H, D] -> [B, T, HQ, D] (KV head j
         # serves query heads jG..jG+G-1). On CUDA with a kernel_backend in FEATURE_KERNEL_BACKENDS one
@@ -128,7 +132,7 @@ class HLAAttention(WindowBranch, AttentionBase):
         kernel = (cfg.qk_norm_l2 and cfg.kernel_backend in FEATURE_KERNEL_BACKENDS
                   and hla_features_takes_kernel(q, k, v))
         q, k, v = hla_features(q, k, v, cfg.qk_scale, cfg.qk_norm_l2, backend="triton" if kernel else "torch")
-        log_alpha = self.log_alpha(hidden_states)  # [B, T, HQ]
+        log_alpha = self.log_alpha(hidden_states, p.get("decay_proj"))  # [B, T, HQ]
         if packed:  # the recurrence runs one document per right-padded row
             q, k, v, log_alpha = (seq.documents.unpack(t) for t in (q, k, v, log_alpha))
 
@@ -149,7 +153,7 @@ class HLAAttention(WindowBranch, AttentionBase):
         if packed:
             o = seq.documents.pack(o)
 
-        gate = self.g_proj(hidden_states).view(B, T, self.num_heads, self.head_dim) if cfg.output_gate else None
+        gate = p["g_proj"].view(B, T, self.num_heads, self.head_dim) if cfg.output_gate else None
         if (cfg.output_norm and gate is not None and cfg.kernel_backend in ("auto", "triton")
                 and norm_gate_takes_kernel(o, self.o_norm.weight, gate)):
             # on CUDA: the norm and the gate in one kernel, the values of the two lines below

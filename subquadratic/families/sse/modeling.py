@@ -39,8 +39,12 @@ from ...modeling.base import (
     decay_spread,
 )
 from ...modeling.cache import RecurrentLayer
+from ...modeling.projections import QKV, input_projections
 from ...modeling.window import WINDOW_FIELDS, WindowBranch
 from .configuration import SSEConfig
+
+#: The low-rank offsets' down projections (with lora_rank > 0).
+LORA_DOWN = ("q2_down", "k2_down")
 
 
 class SSELayer(RecurrentLayer):
@@ -94,6 +98,7 @@ class SSEAttention(WindowBranch, AttentionBase):
 
     cache_layer_cls = SSELayer
     needs_key_positions = False
+    input_projection_names = (*QKV, *LORA_DOWN, "g1_down", "g2_down", "g_proj.0", "router")
     #: a packed batch's hidden states come packed: every per-token step (projections, feature maps, decays,
     #: router, gate, output) runs on the real tokens, the state recurrence one document per row
     takes_packed = True
@@ -168,16 +173,20 @@ class SSEAttention(WindowBranch, AttentionBase):
             init.ones_(self.swa_merge_norm.weight)
 
     # --- the SSE branch -------------------------------------------------------------------------
-    def project_sse(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project_sse(self, x: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         """x: [B, T, hidden] -> q1, k1, q2, k2, v: [B, T, HQ, D] before the feature maps (qk-norm applied),
-        in the autocast dtype under autocast (`autocast_operands`)."""
+        in the autocast dtype under autocast (`autocast_operands`). `inputs`: x's `input_projections`
+        when already computed."""
         B, T, _ = x.shape
         shape = (B, T, self.num_heads, self.head_dim)
-        q1, k1, v = self.qkv(x)
+        if inputs is None:
+            inputs = input_projections(self, x, (*QKV, *LORA_DOWN) if self.config.lora_rank else QKV)
+        p = inputs
+        q1, k1, v = self.qkv(x, p)
         q2, k2 = q1, k1
         if self.config.lora_rank:
-            q2 = q1 + self.q2_up(self.q2_down(x)).view(shape)
-            k2 = k1 + self.k2_up(self.k2_down(x)).view(shape)
+            q2 = q1 + self.q2_up(p["q2_down"]).view(shape)
+            k2 = k1 + self.k2_up(p["k2_down"]).view(shape)
         if self.config.qk_norm:
             q1, q2 = self.q_norm(q1), self.q_norm(q2)
             k1, k2 = self.k_norm(k1), self.k_norm(k2)
@@ -234,9 +243,10 @@ class SSEAttention(WindowBranch, AttentionBase):
         cfg = self.config
         x = hidden_states
         B, T, _ = x.shape
-        q1, k1, q2, k2, v = self.project_sse(x)
+        p = input_projections(self, x)  # without gradients one matmul
+        q1, k1, q2, k2, v = self.project_sse(x, p)
         if cfg.sse_base == "gla":
-            z1, z2 = self.g1_up(self.g1_down(x)), self.g2_up(self.g2_down(x))
+            z1, z2 = self.g1_up(p["g1_down"]), self.g2_up(p["g2_down"])
             xs = (q1, k1, q2, k2, v, z1, z2, self.g1_bias, self.g2_bias)
             if self.features_take_kernel(xs):  # CUDA: one kernel forward, one backward
                 q1, k1, q2, k2, v, g1, g2 = sse_gla_features(*xs, cfg.sse_gate_normalizer, backend="triton")
@@ -248,7 +258,7 @@ class SSEAttention(WindowBranch, AttentionBase):
             q1, q2, k1, k2 = (F.normalize(F.silu(t), dim=-1) for t in (q1, q2, k1, k2))
             v = F.silu(v)
             g1, g2, beta = self.decays(x)
-        logits = self.router(x)
+        logits = p["router"]
         packed = seq.is_packed(x)
         if packed:  # the recurrence runs one document per right-padded row
             q1, k1, q2, k2, v, g1, g2, logits = (seq.documents.unpack(t) for t in (q1, k1, q2, k2, v, g1, g2, logits))
@@ -277,7 +287,7 @@ class SSEAttention(WindowBranch, AttentionBase):
         if packed:
             o = seq.documents.pack(o)
 
-        gate = self.g_proj(x).view(B, T, self.num_heads, self.head_dim)
+        gate = self.g_proj[1](p["g_proj.0"]).view(B, T, self.num_heads, self.head_dim)
         w, eps = self.o_norm.weight, self.o_norm.variance_epsilon
         if cfg.kernel_backend in ("auto", "triton") and norm_gate_takes_kernel(o, w, gate):
             o = norm_gate(o, w, gate, eps, backend="triton")  # on CUDA: one kernel (a decode step's too), same values

@@ -54,22 +54,45 @@ def _tile(n_rows, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.con
 
 
 @triton.jit
+def _strided(off, S, H: tl.constexpr, D: tl.constexpr):
+    """Offsets `off` of contiguous [tokens, H, D] rows moved to rows S elements apart per token."""
+    return (off // (H * D)) * S + off % (H * D)
+
+
+@triton.jit
 def sse_features_fwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, OQ1, OK1, OQ2, OK2, OV, G1, G2, n_rows, inv_norm,
+                     S_Q1, S_K1, S_Q2, S_K2, S_V, S_Z1, S_Z2,
                      H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """The inputs' tokens S_* elements apart (a token's H x D entries contiguous: column slices of a
+    packed projection), the outputs contiguous."""
     off, m, off_b, m_d = _tile(n_rows, H, D, BD, BR)
     dt = OQ1.dtype.element_ty
-    x = _ld(Q1, off, m)
+    x = _ld(Q1, _strided(off, S_Q1, H, D), m)
     tl.store(OQ1 + off, (x * tl.sigmoid(x)).to(dt), mask=m)
-    x = _ld(Q2, off, m)
+    x = _ld(Q2, _strided(off, S_Q2, H, D), m)
     tl.store(OQ2 + off, (x * tl.sigmoid(x)).to(dt), mask=m)
-    x = _ld(V, off, m)
+    x = _ld(V, _strided(off, S_V, H, D), m)
     tl.store(OV + off, (x * tl.sigmoid(x)).to(dt), mask=m)
-    tl.store(OK1 + off, _softmax(_ld(K1, off, m), m_d).to(dt), mask=m)
-    tl.store(OK2 + off, _softmax(_ld(K2, off, m), m_d).to(dt), mask=m)
-    z = _ld(Z1, off, m) + _ld(B1, off_b, m)
+    tl.store(OK1 + off, _softmax(_ld(K1, _strided(off, S_K1, H, D), m), m_d).to(dt), mask=m)
+    tl.store(OK2 + off, _softmax(_ld(K2, _strided(off, S_K2, H, D), m), m_d).to(dt), mask=m)
+    z = _ld(Z1, _strided(off, S_Z1, H, D), m) + _ld(B1, off_b, m)
     tl.store(G1 + off, _logsigmoid(z) * inv_norm, mask=m)
-    z = _ld(Z2, off, m) + _ld(B2, off_b, m)
+    z = _ld(Z2, _strided(off, S_Z2, H, D), m) + _ld(B2, off_b, m)
     tl.store(G2 + off, _logsigmoid(z) * inv_norm, mask=m)
+
+
+def token_stride(t: torch.Tensor) -> int | None:
+    """The stride between the tokens of t [B, T, ...] when each token's entries are contiguous and its
+    B x T tokens are one stride apart (a column slice of a packed projection's [B, T, N] output, or a
+    contiguous tensor), else None."""
+    B, T = t.shape[:2]
+    inner = 1
+    for n, st in zip(reversed(t.shape[2:]), reversed(t.stride()[2:]), strict=True):
+        if n > 1 and st != inner:
+            return None
+        inner *= n
+    S = t.stride(1) if T > 1 else (t.stride(0) if B > 1 else inner)
+    return S if S >= inner and (B == 1 or T == 1 or t.stride(0) == T * S) else None
 
 
 @triton.jit
@@ -113,16 +136,22 @@ class SSEFeatures(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q1, k1, q2, k2, v, z1, z2, bias1, bias2, normalizer):
         B, T, H, D = q1.shape
-        xs = [t.contiguous() for t in (q1, k1, q2, k2, v, z1, z2, bias1, bias2)]
+        xs = (q1, k1, q2, k2, v, z1, z2, bias1, bias2)
+        # without gradients the inputs are read where they are when their tokens are rows of one stride
+        # (slices of a packed projection's output: `modeling.projections`); else made contiguous, as the
+        # backward reads them
+        grad = any(ctx.needs_input_grad)
+        xs = [t if not grad and i < 7 and token_stride(t) is not None else t.contiguous() for i, t in enumerate(xs)]
         n_rows = B * T * H
         outs = [new_output(q1.shape, q1.device, q1.dtype) for _ in range(5)]
         gs = [new_output(q1.shape, q1.device) for _ in range(2)]  # fp32
         BD = block_size(D, 1)
         BR = rows_per_program(BD)
         if n_rows:
-            sse_features_fwd[(triton.cdiv(n_rows, BR),)](*xs, *outs, *gs, n_rows, 1.0 / normalizer, H, D, BD, BR,
-                                                         num_warps=4)
-        ctx.save_for_backward(*xs)
+            sse_features_fwd[(triton.cdiv(n_rows, BR),)](*xs, *outs, *gs, n_rows, 1.0 / normalizer,
+                                                         *(token_stride(t) for t in xs[:7]), H, D, BD, BR, num_warps=4)
+        if grad:
+            ctx.save_for_backward(*xs)
         ctx.normalizer = normalizer
         return (*outs, *gs)
 

@@ -164,3 +164,36 @@ def test_the_mixer_takes_the_kernel_with_the_values_and_gradients_of_its_pytorch
     with monkeypatch.context() as m:
         m.setattr(triton_features.SSEFeatures, "apply", lambda *a: pytest.fail("the kernel ran with sse_key_topk"))
         model(torch.randint(3, 128, (1, 9), device=model.device), use_cache=False)
+
+
+@pytest.mark.parametrize("B,T", [(2, 5), (1, 7), (3, 1)])
+def test_strided_inputs_without_gradients(B, T):
+    """Without gradients the kernel reads q1, k1, v, z1, z2 where they are when they are column slices of
+    one packed projection output (`modeling.projections`: tokens one stride apart), as it reads
+    contiguous ones: same values as the PyTorch form on contiguous copies; a slice whose tokens are not
+    one stride apart (a transposed view) is copied first and gives the same values too."""
+    from subquadratic.kernels.sse.triton_features import token_stride
+
+    H, D = 3, 16
+    g = torch.Generator().manual_seed(B * 10 + T)
+    packed = torch.randn(B, T, 5 * H * D + 7, generator=g).to(DEV) * 2.0  # q1 | k1 | v | z1 | z2 | other
+    q1, k1, v, z1, z2 = (packed[..., i * H * D:(i + 1) * H * D] for i in range(5))
+    q1, k1, v = (t.view(B, T, H, D) for t in (q1, k1, v))
+    q2, k2 = (torch.randn(B, T, H, D, generator=g).to(DEV) for _ in range(2))
+    bs = [torch.randn(H * D, generator=g).to(DEV) for _ in range(2)]
+    assert token_stride(q1) == 5 * H * D + 7 and token_stride(z2) == 5 * H * D + 7
+    xs = [q1, k1, q2, k2, v, z1, z2, *bs]
+    with torch.no_grad():
+        got = sse_gla_features(*xs, 16.0, backend="triton")
+    want = sse_gla_features_reference(*(t.contiguous() for t in xs), 16.0)
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    if T > 1 and B > 1:
+        bad = q1.transpose(0, 1)  # [T, B, H, D]: its rows are not one stride apart
+        assert token_stride(bad) is None
+        xs2 = [bad, *(t.transpose(0, 1) for t in xs[1:7]), *bs]
+        with torch.no_grad():
+            got = sse_gla_features(*xs2, 16.0, backend="triton")
+        want = sse_gla_features_reference(*(t.contiguous() for t in xs2), 16.0)
+        for name, a, b in zip(NAMES, got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

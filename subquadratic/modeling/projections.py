@@ -1,0 +1,121 @@
+"""A mixer's input projections as one matmul at inference.
+
+A layer of the state families reads its input x through many linear maps: q, k, v, and, for SSE, the
+low-rank offsets' and decays' down projections, the output gate's and the router; HLA its decay and
+gate projections. At a decode step each is a one-row matmul of its own kernel (the largest share of
+a captured step's kernels), at prefill each a launch and, for the low-rank ones, a GEMM too narrow
+to fill the GPU. Without gradients in eval mode (generation, evaluation, a first-token call) `input_projections`
+runs them as one matmul: on first use the members' weights (and biases) are copied into one packed
+tensor and each member's parameter becomes a view of its rows (`param.data`: the same Parameter
+objects, the same values, no second copy kept), so the packed matmul reads the live weights and
+later in-place updates (an optimizer step, `load_state_dict`) keep it valid. A member whose tensor
+was replaced (`model.to(...)`, a new weight assigned) invalidates the pack, which is rebuilt at the
+next use. The outputs are column slices of the packed result (views, no copy).
+
+With gradients, or in training mode (a reentrant checkpoint's first pass runs without gradients),
+every member runs as it is: the parameters stay leaves of their own.
+The separate form is also taken wherever packing could change what a member computes or who owns
+its memory: a member that is not a plain `nn.Linear` (a PEFT adapter, a quantised layer), one with
+hooks (accelerate's offload), parameters that are not plain tensors (FSDP's), a distributed run,
+a trace (`torch.compile`), a CUDA graph being captured (a pack is never built inside a capture), or
+the model's `fuse_projections` set to False. Both forms give the same values (one matmul over the
+concatenated rows: each output column is the same dot product).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: The projections every attention mixer has (`base.AttentionBase`).
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _member(owner: nn.Module, name: str) -> nn.Module | None:
+    """owner's submodule at dotted path `name` ("g_proj.0"), None if absent."""
+    m = owner
+    for part in name.split("."):
+        m = getattr(m, part, None) if not part.isdigit() else (m[int(part)] if isinstance(m, nn.Sequential) else None)
+        if m is None:
+            return None
+    return m
+
+
+def _plain(lin: nn.Module) -> bool:
+    """A plain nn.Linear without hooks whose parameters are plain tensors on a real device."""
+    if type(lin) is not nn.Linear or lin._forward_hooks or lin._forward_pre_hooks or hasattr(lin, "_hf_hook"):
+        return False
+    ps = [lin.weight] if lin.bias is None else [lin.weight, lin.bias]
+    return all(type(p) is nn.Parameter and type(p.data) is torch.Tensor and p.device.type != "meta" for p in ps)
+
+
+class _Pack:
+    """The packed weight [sum of outs, in] (and bias, or None) of a mixer's members, the row range of
+    each, and the data pointers their parameters must have for the pack to be the live weights."""
+
+    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+        w0 = linears[0].weight
+        with torch.no_grad():
+            self.weight = torch.cat([lin.weight.detach() for lin in linears])
+            has_bias = any(lin.bias is not None for lin in linears)
+            self.bias = torch.cat([lin.bias.detach() if lin.bias is not None else w0.new_zeros(lin.out_features)
+                                   for lin in linears]) if has_bias else None
+            self.sizes = [lin.out_features for lin in linears]
+            row = 0
+            for lin in linears:
+                n = lin.out_features
+                lin.weight.data = self.weight[row:row + n]
+                if lin.bias is not None:
+                    lin.bias.data = self.bias[row:row + n]
+                row += n
+        self.ptrs = self.pointers(linears)
+
+    @staticmethod
+    def pointers(linears: Sequence[nn.Linear]) -> list[int]:
+        return [p.data_ptr() for lin in linears for p in (lin.weight, lin.bias) if p is not None]
+
+    def live(self, linears: Sequence[nn.Linear]) -> bool:
+        return (self.pointers(linears) == self.ptrs
+                and all(lin.weight.dtype == self.weight.dtype and lin.weight.device == self.weight.device
+                        and lin.weight.shape[0] == n for lin, n in zip(linears, self.sizes, strict=True)))
+
+
+def _may_pack(owner: nn.Module, linears: Sequence[nn.Module | None], x: torch.Tensor) -> bool:
+    if (not getattr(owner.config, "fuse_projections", True) or len(linears) < 2 or torch.is_grad_enabled()
+            or owner.training):
+        return False
+    if torch.compiler.is_compiling() or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    if not all(lin is not None and _plain(lin) for lin in linears):
+        return False
+    w0 = linears[0].weight
+    return all(lin.in_features == w0.shape[1] and lin.weight.dtype == w0.dtype and lin.weight.device == w0.device
+               for lin in linears) and x.device == w0.device
+
+
+def input_projections(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """{name: member(x)} for the `names` (default: all) of `owner.input_projection_names` that exist:
+    one packed matmul without gradients (module docstring), each member on its own otherwise."""
+    members = []
+    for n in owner.input_projection_names:
+        m = _member(owner, n)
+        if m is not None:
+            members.append((n, m))
+    wanted = [n for n, _ in members] if names is None else list(names)
+    linears = [m for _, m in members]
+    if _may_pack(owner, linears, x):
+        pack = owner.__dict__.get("_input_pack")
+        if pack is None or not pack.live(linears):
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                pack = None  # never build a pack inside a capture: the separate matmuls
+            else:
+                pack = owner.__dict__["_input_pack"] = _Pack(linears)
+        if pack is not None:
+            outs = F.linear(x, pack.weight, pack.bias).split(pack.sizes, dim=-1)
+            outs = dict(zip([n for n, _ in members], outs, strict=True))
+            return {n: outs[n] for n in wanted}
+    mods = dict(members)
+    return {n: mods[n](x) for n in wanted}
