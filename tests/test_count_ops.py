@@ -25,9 +25,9 @@ def test_count_ops_hla_and_sse(tmp_path):
     rows = {" ".join(line.split()[:3]): line for line in res.stdout.splitlines() if "ops" in line}
     # HLA: 4 chunked-kernel launches (two calls of walk and output; the walk does the decays' cumsum) +
     # the feature maps + the norm-gate, no torch.where; SSE: 6 (two calls of walk, intra-chunk, output) +
-    # the partitions' chunk table + the partition rows' gather + the feature maps + the norm-gate, the one
-    # torch.where of the grouping, none of the padding masks
-    for fam, launches, where in (("hla", 6, None), ("sse", 10, "where x1,")):
+    # the grouping by partition + the partitions' chunk table + the partition rows' gather + the feature
+    # maps + the norm-gate, none of the padding masks' torch.where
+    for fam, launches, where in (("hla", 6, None), ("sse", 11, None)):
         line = rows[f"{fam} model forward"]
         assert f"<triton> x{launches}" in line, line
         assert "syncs  0" in line and "rsqrt" not in line, line

@@ -38,14 +38,15 @@ from .recurrent import SSEState, setup
 triton, tl = import_triton()
 
 
-def _group(sel: Tensor, topk: int):
+def group_rows_reference(sel: Tensor, topk: int):
     """sel [B, T, N] bool -> (src [R] token and partition of each row as (b * T + t) * N + i, valid [R]
     bool, cu [B * N + 2]: the partition segments' bounds, then R) with R = B * T * topk, rows sorted
     by (b, partition, t).
 
     In (b, partition, t) order, the row of a selected token is the number of selected entries before
     it: one exclusive cumulative sum over the flattened selection (a scan along the last dim of a
-    contiguous tensor; along T of [B, T, N] PyTorch's CUDA scan ran 5 ms at T = 32k)."""
+    contiguous tensor; along T of [B, T, N] PyTorch's CUDA scan ran 5 ms at T = 32k). About fifteen
+    launches: `group_rows`'s oracle."""
     B, T, N = sel.shape
     R = B * T * topk
     dev = sel.device
@@ -58,6 +59,52 @@ def _group(sel: Tensor, topk: int):
     src = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest, code.reshape(-1))[:R]
     valid = torch.arange(R, device=dev) < cu[-2]
     return src, valid, cu
+
+
+#: Selection entries `group_rows_kernel` scans at a time.
+GROUP_BLOCK = 8192
+
+
+@triton.jit
+def group_rows_kernel(SEL, SRC, CU, VALID, T, N, NE, R, BLOCK: tl.constexpr):
+    """`group_rows_reference` in one program: the selection's NE = B N T entries in (b, partition, t)
+    order, BLOCK at a time, an inclusive scan of each block plus the count so far gives each selected
+    entry its row (src = its code (b T + t) N + i) and, at t = T - 1, the end of its segment (cu);
+    then the rows past the selected ones get src 0 and valid False."""
+    carry = tl.zeros([], dtype=tl.int64)
+    for e0 in range(0, NE, BLOCK):
+        e = e0 + tl.arange(0, BLOCK).to(tl.int64)
+        m = e < NE
+        seg = e // T
+        t = e - seg * T
+        code = ((seg // N) * T + t) * N + seg % N
+        s = tl.load(SEL + code, mask=m, other=0).to(tl.int64)
+        incl = tl.cumsum(s, 0) + carry
+        tl.store(SRC + incl - 1, code, mask=m & (s != 0) & (incl <= R))  # past R: more than topk (dropped)
+        tl.store(CU + 1 + seg, incl, mask=m & (t == T - 1))
+        carry += tl.sum(s, 0)
+    first = tl.arange(0, 2)
+    tl.store(CU + tl.where(first == 0, 0, NE // T + 1), tl.where(first == 0, 0, R))
+    for r0 in range(0, R, BLOCK):
+        r = r0 + tl.arange(0, BLOCK).to(tl.int64)
+        tl.store(SRC + r, tl.zeros([BLOCK], dtype=tl.int64), mask=(r >= carry) & (r < R))
+        tl.store(VALID + r, (r < carry).to(tl.int8), mask=r < R)
+
+
+def group_rows(sel: Tensor, topk: int):
+    """`group_rows_reference`'s (src, valid, cu) in one launch (`group_rows_kernel`); the PyTorch ops
+    for an empty selection (T = 0)."""
+    B, T, N = sel.shape
+    if T == 0 or B == 0:
+        return group_rows_reference(sel, topk)
+    R = B * T * topk
+    dev = sel.device
+    src = new_output((R,), dev, torch.int64)
+    cu = new_output((B * N + 2,), dev, torch.int64)
+    valid = new_output((R,), dev, torch.int8)
+    group_rows_kernel[(1,)](sel.contiguous().view(torch.uint8), src, cu, valid, T, N, B * N * T, R, GROUP_BLOCK,
+                            num_warps=16)
+    return src, valid.view(torch.bool), cu
 
 
 def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor, g2: Tensor,
@@ -86,7 +133,7 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
         raise ValueError(f"topk must be in [1, N={N}]; got {topk}")
     dt = q1.dtype
     BT = B * T
-    src, valid, cu = _group(sel, K)
+    src, valid, cu = group_rows(sel, K)
     src_tok = src // N  # [R] the token (b * T + t) of each row
     # the partition rows (p q2, p k2, v, g2) in one gather kernel (backward: index_add, no host synchronisation)
     qp, kp, vp, gp = PartitionRows.apply(q2, k2, v, g2, probs, src, valid, cu)
@@ -135,7 +182,7 @@ def _partition_rows(Q2, K2, V, G2, PROBS, SRC, CU, QP, KP, VP, GP, n, NSEG, H: t
 
 class PartitionRows(torch.autograd.Function):
     """The grouped rows of the partition branch: (p q2, p k2, v, g2) [R, H, D] of the tokens `src`
-    names (`_group`), p = the router probability of the (token, partition), in q2's dtype (p q2, p k2
+    names (`group_rows`), p = the router probability of the (token, partition), in q2's dtype (p q2, p k2
     computed in fp32 and rounded once) and fp32 (g2); zero (but v) past the valid rows. One kernel
     forward; the backward scatters with index_add. q2, k2, v [B, T, H, D], g2 [B, T, H, Dk],
     probs [B, T, N], src / valid [R], cu [B * N + 2]."""
