@@ -84,5 +84,6 @@ def sse_gla_features(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, 
     if fused_kernel(backend, q1.device, "SSE feature", sse_gla_features_unsupported(*xs)):
         from .triton_features import SSEFeatures
 
-        return SSEFeatures.apply(*xs, float(normalizer))
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in xs)
+        return SSEFeatures.apply(*xs, float(normalizer), grad)
     return sse_gla_features_reference(*xs, normalizer)

@@ -131,16 +131,17 @@ def sse_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, DOQ1, DOK1, DOQ2, DOK2, 
 
 class SSEFeatures(torch.autograd.Function):
     """`sse_gla_features` on the kernels: q1, k1, q2, k2, v [B, T, H, D] of one dtype, z1, z2
-    [B, T, H * D], bias1, bias2 [H * D], the normalizer; differentiable in every tensor."""
+    [B, T, H * D], bias1, bias2 [H * D], the normalizer; differentiable in every tensor. `grad` False
+    (no gradient will be asked for): the inputs are read in place where their tokens are rows of one
+    stride (`token_stride`) and nothing is saved."""
 
     @staticmethod
-    def forward(ctx, q1, k1, q2, k2, v, z1, z2, bias1, bias2, normalizer):
+    def forward(ctx, q1, k1, q2, k2, v, z1, z2, bias1, bias2, normalizer, grad=True):
         B, T, H, D = q1.shape
         xs = (q1, k1, q2, k2, v, z1, z2, bias1, bias2)
         # without gradients the inputs are read where they are when their tokens are rows of one stride
         # (slices of a packed projection's output: `modeling.projections`); else made contiguous, as the
         # backward reads them
-        grad = any(ctx.needs_input_grad)
         xs = [t if not grad and i < 7 and token_stride(t) is not None else t.contiguous() for i, t in enumerate(xs)]
         n_rows = B * T * H
         outs = [new_output(q1.shape, q1.device, q1.dtype) for _ in range(5)]
@@ -171,4 +172,4 @@ class SSEFeatures(torch.autograd.Function):
         dbs = [dz.view(-1, H * D).sum(0).to(bias1.dtype) if ctx.needs_input_grad[7 + i] else None
                for i, dz in enumerate(dzs)]
         dzs = [dz.view(B, T, H * D).to(z1.dtype) for dz in dzs]
-        return (*dxs, *dzs, *dbs, None)
+        return (*dxs, *dzs, *dbs, None, None)

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 from subquadratic.kernels.sse.features import sse_gla_features, sse_gla_features_reference  # noqa: E402
 
 from ..fused_models import forced_kernel_matches, perturb, rel  # noqa: E402
@@ -166,6 +168,17 @@ def test_the_mixer_takes_the_kernel_with_the_values_and_gradients_of_its_pytorch
         model(torch.randint(3, 128, (1, 9), device=model.device), use_cache=False)
 
 
+class CopyCounter(TorchDispatchMode):
+    """Counts the clones (what .contiguous() of a strided tensor dispatches) inside it."""
+
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] == "clone":  # .contiguous() (the interpreter's own traffic is copy_)
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("B,T", [(2, 5), (1, 7), (3, 1)])
 def test_strided_inputs_without_gradients(B, T):
     """Without gradients the kernel reads q1, k1, v, z1, z2 where they are when they are column slices of
@@ -183,8 +196,9 @@ def test_strided_inputs_without_gradients(B, T):
     bs = [torch.randn(H * D, generator=g).to(DEV) for _ in range(2)]
     assert token_stride(q1) == 5 * H * D + 7 and token_stride(z2) == 5 * H * D + 7
     xs = [q1, k1, q2, k2, v, z1, z2, *bs]
-    with torch.no_grad():
+    with torch.no_grad(), CopyCounter() as copies:
         got = sse_gla_features(*xs, 16.0, backend="triton")
+    assert copies.n == 0  # read where they are
     want = sse_gla_features_reference(*(t.contiguous() for t in xs), 16.0)
     for name, a, b in zip(NAMES, got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
@@ -192,8 +206,9 @@ def test_strided_inputs_without_gradients(B, T):
         bad = q1.transpose(0, 1)  # [T, B, H, D]: its rows are not one stride apart
         assert token_stride(bad) is None
         xs2 = [bad, *(t.transpose(0, 1) for t in xs[1:7]), *bs]
-        with torch.no_grad():
+        with torch.no_grad(), CopyCounter() as copies:
             got = sse_gla_features(*xs2, 16.0, backend="triton")
+        assert copies.n >= 5  # copied first
         want = sse_gla_features_reference(*(t.contiguous() for t in xs2), 16.0)
         for name, a, b in zip(NAMES, got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
