@@ -88,8 +88,9 @@ def _read(q: Tensor, S: Tensor) -> Tensor:
     return torch.einsum("...k,...kv->...v", q, S)
 
 
-def setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base: str, beta: Tensor | None):
-    """Validate the inputs; return (base ops, extra per-token args, state in compute dtype)."""
+def setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base: str, beta: Tensor | None, make_state: bool = True):
+    """Validate the inputs; return (base ops, extra per-token args, state in compute dtype; None for a
+    None state without `make_state`: a caller that starts from zero states without building them)."""
     if base not in _BASES:
         raise ValueError(f"SSE base '{base}' is not supported; supported: {', '.join(_BASES)}")
     ops = _BASES[base]
@@ -119,6 +120,8 @@ def setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base: str, beta: Tensor 
     N = probs.shape[-1]
     dt = acc_dtype(q1)
     if state is None:
+        if not make_state:
+            return ops, (beta,) if beta is not None else (), None
         state = SSEState.zeros(B, N, H, Dk, Dv, device=q1.device, dtype=dt)
     elif isinstance(state, Mapping):
         state = SSEState(**state)

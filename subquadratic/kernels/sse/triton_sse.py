@@ -121,11 +121,14 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
     if base != "gla" or q1.dtype == torch.float64:
         raise ValueError("the SSE Triton kernels take the GLA base in fp32/bf16/fp16; sse_attention sends "
                          "other inputs to the PyTorch forms")
-    _, _, state = setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta)
+    # from zero states (a first call, no cache's state yet) the kernels start from zero themselves
+    _, _, state = setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta, make_state=False)
     B, T, H, Dk = q1.shape
     N, Dv = probs.shape[-1], v.shape[-1]
-    tensors = (q1, k1, q2, k2, v, g1, g2, probs, state.shared, state.parts)
+    tensors = (q1, k1, q2, k2, v, g1, g2, probs) + (() if state is None else (state.shared, state.parts))
     if T == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)):
+        if state is None:
+            state = SSEState.zeros(B, N, H, Dk, Dv, device=q1.device)
         inplace = inplace and all(x.dtype == torch.float32 and x.is_contiguous() for x in (state.shared, state.parts))
         return sse_decode_triton(q1, k1, q2, k2, v, g1, g2, probs, sel, state, inplace=inplace)
     K = N if topk is None else topk
@@ -139,11 +142,11 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
     qp, kp, vp, gp = PartitionRows.apply(q2, k2, v, g2, probs, src, valid, cu)
     # the shared branch: a plain GLA over each row, on the inputs as they are (no copy, no chunk table),
     # then the partition rows
-    o, h_shared = chunk_linear_attention(q1, k1, v, g1, initial_state=state.shared, chunk_size=chunk_size,
-                                         out_dtype=torch.float32, precision=precision)
+    o, h_shared = chunk_linear_attention(q1, k1, v, g1, initial_state=None if state is None else state.shared,
+                                         chunk_size=chunk_size, out_dtype=torch.float32, precision=precision)
     o = o.reshape(BT, H, Dv)
-    h0 = torch.cat([state.parts.float().reshape(B * N, H, Dk, Dv),
-                    state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
+    h0 = None if state is None else torch.cat([state.parts.float().reshape(B * N, H, Dk, Dv),
+                                               state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
     o_parts, h_parts = gla_varlen_triton(qp, kp, vp, gp, cu_seqlens=cu, initial_state=h0,
                                          chunk_size=chunk_size, out_dtype=torch.float32, precision=precision)
     o = o.index_add_(0, src_tok, o_parts)  # o is the shared branch's fresh fp32 output
