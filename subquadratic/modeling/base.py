@@ -30,7 +30,7 @@ from .cache import KVLayer, StateLayer, SubquadraticCache, all_real, positions_f
 from .cuda_graph import decode_step, replays_decode
 from .fused import MLP, HeadNorm, RMSNorm, apply_rope
 from .packing import find_documents, positions_from_cu_seqlens
-from .projections import QKV, input_projections
+from .projections import QKV, PackedInputs, input_projections
 
 #: Name of the cache field in model outputs and of the forward argument generate() passes:
 #: Transformers 5.24 renamed `past_key_values` to `cache`; both names are accepted on input.
@@ -138,7 +138,7 @@ def decay_spread(n: int, alpha_min: float, alpha_max: float) -> torch.Tensor:
     return torch.linspace(math.log(1.0 - alpha_min), math.log(1.0 - alpha_max), n, dtype=torch.float64).exp()
 
 
-class AttentionBase(nn.Module):
+class AttentionBase(PackedInputs, nn.Module):
     """q/k/v/o projections with the source model's bias and qk-norm, and RoPE. Names match Llama,
     Qwen2 and Qwen3 so weights convert by name and PEFT targets q_proj/k_proj/v_proj/o_proj.
 
@@ -179,11 +179,6 @@ class AttentionBase(nn.Module):
 
     def reset_mixer_parameters(self) -> None:
         """Initialise the parameters a dense checkpoint does not provide (none here)."""
-
-    def _apply(self, fn, recurse=True):
-        # a device / dtype change gives the members new tensors: drop the packed weight they left behind
-        self.__dict__.pop("_input_pack", None)
-        return super()._apply(fn, recurse)
 
     def qkv(self, x: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, app
 from ..kernels.norm_gate import add_norm, add_norm_takes_kernel
 from ..kernels.rope import rope as rope_kernel
 from ..kernels.rope import rope_takes_kernel
+from .projections import PackedInputs, input_projections
 
 
 class _Step:
@@ -136,14 +137,18 @@ class RMSNorm(LlamaRMSNorm):
         return y, super().forward(y)
 
 
-class MLP(LlamaMLP):
-    """LlamaMLP (SwiGLU: down(act(gate(x)) * up(x))); inside a captured step with hidden_act "silu",
+class MLP(PackedInputs, LlamaMLP):
+    """LlamaMLP (SwiGLU: down(act(gate(x)) * up(x))); without gradients in eval mode gate and up are one
+    matmul (`projections.input_projections`); inside a captured step with hidden_act "silu",
     act(gate) * up runs as one kernel."""
 
+    input_projection_names = ("gate_proj", "up_proj")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = input_projections(self, x)
         if _Step.compiled and self.config.hidden_act == "silu":
-            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return super().forward(x)
+            return self.down_proj(silu_mul(p["gate_proj"], p["up_proj"]))
+        return self.down_proj(self.act_fn(p["gate_proj"]) * p["up_proj"])
 
 
 #: The kernel_backend values whose models take the RoPE kernel (`apply_rope`) and the residual norm's

@@ -96,6 +96,17 @@ def _may_pack(owner: nn.Module, linears: Sequence[nn.Module | None], x: torch.Te
                for lin in linears) and x.device == w0.device
 
 
+class PackedInputs:
+    """Mixin of a module whose `input_projection_names` run through `input_projections`: a device or
+    dtype change (`model.to`, `.half()`) drops the pack, whose tensors the members no longer use."""
+
+    input_projection_names: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_input_pack", None)
+        return super()._apply(fn, recurse)
+
+
 def input_projections(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     """{name: member(x)} for the `names` (default: all) of `owner.input_projection_names` that exist:
     one packed matmul without gradients (module docstring), each member on its own otherwise."""
