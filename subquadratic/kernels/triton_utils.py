@@ -71,3 +71,17 @@ def launch(kernel, grid, args: tuple, fixed: dict, warps: int, stages: int = 2, 
         kernel[grid](*args, **kwargs)
     else:
         kernel.fn[grid](*args, **kwargs, **fixed, num_warps=warps, num_stages=stages)
+
+
+def token_stride(t: torch.Tensor) -> int | None:
+    """The stride between the tokens of t [B, T, ...] when each token's entries are contiguous and its
+    B x T tokens are one stride apart (a column slice of a packed projection's [B, T, N] output, or a
+    contiguous tensor), else None."""
+    B, T = t.shape[:2]
+    inner = 1
+    for n, st in zip(reversed(t.shape[2:]), reversed(t.stride()[2:]), strict=True):
+        if n > 1 and st != inner:
+            return None
+        inner *= n
+    S = t.stride(1) if T > 1 else (t.stride(0) if B > 1 else inner)
+    return S if S >= inner and (B == 1 or T == 1 or t.stride(0) == T * S) else None

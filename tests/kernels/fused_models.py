@@ -5,6 +5,7 @@ interpreter)."""
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def perturb(model) -> None:
@@ -43,3 +44,14 @@ def forced_kernel_matches(model, monkeypatch, gates: list[tuple[object, str, obj
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """|a - b| / |b| (Frobenius norms, fp64)."""
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+class CopyCounter(TorchDispatchMode):
+    """Counts the clones (what .contiguous() of a strided tensor dispatches) inside it."""
+
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] == "clone":  # .contiguous() (the interpreter's own traffic is copy_)
+            self.n += 1
+        return func(*args, **(kwargs or {}))

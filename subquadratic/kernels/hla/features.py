@@ -14,6 +14,7 @@ PyTorch form: the fallback off CUDA and the tests' oracle.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -63,5 +64,6 @@ def hla_features(q: Tensor, k: Tensor, v: Tensor, scale: float, normalize: bool 
     if normalize and kernel:
         from .triton_features import HLAFeatures
 
-        return HLAFeatures.apply(q, k, v, float(scale))
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        return HLAFeatures.apply(q, k, v, float(scale), grad)
     return hla_features_reference(q, k, v, scale, normalize)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import block_size
+from ..triton_utils import block_size, token_stride
 from ..utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -40,20 +40,32 @@ def _norm_bwd(x, dy, scale, eps):
 
 
 @triton.jit
-def hla_features_fwd(Q, K, V, QO, KO, VO, n, scale, eps, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                     BD: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr):
+def _ld_strided(X, rows, cols, n, D: tl.constexpr, NH, S):
+    """Rows (token, head) of X whose tokens are S elements apart (a token's NH x D entries contiguous)."""
+    m = (rows < n)[:, None] & (cols < D)[None, :]
+    r = rows.to(tl.int64)
+    off = ((r // NH) * S + (r % NH) * D)[:, None] + cols[None, :]
+    return m, tl.load(X + off, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def hla_features_fwd(Q, K, V, QO, KO, VO, n, scale, eps, H, S_Q, S_K, S_V, G: tl.constexpr, D: tl.constexpr,
+                     DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr):
+    """Q, K, V with their tokens S_* elements apart (column slices of a packed projection), the outputs
+    contiguous."""
     pairs = tl.program_id(0) * BR + tl.arange(0, BR)
     cols, cols_v = tl.arange(0, BD), tl.arange(0, BDV)
     dt = QO.dtype.element_ty
     # (each name keeps one type: Triton rejects a loop-carried variable whose type changes)
-    off_k, mk, k = _ld(K, pairs, cols, n, D)
+    mk, k = _ld_strided(K, pairs, cols, n, D, H, S_K)
     inv_k, above_k = _inv_norm(k, eps)
     k = (k * (inv_k * scale)[:, None]).to(dt)
-    off_v, mv, v = _ld(V, pairs, cols_v, n, DV)
+    mv, v = _ld_strided(V, pairs, cols_v, n, DV, H, S_V)
     v = v.to(dt)
     for g in range(G):
         rows = pairs * G + g  # the query head kh * G + g of the token
-        off, m, q = _ld(Q, rows, cols, n * G, D)
+        m, q = _ld_strided(Q, rows, cols, n * G, D, H * G, S_Q)
+        off = rows.to(tl.int64)[:, None] * D + cols[None, :]
         inv_q, above_q = _inv_norm(q, eps)
         tl.store(QO + off, (q * (inv_q * scale)[:, None]).to(dt), mask=m)
         tl.store(KO + off, k, mask=m)
@@ -84,22 +96,26 @@ def hla_features_bwd(Q, K, DQO, DKO, DVO, DQ, DK, DV, n, scale, eps, G: tl.const
 
 class HLAFeatures(torch.autograd.Function):
     """`hla_features` (normalised) on the kernels: q [B, T, HQ, D], k [B, T, H, D], v [B, T, H, Dv] of
-    one dtype, the scale; differentiable in q, k and v."""
+    one dtype, the scale; differentiable in q, k and v (`grad` False: no gradient will be asked for)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale):
+    def forward(ctx, q, k, v, scale, grad=True):
         B, T, HQ, D = q.shape
         H, Dv = k.shape[2], v.shape[-1]
         G = HQ // H
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # without gradients (`grad` False) the inputs are read where they are when their tokens are one
+        # stride apart (`token_stride`); the backward reads contiguous ones
+        q, k, v = (x if not grad and token_stride(x) is not None else x.contiguous() for x in (q, k, v))
         qo = new_output(q.shape, q.device, q.dtype)
         ko = new_output(q.shape, q.device, q.dtype)
         vo = new_output((B, T, HQ, Dv), q.device, q.dtype)
         n = B * T * H
         if n:
-            hla_features_fwd[(triton.cdiv(n, ROWS),)](q, k, v, qo, ko, vo, n, scale, EPS, G, D, Dv, block_size(D, 1),
-                                                      block_size(Dv, 1), ROWS, num_warps=4)
-        ctx.save_for_backward(q, k)
+            hla_features_fwd[(triton.cdiv(n, ROWS),)](q, k, v, qo, ko, vo, n, scale, EPS, H,
+                                                      *(token_stride(x) for x in (q, k, v)), G, D, Dv,
+                                                      block_size(D, 1), block_size(Dv, 1), ROWS, num_warps=4)
+        if grad:
+            ctx.save_for_backward(q, k)
         ctx.scale, ctx.Dv = scale, Dv
         return qo, ko, vo
 
@@ -117,4 +133,4 @@ class HLAFeatures(torch.autograd.Function):
             hla_features_bwd[(triton.cdiv(n, ROWS),)](q, k, dqo.contiguous(), dko.contiguous(), dvo.contiguous(),
                                                       dq, dk, dv, n, ctx.scale, EPS, G, D, Dv, block_size(D, 1),
                                                       block_size(Dv, 1), ROWS, num_warps=4)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import block_size
+from ..triton_utils import block_size, token_stride
 from ..utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -79,20 +79,6 @@ def sse_features_fwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, OQ1, OK1, OQ2, OK2, OV, 
     tl.store(G1 + off, _logsigmoid(z) * inv_norm, mask=m)
     z = _ld(Z2, _strided(off, S_Z2, H, D), m) + _ld(B2, off_b, m)
     tl.store(G2 + off, _logsigmoid(z) * inv_norm, mask=m)
-
-
-def token_stride(t: torch.Tensor) -> int | None:
-    """The stride between the tokens of t [B, T, ...] when each token's entries are contiguous and its
-    B x T tokens are one stride apart (a column slice of a packed projection's [B, T, N] output, or a
-    contiguous tensor), else None."""
-    B, T = t.shape[:2]
-    inner = 1
-    for n, st in zip(reversed(t.shape[2:]), reversed(t.stride()[2:]), strict=True):
-        if n > 1 and st != inner:
-            return None
-        inner *= n
-    S = t.stride(1) if T > 1 else (t.stride(0) if B > 1 else inner)
-    return S if S >= inner and (B == 1 or T == 1 or t.stride(0) == T * S) else None
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 from subquadratic.kernels.hla.features import hla_features, hla_features_reference  # noqa: E402
 
-from ..fused_models import forced_kernel_matches, perturb, rel  # noqa: E402
+from ..fused_models import CopyCounter, forced_kernel_matches, perturb, rel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -100,3 +100,28 @@ def test_the_mixer_takes_the_kernel_with_the_values_and_gradients_of_its_pytorch
              (hla_modeling, "FEATURE_KERNEL_BACKENDS", ("auto", "triton"))]
     calls = forced_kernel_matches(model, monkeypatch, gates, triton_features.HLAFeatures, "apply")
     assert calls == model.config.mixer_types.count("hla") > 0
+
+
+@pytest.mark.parametrize("B,T", [(2, 5), (1, 7), (3, 1)])
+def test_strided_inputs_without_gradients(B, T):
+    """Without gradients the kernel reads q, k, v where they are when they are column slices of one
+    packed projection output (`modeling.projections`: tokens one stride apart): no copy, the values
+    of the PyTorch form on contiguous copies; a transposed view is copied first, same values."""
+    HQ, H, D, Dv = 4, 2, 16, 8
+    g = torch.Generator().manual_seed(B * 10 + T)
+    packed = torch.randn(B, T, HQ * D + H * D + H * Dv + 5, generator=g).to(DEV)
+    q, k, v = packed[..., :HQ * D], packed[..., HQ * D:(HQ + H) * D], packed[..., (HQ + H) * D:-5]
+    q, k, v = q.view(B, T, HQ, D), k.view(B, T, H, D), v.view(B, T, H, Dv)
+    with torch.no_grad(), CopyCounter() as copies:
+        got = hla_features(q, k, v, 0.7, backend="triton")
+    assert copies.n == 0
+    want = hla_features_reference(q.contiguous(), k.contiguous(), v.contiguous(), 0.7)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if T > 1 and B > 1:
+        xs = [t.transpose(0, 1) for t in (q, k, v)]
+        with torch.no_grad(), CopyCounter() as copies:
+            got = hla_features(*xs, 0.7, backend="triton")
+        assert copies.n == 3
+        for a, b in zip(got, hla_features_reference(*(t.contiguous() for t in xs), 0.7), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -9,11 +9,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
 from subquadratic.kernels.sse.features import sse_gla_features, sse_gla_features_reference  # noqa: E402
 
-from ..fused_models import forced_kernel_matches, perturb, rel  # noqa: E402
+from ..fused_models import CopyCounter, forced_kernel_matches, perturb, rel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ["q1", "k1", "q2", "k2", "v", "g1", "g2"]
@@ -168,24 +166,13 @@ def test_the_mixer_takes_the_kernel_with_the_values_and_gradients_of_its_pytorch
         model(torch.randint(3, 128, (1, 9), device=model.device), use_cache=False)
 
 
-class CopyCounter(TorchDispatchMode):
-    """Counts the clones (what .contiguous() of a strided tensor dispatches) inside it."""
-
-    n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] == "clone":  # .contiguous() (the interpreter's own traffic is copy_)
-            self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("B,T", [(2, 5), (1, 7), (3, 1)])
 def test_strided_inputs_without_gradients(B, T):
     """Without gradients the kernel reads q1, k1, v, z1, z2 where they are when they are column slices of
     one packed projection output (`modeling.projections`: tokens one stride apart), as it reads
     contiguous ones: same values as the PyTorch form on contiguous copies; a slice whose tokens are not
     one stride apart (a transposed view) is copied first and gives the same values too."""
-    from subquadratic.kernels.sse.triton_features import token_stride
+    from subquadratic.kernels.triton_utils import token_stride
 
     H, D = 3, 16
     g = torch.Generator().manual_seed(B * 10 + T)
