@@ -55,31 +55,34 @@ def hla_chunked_triton(
     B, T, H, D = q.shape
     Dv = v.shape[-1]
     dt = q.dtype
-    st = init_state(state, B, H, D, Dv, variant, normalize, torch.float32, q.device)
     if T == 0:
-        return v.new_zeros(B, 0, H, Dv, dtype=dt), st
+        return v.new_zeros(B, 0, H, Dv, dtype=dt), init_state(state, B, H, D, Dv, variant, normalize, torch.float32,
+                                                              q.device)
+    # zero initial states are not built: the kernels start from 0 without reading them
+    st = None if state is None else init_state(state, B, H, D, Dv, variant, normalize, torch.float32, q.device)
     la = log_alpha.float()
     k, v = k.to(dt), v.to(dt)
     kw = {"chunk_size": chunk_size, "precision": precision}
     out_dt = torch.float32 if normalize else dt
-    fresh = state is None  # zero initial states: the kernels start from 0 without reading them
 
-    def init(X, col):  # initial state of one linear attention, [X, col] in the normalised form
-        if fresh:
+    def init(name, col_name=None, transpose=False):  # one linear attention's initial state, [X, col] normalised
+        if st is None:
             return None
+        X, col = getattr(st, name), None if col_name is None else getattr(st, col_name)
+        X = X.transpose(-1, -2) if transpose else X
         return torch.cat([X, col[..., None]], -1) if normalize and col is not None else X
 
     vv = torch.cat([v, v.new_ones(B, T, H, 1)], -1) if normalize else v
     if variant == "hla2":
         # ktilde_t = S_t q_t = q_t^T S_t^T: the linear attention carries S^T (S is symmetric unless
         # the initial state is not; the transposes keep the contract for any S_0)
-        kt, S = chunk_linear_attention(q, k, k, la, initial_state=init(st.S.transpose(-1, -2), None), **kw)
+        kt, S = chunk_linear_attention(q, k, k, la, initial_state=init("S", transpose=True), **kw)
         S = S.transpose(-1, -2)
-        o, F = chunk_linear_attention(q, kt, vv, 2 * la, initial_state=init(st.F, st.eta), out_dtype=out_dt, **kw)
+        o, F = chunk_linear_attention(q, kt, vv, 2 * la, initial_state=init("F", "eta"), out_dtype=out_dt, **kw)
         z = None
     else:
-        u, S = chunk_linear_attention(q, k, vv, la, initial_state=init(st.S, st.z), **kw)
-        o, F = chunk_linear_attention(q, k, u, la, initial_state=init(st.F, st.eta), out_dtype=out_dt, **kw)
+        u, S = chunk_linear_attention(q, k, vv, la, initial_state=init("S", "z"), **kw)
+        o, F = chunk_linear_attention(q, k, u, la, initial_state=init("F", "eta"), out_dtype=out_dt, **kw)
         z = S[..., Dv] if normalize else None
         S = S[..., :Dv] if normalize else S
     eta = None
