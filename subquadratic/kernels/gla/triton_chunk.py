@@ -49,10 +49,6 @@ WARPS_WIDE = 8  # kernels holding several [chunk, K] fp32 tiles
 
 DECAY_KINDS = ("none", "head", "key")
 
-#: The per-key intra-chunk kernels take the diagonal sub-block's rows from its tile in registers
-#: (`intra_fwd` / `intra_bwd` DIAG_TILE) instead of loading them one row at a time.
-INTRA_DIAG_TILE = True
-
 
 @dataclass(frozen=True)
 class Chunks:
@@ -182,8 +178,8 @@ class ChunkLinearAttention(torch.autograd.Function):
         A = None
         if decay == 2:
             A = new_output((ch.NC, H, C, C), q.device)
-            launch(intra_fwd, (ch.NC, C // BC, H), (q, k, gc, A, *ch.chunk_args(), H, K, C, BC, BK, ch.varlen, prec,
-                                                     INTRA_DIAG_TILE), {}, WARPS)
+            launch(intra_fwd, (ch.NC, C // BC, H), (q, k, gc, A, *ch.chunk_args(), H, K, C, BC, BK, ch.varlen, prec),
+                   {}, WARPS)
         o = new_output((M, HQ, V), q.device, out_dtype)
         launch(chunk_fwd_o, lambda m: (triton.cdiv(V, m["BV"]), ch.NC, H),
                (q, k, v, gc, h, A, o, *ch.chunk_args(), H, G, K, V, C, decay, ch.varlen, prec, BK),
@@ -216,7 +212,7 @@ class ChunkLinearAttention(torch.autograd.Function):
                    {"BV": min(BV_O, block_size(V))}, WARPS)
             dq_in, dk_in = new_output(q.shape, dev), new_output(k.shape, dev)
             launch(intra_bwd, (ch.NC, C // BC, H), (q, k, gc, dA, dq_in, dk_in, *ch.chunk_args(), H, K, C, BC, BK,
-                                                     C // BC, ch.varlen, prec, INTRA_DIAG_TILE), {}, WARPS)
+                                                     C // BC, ch.varlen, prec), {}, WARPS)
         dv = new_output(v.shape, dev, v.dtype)
         launch(chunk_bwd_dv, lambda m: (triton.cdiv(V, m["BV"]), ch.NC, H),
                (q, k, gc, A, do, dh, dv, *ch.chunk_args(), H, G, K, V, C, decay, ch.varlen, prec, BK),

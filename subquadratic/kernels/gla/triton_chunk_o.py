@@ -233,11 +233,10 @@ def chunk_bwd_dqk(
 def intra_fwd(
     q, k, gc, A, s_bos, s_n, T, NT,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DIAG_TILE: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """One program per (chunk, query sub-chunk i, head): rows i*BC.. of the intra-chunk scores
-    A [NC, H, BT, BT] (fp32; entries above the diagonal are not written). DIAG_TILE: the diagonal
-    block's key rows come from its tile in registers instead of one load each."""
+    A [NC, H, BT, BT] (fp32; entries above the diagonal are not written)."""
     i_c, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, n = chunk_bounds(s_bos, s_n, i_c, T, NT, BT, IS_VARLEN)
     o_c, o_k = tl.arange(0, BC), tl.arange(0, BK)
@@ -263,19 +262,12 @@ def intra_fwd(
         tl.store(a_base + r_i[:, None] * BT + r_j[None, :], b_A)
     # diagonal block: exp(gc_t - gc_s) per key dim, s <= t, one key at a time
     b_A = tl.zeros([BC, BC], dtype=tl.float32)
-    if DIAG_TILE:
-        b_kd = tl.load(k + off_i, mask=m_ik, other=0.0).to(tl.float32)  # the block's keys: rows i
     for j in range(0, BC):
         s = i_i * BC + j
         m_s = (o_k * 0 + s) < n
-        if DIAG_TILE:
-            pick = (o_c == j)[:, None]
-            b_ks = tl.sum(tl.where(pick, b_kd, 0.0), 0)
-            b_gs = tl.sum(tl.where(pick, b_g, 0.0), 0)
-        else:
-            off_s = ((bos + s).to(tl.int64) * H + i_h) * K + o_k
-            b_ks = tl.load(k + off_s, mask=m_k & m_s, other=0.0).to(tl.float32)
-            b_gs = tl.load(gc + off_s, mask=m_k & m_s, other=0.0)
+        off_s = ((bos + s).to(tl.int64) * H + i_h) * K + o_k
+        b_ks = tl.load(k + off_s, mask=m_k & m_s, other=0.0).to(tl.float32)
+        b_gs = tl.load(gc + off_s, mask=m_k & m_s, other=0.0)
         keep = (o_c >= j)[:, None] & m_ik & m_s[None, :]
         b_e = tl.exp(tl.where(keep, b_g - b_gs[None, :], 0.0))
         col = tl.sum(tl.where(keep, b_q * b_ks[None, :] * b_e, 0.0), 1)
@@ -313,12 +305,11 @@ def intra_bwd_dA(
 def intra_bwd(
     q, k, gc, dA, dq, dk, s_bos, s_n, T, NT,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    NC: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DIAG_TILE: tl.constexpr = False,
+    NC: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Intra-chunk parts of dq, dk (fp32) for the rows of sub-chunk i, one program per (chunk,
     sub-chunk, head): dq_t = sum_{s <= t} dA_ts k_s exp(gc_t - gc_s),
-    dk_s = sum_{t >= s} dA_ts q_t exp(gc_t - gc_s). DIAG_TILE: as `intra_fwd`'s (the diagonal block's
-    rows of q, k, gc and of dA from tiles in registers)."""
+    dk_s = sum_{t >= s} dA_ts q_t exp(gc_t - gc_s)."""
     i_c, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, n = chunk_bounds(s_bos, s_n, i_c, T, NT, BT, IS_VARLEN)
     o_c, o_k = tl.arange(0, BC), tl.arange(0, BK)
@@ -357,28 +348,16 @@ def intra_bwd(
         b_dk += tl.dot(b_dAji, b_qg, input_precision=PREC)
     b_dk = tl.where(m_ik, b_dk * tl.exp(b_gr[None, :] - b_g), 0.0)
     # diagonal block, one row j at a time: j as the key (for dq) and as the query (for dk)
-    if DIAG_TILE:
-        b_kd = tl.load(k + off_i, mask=m_ik, other=0.0).to(tl.float32)
-        b_qd = tl.load(q + off_i, mask=m_ik, other=0.0).to(tl.float32)
-        b_dAd = tl.load(dA_base + r_i[:, None] * BT + r_i[None, :], mask=m_i[:, None] & m_i[None, :], other=0.0)
     for j in range(0, BC):
         r = i_i * BC + j
         m_r = (o_k * 0 + r) < n
         m_rc = (o_c * 0 + r) < n
-        if DIAG_TILE:
-            pick = (o_c == j)[:, None]
-            b_kr = tl.sum(tl.where(pick, b_kd, 0.0), 0)
-            b_qr = tl.sum(tl.where(pick, b_qd, 0.0), 0)
-            b_gr_ = tl.sum(tl.where(pick, b_g, 0.0), 0)
-            col = tl.sum(tl.where((o_c == j)[None, :], b_dAd, 0.0), 1)    # dA[t in i, s = r]
-            rw = tl.sum(tl.where(pick, b_dAd, 0.0), 0)                    # dA[t = r, s in i]
-        else:
-            off_r = ((bos + r).to(tl.int64) * H + i_h) * K + o_k
-            b_kr = tl.load(k + off_r, mask=m_k & m_r, other=0.0).to(tl.float32)
-            b_qr = tl.load(q + off_r, mask=m_k & m_r, other=0.0).to(tl.float32)
-            b_gr_ = tl.load(gc + off_r, mask=m_k & m_r, other=0.0)
-            col = tl.load(dA_base + r_i * BT + r, mask=m_i & m_rc, other=0.0)     # dA[t in i, s = r]
-            rw = tl.load(dA_base + r * BT + r_i, mask=m_i & m_rc, other=0.0)      # dA[t = r, s in i]
+        off_r = ((bos + r).to(tl.int64) * H + i_h) * K + o_k
+        b_kr = tl.load(k + off_r, mask=m_k & m_r, other=0.0).to(tl.float32)
+        b_qr = tl.load(q + off_r, mask=m_k & m_r, other=0.0).to(tl.float32)
+        b_gr_ = tl.load(gc + off_r, mask=m_k & m_r, other=0.0)
+        col = tl.load(dA_base + r_i * BT + r, mask=m_i & m_rc, other=0.0)     # dA[t in i, s = r]
+        rw = tl.load(dA_base + r * BT + r_i, mask=m_i & m_rc, other=0.0)      # dA[t = r, s in i]
         keep_q = (o_c >= j)[:, None] & m_ik & m_r[None, :]                    # t >= s = r
         e_q = tl.exp(tl.where(keep_q, b_g - b_gr_[None, :], 0.0))
         b_dq += tl.where(keep_q, col[:, None] * b_kr[None, :] * e_q, 0.0)
