@@ -154,13 +154,14 @@ def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True
         precision = "tf32" if device.type == "cuda" else "ieee"
     vec = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     gp = triton.next_power_of_2(G)
-    # pass 2 on 128 rows (d <= 64), 64 (d128) or 32 (d256); the backward as "split3" on 32 rows of
-    # 4 warps over whole blocks; 32 chunks per segment; 32 MB windows (sweeps at 32k iid, H200:
-    # scripts/bench_spla_blocks.py --sweep)
+    # pass 2 on 128 rows (d <= 64), 64 (d128) or 32 (d256); the backward as "split3" on 64 rows (d <= 64:
+    # 11.5 against 12.6 ms forward + backward at 16k, HQ32 H8 d64, 2026-12-03) or 32 of 4 warps over whole
+    # blocks; 32 chunks per segment; 32 MB windows (sweeps at 32k iid, H200: scripts/bench_spla_blocks.py --sweep)
     rows, warps = (128, 8) if D <= 64 else (64, 4) if D <= 128 else (32, 4)
     per_token = G * D * 4 * (2 if use_rla else 1)
     window = 1 << max(8, min(14, (WINDOW_BYTES // per_token).bit_length() - 1))
-    plan = BlocksPlan(rows=max(rows, gp, 16), warps=warps, bwd_rows=max(32, gp), bwd_warps=4, window=window,
+    bwd_rows = max(64 if D <= 64 else 32, gp)
+    plan = BlocksPlan(rows=max(rows, gp, 16), warps=warps, bwd_rows=bwd_rows, bwd_warps=4, window=window,
                       precision=precision, lse_rows=max(128, gp), lse_warps=8 if D >= 64 else 4, seg_chunks=32,
                       bwd_seg_chunks=32, bwd="split3", atomics="v4" if vec else "scalar")
     if dtype in (torch.float32, torch.float64) and D >= 256:  # whole fp32 blocks overflow shared memory
