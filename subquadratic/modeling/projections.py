@@ -30,6 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+#: Rows of the packed weight each member's slot is rounded up to (zero rows between slots): 16 elements,
+#: 32 bytes in bf16.
+ALIGN = 16
+
 #: The projections every attention mixer has (`base.AttentionBase`).
 QKV = ("q_proj", "k_proj", "v_proj")
 
@@ -58,20 +62,29 @@ class _Pack:
 
     def __init__(self, linears: Sequence[nn.Linear]) -> None:
         w0 = linears[0].weight
+        self.sizes = [lin.out_features for lin in linears]
+        # each member's rows start at a multiple of ALIGN and the packed row is a multiple of ALIGN long, so
+        # that every output slice (and its row stride) is aligned for vectorised loads and the GEMMs' fast paths
+        self.offsets, row = [], 0
+        for n in self.sizes:
+            self.offsets.append(row)
+            row += -(-n // ALIGN) * ALIGN
         with torch.no_grad():
-            self.weight = torch.cat([lin.weight.detach() for lin in linears])
+            self.weight = w0.new_zeros(row, w0.shape[1])
             has_bias = any(lin.bias is not None for lin in linears)
-            self.bias = torch.cat([lin.bias.detach() if lin.bias is not None else w0.new_zeros(lin.out_features)
-                                   for lin in linears]) if has_bias else None
-            self.sizes = [lin.out_features for lin in linears]
-            row = 0
-            for lin in linears:
-                n = lin.out_features
-                lin.weight.data = self.weight[row:row + n]
+            self.bias = w0.new_zeros(row) if has_bias else None
+            for lin, off, n in zip(linears, self.offsets, self.sizes, strict=True):
+                self.weight[off:off + n] = lin.weight.detach()
+                lin.weight.data = self.weight[off:off + n]
                 if lin.bias is not None:
-                    lin.bias.data = self.bias[row:row + n]
-                row += n
+                    self.bias[off:off + n] = lin.bias.detach()
+                    lin.bias.data = self.bias[off:off + n]
         self.ptrs = self.pointers(linears)
+
+    def outputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's output on x: column slices of one matmul over the packed weight."""
+        y = F.linear(x, self.weight, self.bias)
+        return [y.narrow(-1, off, n) for off, n in zip(self.offsets, self.sizes, strict=True)]
 
     @staticmethod
     def pointers(linears: Sequence[nn.Linear]) -> list[int]:
@@ -125,8 +138,7 @@ def input_projections(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | 
             else:
                 pack = owner.__dict__["_input_pack"] = _Pack(linears)
         if pack is not None:
-            outs = F.linear(x, pack.weight, pack.bias).split(pack.sizes, dim=-1)
-            outs = dict(zip([n for n, _ in members], outs, strict=True))
+            outs = dict(zip([n for n, _ in members], pack.outputs(x), strict=True))
             return {n: outs[n] for n in wanted}
     mods = dict(members)
     return {n: mods[n](x) for n in wanted}

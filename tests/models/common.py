@@ -131,7 +131,8 @@ class ModelTesterMixin:
             for mod in mixers:
                 pack = mod.__dict__["_input_pack"]
                 names = [n for n in mod.input_projection_names if hasattr(mod, n.split(".")[0])]
-                assert sum(pack.sizes) == pack.weight.shape[0] and len(pack.sizes) == len(names) >= 2
+                assert len(pack.sizes) == len(names) >= 2 and pack.weight.shape[0] % 16 == 0
+                assert all(off % 16 == 0 for off in pack.offsets)  # aligned slices
                 base = pack.weight.untyped_storage().data_ptr()
                 for n in (names[0], names[-1]):  # views of the pack
                     assert mod.get_submodule(n).weight.untyped_storage().data_ptr() == base, n
