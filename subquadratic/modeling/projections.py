@@ -57,8 +57,9 @@ def _plain(lin: nn.Module) -> bool:
 
 
 class _Pack:
-    """The packed weight [sum of outs, in] (and bias, or None) of a mixer's members, the row range of
-    each, and the data pointers their parameters must have for the pack to be the live weights."""
+    """The packed weight [rows, in] (and bias, or None) of a mixer's members: member i's rows at
+    offsets[i] (a multiple of ALIGN; zero rows between slots), and the data pointers their parameters
+    must have for the pack to be the live weights."""
 
     def __init__(self, linears: Sequence[nn.Linear]) -> None:
         w0 = linears[0].weight
