@@ -70,7 +70,9 @@ class _Pack:
         for n in self.sizes:
             self.offsets.append(row)
             row += -(-n // ALIGN) * ALIGN
-        with torch.no_grad():
+        # normal tensors even under torch.inference_mode (parameters made of inference tensors could not be
+        # trained later)
+        with torch.inference_mode(False), torch.no_grad():
             self.weight = w0.new_zeros(row, w0.shape[1])
             has_bias = any(lin.bias is not None for lin in linears)
             self.bias = w0.new_zeros(row) if has_bias else None

@@ -84,6 +84,11 @@ _REMOTE = textwrap.dedent("""
 """)
 
 
+def mixers_of(model) -> list:
+    """The modules whose input projections may run packed (`modeling.projections`)."""
+    return [mod for mod in model.modules() if hasattr(mod, "input_projection_names")]
+
+
 @pytest.mark.usefixtures("one_thread")
 class ModelTesterMixin:
     tester: ModelTester
@@ -112,7 +117,7 @@ class ModelTesterMixin:
         the next call; a dtype change drops the pack and packs again; a packed model saves and reloads
         to the same weights; a member with a hook runs on its own (the hook is honoured)."""
         m, ids = self.tester.model(), self.tester.ids(2)
-        mixers = [mod for mod in m.modules() if hasattr(mod, "input_projection_names")]
+        mixers = mixers_of(m)
         assert mixers
         m.train()
         m(ids, labels=ids, use_cache=False).loss.backward()
@@ -159,6 +164,13 @@ class ModelTesterMixin:
             zeroed = m(ids).logits
             m.config.fuse_projections = True
             assert torch.equal(m(ids).logits, zeroed) and len(seen) == 2
+        m = self.tester.model()  # packed under inference_mode, then trained: the parameters stay normal tensors
+        with torch.inference_mode():
+            m(ids)
+        assert "_input_pack" in mixers_of(m)[0].__dict__
+        m.train()
+        m(ids, labels=ids, use_cache=False).loss.backward()
+        assert all(p.grad is not None for p in m.parameters())
 
     def test_remote_code_without_the_package(self, tmp_path):
         m = self.tester.model()
