@@ -306,7 +306,10 @@ SWEEP = [dict(), dict(dq="pairs"), dict(forward="atomic"), dict(partials="bf16")
          dict(seg_chunks=64, bwd_seg_chunks=64), dict(bwd_seg_chunks=16), dict(atomics="scalar"),
          dict(bwd="split"), dict(bwd_rows=64, bwd_warps=8), dict(rows=128, warps=8), dict(dkdv_keys=32),
          dict(sort="count"), dict(bwd_stages=2), dict(bwd_stages=3), dict(stages=2), dict(bwd_rows=16),
-         dict(bwd_rows=64), dict(dq_keys=32), dict(bwd_stages=2, dq="pairs"), dict(bwd_rows=32)]
+         dict(bwd_rows=64), dict(dq_keys=32), dict(bwd_stages=2, dq="pairs"), dict(bwd_rows=32),
+         dict(bwd="fused"), dict(bwd="fused", bwd_warps=8), dict(bwd="fused", bwd_rows=32),
+         dict(bwd="fused", bwd_rows=128, bwd_warps=8), dict(rows=64, warps=4), dict(rows=128, warps=4),
+         dict(lse_rows=64, lse_warps=4)]
 
 
 def sweep(q, k, v, idx, bs, quick, which: str = "all") -> list[dict]:

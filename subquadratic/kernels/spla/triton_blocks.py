@@ -85,7 +85,8 @@ class BlocksPlan:
     num_stages of pass 2 / the backward; precision: dot precision of fp32 operands, "tf32" or "ieee"
     (16-bit operands always run on the tensor cores, fp32 accumulation); bwd: "split" (dq over parts
     of dq_keys keys of the block, then dk/dv of both branches over parts of dkdv_keys keys) or
-    "split3" (the same with dk/dv of each branch in a launch of its own: fewer registers);
+    "split3" (the same with dk/dv of each branch in a launch of its own: fewer registers) or "fused" (dq, dk
+    and dv in one pass over whole blocks: each chunk's rows loaded and P, dS computed once);
     atomics: how rows are added to O, otilde, dq, dk, dv (`_add_rows`): "scalar", "v4" (sm_90 vector
     reductions) or "v4-split" (v4's column split with scalar atomics, for the interpreter); forward:
     "split" (one pass storing per-slot partials, then a combine) or "atomic" (two passes, O added with
@@ -154,16 +155,17 @@ def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True
         precision = "tf32" if device.type == "cuda" else "ieee"
     vec = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     gp = triton.next_power_of_2(G)
-    # pass 2 on 128 rows (d <= 64), 64 (d128) or 32 (d256); the backward as "split3" on 64 rows (d <= 64:
-    # 11.5 against 12.6 ms forward + backward at 16k, HQ32 H8 d64, 2026-12-03) or 32 of 4 warps over whole
-    # blocks; 32 chunks per segment; 32 MB windows (sweeps at 32k iid, H200: scripts/bench_spla_blocks.py --sweep)
-    rows, warps = (128, 8) if D <= 64 else (64, 4) if D <= 128 else (32, 4)
+    # pass 2 on 64 rows of 4 warps (d <= 128: at 16k, HQ32 H8 d64, forward 3.11 against 3.95 ms on 128 rows of
+    # 8 warps, 2026-12-03) or 32 (d256); the backward on 64 rows fused (d <= 64: 8.8 against 11.5 ms forward +
+    # backward split3 at 16k; at d128 32k even, 44.2 / 44.3) or split3 on 32 rows of 4 warps over whole blocks;
+    # 32 chunks per segment; 32 MB windows (sweeps at 32k iid, H200: scripts/bench_spla_blocks.py --sweep)
+    rows, warps = (64, 4) if D <= 128 else (32, 4)
     per_token = G * D * 4 * (2 if use_rla else 1)
     window = 1 << max(8, min(14, (WINDOW_BYTES // per_token).bit_length() - 1))
     bwd_rows = max(64 if D <= 64 else 32, gp)
     plan = BlocksPlan(rows=max(rows, gp, 16), warps=warps, bwd_rows=bwd_rows, bwd_warps=4, window=window,
                       precision=precision, lse_rows=max(128, gp), lse_warps=8 if D >= 64 else 4, seg_chunks=32,
-                      bwd_seg_chunks=32, bwd="split3", atomics="v4" if vec else "scalar")
+                      bwd_seg_chunks=32, bwd="fused" if D <= 64 else "split3", atomics="v4" if vec else "scalar")
     if dtype in (torch.float32, torch.float64) and D >= 256:  # whole fp32 blocks overflow shared memory
         plan = replace(plan, dq_keys=32, dkdv_keys=32)
     plan = replace(plan, **overrides)
@@ -175,8 +177,8 @@ def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True
         raise ValueError(f"precision must be 'tf32' or 'ieee', got {plan.precision!r}")
     if plan.atomics not in ATOMIC_MODES:
         raise ValueError(f"atomics must be one of {sorted(ATOMIC_MODES)}, got {plan.atomics!r}")
-    if plan.bwd not in ("split", "split3"):
-        raise ValueError(f"bwd must be 'split' or 'split3', got {plan.bwd!r}")
+    if plan.bwd not in ("split", "split3", "fused"):
+        raise ValueError(f"bwd must be 'split', 'split3' or 'fused', got {plan.bwd!r}")
     if plan.forward not in ("split", "atomic"):
         raise ValueError(f"forward must be 'split' or 'atomic', got {plan.forward!r}")
     if plan.dq not in ("atomic", "pairs"):
@@ -684,9 +686,10 @@ def query_chunk(q, nsel: int, use_rla: bool, plan: BlocksPlan) -> int:
 
 
 def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool, block_size: int,
-               plan: BlocksPlan, f32: bool, launch=None):
+               plan: BlocksPlan, f32: bool, launch=None, o_dtype: torch.dtype = torch.float32):
     """The split forward (module docstring): (o_sp, otilde or None, lse) [B, T, HQ, D] / [B, T, HQ]
-    fp32 from one pass storing per-slot partials (`plan.partials`' dtype) and their combine."""
+    from one pass storing per-slot partials (`plan.partials`' dtype) and their combine; o_sp in
+    `o_dtype` (the combine rounds it once), otilde and lse fp32."""
     B, HQ, T, D = q.shape
     H = k.shape[1]
     G = HQ // H
@@ -701,7 +704,7 @@ def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *common, USE_RLA=use_rla, **meta,
     )
-    o = new_output((B, T, HQ, D), dev)
+    o = new_output((B, T, HQ, D), dev, o_dtype)
     ot = new_output((B, T, HQ, D), dev) if use_rla else o
     lse = new_output((B, T, HQ), dev)
     if B * T * H:
@@ -712,10 +715,11 @@ def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool,
 
 
 def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: int, plan: BlocksPlan | None = None,
-                          pairs: BlockPairs | None = None, chunk_queries: bool = False):
+                          pairs: BlockPairs | None = None, chunk_queries: bool = False,
+                          o_dtype: torch.dtype = torch.float32):
     """The sparse branch and the correction over the selected pairs (module docstring), same operands
     as `triton_parallel.sparse_forward`. Returns (o_sp [B, T, HQ, D] normalised, otilde or None
-    [B, T, HQ, D], lse [B, T, HQ]; fp32) and the inverted selection (`BlockPairs`, for the backward).
+    [B, T, HQ, D], lse [B, T, HQ]; fp32, o_sp in `o_dtype`) and the inverted selection (`BlockPairs`, for the backward).
     Rows without a causal selected key (padded queries) get o_sp = otilde = 0 and lse = 0.
     `chunk_queries` (a call without a backward, which needs no inverted selection: then None): where
     the split form's partials would pass SPLIT_BYTES, the split form runs over consecutive query
@@ -730,7 +734,8 @@ def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: i
     step = query_chunk(q, nsel, use_rla, plan) if chunk_queries and plan.forward == "split" else T
     if step < T:
         outs = [blocks_sparse_forward(q[:, :, t:t + step], k, v, idx[:, t:t + step],
-                                      qpos[:, t:t + step].contiguous(), koff, use_rla, block_size, plan)[:3]
+                                      qpos[:, t:t + step].contiguous(), koff, use_rla, block_size, plan,
+                                      o_dtype=o_dtype)[:3]
                 for t in range(0, T, step)]
         o, ot, lse = (None if parts[0] is None else torch.cat(parts, 1) for parts in zip(*outs, strict=True))
         return o, ot, lse, None
@@ -738,11 +743,11 @@ def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: i
         pairs = block_pairs(idx, qpos, triton.cdiv(S, block_size), block_size, plan.window, plan.sort)
     launch = _launch(q, k, pairs, nsel, block_size, plan, f32)
     if plan.forward == "split" and split_bytes(q, nsel, use_rla, plan) <= SPLIT_BYTES:
-        o, ot, lse = split_pass(q, k, v, pairs, qpos, koff, nsel, use_rla, block_size, plan, f32, launch)
+        o, ot, lse = split_pass(q, k, v, pairs, qpos, koff, nsel, use_rla, block_size, plan, f32, launch, o_dtype)
         return o, ot, lse, pairs
     lse = lse_pass(q, k, pairs, qpos, koff, nsel, block_size, plan, f32, launch)
     o, ot = out_pass(q, k, v, pairs, qpos, koff, lse, nsel, use_rla, block_size, plan, f32, launch)
-    return o, ot, lse, pairs
+    return o.to(o_dtype), ot, lse, pairs
 
 
 class BlocksSparseAttention(torch.autograd.Function):
@@ -750,8 +755,8 @@ class BlocksSparseAttention(torch.autograd.Function):
     (`triton_blocks_bwd`). The selection (idx) carries no gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, plan):
-        o, ot, lse, pairs = blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, plan)
+    def forward(ctx, q, k, v, idx, qpos, koff, use_rla, block_size, plan, o_dtype):
+        o, ot, lse, pairs = blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, plan, o_dtype=o_dtype)
         ctx.save_for_backward(q, k, v, qpos, koff, o, lse, pairs.pairs, pairs.starts)
         ctx.use_rla, ctx.block_size, ctx.plan = use_rla, block_size, plan
         ctx.pair_meta = (pairs.window, pairs.num_windows, pairs.num_blocks, idx.shape[-1])
@@ -766,14 +771,16 @@ class BlocksSparseAttention(torch.autograd.Function):
         pairs = BlockPairs(pair_list, starts, window, nw, nb)
         dq, dk, dv = blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs, nsel, do, dot_, ctx.use_rla,
                                             ctx.block_size, ctx.plan)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def blocks_sparse_attention(q, k, v, idx, qpos, koff, use_rla: bool, block_size: int, *,
-                            precision: str | None = None, plan: BlocksPlan | None = None):
+                            precision: str | None = None, plan: BlocksPlan | None = None,
+                            o_dtype: torch.dtype = torch.float32):
     """The block-major form of `triton_tile.tile_sparse_attention` (same operands: q [B, HQ, T, D],
     k, v [B, H, S, D] views with unit stride in D, idx [B, T, H, NSEL] int32, qpos [B, T] int32, koff
-    [B] int32): (o_sp, otilde or None) [B, T, HQ, D] fp32, differentiable w.r.t. q, k, v through
+    [B] int32): (o_sp, otilde or None) [B, T, HQ, D] (otilde fp32, o_sp in `o_dtype`: the caller's dtype
+    saves a cast each way), differentiable w.r.t. q, k, v through
     `BlocksSparseAttention` when gradients are needed, else the forward alone. `precision` of fp32
     inputs' dots: "tf32" (default on CUDA) or "ieee" (default elsewhere); fp64 inputs run in fp32
     with "ieee" dots. `plan`: launch settings (default `blocks_plan` of the shapes)."""
@@ -786,6 +793,7 @@ def blocks_sparse_attention(q, k, v, idx, qpos, koff, use_rla: bool, block_size:
     elif precision is not None:
         plan = replace(plan, precision=precision)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return BlocksSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, plan)
-    o, ot, _, _ = blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, plan, chunk_queries=True)
+        return BlocksSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, plan, o_dtype)
+    o, ot, _, _ = blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, plan, chunk_queries=True,
+                                        o_dtype=o_dtype)
     return o, ot

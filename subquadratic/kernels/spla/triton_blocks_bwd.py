@@ -1,7 +1,8 @@
 """Backward of the block-major sparse branch and residual correction (`triton_blocks`) over the same
 segments of (token, slot) pairs, grouped by (batch x KV head, window, block): `blocks_bwd_dq_kernel`
 for dq, then `blocks_bwd_dkdv_kernel` for dk, dv (once for both branches, plan bwd="split", or once
-per branch, bwd="split3", the default: fewer registers, no spills at d128).
+per branch, bwd="split3": fewer registers, no spills at d128), or the dk/dv kernel computing dq too,
+all three in one pass (bwd="fused", the default at d <= 64 over blocks of up to 64 keys).
 
 Per segment a program loads the block's K, V and phi(k) once; per chunk (BMQ tokens x G heads as
 rows) it recomputes P = exp(S - lse) and A = phi(q) phi(k)^T (causal-masked), then
@@ -12,9 +13,9 @@ slots by one reduction after the kernel), and on key-major tiles [keys, rows]
   dv += P^T dO + A^T dOt,  dk += dS^T Q * scale + J_phi(k)(dA^T phi(q)),
 accumulated over the segment and added to the block's slots once. Delta = rowsum(dO * O);
 J_phi(x) g = phi(x) * (g - sum(g * phi(x))) is the softmax feature map's Jacobian (linear in g, so
-applied per chunk). The dq and dk/dv kernels recompute P (and A) apart: three more dots per chunk than
-one fused kernel, which spilled 1.5-2 KB of registers a thread at d128 and measured slower (58 ms
-against 45 ms forward + backward, 32k iid, H200).
+applied per chunk). The dq and dk/dv kernels recompute P (and A) apart: four more dots per chunk than
+the fused kernel, which at d128 spilled 1.5-2 KB of registers a thread and measured slower (58 ms
+against 45 ms forward + backward, 32k iid, H200); `blocks_plan` picks it where it measured faster.
 """
 
 from __future__ import annotations
@@ -47,6 +48,30 @@ DQ_PAIR_BYTES = 8 << 30
 
 
 @triton.jit
+def row_dots_kernel(A, B, OUT, N, D: tl.constexpr, ROWS: tl.constexpr):
+    """OUT[r] = sum_d A[r, d] B[r, d] in fp32 for ROWS rows of contiguous [N, D] tensors of any dtypes."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = r < N
+    offs = r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    a = tl.load(A + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(OUT + r, tl.sum(a * b, 1), mask=ok)
+
+
+def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(a * b).sum(-1) in fp32 for a, b [..., D] (D a power of two) in one pass, without fp32 copies
+    of 16-bit inputs: the backward's Delta = rowsum(dO * O)."""
+    a, b = a.contiguous(), b.contiguous()
+    D = a.shape[-1]
+    out = torch.empty(a.shape[:-1], device=a.device, dtype=torch.float32)
+    n = out.numel()
+    rows = max(1, min(128, 4096 // D))
+    if n:
+        row_dots_kernel[(triton.cdiv(n, rows),)](a, b, out, n, D=D, ROWS=rows, num_warps=4)
+    return out
+
+
+@triton.jit
 def _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h, stride_qb, stride_qh, stride_qt, T, H, NSEL,
                G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr):
     """A chunk's rows for the backward: (t, positions, g, ok, q [R, D], lse, delta, the rows' offsets
@@ -60,16 +85,19 @@ def _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h, stride_q
 
 @triton.jit
 def blocks_bwd_dkdv_kernel(
-    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DK, DV,
+    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DK, DV, DQ,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     T, H, NW, NB, NSEL, S, scale,
     G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BSK: tl.constexpr,
     USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ATOMICS: tl.constexpr,
-    PART: tl.constexpr,
+    PART: tl.constexpr, WITH_DQ: tl.constexpr = False,
 ):
     """dk, dv of BSK keys (part program_id(1) of the block) of one segment, key-major tiles [BSK, R]:
     P^T, dS^T, A^T, dA^T; the feature map's Jacobian applied per chunk. PART 0: both branches, 1: the
-    softmax branch, 2: the correction. Layouts as `blocks_bwd_dq_kernel`."""
+    softmax branch, 2: the correction. WITH_DQ (PART 0 over whole blocks, BSK = BS; plan bwd="fused"):
+    dq from the same tiles, dS^T^T K and the Jacobian of dA^T^T phi(k), added to the chunk's rows with
+    fp32 atomics, so that one pass loads each chunk's rows and computes P, dS, A, dA once (ten dots a
+    chunk against the split kernels' fourteen). Layouts as `blocks_bwd_dq_kernel`."""
     b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
         SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
         stride_vs, NW, NB, H, S, BS, BSK, D)
@@ -88,14 +116,22 @@ def blocks_bwd_dkdv_kernel(
             dv += _dot(p_t, do, F32, PREC)
             ds_t = p_t * (_dot(v, tl.trans(do), F32, PREC) - delta[None, :]) * scale
             dk += _dot(ds_t, q, F32, PREC)
+            if WITH_DQ:
+                dq = _dot(tl.trans(ds_t), k, F32, PREC)
         if USE_RLA and PART != 1:
-            phiq_lp = softmax_rows(q).to(k.dtype)
+            phiq = softmax_rows(q)
+            phiq_lp = phiq.to(k.dtype)
             dot_ = tl.load(DOT + rd, mask=ok[:, None], other=0.0)
             a_t = tl.where(mask_t, _dot(phik_lp, tl.trans(phiq_lp), F32, PREC), 0.0)
             dv += _dot(a_t, dot_, F32, PREC)
             da_t = tl.where(mask_t, _dot(v, tl.trans(dot_), F32, PREC), 0.0)
             dphik = _dot(da_t, phiq_lp, F32, PREC)
             dk += phik * (dphik - tl.sum(dphik * phik, 1)[:, None])
+            if WITH_DQ:
+                dphiq = _dot(tl.trans(da_t), phik_lp, F32, PREC)
+                dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
+        if WITH_DQ:
+            _add_rows(DQ, row, dq, ok, D, ATOMICS)
     krow = (b64 * H + h) * S + slot
     _add_rows(DK, krow, dk, kload, D, ATOMICS)
     _add_rows(DV, krow, dv, kload, D, ATOMICS)
@@ -154,8 +190,11 @@ def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel:
     H, S = k.shape[1], k.shape[2]
     G = HQ // H
     dev = q.device
-    do = torch.zeros_like(o) if do is None else do.float()
-    delta = (do * o).sum(-1).contiguous()  # [B, T, HQ]
+    if do is None:
+        do = torch.zeros(o.shape, device=dev, dtype=q.dtype)
+        delta = torch.zeros(o.shape[:-1], device=dev, dtype=torch.float32)
+    else:
+        delta = row_dots(do, o)  # [B, T, HQ] fp32
     # the output gradients as dot operands: in the inputs' dtype (fp32 for fp32 inputs)
     do = do.to(q.dtype).contiguous()
     if use_rla:
@@ -178,12 +217,17 @@ def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel:
                 ATOMICS=ATOMIC_MODES[plan.atomics])
     seg = (q, k, v, pairs.pairs, seg_key, seg_first, seg_count, qpos, koff, row_max(qpos), lse, delta, do, dot_)
     NSEG = seg_key.numel()
+    if plan.bwd == "fused" and not pair_rows and block_size <= 64:  # one pass for dq, dk and dv
+        blocks_bwd_dkdv_kernel[(NSEG, 1)](*seg, dk, dv, dq, *strides, *common, BSK=block_size, PART=0, WITH_DQ=True,
+                                          **meta)
+        return dq.view(B, T, HQ, D).transpose(1, 2).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
     dqk = min(block_size, plan.dq_keys)  # dq, then dk and dv (both branches at once, or a launch per branch)
     blocks_bwd_dq_kernel[(NSEG, block_size // dqk)](*seg, dq, *strides, *common, BSK=dqk, PAIR_ROWS=pair_rows,
                                                       ONE_PART=dqk == block_size, **meta)
     dq = dq.view(B, T, H, nsel, G, D).sum(3) if pair_rows else dq
     dq = dq.view(B, T, HQ, D)
     bsk = min(block_size, plan.dkdv_keys)
-    for part in (0,) if plan.bwd == "split" or not use_rla else (1, 2):
-        blocks_bwd_dkdv_kernel[(NSEG, block_size // bsk)](*seg, dk, dv, *strides, *common, BSK=bsk, PART=part, **meta)
+    for part in (1, 2) if plan.bwd == "split3" and use_rla else (0,):
+        blocks_bwd_dkdv_kernel[(NSEG, block_size // bsk)](*seg, dk, dv, dk, *strides, *common, BSK=bsk, PART=part,
+                                                          **meta)
     return dq.transpose(1, 2).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])

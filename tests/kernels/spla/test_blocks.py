@@ -200,7 +200,10 @@ BWD = [(c, {}) for c in CASES[:4] + CASES[5:]] + [  # (case, plan overrides of T
     (CASES[5], dict(bwd="split", window=8)), (CASES[0], dict(forward="atomic")), (CASES[4], dict(forward="atomic")),
     # dq per pair: stored (whole blocks), or added per part of the block into the pairs' rows
     (CASES[0], dict(dq="pairs")), (CASES[4], dict(dq="pairs", bwd="split")), (CASES[6], dict(dq="pairs", dq_keys=16)),
-    (CASES[2], dict(dq="pairs", atomics="v4-split", dq_keys=16))]
+    (CASES[2], dict(dq="pairs", atomics="v4-split", dq_keys=16)),
+    # dq, dk and dv in one pass over whole blocks (with and without the residual term, G 1..8, blocks of 32)
+    *((c, dict(bwd="fused")) for c in CASES), (CASES[1], dict(bwd="fused", atomics="v4-split")),
+    (CASES[0], dict(bwd="fused", dq="pairs"))]
 
 
 @pytest.mark.parametrize("case,over", BWD)
@@ -334,7 +337,7 @@ def test_bad_inputs_are_refused_with_a_reason():
     with pytest.raises(ValueError, match="atomics must be"):
         triton_blocks.blocks_plan(2, 16, DEV, atomics="v8")
     with pytest.raises(ValueError, match="bwd must be"):
-        triton_blocks.blocks_plan(2, 16, DEV, bwd="fused")
+        triton_blocks.blocks_plan(2, 16, DEV, bwd="both")
     with pytest.raises(ValueError, match="forward must be"):
         triton_blocks.blocks_plan(2, 16, DEV, forward="fused")
     with pytest.raises(ValueError, match="partials must be"):
