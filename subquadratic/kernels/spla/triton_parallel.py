@@ -37,7 +37,11 @@ from .triton_tile import query_tile_union, select_indices_fast, tile_sparse_atte
 
 triton, tl = import_triton()
 
-__all__ = ["SparseAttention", "causal_linear_term", "key_features", "sparse_forward", "spla_parallel_triton"]
+#: 16-bit dtypes: the block-major form writes o_sp in them directly
+HALF = (torch.bfloat16, torch.float16)
+
+__all__ = ["FeatureRows", "ResidualTerm", "SparseAttention", "causal_linear_term", "feature_rows", "key_features",
+           "residual_term", "residual_term_reference", "sparse_forward", "spla_parallel_triton"]
 
 
 @triton.jit
@@ -82,6 +86,129 @@ def spla_sparse_kernel(
     tl.store(O_ACC + out_row[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
     if USE_RLA:
         tl.store(O_TIL + out_row[:, None] * D + d[None, :], ot, mask=row_ok[:, None])
+
+
+@triton.jit
+def residual_term_kernel(A, B, DROP, OUT, N, G, D: tl.constexpr, ROWS: tl.constexpr, BACKWARD: tl.constexpr):
+    """Forward: OUT = (A - B) rounded to OUT's dtype, 0 on dropped rows; backward (A the incoming
+    gradient): OUT = A in fp32, 0 on dropped rows, and B = -OUT. Rows of D; row r's flag DROP[r // G]."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = r < N
+    keep = ok & (tl.load(DROP + r // G, mask=ok, other=1) == 0)
+    offs = r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    a = tl.load(A + offs, mask=keep[:, None], other=0.0).to(tl.float32)
+    if BACKWARD:
+        tl.store(OUT + offs, a, mask=ok[:, None])
+        tl.store(B + offs, -a, mask=ok[:, None])
+    else:
+        b = tl.load(B + offs, mask=keep[:, None], other=0.0).to(tl.float32)
+        tl.store(OUT + offs, (a - b).to(OUT.dtype.element_ty), mask=ok[:, None])
+
+
+def _residual_launch(a, b, drop, out, backward: bool) -> None:
+    D = a.shape[-1]
+    n = a.numel() // D
+    rows = max(1, min(128, 4096 // D))
+    if n:
+        residual_term_kernel[(triton.cdiv(n, rows),)](a, b, drop, out, n, n // drop.numel(), D=D, ROWS=rows,
+                                                     BACKWARD=backward, num_warps=4)
+
+
+class ResidualTerm(torch.autograd.Function):
+    """o_rla = o_lin - otilde on the kept rows, 0 on the dropped ones, in `out_dtype`: one pass forward
+    and one backward (the PyTorch form, `residual_term_reference`, takes three or four each way)."""
+
+    @staticmethod
+    def forward(ctx, o_lin, otilde, drop, out_dtype):
+        o_lin, otilde = o_lin.contiguous(), otilde.contiguous()
+        out = new_output(o_lin.shape, o_lin.device, out_dtype)
+        drop = drop.contiguous().view(torch.uint8)
+        _residual_launch(o_lin, otilde, drop, out, False)
+        ctx.save_for_backward(drop)
+        ctx.dtypes = o_lin.dtype, otilde.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (drop,) = ctx.saved_tensors
+        g = g.contiguous()
+        da, db = (new_output(g.shape, g.device) for _ in range(2))
+        _residual_launch(g, db, drop, da, True)
+        return da.to(ctx.dtypes[0]), db.to(ctx.dtypes[1]), None, None
+
+
+def residual_term_reference(o_lin, otilde, drop, out_dtype):
+    """`ResidualTerm`'s values in PyTorch: o_lin, otilde [B, T, HQ, D], drop [B, T, H] bool."""
+    B, T, H = drop.shape
+    o = (o_lin - otilde).reshape(B, T, H, -1, o_lin.shape[-1]).masked_fill(drop[..., None, None], 0.0)
+    return o.reshape(o_lin.shape).to(out_dtype)
+
+
+def residual_term(o_lin, otilde, drop, out_dtype):
+    """o_rla = o_lin - otilde, 0 where drop [B, T, H] (every causal key selected, or padding), in
+    `out_dtype`: one Triton pass each way (`ResidualTerm`); fp64 outputs (tests) in PyTorch."""
+    if out_dtype == torch.float64:
+        return residual_term_reference(o_lin, otilde, drop, out_dtype)
+    return ResidualTerm.apply(o_lin, otilde, drop, out_dtype)
+
+
+@triton.jit
+def feature_rows_kernel(X, GRAD, OUT, N, A1, A2, stride_0, stride_1, stride_2,
+                        D: tl.constexpr, ROWS: tl.constexpr, BACKWARD: tl.constexpr):
+    """phi(x) = softmax over D in fp32 for rows r = (i0 A1 + i1) A2 + i2 of X [A0, A1, A2, D] (any strides,
+    unit in D), written to the contiguous OUT in its dtype; BACKWARD: OUT = phi * (g - sum(g phi)) for the
+    contiguous gradient rows GRAD, phi recomputed from X."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = r < N
+    r64 = r.to(tl.int64)
+    i2 = r64 % A2
+    i1 = (r64 // A2) % A1
+    i0 = r64 // (A2 * A1)
+    d = tl.arange(0, D)[None, :]
+    x = tl.load(X + (i0 * stride_0 + i1 * stride_1 + i2 * stride_2)[:, None] + d, mask=ok[:, None], other=0.0)
+    phi = softmax_rows(x)
+    dst = r64[:, None] * D + d
+    if BACKWARD:
+        g = tl.load(GRAD + dst, mask=ok[:, None], other=0.0).to(tl.float32)
+        phi = phi * (g - tl.sum(g * phi, 1)[:, None])
+    tl.store(OUT + dst, phi.to(OUT.dtype.element_ty), mask=ok[:, None])
+
+
+def _feature_rows_launch(x, grad, out, backward: bool) -> None:
+    A0, A1, A2, D = x.shape
+    n = A0 * A1 * A2
+    rows = max(1, min(128, 4096 // D))
+    if n:
+        feature_rows_kernel[(triton.cdiv(n, rows),)](x, grad, out, n, A1, A2, x.stride(0), x.stride(1), x.stride(2),
+                                                    D=D, ROWS=rows, BACKWARD=backward, num_warps=4)
+
+
+class FeatureRows(torch.autograd.Function):
+    """phi(x) (softmax over the head dim in fp32) of x [B, T, heads, D] (any strides, unit in D) in
+    `out_dtype`, contiguous: one pass forward, one backward (phi recomputed from x), against the
+    PyTorch form's softmax, cast and their two backward ops."""
+
+    @staticmethod
+    def forward(ctx, x, out_dtype):
+        out = new_output(x.shape, x.device, out_dtype)
+        _feature_rows_launch(x, x, out, False)
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        dx = new_output(x.shape, x.device, x.dtype)
+        _feature_rows_launch(x, g.contiguous(), dx, True)
+        return dx, None
+
+
+def feature_rows(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """`feature_map(x).to(out_dtype)` for x [B, T, heads, D]: `FeatureRows` (one Triton pass each way) where
+    x has unit stride in D and is not fp64, else PyTorch."""
+    if x.dtype == torch.float64 or x.stride(-1) != 1:
+        return feature_map(x).to(out_dtype)
+    return FeatureRows.apply(x, out_dtype)
 
 
 def causal_linear_term(phiq, phik, v, sbar, valid, precision=None):
@@ -192,8 +319,10 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
         union = query_tile_union(idx, kk.shape[2], G, block_size, plan.tile_rows)
         mean = union[2].float().mean()
         form = "blocks" if (float(mean) if union_hint is None else union_hint.decide(mean)) > UNION_TILE_MAX else "tile"
+    out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
     if form == "blocks":  # differentiable when gradients are needed; else the forward alone
-        o_sp, otilde = blocks_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, precision=prec)
+        o_sp, otilde = blocks_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, precision=prec,
+                                               o_dtype=q.dtype if q.dtype in HALF else torch.float32)
     elif form == "tile":  # differentiable with plan.grad; without, the forward alone
         o_sp, otilde = tile_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre, grad=plan.grad,
                                              rows=plan.tile_rows, precision=prec, union=union)
@@ -205,7 +334,6 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     q_ok = None if causal else (q_pos >= 0)[:, :, None, None]
     if q_ok is not None:
         o_sp = o_sp * q_ok  # [B, Tq, HQ, D]
-    out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
     acc = acc_dtype(sbar)
     k_tok, v_tok = new_tokens(k, v, Tq, new_kv)  # [B, Tq, H, D]
     if not use_rla:
@@ -215,13 +343,14 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
             phik = phik * (q_pos >= 0)[:, None, :, None]
         return o_sp.to(out_dtype), None, sbar + state_increment(phik, v_new, acc)
     o_lin, sbar_new = causal_linear_term(  # the kernels' dtype: q's, at the sparse kernels' precision
-        feature_map(q).to(kq.dtype), feature_map(k_tok).to(kq.dtype), v_tok, sbar.to(acc),
+        feature_rows(q, kq.dtype), feature_rows(k_tok, kq.dtype), v_tok, sbar.to(acc),
         None if causal else q_pos >= 0, prec)
-    o_rla = o_lin - otilde.to(acc)  # [B, Tq, HQ, D]
-    # every causal key selected -> the residual term is exactly zero (not a cancellation)
+    # every causal key selected -> the residual term is exactly zero (not a cancellation); padding -> 0
     start = idx.long() * block_size  # [B, Tq, H, K]
     tp = q_pos[:, :, None, None].long()
     n_sel = torch.where(idx >= 0, (tp - start + 1).clamp(0, block_size), 0).sum(-1)  # [B, Tq, H]
-    all_sel = n_sel == (q_pos[:, :, None] + 1)  # [B, Tq, H]
-    o_rla = o_rla.reshape(B, Tq, H, G, D).masked_fill(all_sel[..., None, None], 0.0).reshape(B, Tq, HQ, D)
-    return o_sp.to(out_dtype), (o_rla if q_ok is None else o_rla * q_ok).to(out_dtype), sbar_new
+    drop = n_sel == (q_pos[:, :, None] + 1)  # [B, Tq, H]
+    if q_ok is not None:
+        drop = drop | (q_pos < 0)[:, :, None]
+    o_rla = residual_term(o_lin, otilde, drop, out_dtype)  # [B, Tq, HQ, D]
+    return o_sp.to(out_dtype), o_rla, sbar_new

@@ -144,3 +144,72 @@ def test_gpu_state_increment_takes_16_bit_operands_with_fp32_sums():
     want = torch.einsum("bhsd,bhse->bhde", phik.bfloat16().double(), v.double())
     exact = torch.einsum("bhsd,bhse->bhde", phik.double(), v.double())
     assert got.dtype == torch.float32 and rel(got, want) <= 1e-5 and rel(got, exact) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G", [1, 3])
+def test_residual_term_is_the_difference_with_dropped_rows_zero(dtype, G):
+    """`residual_term` (one Triton pass each way): o_lin - otilde, exactly 0 on dropped (token, KV head)
+    rows, rounded once to the output dtype; its gradients are g (o_lin) and -g (otilde), 0 on dropped
+    rows, against the PyTorch form; outputs start as NaN."""
+    from subquadratic.kernels import utils
+    from subquadratic.kernels.spla.triton_parallel import residual_term, residual_term_reference
+
+    g = torch.Generator().manual_seed(G)
+    B, T, H, D = 2, 7, 2, 16
+    a, b = (torch.randn(B, T, H * G, D, generator=g).to(DEV).requires_grad_() for _ in range(2))
+    drop = (torch.rand(B, T, H, generator=g) < 0.4).to(DEV)
+    drop[0, 0, 0], drop[1, 1, 1] = True, False
+    w = torch.randn(B, T, H * G, D, generator=g).to(DEV)
+    old, utils.POISON_OUTPUTS = utils.POISON_OUTPUTS, True
+    try:
+        got = residual_term(a, b, drop, dtype)
+    finally:
+        utils.POISON_OUTPUTS = old
+    want = residual_term_reference(a, b, drop, dtype)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    rows = drop.repeat_interleave(G, dim=2)  # [B, T, HQ]
+    assert (got[rows] == 0).all() and (got[~rows] != 0).all()
+    tol = 0.0 if dtype == torch.float32 else 2.0 ** -7  # the interpreter may round bf16 another way
+    assert ((got.float() - want.float()).abs() <= tol * want.float().abs()).all()
+    ga = torch.autograd.grad((got.float() * w).sum(), (a, b))
+    gw = torch.autograd.grad((want.float() * w).sum(), (a, b))
+    for x, y in zip(ga, gw, strict=True):
+        assert x.dtype == torch.float32 and torch.equal(x, y)
+    assert torch.equal(ga[0], -ga[1]) and (ga[0][rows] == 0).all()
+
+
+def test_row_dots_are_fp32_sums_of_products():
+    """The block-major backward's Delta = rowsum(dO * O) in one pass from 16-bit and fp32 rows."""
+    from subquadratic.kernels.spla.triton_blocks_bwd import row_dots
+
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(3, 37, 4, 32, generator=g).to(DEV)
+    b = torch.randn(3, 37, 4, 32, generator=g).to(DEV)
+    for x, y in ((a, b), (a.bfloat16(), b), (a.bfloat16(), b.bfloat16())):
+        want = (x.double() * y.double()).sum(-1)
+        got = row_dots(x, y)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert rel(got, want) <= 1e-6
+    assert row_dots(a[:0], b[:0]).shape == (0, 37, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_feature_rows_are_the_softmax_feature_map(dtype):
+    """`feature_rows` (one Triton pass each way, strided input): softmax over D in fp32 cast to the output
+    dtype, and its gradient, against `feature_map` in PyTorch."""
+    from subquadratic.kernels.spla.stats import feature_map
+    from subquadratic.kernels.spla.triton_parallel import feature_rows
+
+    g = torch.Generator().manual_seed(2)
+    base = (3 * torch.randn(2, 3, 9, 16, generator=g)).to(DEV, dtype)  # [B, H, T, D]
+    x = base.transpose(1, 2).requires_grad_()  # a strided view [B, T, H, D]
+    w = torch.randn(2, 9, 3, 16, generator=g).to(DEV)
+    got = feature_rows(x, dtype)
+    want = feature_map(x).to(dtype)
+    assert got.dtype == dtype and got.is_contiguous() and got.shape == x.shape
+    tol = 1e-6 if dtype == torch.float32 else 2.0 ** -7
+    assert ((got.float() - want.float()).abs() <= tol * want.float().abs() + 1e-30).all()
+    (gx,) = torch.autograd.grad((got.float() * w).sum(), x)
+    (wx,) = torch.autograd.grad((want.float() * w).sum(), x)
+    assert gx.dtype == dtype and rel(gx, wx) <= (1e-6 if dtype == torch.float32 else 1e-2)
