@@ -2,19 +2,20 @@
 
 `sse_triton` has `sse_varlen`'s contract and values (see `varlen.py`) and no host synchronisation:
 
-1. Grouping by (sample, partition) in time order with fixed shapes. Each token takes `topk` rows
-   (default N: always enough; pass the router's K to cut the work to (1 + K) T). Segment b * N + i
-   holds row b's tokens routed to partition i; its length is sum_t sel[b, t, i], so
-   cu_seqlens = [0, cumsum] is computed on the device, and the row of (b, t, i) is
-   cu[b * N + i] + (number of earlier selected tokens of that segment), an exclusive cumulative sum
-   of `sel` along time. Rows left over (tokens with fewer than `topk` selections, i.e. padding) form
-   one trailing "trash" segment with zero key, query and decay: it reads and writes nothing.
-2. Two calls of the chunked GLA op (`gla.triton_chunk`): the shared branch, a plain GLA over each row
-   on (q1, k1, v, g1) read where they are (`chunk_linear_attention`, dense), and, through
-   `gla_varlen_triton`, the B * N partition segments on
-   the gathered (p q2, p k2, v, g2) plus the trash segment; initial states are the SSE states,
-   final states come back as the new ones (a partition with no token keeps its state exactly).
-3. The partition outputs are scattered back onto the shared output with index_add (fp32).
+1. Grouping by (sample, partition) in time order with fixed shapes (`group_rows`, two launches).
+   Each token takes `topk` rows (default N: always enough; pass the router's K to cut the work to
+   (1 + K) T). Segment b * N + i holds row b's tokens routed to partition i; its length is
+   sum_t sel[b, t, i], and the row of (b, t, i) is the number of selected entries before it in
+   (b, partition, t) order, so the bounds are computed on the device. Rows left over (tokens with
+   fewer than `topk` selections, i.e. padding) form one trailing "trash" segment with zero key,
+   query and decay: it reads and writes nothing.
+2. One call of the chunked GLA op (`gla.triton_chunk`) over merged rows (`PackRows`, one kernel
+   each way): the B shared rows (q1, k1, v, g1) as one segment per sample, then the B * N partition
+   segments on the gathered (p q2, p k2, v, g2), then the trash segment. Initial states are the
+   SSE states, final states come back as the new ones (a partition with no token keeps its state
+   exactly); the shared walk and the partitions' run side by side in the same launches.
+3. Each token's output is its shared row's plus its partition rows' (`CombineRows`: a gather in
+   fp32 forward, a gather of the token's gradient backward; no scatter).
 
 Autograd runs through all of it (router probs, q2 / k2 (hence LoRA offsets), gates g1 / g2, the
 initial states). The GLA base only, fp32/bf16/fp16: `sse_attention` sends other inputs (fp64,
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..gla.triton_chunk import chunk_linear_attention, gla_varlen_triton
+from ..gla.triton_chunk import chunk_linear_attention
 from ..triton_utils import block_size
 from ..utils import import_triton, new_output
 from .recurrent import SSEState, setup
@@ -39,72 +40,106 @@ triton, tl = import_triton()
 
 
 def group_rows_reference(sel: Tensor, topk: int):
-    """sel [B, T, N] bool -> (src [R] token and partition of each row as (b * T + t) * N + i, valid [R]
-    bool, cu [B * N + 2]: the partition segments' bounds, then R) with R = B * T * topk, rows sorted
-    by (b, partition, t).
+    """sel [B, T, N] bool -> (src [R], cu [B + B * N + 2], inv [B * T * N]) with R = B * T * topk: the
+    partition rows sorted by (b, partition, t), R of them, after the B * T rows of the shared branch.
+
+    src: each partition row's token and partition as (b * T + t) * N + i (0 past the selected rows);
+    cu: the bounds of the merged segments: the B shared rows [b T, (b + 1) T), then the B * N
+    partition segments from B T on, then one trailing segment of the rows left over (up to B T + R);
+    inv: for each (token, partition) (b * T + t) * N + i its partition row (0-based, not offset by
+    B T), -1 where not selected (or dropped: past topk selections).
 
     In (b, partition, t) order, the row of a selected token is the number of selected entries before
     it: one exclusive cumulative sum over the flattened selection (a scan along the last dim of a
     contiguous tensor; along T of [B, T, N] PyTorch's CUDA scan ran 5 ms at T = 32k). About fifteen
     launches: `group_rows`'s oracle."""
     B, T, N = sel.shape
-    R = B * T * topk
+    R, BT = B * T * topk, B * T
     dev = sel.device
     picked = sel.transpose(1, 2).reshape(-1)                                      # [B * N * T] bool
     s = picked.to(torch.int64)
     dest = s.cumsum(0) - s                                                        # rows before
-    cu = torch.cat([s.new_zeros(1), s.view(B * N, T).sum(-1).cumsum(0), s.new_full((1,), R)])  # [B * N + 2]
-    dest = torch.where(picked, dest.clamp(max=R), R)                              # R: dropped
-    code = torch.arange(B * T * N, device=dev).view(B, T, N).transpose(1, 2)      # (b * T + t) * N + i
-    src = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest, code.reshape(-1))[:R]
-    valid = torch.arange(R, device=dev) < cu[-2]
-    return src, valid, cu
+    shared = torch.arange(B + 1, device=dev, dtype=torch.int64) * T
+    cu = torch.cat([shared, BT + s.view(B * N, T).sum(-1).cumsum(0), s.new_full((1,), BT + R)])
+    kept = picked & (dest < R)
+    dest = torch.where(kept, dest, R)                                             # R: dropped
+    code = torch.arange(B * T * N, device=dev).view(B, T, N).transpose(1, 2).reshape(-1)  # (b * T + t) * N + i
+    src = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest, code)[:R]
+    inv = torch.full((B * T * N,), -1, dtype=torch.int64, device=dev).scatter_(0, code, torch.where(kept, dest, -1))
+    return src, cu, inv
 
 
-#: Selection entries `group_rows_kernel` scans at a time.
-GROUP_BLOCK = 8192
+#: Selection entries a program of the grouping kernels takes (each block within one partition's segment).
+GROUP_BLOCK = 1024
 
 
 @triton.jit
-def group_rows_kernel(SEL, SRC, CU, VALID, T, N, NE, R, BLOCK: tl.constexpr):
-    """`group_rows_reference` in one program: the selection's NE = B N T entries in (b, partition, t)
-    order, BLOCK at a time, an inclusive scan of each block plus the count so far gives each selected
-    entry its row (src = its code (b T + t) N + i) and, at t = T - 1, the end of its segment (cu);
-    then the rows past the selected ones get src 0 and valid False."""
-    carry = tl.zeros([], dtype=tl.int64)
-    for e0 in range(0, NE, BLOCK):
-        e = e0 + tl.arange(0, BLOCK).to(tl.int64)
-        m = e < NE
-        seg = e // T
-        t = e - seg * T
-        code = ((seg // N) * T + t) * N + seg % N
-        s = tl.load(SEL + code, mask=m, other=0).to(tl.int64)
-        incl = tl.cumsum(s, 0) + carry
-        tl.store(SRC + incl - 1, code, mask=m & (s != 0) & (incl <= R))  # past R: more than topk (dropped)
-        tl.store(CU + 1 + seg, incl, mask=m & (t == T - 1))
-        carry += tl.sum(s, 0)
-    first = tl.arange(0, 2)
-    tl.store(CU + tl.where(first == 0, 0, NE // T + 1), tl.where(first == 0, 0, R))
-    for r0 in range(0, R, BLOCK):
+def group_count_kernel(SEL, COUNT, T, N, NCH, BLOCK: tl.constexpr):
+    """COUNT[blk] = selected entries of block blk: the selection in (b, partition, t) order cut into
+    blocks of BLOCK entries that stay inside one (b, partition) segment (NCH blocks a segment)."""
+    blk = tl.program_id(0)
+    seg, c = blk // NCH, blk % NCH
+    t = c * BLOCK + tl.arange(0, BLOCK)
+    code = ((seg // N) * T + t).to(tl.int64) * N + seg % N
+    s = tl.load(SEL + code, mask=t < T, other=0).to(tl.int32)
+    tl.store(COUNT + blk, tl.sum(s, 0))
+
+
+@triton.jit
+def group_rows_kernel(SEL, COUNT, SRC, CU, INV, B, T, N, NCH, NB, R, BLOCK: tl.constexpr):
+    """`group_rows_reference` over the blocks of `group_count_kernel`, one program a block: the rows
+    before it (the counts of the blocks before), then an inclusive scan of its entries gives each
+    selected entry its row (src = its code (b T + t) N + i, inv[code] = the row), the last block of a
+    segment its end in cu; every program fills its share of the rows past the selected ones (src 0),
+    the first one the shared rows' bounds and the end."""
+    blk = tl.program_id(0)
+    before = tl.zeros([], dtype=tl.int64)
+    total = tl.zeros([], dtype=tl.int64)
+    for j0 in range(0, NB, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        cnt = tl.load(COUNT + j, mask=j < NB, other=0).to(tl.int64)
+        before += tl.sum(tl.where(j < blk, cnt, 0), 0)
+        total += tl.sum(cnt, 0)
+    seg, c = blk // NCH, blk % NCH
+    t = c * BLOCK + tl.arange(0, BLOCK)
+    m = t < T
+    code = ((seg // N) * T + t).to(tl.int64) * N + seg % N
+    s = tl.load(SEL + code, mask=m, other=0).to(tl.int64)
+    incl = tl.cumsum(s, 0) + before
+    kept = (s != 0) & (incl <= R)  # past R: more than topk (dropped)
+    tl.store(SRC + incl - 1, code, mask=m & kept)
+    tl.store(INV + code, tl.where(kept, incl - 1, -1), mask=m)
+    BT = B * T
+    tl.store(CU + B + 1 + seg, BT + before + tl.sum(s, 0), mask=c == NCH - 1)
+    stride = NB * BLOCK
+    for r0 in range(total + blk * BLOCK, R, stride):
         r = r0 + tl.arange(0, BLOCK).to(tl.int64)
-        tl.store(SRC + r, tl.zeros([BLOCK], dtype=tl.int64), mask=(r >= carry) & (r < R))
-        tl.store(VALID + r, (r < carry).to(tl.int8), mask=r < R)
+        tl.store(SRC + r, tl.zeros([BLOCK], dtype=tl.int64), mask=r < R)
+    if blk == 0:
+        for b0 in range(0, B + 1, BLOCK):
+            b = b0 + tl.arange(0, BLOCK)
+            tl.store(CU + b, b.to(tl.int64) * T, mask=b <= B)
+        tl.store(CU + B + 1 + (NB // NCH), BT + R)
 
 
 def group_rows(sel: Tensor, topk: int):
-    """`group_rows_reference`'s (src, valid, cu) in one launch (`group_rows_kernel`); the PyTorch ops
-    for an empty selection (T = 0)."""
+    """`group_rows_reference`'s (src, cu, inv) in two launches over blocks of the selection
+    (`group_count_kernel`, `group_rows_kernel`); the PyTorch ops for an empty selection (T = 0)."""
     B, T, N = sel.shape
     if T == 0 or B == 0:
         return group_rows_reference(sel, topk)
     R = B * T * topk
     dev = sel.device
+    nch = triton.cdiv(T, GROUP_BLOCK)
+    nb = B * N * nch
+    sel8 = sel.contiguous().view(torch.uint8)
+    count = new_output((nb,), dev, torch.int32)
     src = new_output((R,), dev, torch.int64)
-    cu = new_output((B * N + 2,), dev, torch.int64)
-    valid = new_output((R,), dev, torch.int8)
-    group_rows_kernel[(1,)](sel.contiguous().view(torch.uint8), src, cu, valid, T, N, B * N * T, R, GROUP_BLOCK,
-                            num_warps=16)
-    return src, valid.view(torch.bool), cu
+    cu = new_output((B + B * N + 2,), dev, torch.int64)
+    inv = new_output((B * T * N,), dev, torch.int64)
+    group_count_kernel[(nb,)](sel8, count, T, N, nch, GROUP_BLOCK, num_warps=4)
+    group_rows_kernel[(nb,)](sel8, count, src, cu, inv, B, T, N, nch, nb, R, GROUP_BLOCK, num_warps=4)
+    return src, cu, inv
 
 
 def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Tensor, g2: Tensor,
@@ -127,114 +162,235 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
     N, Dv = probs.shape[-1], v.shape[-1]
     tensors = (q1, k1, q2, k2, v, g1, g2, probs) + (() if state is None else (state.shared, state.parts))
     if T == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)):
-        if state is None:
-            state = SSEState.zeros(B, N, H, Dk, Dv, device=q1.device)
-        inplace = inplace and all(x.dtype == torch.float32 and x.is_contiguous() for x in (state.shared, state.parts))
+        inplace = inplace and state is not None and all(
+            x.dtype == torch.float32 and x.is_contiguous() for x in (state.shared, state.parts))
         return sse_decode_triton(q1, k1, q2, k2, v, g1, g2, probs, sel, state, inplace=inplace)
     K = N if topk is None else topk
     if not 1 <= K <= N:
         raise ValueError(f"topk must be in [1, N={N}]; got {topk}")
-    dt = q1.dtype
-    BT = B * T
-    src, valid, cu = group_rows(sel, K)
-    src_tok = src // N  # [R] the token (b * T + t) of each row
-    # the partition rows (p q2, p k2, v, g2) in one gather kernel (backward: index_add, no host synchronisation)
-    qp, kp, vp, gp = PartitionRows.apply(q2, k2, v, g2, probs, src, valid, cu)
-    # the shared branch: a plain GLA over each row, on the inputs as they are (no copy, no chunk table),
-    # then the partition rows
-    o, h_shared = chunk_linear_attention(q1, k1, v, g1, initial_state=None if state is None else state.shared,
-                                         chunk_size=chunk_size, out_dtype=torch.float32, precision=precision)
-    o = o.reshape(BT, H, Dv)
-    h0 = None if state is None else torch.cat([state.parts.float().reshape(B * N, H, Dk, Dv),
-                                               state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
-    o_parts, h_parts = gla_varlen_triton(qp, kp, vp, gp, cu_seqlens=cu, initial_state=h0,
-                                         chunk_size=chunk_size, out_dtype=torch.float32, precision=precision)
-    o = o.index_add_(0, src_tok, o_parts)  # o is the shared branch's fresh fp32 output
-    new = SSEState(h_shared, h_parts[:B * N].reshape(B, N, H, Dk, Dv))
-    return o.view(B, T, H, Dv).to(dt), new
+    src, cu, inv = group_rows(sel, K)
+    # one GLA call over the shared rows (one segment per sample) and the partition segments
+    qa, ka, va, ga = PackRows.apply(q1, k1, v, g1, q2, k2, g2, probs, src, cu, inv)
+    h0 = None
+    if state is not None:
+        h0 = torch.cat([state.shared.float(), state.parts.float().reshape(B * N, H, Dk, Dv),
+                        state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
+    o_all, h = chunk_linear_attention(qa, ka, va, ga, cu_seqlens=cu, initial_state=h0, chunk_size=chunk_size,
+                                      out_dtype=torch.float32, precision=precision)
+    o = CombineRows.apply(o_all, src, cu, inv, B * T, q1.dtype)
+    return o.view(B, T, H, Dv), SSEState(h[:B], h[B:B + B * N].reshape(B, N, H, Dk, Dv))
 
 
 @triton.jit
-def _partition_rows(Q2, K2, V, G2, PROBS, SRC, CU, QP, KP, VP, GP, n, NSEG, H: tl.constexpr, N: tl.constexpr,
-                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
-    """(row, head) pairs m = r * H + h of the grouped rows: qp = p q2, kp = p k2 (rounded once), vp = v,
-    gp = g2 (fp32) of the row's token, with p its router probability; qp = kp = gp = 0 past the valid
-    rows (the trash segment)."""
+def _pack_rows(Q1, K1, V, G1, Q2, K2, G2, PROBS, SRC, CU, QA, KA, VA, GA, n, BT, B, H: tl.constexpr,
+               N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               BR: tl.constexpr):
+    """(row, head) pairs m = r * H + h of the merged rows: r < BT the shared branch's (q1, k1, v, g1) of
+    token r; past it partition row j = r - BT: (p q2, p k2 (rounded once), v, g2) of its token, p its
+    router probability, and q = k = g = 0 past the selected rows (the trailing segment)."""
     m_idx = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = m_idx < n
     r = m_idx // H
-    code = tl.load(SRC + r, mask=m_r, other=0)  # (b * T + t) * N + i
-    valid = m_r & (r < tl.load(CU + NSEG))
-    p = tl.where(valid, tl.load(PROBS + code, mask=m_r, other=0.0).to(tl.float32), 0.0)
-    src = (code // N) * H + m_idx % H  # the token's row of the [tokens, H, D] inputs
+    hd = m_idx % H
+    shared = r < BT
+    part = m_r & ~shared
+    j = tl.maximum(r - BT, 0)
+    code = tl.load(SRC + j, mask=part, other=0)  # (b * T + t) * N + i
+    valid = part & (j + BT < tl.load(CU + B + B * N))
+    p = tl.where(valid, tl.load(PROBS + code, mask=part, other=0.0).to(tl.float32), 0.0)
+    tok = tl.where(shared, r, code // N)
+    src = tok.to(tl.int64) * H + hd  # the token's row of the [tokens, H, D] inputs
     dst = m_idx.to(tl.int64)
     ok = tl.arange(0, BK)
     mk = m_r[:, None] & (ok < DK)[None, :]
+    ms, mp = mk & shared[:, None], mk & ~shared[:, None]
     off_s, off_d = src[:, None] * DK + ok[None, :], dst[:, None] * DK + ok[None, :]
-    b = tl.load(Q2 + off_s, mask=mk, other=0.0).to(tl.float32)
-    tl.store(QP + off_d, (b * p[:, None]).to(QP.dtype.element_ty), mask=mk)
-    b = tl.load(K2 + off_s, mask=mk, other=0.0).to(tl.float32)
-    tl.store(KP + off_d, (b * p[:, None]).to(KP.dtype.element_ty), mask=mk)
-    b = tl.load(G2 + off_s, mask=mk, other=0.0)
-    tl.store(GP + off_d, tl.where(valid[:, None], b.to(tl.float32), 0.0), mask=mk)
+    b = tl.load(Q1 + off_s, mask=ms, other=0.0).to(tl.float32) + \
+        tl.load(Q2 + off_s, mask=mp, other=0.0).to(tl.float32) * p[:, None]
+    tl.store(QA + off_d, b.to(QA.dtype.element_ty), mask=mk)
+    b = tl.load(K1 + off_s, mask=ms, other=0.0).to(tl.float32) + \
+        tl.load(K2 + off_s, mask=mp, other=0.0).to(tl.float32) * p[:, None]
+    tl.store(KA + off_d, b.to(KA.dtype.element_ty), mask=mk)
+    b = tl.load(G1 + off_s, mask=ms, other=0.0).to(tl.float32) + \
+        tl.where(valid[:, None], tl.load(G2 + off_s, mask=mp, other=0.0).to(tl.float32), 0.0)
+    tl.store(GA + off_d, b, mask=mk)
     ov = tl.arange(0, BV)
     mv = m_r[:, None] & (ov < DV)[None, :]
     b = tl.load(V + src[:, None] * DV + ov[None, :], mask=mv, other=0.0)
-    tl.store(VP + dst[:, None] * DV + ov[None, :], b, mask=mv)
+    tl.store(VA + dst[:, None] * DV + ov[None, :], b, mask=mv)
 
 
-class PartitionRows(torch.autograd.Function):
-    """The grouped rows of the partition branch: (p q2, p k2, v, g2) [R, H, D] of the tokens `src`
-    names (`group_rows`), p = the router probability of the (token, partition), in q2's dtype (p q2, p k2
-    computed in fp32 and rounded once) and fp32 (g2); zero (but v) past the valid rows. One kernel
-    forward; the backward scatters with index_add. q2, k2, v [B, T, H, D], g2 [B, T, H, Dk],
-    probs [B, T, N], src / valid [R], cu [B * N + 2]."""
+@triton.jit
+def _pack_rows_bwd(Q2, K2, PROBS, INV, DQA, DKA, DVA, DGA, DV_, DQ2, DK2, DG2, DP, BT, H: tl.constexpr,
+                   N: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr):
+    """One program per token: the gradients of its inputs from the merged rows' gradients (dq1, dk1,
+    dg1 are the shared rows' own, views taken outside): dv = its shared row's + its partition rows',
+    dq2 / dk2 = sum_i p_i d(row_i), dg2 = sum_i dg(row_i), dp_i = <dq(row_i), q2> + <dk(row_i), k2>
+    over heads and dims (0 where not selected); the rows are found through inv."""
+    tok = tl.program_id(0).to(tl.int64)
+    on = tl.arange(0, BN)
+    dp = tl.zeros([BN], dtype=tl.float32)
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BV)
+    for h0 in range(0, H, BH):
+        hh = h0 + tl.arange(0, BH)
+        mh = hh < H
+        mk = mh[:, None] & (ok < DK)[None, :]
+        mv = mh[:, None] & (ov < DV)[None, :]
+        off_k = (tok * H + hh)[:, None] * DK + ok[None, :]
+        off_v = (tok * H + hh)[:, None] * DV + ov[None, :]
+        b_q2 = tl.load(Q2 + off_k, mask=mk, other=0.0).to(tl.float32)
+        b_k2 = tl.load(K2 + off_k, mask=mk, other=0.0).to(tl.float32)
+        b_dv = tl.load(DVA + off_v, mask=mv, other=0.0).to(tl.float32)
+        b_dq = tl.zeros([BH, BK], dtype=tl.float32)
+        b_dk = tl.zeros([BH, BK], dtype=tl.float32)
+        b_dg = tl.zeros([BH, BK], dtype=tl.float32)
+        for i in tl.static_range(N):
+            row = tl.load(INV + tok * N + i + tl.zeros([BH], dtype=tl.int64))  # the same row for every head
+            on_i = (row >= 0)[:, None]
+            p = tl.where(row >= 0, tl.load(PROBS + tok * N + i + tl.zeros([BH], dtype=tl.int64)), 0.0)
+            p = p.to(tl.float32)[:, None]
+            base = (BT + tl.maximum(row, 0)) * H + hh
+            off_rk = base[:, None] * DK + ok[None, :]
+            a = tl.load(DQA + off_rk, mask=mk & on_i, other=0.0).to(tl.float32)
+            c = tl.load(DKA + off_rk, mask=mk & on_i, other=0.0).to(tl.float32)
+            b_dq += p * a
+            b_dk += p * c
+            b_dg += tl.load(DGA + off_rk, mask=mk & on_i, other=0.0).to(tl.float32)
+            b_dv += tl.load(DVA + base[:, None] * DV + ov[None, :], mask=mv & on_i, other=0.0).to(tl.float32)
+            dp += tl.where(on == i, tl.sum(tl.sum(a * b_q2 + c * b_k2, 1), 0), 0.0)
+        tl.store(DQ2 + off_k, b_dq.to(DQ2.dtype.element_ty), mask=mk)
+        tl.store(DK2 + off_k, b_dk.to(DK2.dtype.element_ty), mask=mk)
+        tl.store(DG2 + off_k, b_dg.to(DG2.dtype.element_ty), mask=mk)
+        tl.store(DV_ + off_v, b_dv.to(DV_.dtype.element_ty), mask=mv)
+    tl.store(DP + tok * N + on, dp, mask=on < N)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """[B, T, H, D] -> [B * T, H, D] contiguous."""
+    return x.reshape(-1, *x.shape[2:]).contiguous()
+
+
+class PackRows(torch.autograd.Function):
+    """The merged rows of one chunked GLA call [B T + R, H, D]: the shared branch's (q1, k1, v, g1) of
+    every token, then the partition rows (p q2, p k2, v, g2) of the tokens `src` names (`group_rows`),
+    p = the router probability of the (token, partition); q and k in q1's dtype (p q2, p k2 computed in
+    fp32 and rounded once), v in v's, g fp32; zero (but v) past the selected rows. One kernel forward
+    and one backward (a program per token gathering its rows through `inv`). q1, k1, q2, k2, v
+    [B, T, H, D], g1 / g2 [B, T, H, Dk], probs [B, T, N], src [R], cu and inv as `group_rows` gives."""
 
     @staticmethod
-    def forward(ctx, q2, k2, v, g2, probs, src, valid, cu):
-        B, T, H, Dk = q2.shape
-        N, Dv, R = probs.shape[-1], v.shape[-1], src.shape[0]
-        xs = [x.reshape(B * T, H, x.shape[-1]).contiguous() for x in (q2, k2, v, g2)]
+    def forward(ctx, q1, k1, v, g1, q2, k2, g2, probs, src, cu, inv):
+        B, T, H, Dk = q1.shape
+        N, Dv, R, BT = probs.shape[-1], v.shape[-1], src.shape[0], B * T
+        xs = [_rows(x) for x in (q1, k1, v, g1, q2, k2, g2)]
         pf = probs.reshape(-1).contiguous()
-        qp, kp = (new_output((R, H, Dk), q2.device, q2.dtype) for _ in range(2))
-        vp = new_output((R, H, Dv), v.device, v.dtype)
-        gp = new_output((R, H, Dk), g2.device)  # fp32
+        dev = q1.device
+        qa, ka = (new_output((BT + R, H, Dk), dev, q1.dtype) for _ in range(2))
+        va = new_output((BT + R, H, Dv), dev, v.dtype)
+        ga = new_output((BT + R, H, Dk), dev)  # fp32
         BK, BV = block_size(Dk), block_size(Dv)
         BR = max(1, 2048 // max(BK, BV))
-        if R:
-            _partition_rows[(triton.cdiv(R * H, BR),)](*xs, pf, src, cu, qp, kp, vp, gp, R * H, B * N, H, N, Dk, Dv,
-                                                        BK, BV, BR, num_warps=4)
-        ctx.save_for_backward(xs[0], xs[1], pf, src, valid)
-        ctx.shapes = (B, T, H, N, q2.dtype, v.dtype, g2.dtype, probs.shape, probs.dtype)
-        return qp, kp, vp, gp
+        n = (BT + R) * H
+        if n:
+            _pack_rows[(triton.cdiv(n, BR),)](*xs, pf, src, cu, qa, ka, va, ga, n, BT, B, H, N, Dk, Dv, BK, BV, BR,
+                                              num_warps=4)
+        ctx.save_for_backward(xs[4], xs[5], pf, inv)
+        ctx.meta = (B, T, N, [x.dtype for x in (q1, k1, v, g1, q2, k2, g2, probs)], probs.shape)
+        return qa, ka, va, ga
 
     @staticmethod
-    def backward(ctx, dqp, dkp, dvp, dgp):
-        q2, k2, pf, src, valid = ctx.saved_tensors
-        B, T, H, N, dt, dtv, dtg, probs_shape, probs_dtype = ctx.shapes
-        tok = src // N
-        p = pf.index_select(0, src).float() * valid  # [R], 0 at trash rows
-        pc = p[:, None, None]
+    def backward(ctx, dqa, dka, dva, dga):
+        q2, k2, pf, inv = ctx.saved_tensors
+        B, T, N, dts, probs_shape = ctx.meta
+        BT, H, Dk, Dv = B * T, q2.shape[1], q2.shape[2], dva.shape[-1]
+        dev = q2.device
+        dqa, dka, dva, dga = (x.contiguous() for x in (dqa, dka, dva, dga))
+        dv = new_output((BT, H, Dv), dev, dts[2])
+        dq2, dk2 = new_output((BT, H, Dk), dev, dts[4]), new_output((BT, H, Dk), dev, dts[5])
+        dg2 = new_output((BT, H, Dk), dev, dts[6])
+        dp = new_output((BT * N,), dev)
+        BK, BV = block_size(Dk), block_size(Dv)
+        BH = min(block_size(H, 1), max(1, 2048 // max(BK, BV)))
+        if BT:
+            _pack_rows_bwd[(BT,)](q2, k2, pf, inv, dqa, dka, dva, dga, dv, dq2, dk2, dg2, dp, BT, H, N,
+                                  block_size(N, 2), Dk, Dv, BH, BK, BV, num_warps=4)
+        shape = (B, T, H)
+        return (dqa[:BT].view(*shape, Dk).to(dts[0]), dka[:BT].view(*shape, Dk).to(dts[1]), dv.view(*shape, Dv),
+                dga[:BT].view(*shape, Dk).to(dts[3]), dq2.view(*shape, Dk), dk2.view(*shape, Dk),
+                dg2.view(*shape, Dk), dp.view(probs_shape).to(dts[7]), None, None, None)
 
-        def scatter(d, dtype):
-            return torch.zeros((B * T, H, d.shape[-1]), device=d.device, dtype=dtype).index_add_(0, tok, d.to(dtype))
 
-        grads = [None] * 8
-        dp = torch.zeros_like(p)
-        for i, (x, dx) in enumerate(((q2, dqp), (k2, dkp))):
-            dxf = dx.float()
-            if ctx.needs_input_grad[i]:
-                grads[i] = scatter(dxf * pc, dt).view(B, T, H, -1)
-            if ctx.needs_input_grad[4]:
-                dp += (dxf * x.index_select(0, tok).float()).sum((1, 2))
-        if ctx.needs_input_grad[2]:
-            grads[2] = scatter(dvp, dtv).view(B, T, H, -1)
-        if ctx.needs_input_grad[3]:
-            grads[3] = scatter(dgp * valid[:, None, None], dtg).view(B, T, H, -1)
-        if ctx.needs_input_grad[4]:
-            grads[4] = torch.zeros_like(pf, dtype=torch.float32).index_add_(0, src, dp * valid).view(
-                probs_shape).to(probs_dtype)
-        return tuple(grads)
+@triton.jit
+def _combine_rows(OA, INV, OUT, n, BT, H: tl.constexpr, N: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                  BR: tl.constexpr):
+    """(token, head) pairs m = tok * H + h: o = the shared row's output + its partition rows' (fp32),
+    in OUT's dtype."""
+    m_idx = tl.program_id(0) * BR + tl.arange(0, BR)
+    m_r = m_idx < n
+    tok = (m_idx // H).to(tl.int64)
+    hd = m_idx % H
+    ov = tl.arange(0, BV)
+    mv = m_r[:, None] & (ov < DV)[None, :]
+    b = tl.load(OA + m_idx.to(tl.int64)[:, None] * DV + ov[None, :], mask=mv, other=0.0).to(tl.float32)
+    for i in tl.static_range(N):
+        row = tl.load(INV + tok * N + i, mask=m_r, other=-1)
+        base = (BT + tl.maximum(row, 0)) * H + hd
+        b += tl.load(OA + base[:, None] * DV + ov[None, :], mask=mv & (row >= 0)[:, None], other=0.0).to(tl.float32)
+    tl.store(OUT + m_idx.to(tl.int64)[:, None] * DV + ov[None, :], b.to(OUT.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _combine_rows_bwd(DO, SRC, CU, DOA, n, BT, B, H: tl.constexpr, N: tl.constexpr, DV: tl.constexpr,
+                      BV: tl.constexpr, BR: tl.constexpr):
+    """(row, head) pairs of the merged rows: the shared row's gradient is its token's, a partition
+    row's its token's too, 0 past the selected rows."""
+    m_idx = tl.program_id(0) * BR + tl.arange(0, BR)
+    m_r = m_idx < n
+    r = m_idx // H
+    hd = m_idx % H
+    shared = r < BT
+    j = tl.maximum(r - BT, 0)
+    part = m_r & ~shared
+    code = tl.load(SRC + j, mask=part, other=0)
+    valid = part & (j + BT < tl.load(CU + B + B * N))
+    tok = tl.where(shared, r, code // N).to(tl.int64)
+    ov = tl.arange(0, BV)
+    mv = m_r[:, None] & (ov < DV)[None, :]
+    b = tl.load(DO + (tok * H + hd)[:, None] * DV + ov[None, :], mask=mv & (shared | valid)[:, None], other=0.0)
+    tl.store(DOA + m_idx.to(tl.int64)[:, None] * DV + ov[None, :], b.to(DOA.dtype.element_ty), mask=mv)
+
+
+class CombineRows(torch.autograd.Function):
+    """o [B T, H, V] in `dtype` = each token's shared row of the merged output o_all [B T + R, H, V]
+    (fp32) plus its partition rows (found through `inv`), summed in fp32. One kernel each way."""
+
+    @staticmethod
+    def forward(ctx, o_all, src, cu, inv, BT, dtype):
+        M, H, Dv = o_all.shape
+        N = inv.numel() // max(BT, 1)
+        o = new_output((BT, H, Dv), o_all.device, dtype)
+        BV = block_size(Dv)
+        BR = max(1, 2048 // BV)
+        if BT:
+            _combine_rows[(triton.cdiv(BT * H, BR),)](o_all, inv, o, BT * H, BT, H, N, Dv, BV, BR, num_warps=4)
+        ctx.save_for_backward(src, cu)
+        ctx.meta = (M, N, BT, o_all.dtype)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        src, cu = ctx.saved_tensors
+        M, N, BT, dt = ctx.meta
+        _, H, Dv = do.shape
+        doa = new_output((M, H, Dv), do.device, dt)
+        BV = block_size(Dv)
+        BR = max(1, 2048 // BV)
+        B = (cu.numel() - 2) // (N + 1)  # cu has B + B N + 2 entries
+        _combine_rows_bwd[(triton.cdiv(M * H, BR),)](do.contiguous(), src, cu, doa, M * H, BT, B, H, N, Dv, BV, BR,
+                                                      num_warps=4)
+        return doa, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------

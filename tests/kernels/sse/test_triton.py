@@ -175,9 +175,10 @@ def test_dispatch_decides_the_path():
 @pytest.mark.parametrize("B,T,N,topk,p", [(2, 37, 4, 4, 0.4), (1, 3, 8, 2, 0.2), (3, 9000, 2, 2, 0.5),
                                           (2, 5, 4, 1, 0.0), (1, 1, 3, 3, 1.0)])
 def test_group_rows_kernel_equals_the_pytorch_ops(B, T, N, topk, p):
-    """`group_rows` (one launch) against `group_rows_reference` (its PyTorch ops): the rows' tokens and
-    partitions, valid rows and segment bounds, exactly, for selections of at most `topk` partitions per
-    token (padding rows with none, empty partitions, a scan over several blocks: 3 x 9000 x 2 entries)."""
+    """`group_rows` (two launches) against `group_rows_reference` (its PyTorch ops): the rows' tokens and
+    partitions, the merged segments' bounds and each (token, partition)'s row, exactly, for selections
+    of at most `topk` partitions per token (padding rows with none, empty partitions, segments over
+    several blocks: 3 x 9000 x 2 entries)."""
     from subquadratic.kernels.sse.triton_sse import group_rows, group_rows_reference
 
     g = torch.Generator().manual_seed(B * 1000 + T + N)
@@ -186,6 +187,6 @@ def test_group_rows_kernel_equals_the_pytorch_ops(B, T, N, topk, p):
     sel = keep & (score >= score.topk(topk, -1).values[..., -1:])  # at most topk per token
     sel = sel.to(DEV)
     got, want = group_rows(sel, topk), group_rows_reference(sel, topk)
-    for name, a, b in zip(("src", "valid", "cu"), got, want, strict=True):
+    for name, a, b in zip(("src", "cu", "inv"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a, b), name
