@@ -27,6 +27,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, app
 from ..kernels.norm_gate import add_norm, add_norm_takes_kernel
 from ..kernels.rope import rope as rope_kernel
 from ..kernels.rope import rope_takes_kernel
+from ..kernels.swiglu import silu_mul as silu_mul_kernel
+from ..kernels.swiglu import silu_mul_takes_kernel
 from .projections import PackedInputs, input_projections
 
 
@@ -139,16 +141,22 @@ class RMSNorm(LlamaRMSNorm):
 
 class MLP(PackedInputs, LlamaMLP):
     """LlamaMLP (SwiGLU: down(act(gate(x)) * up(x))); without gradients in eval mode gate and up are one
-    matmul (`projections.input_projections`); inside a captured step with hidden_act "silu",
-    act(gate) * up runs as one kernel."""
+    matmul (`projections.input_projections`); with hidden_act "silu", act(gate) * up runs as one kernel
+    inside a captured step (compiled) and, on CUDA with a kernel backend, on the packed output's two
+    column slices where they are (`kernels.swiglu`)."""
 
     input_projection_names = ("gate_proj", "up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = input_projections(self, x)
-        if _Step.compiled and self.config.hidden_act == "silu":
-            return self.down_proj(silu_mul(p["gate_proj"], p["up_proj"]))
-        return self.down_proj(self.act_fn(p["gate_proj"]) * p["up_proj"])
+        gate, up = p["gate_proj"], p["up_proj"]
+        if self.config.hidden_act == "silu":
+            if _Step.compiled:
+                return self.down_proj(silu_mul(gate, up))
+            if (getattr(self.config, "kernel_backend", "torch") in ROPE_KERNEL_BACKENDS and gate.dim() == 3
+                    and silu_mul_takes_kernel(gate, up)):
+                return self.down_proj(silu_mul_kernel(gate, up, backend="triton"))
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 #: The kernel_backend values whose models take the RoPE kernel (`apply_rope`) and the residual norm's
