@@ -17,6 +17,16 @@ from .utils import import_triton
 #: Input dtypes the Triton kernels take (fp64 stays on the PyTorch forms).
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+#: The 16-bit float dtypes (kept as they are where an output may take the inputs' dtype; fp32 otherwise).
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def half_or_fp32(dtype: torch.dtype) -> torch.dtype:
+    """`dtype` if it is a 16-bit float, else fp32: the dtype of an output written in the inputs' precision
+    where that precision is 16-bit, at least fp32 otherwise."""
+    return dtype if dtype in HALF_DTYPES else torch.float32
+
+
 #: `input_precision` values of tl.dot a caller may ask for: "ieee" (exact fp32) or "tf32" (fp32
 #: operands on the tensor cores; bf16 / fp16 operands always run there with fp32 accumulation).
 PRECISIONS = ("ieee", "tf32")
@@ -40,6 +50,13 @@ def dot_precision(dtype: torch.dtype, precision: str | None = None) -> str:
 def block_size(n: int, lo: int = 16) -> int:
     """The smallest power of two >= n and >= lo (a tile dimension covering n; tl.dot wants >= 16)."""
     return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def rows_per_program(width: int, elements: int, most: int | None = None) -> int:
+    """Rows a program of a row-wise kernel takes: about `elements` elements of rows `width` wide, at
+    least one (and at most `most`)."""
+    rows = max(1, elements // width)
+    return rows if most is None else min(most, rows)
 
 
 def autotune(configs: Sequence[tuple[int | None, int | None, int, int]], key: list[str]) -> Callable:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..triton_utils import HALF_DTYPES
 from ..utils import acc_dtype
 
 
@@ -25,7 +26,7 @@ def state_increment(phik: torch.Tensor, v: torch.Tensor, acc: torch.dtype) -> to
     16-bit values on CUDA with an fp32 state: one batched matmul on the tensor cores, phik rounded to
     v's dtype, fp32 accumulation and output (the operands the causal linear term's kernels take);
     otherwise exact in `acc`."""
-    if v.is_cuda and v.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32 and _BMM_OUT_DTYPE:
+    if v.is_cuda and v.dtype in HALF_DTYPES and acc == torch.float32 and _BMM_OUT_DTYPE:
         B, H, S, D = phik.shape
         a = phik.to(v.dtype).reshape(B * H, S, D).transpose(1, 2)
         return torch.bmm(a, v.reshape(B * H, S, v.shape[-1]), out_dtype=torch.float32).view(B, H, D, -1)

@@ -63,6 +63,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..triton_utils import half_or_fp32
 from ..utils import import_triton, new_output
 from .triton_common import NEG, softmax_rows
 
@@ -666,7 +667,7 @@ def out_pass(q, k, v, pairs: BlockPairs, qpos, koff, lse, nsel: int, use_rla: bo
 def partial_dtype(q: torch.Tensor, plan: BlocksPlan) -> torch.dtype:
     """The split forward's partial dtype for the inputs q (`BlocksPlan.partials`)."""
     if plan.partials == "input":
-        return q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        return half_or_fp32(q.dtype)
     return torch.bfloat16 if plan.partials == "bf16" else torch.float32
 
 

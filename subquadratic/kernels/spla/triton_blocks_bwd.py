@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from ..triton_utils import rows_per_program
 from ..utils import import_triton
 from .triton_blocks import (
     ATOMIC_MODES,
@@ -65,7 +66,7 @@ def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     D = a.shape[-1]
     out = torch.empty(a.shape[:-1], device=a.device, dtype=torch.float32)
     n = out.numel()
-    rows = max(1, min(128, 4096 // D))
+    rows = rows_per_program(D, 4096, 128)
     if n:
         row_dots_kernel[(triton.cdiv(n, rows),)](a, b, out, n, D=D, ROWS=rows, num_warps=4)
     return out

@@ -25,6 +25,7 @@ import math
 import torch
 
 from ..gla.triton_chunk import chunk_linear_attention
+from ..triton_utils import half_or_fp32, rows_per_program
 from ..utils import acc_dtype, import_triton, new_output
 from .plan import UNION_TILE_MAX, SPLAParams, SPLAPlan, UnionHint
 from .stats import BlockStats, feature_map, new_tokens, state_increment
@@ -36,9 +37,6 @@ from .triton_select_stream import select_indices_stream
 from .triton_tile import query_tile_union, select_indices_fast, tile_sparse_attention
 
 triton, tl = import_triton()
-
-#: 16-bit dtypes: the block-major form writes o_sp in them directly
-HALF = (torch.bfloat16, torch.float16)
 
 __all__ = ["FeatureRows", "ResidualTerm", "SparseAttention", "causal_linear_term", "feature_rows", "key_features",
            "residual_term", "residual_term_reference", "sparse_forward", "spla_parallel_triton"]
@@ -108,7 +106,7 @@ def residual_term_kernel(A, B, DROP, OUT, N, G, D: tl.constexpr, ROWS: tl.conste
 def _residual_launch(a, b, drop, out, backward: bool) -> None:
     D = a.shape[-1]
     n = a.numel() // D
-    rows = max(1, min(128, 4096 // D))
+    rows = rows_per_program(D, 4096, 128)
     if n:
         residual_term_kernel[(triton.cdiv(n, rows),)](a, b, drop, out, n, n // drop.numel(), D=D, ROWS=rows,
                                                      BACKWARD=backward, num_warps=4)
@@ -177,7 +175,7 @@ def feature_rows_kernel(X, GRAD, OUT, N, A1, A2, stride_0, stride_1, stride_2,
 def _feature_rows_launch(x, grad, out, backward: bool) -> None:
     A0, A1, A2, D = x.shape
     n = A0 * A1 * A2
-    rows = max(1, min(128, 4096 // D))
+    rows = rows_per_program(D, 4096, 128)
     if n:
         feature_rows_kernel[(triton.cdiv(n, rows),)](x, grad, out, n, A1, A2, x.stride(0), x.stride(1), x.stride(2),
                                                     D=D, ROWS=rows, BACKWARD=backward, num_warps=4)
@@ -322,7 +320,7 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
     if form == "blocks":  # differentiable when gradients are needed; else the forward alone
         o_sp, otilde = blocks_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, precision=prec,
-                                               o_dtype=q.dtype if q.dtype in HALF else torch.float32)
+                                               o_dtype=half_or_fp32(q.dtype))
     elif form == "tile":  # differentiable with plan.grad; without, the forward alone
         o_sp, otilde = tile_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, pre, grad=plan.grad,
                                              rows=plan.tile_rows, precision=prec, union=union)

@@ -13,9 +13,9 @@ partitions read and written). Model code calls one dispatch function, `sse_atten
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
+from ..triton_utils import TRITON_DTYPES
 from ..utils import resolve_backend, resolve_precision
 from .masked import sse_masked
 from .recurrent import SSEState, sse_decode_step, sse_recurrent
@@ -66,7 +66,7 @@ def triton_unsupported(q1: Tensor, v: Tensor, base: str, chunk_size: int) -> str
     """Why the SSE Triton kernels cannot take these inputs, or None."""
     if base != "gla":
         return f"base {base!r} (the kernels implement the GLA base)"
-    if q1.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if q1.dtype not in TRITON_DTYPES:
         return f"dtype {q1.dtype}"
     if chunk_size not in (16, 32, 64):
         return f"chunk_size {chunk_size} (16, 32 or 64)"

@@ -119,9 +119,10 @@ def setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base: str, beta: Tensor 
         raise ValueError(f"sel must be a bool mask; got {sel.dtype}")
     N = probs.shape[-1]
     dt = acc_dtype(q1)
+    extra = (beta,) if beta is not None else ()
     if state is None:
         if not make_state:
-            return ops, (beta,) if beta is not None else (), None
+            return ops, extra, None
         state = SSEState.zeros(B, N, H, Dk, Dv, device=q1.device, dtype=dt)
     elif isinstance(state, Mapping):
         state = SSEState(**state)
@@ -129,7 +130,6 @@ def setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base: str, beta: Tensor 
         raise ValueError(f"state must have shared [B, H, Dk, Dv] = {[B, H, Dk, Dv]} and parts "
                          f"[B, N, H, Dk, Dv] = {[B, N, H, Dk, Dv]}; got {list(state.shared.shape)} "
                          f"and {list(state.parts.shape)}")
-    extra = (beta,) if beta is not None else ()
     return ops, extra, state
 
 

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import block_size, token_stride
+from ..triton_utils import block_size, rows_per_program, token_stride
 from ..utils import import_triton, new_output
 
 triton, tl = import_triton()
 
 
-def rows_per_program(BD: int) -> int:
-    """Rows per program: about 1024 elements of each tensor (fourteen live in the backward)."""
-    return max(1, 1024 // BD)
+#: Elements of each tensor a program takes (fourteen tensors live in the backward).
+ELEMENTS = 1024
 
 
 @triton.jit
@@ -133,7 +132,7 @@ class SSEFeatures(torch.autograd.Function):
         outs = [new_output(q1.shape, q1.device, q1.dtype) for _ in range(5)]
         gs = [new_output(q1.shape, q1.device) for _ in range(2)]  # fp32
         BD = block_size(D, 1)
-        BR = rows_per_program(BD)
+        BR = rows_per_program(BD, ELEMENTS)
         if n_rows:
             sse_features_fwd[(triton.cdiv(n_rows, BR),)](*xs, *outs, *gs, n_rows, 1.0 / normalizer,
                                                          *(token_stride(t) for t in xs[:7]), H, D, BD, BR, num_warps=4)
@@ -151,7 +150,7 @@ class SSEFeatures(torch.autograd.Function):
         dxs = [new_output(q1.shape, q1.device, q1.dtype) for _ in range(5)]
         dzs = [new_output(q1.shape, q1.device) for _ in range(2)]  # fp32: the biases' gradients sum them
         BD = block_size(D, 1)
-        BR = rows_per_program(BD)
+        BR = rows_per_program(BD, ELEMENTS)
         if n_rows:
             sse_features_bwd[(triton.cdiv(n_rows, BR),)](*xs, *(g.contiguous() for g in grads), *dxs, *dzs, n_rows,
                                                          1.0 / ctx.normalizer, H, D, BD, BR, num_warps=4)

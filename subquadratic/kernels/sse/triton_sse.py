@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ..gla.triton_chunk import chunk_linear_attention
-from ..triton_utils import block_size
+from ..triton_utils import block_size, rows_per_program
 from ..utils import import_triton, new_output
 from .recurrent import SSEState, setup
 
@@ -291,7 +291,7 @@ class PackRows(torch.autograd.Function):
         va = new_output((BT + R, H, Dv), dev, v.dtype)
         ga = new_output((BT + R, H, Dk), dev)  # fp32
         BK, BV = block_size(Dk), block_size(Dv)
-        BR = max(1, 2048 // max(BK, BV))
+        BR = rows_per_program(max(BK, BV), 2048)
         n = (BT + R) * H
         if n:
             _pack_rows[(triton.cdiv(n, BR),)](*xs, pf, src, cu, qa, ka, va, ga, n, BT, B, H, N, Dk, Dv, BK, BV, BR,
@@ -312,7 +312,7 @@ class PackRows(torch.autograd.Function):
         dg2 = new_output((BT, H, Dk), dev, dts[6])
         dp = new_output((BT * N,), dev)
         BK, BV = block_size(Dk), block_size(Dv)
-        BH = min(block_size(H, 1), max(1, 2048 // max(BK, BV)))
+        BH = rows_per_program(max(BK, BV), 2048, block_size(H, 1))
         if BT:
             _pack_rows_bwd[(BT,)](q2, k2, pf, inv, dqa, dka, dva, dga, dv, dq2, dk2, dg2, dp, BT, H, N,
                                   block_size(N, 2), Dk, Dv, BH, BK, BV, num_warps=4)
@@ -372,7 +372,7 @@ class CombineRows(torch.autograd.Function):
         N = inv.numel() // max(BT, 1)
         o = new_output((BT, H, Dv), o_all.device, dtype)
         BV = block_size(Dv)
-        BR = max(1, 2048 // BV)
+        BR = rows_per_program(BV, 2048)
         if BT:
             _combine_rows[(triton.cdiv(BT * H, BR),)](o_all, inv, o, BT * H, BT, H, N, Dv, BV, BR, num_warps=4)
         ctx.save_for_backward(src, cu)
@@ -386,7 +386,7 @@ class CombineRows(torch.autograd.Function):
         _, H, Dv = do.shape
         doa = new_output((M, H, Dv), do.device, dt)
         BV = block_size(Dv)
-        BR = max(1, 2048 // BV)
+        BR = rows_per_program(BV, 2048)
         B = (cu.numel() - 2) // (N + 1)  # cu has B + B N + 2 entries
         _combine_rows_bwd[(triton.cdiv(M * H, BR),)](do.contiguous(), src, cu, doa, M * H, BT, B, H, N, Dv, BV, BR,
                                                       num_warps=4)
