@@ -240,3 +240,53 @@ def test_window_merge_is_checked():
         from subquadratic.families.sse.configuration import SSEConfig
 
         SSEConfig(sse_window_merge="mean").check()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_kv_heads_of_the_source(kind, tmp_path):
+    """`--sse-kv-heads source`: the SSE layers' k_proj / v_proj keep the source's K/V heads (repeated to
+    the query heads after the projection), so the converted model computes what the default conversion
+    (heads repeated in the weights) computes, in a full forward, cached decoding and the gradients of the
+    shared weights; the checkpoint is smaller by those repeats."""
+    dense_source(kind, tmp_path / "src")
+    models = {}
+    for heads in ("query", "source"):
+        rc = cli_main(["convert", str(tmp_path / "src"), str(tmp_path / heads), "--to", "sse-h", "--sse-softmax-every",
+                       "2", "--sse-kv-heads", heads, "--sse-sliding-window", "4", "--no-progress"])
+        assert rc == 0
+        m, info = AutoModelForCausalLM.from_pretrained(tmp_path / heads, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        assert m.config.sse_kv_heads == heads
+        models[heads] = m.eval()
+    cfg = models["source"].config
+    H, G, d = cfg.num_key_value_heads, cfg.num_key_value_groups, cfg.head_dim
+    assert G > 1
+    sa = models["source"].model.layers[0].self_attn
+    assert sa.k_proj.weight.shape == (H * d, cfg.hidden_size) and sa.v_proj.weight.shape == (H * d, cfg.hidden_size)
+    assert models["query"].model.layers[0].self_attn.k_proj.weight.shape == (G * H * d, cfg.hidden_size)
+    ids = tokens(2, 12)
+    logits = {}
+    for heads, m in models.items():
+        full, gap = cached_decode_gap(m, ids, 7)
+        assert gap <= 1e-4, heads
+        logits[heads] = full
+    torch.testing.assert_close(logits["source"], logits["query"], rtol=1e-5, atol=1e-5)
+    grads = {}
+    for heads, m in models.items():
+        m.train()
+        m.zero_grad()
+        m(ids, labels=ids).loss.backward()
+        grads[heads] = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    src_k = grads["source"]["model.layers.0.self_attn.k_proj.weight"]
+    rep_k = grads["query"]["model.layers.0.self_attn.k_proj.weight"]  # the repeated heads' gradients sum
+    torch.testing.assert_close(src_k, rep_k.view(H, G, d, -1).sum(1).reshape(H * d, -1), rtol=1e-4, atol=1e-6)
+    for n, g in grads["query"].items():
+        if ".k_proj." not in n and ".v_proj." not in n or ".swa." in n or n.startswith("model.layers.1."):
+            torch.testing.assert_close(grads["source"][n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_kv_heads_is_checked():
+    from subquadratic.families.sse.configuration import SSEConfig
+
+    with pytest.raises(ValueError, match="sse_kv_heads"):
+        SSEConfig(sse_kv_heads="group").check()

@@ -45,6 +45,11 @@ OPTIONS: dict[str, dict] = {
         type=int_at_least(0, "N"), dest="sse_window_sinks",
         help="the window branch also sees the first N tokens, the attention sinks (default 4 with a window)",
     ),
+    "kv-heads": dict(
+        choices=["query", "source"], dest="sse_kv_heads",
+        help="heads of the SSE layers' k / v projections: query, each source K/V head repeated to its query "
+             "heads (default); source, the source's K/V heads, repeated after the projection (smaller matmuls)",
+    ),
     "base": dict(choices=["gla", "gdn"], dest="sse_base", help="linear-attention base (default gla)"),
     "key-topk": dict(type=nonnegative_int, dest="sse_key_topk",
                      help="row-sparse keys: softmax over the top N entries only"),

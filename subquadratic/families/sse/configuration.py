@@ -31,6 +31,11 @@ class SSEConfig(SubquadraticConfig):
     initialised to 0, so that a fresh conversion is exactly the source's sliding-window softmax.
     `sse_window_sinks`: the window branch also sees the first that many tokens (attention sinks;
     `convert` gives 4 with a window unless told otherwise).
+    `sse_kv_heads`: the heads of the SSE layers' k and v projections: "query" (as many as the query
+    heads; a conversion repeats each source K/V head to its query heads) or "source" (the source's
+    num_key_value_heads, each read by its G query heads: k_proj and v_proj keep the source's shapes,
+    and k1, v are repeated to the query heads after the projection; the same values at conversion, a
+    smaller projection, K / V tied within each group when trained).
     `aux_loss_weight` scales the router load-balance loss (summed over SSE layers) that the model
     adds to the LM loss in training. The kernels follow `kernel_backend` ("torch": the recurrent
     step for one token and the sorted variable-length form otherwise; "naive": the serial
@@ -48,6 +53,7 @@ class SSEConfig(SubquadraticConfig):
     sse_sliding_window: int | None = None
     sse_window_merge: str = "norm"
     sse_window_sinks: int = 0
+    sse_kv_heads: str = "query"
     sse_gate_rank: int = 16
     sse_gate_normalizer: float = 16.0
     sse_output_gate_rank: int | None = None
@@ -67,6 +73,8 @@ class SSEConfig(SubquadraticConfig):
             raise ValueError(f"sse_key_topk must be in [0, head_dim={self.head_dim}], got {self.sse_key_topk}")
         if self.sse_window_merge not in ("norm", "sum"):
             raise ValueError(f"sse_window_merge must be 'norm' or 'sum', got {self.sse_window_merge!r}")
+        if self.sse_kv_heads not in ("query", "source"):
+            raise ValueError(f"sse_kv_heads must be 'query' or 'source', got {self.sse_kv_heads!r}")
         if self.sse_key_topk and self.sse_base != "gla":
             raise ValueError("sse_key_topk (row-sparse softmax keys) applies to sse_base='gla' only; set it to 0")
         for name in ("sse_lora_rank", "sse_output_gate_rank", "sse_sliding_window", "sse_window_sinks"):

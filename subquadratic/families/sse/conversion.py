@@ -6,7 +6,8 @@ Conversion table (layer i, names under model.layers.{i}.self_attn):
 | source          | softmax layer | SSE layer                                                  |
 | --------------- | ------------- | ---------------------------------------------------------- |
 | q_proj, o_proj  | as is         | as is                                                      |
-| k_proj, v_proj  | as is         | each K/V head repeated to its G = HQ/H query heads         |
+| k_proj, v_proj  | as is         | each K/V head repeated to its G = HQ/H query heads (as is  |
+|                 |               | with --sse-kv-heads source)                                |
 | q_norm, k_norm  | as is         | as is, applied to q1/q2 and k1/k2 (Qwen3)                  |
 | (all of these)  | -             | also copied to swa.* as is, with --sse-sliding-window      |
 | -               | -             | new: LoRA down random / up = 0, router small random, decay |
@@ -55,7 +56,8 @@ def map_tensor(name: str, t: torch.Tensor, config: SSEConfig) -> Iterable[tuple[
         return [(name, t)]
     prefix, _, rest = parts
     out = window_copies(prefix, rest, t) if config.sse_sliding_window else []
-    if rest.split(".")[0] in ("k_proj", "v_proj"):  # [H * D, ...] -> [HQ * D, ...], kv head j -> q heads jG..jG+G-1
+    if rest.split(".")[0] in ("k_proj", "v_proj") and config.sse_kv_heads == "query":
+        # [H * D, ...] -> [HQ * D, ...], kv head j -> q heads jG..jG+G-1
         h, g = config.num_key_value_heads, config.num_key_value_groups
         t = t.reshape(h, -1, *t.shape[1:]).repeat_interleave(g, dim=0).reshape(-1, *t.shape[1:])
     return [(name, t), *out]

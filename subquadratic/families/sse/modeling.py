@@ -1,7 +1,8 @@
 """SSE token mixer and model classes (docs/design.md "SSE and SSE-H").
 
 Per layer (HQ heads of dim D for q, k and v, so a dense checkpoint converts by repeating its K/V
-heads): q1 = W_q x, k1 = W_k x, v = W_v x, q2 = q1 + B_q A_q x, k2 = k1 + B_k A_k x (B = 0 at
+heads; with sse_kv_heads "source" W_k, W_v keep the source's KV heads and k1, v are repeated to the
+HQ heads after them): q1 = W_q x, k1 = W_k x, v = W_v x, q2 = q1 + B_q A_q x, k2 = k1 + B_k A_k x (B = 0 at
 initialisation), the source's qkv bias and qk-norm (Qwen3: applied to q1, q2 and k1, k2 alike),
 feature maps (GLA: q -> SiLU, k -> softmax over D, optionally top-`sse_key_topk` only; GDN: SiLU then
 L2 norm), v -> SiLU, decays for the shared state and for the partitions, a softmax router with
@@ -104,7 +105,8 @@ class SSEAttention(WindowBranch, AttentionBase):
     takes_packed = True
 
     def __init__(self, config: SSEConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx, num_kv_heads=config.num_attention_heads)
+        kv_heads = config.num_attention_heads if config.sse_kv_heads == "query" else config.num_key_value_heads
+        super().__init__(config, layer_idx, num_kv_heads=kv_heads)
         h, hq, d = config.hidden_size, self.num_heads, self.head_dim
         r = config.lora_rank
         if r:
@@ -181,12 +183,13 @@ class SSEAttention(WindowBranch, AttentionBase):
         shape = (B, T, self.num_heads, self.head_dim)
         if inputs is None:
             inputs = input_projections(self, x, (*QKV, *LORA_DOWN) if self.config.lora_rank else QKV)
-        p = inputs
-        q1, k1, v = self.qkv(x, p)
+        q1, k1, v = self.qkv(x, inputs)
+        if self.num_key_value_groups > 1:  # sse_kv_heads "source": KV head j serves query heads jG..jG+G-1
+            k1, v = (t.repeat_interleave(self.num_key_value_groups, dim=2) for t in (k1, v))
         q2, k2 = q1, k1
         if self.config.lora_rank:
-            q2 = q1 + self.q2_up(p["q2_down"]).view(shape)
-            k2 = k1 + self.k2_up(p["k2_down"]).view(shape)
+            q2 = q1 + self.q2_up(inputs["q2_down"]).view(shape)
+            k2 = k1 + self.k2_up(inputs["k2_down"]).view(shape)
         if self.config.qk_norm:
             q1, q2 = self.q_norm(q1), self.q_norm(q2)
             k1, k2 = self.k_norm(k1), self.k_norm(k2)
