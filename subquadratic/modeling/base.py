@@ -209,14 +209,16 @@ class AttentionBase(PackedInputs, nn.Module):
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return q, k, v
 
-    def project_rows(self, x: torch.Tensor, position_embeddings, seq: SequenceInfo):
+    def project_rows(self, x: torch.Tensor, position_embeddings, seq: SequenceInfo,
+                     inputs: dict[str, torch.Tensor] | None = None):
         """(q, k, v [rows, heads, T, D], packed): `project` of x with RoPE, and whether x came in a
         packed batch's own layout (`seq.is_packed`, a mixer that `takes_packed`): then the projections
-        run on the packed tokens and q, k, v are laid out one document per right-padded row."""
+        run on the packed tokens and q, k, v are laid out one document per right-padded row. `inputs`:
+        as `qkv`."""
         if seq.is_packed(x):
-            q, k, v = self.project(x, seq.packed_rope, heads_first=False)
+            q, k, v = self.project(x, seq.packed_rope, heads_first=False, inputs=inputs)
             return (*(seq.documents.unpack(t).transpose(1, 2) for t in (q, k, v)), True)
-        return (*self.project(x, position_embeddings), False)
+        return (*self.project(x, position_embeddings, inputs=inputs), False)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """o: [B, HQ, T, D] -> [B, T, hidden]."""
@@ -328,8 +330,11 @@ class SoftmaxAttention(AttentionBase):
         return resolve_backend(self.config.kernel_backend, q.device, op="sliding-window attention", has_triton=True,
                                has_naive=True, unsupported=why) == "triton"
 
-    def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None):
-        q, k, v, packed = self.project_rows(hidden_states, position_embeddings, seq)
+    def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None,
+                inputs: dict[str, torch.Tensor] | None = None):
+        """`inputs`: the q / k / v projections of hidden_states when another module computed them (a
+        window branch that reads its mixer's projections), else None: this layer's own."""
+        q, k, v, packed = self.project_rows(hidden_states, position_embeddings, seq, inputs)
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)
         sdpa = self.config._attn_implementation != "eager" and seq.attentions is None

@@ -161,33 +161,40 @@ class FreshRing:
 class WindowBranch:
     """Mixin of a state mixer with an optional sliding-window softmax branch (`self.swa`)."""
 
-    def add_window(self, config, layer_idx: int, window: int | None, sinks: int = 0) -> None:
+    def add_window(self, config, layer_idx: int, window: int | None, sinks: int = 0, own_qkv: bool = True) -> None:
         """The branch over the last `window` tokens (none for 0 / None) and the first `sinks` tokens:
-        `self.window`, `self.swa`."""
+        `self.window`, `self.swa`. Without `own_qkv` the branch has no q / k / v projections of its own:
+        `window_attention` is given the mixer's (`inputs`), whose k / v heads must be the source's."""
         self.window = window or 0
         if self.window:
             self.swa = SoftmaxAttention(config, layer_idx)
             self.swa.window, self.swa.sinks = self.window, sinks
+            if not own_qkv:
+                del self.swa.q_proj, self.swa.k_proj, self.swa.v_proj
 
-    def window_attention(self, x: torch.Tensor, position_embeddings, seq: SequenceInfo, cache_layer) -> torch.Tensor:
+    def window_attention(self, x: torch.Tensor, position_embeddings, seq: SequenceInfo, cache_layer,
+                         inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Softmax attention over the last `self.window` tokens, through the shared `SoftmaxAttention`,
-        with the window's keys/values in the cache layer's ring (`WindowRing`)."""
+        with the window's keys/values in the cache layer's ring (`WindowRing`). `inputs`: the mixer's
+        q / k / v projections of x when the branch reads those (`add_window` without `own_qkv`)."""
         if cache_layer is None:
             # a packed batch's documents (one per right-padded row) keep their causal rows: the O(T W) forms
             window_seq = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=seq.causal,
                                       documents=seq.documents, packed_rope=seq.packed_rope)
-            return self.swa(x, position_embeddings, window_seq, None)[0]
+            return self.swa(x, position_embeddings, window_seq, None, inputs=inputs)[0]
         if self._steady_step(x, seq, cache_layer):
-            return self.steady_window_step(x, position_embeddings, seq.length - 1, cache_layer)
+            return self.steady_window_step(x, position_embeddings, seq.length - 1, cache_layer, inputs)
         if self._static_step(x, seq, cache_layer):
-            return self.static_window_step(x, position_embeddings, seq.positions[:, 0], cache_layer)
+            return self.static_window_step(x, position_embeddings, seq.positions[:, 0], cache_layer, inputs)
         if self._fresh_prefill(x, seq, cache_layer):
             # a first call of real tokens (a prefill): causal rows over the new tokens, the ring filled by slicing
             fresh = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=True)
-            return self.swa(x, position_embeddings, fresh, FreshRing(cache_layer, self.window, self.swa.sinks))[0]
+            return self.swa(x, position_embeddings, fresh, FreshRing(cache_layer, self.window, self.swa.sinks),
+                            inputs=inputs)[0]
         ring = WindowRing(cache_layer, seq.positions, self.window, no_padding=seq.causal, consecutive=seq.consecutive,
                           sinks=self.swa.sinks)
-        out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, ring.key_positions()), ring)
+        out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, ring.key_positions()), ring,
+                          inputs=inputs)
         return out
 
     def _fresh_prefill(self, x: torch.Tensor, seq: SequenceInfo, cache_layer) -> bool:
@@ -213,7 +220,7 @@ class WindowBranch:
                 and self.config._attn_implementation != "eager")
 
     def static_window_step(self, x: torch.Tensor, position_embeddings, position: torch.Tensor,
-                           cache_layer) -> torch.Tensor:
+                           cache_layer, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode step of the window with the positions on the device (position [B], each row's new
         token, real), as a captured step runs it: the new key / value / position go into ring slot
         position % W (and into the sinks while position < sinks) in place, and the query attends over
@@ -221,13 +228,14 @@ class WindowBranch:
         sink copies W or more back): `kernels.window_attention.window_step`, on CUDA one kernel. The
         values of the masked path (`WindowRing`)."""
         attn, t = self.swa, cache_layer.tensors
-        q, k, v = attn.project(x, position_embeddings)  # [B, heads, 1, D]
+        q, k, v = attn.project(x, position_embeddings, inputs=inputs)  # [B, heads, 1, D]
         sinks = [t[n] for n in ("swa_sink_k", "swa_sink_v", "swa_sink_pos")] if attn.sinks else [None] * 3
         o = window_step(q, k, v, t["swa_k"], t["swa_v"], t["swa_pos"], *sinks, position, self.window, attn.scaling,
                         self.config.kernel_backend, self.config.kernel_precision)
         return attn.o_proj(o.transpose(1, 2).reshape(x.shape[0], 1, -1))
 
-    def steady_window_step(self, x: torch.Tensor, position_embeddings, position: int, cache_layer) -> torch.Tensor:
+    def steady_window_step(self, x: torch.Tensor, position_embeddings, position: int, cache_layer,
+                           inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode step of the window at `position` >= W + sinks, every token so far real: the new
         key/value goes into its ring slot in place, and the query attends over the sinks and the whole
         ring with no mask (every slot holds one of the last W tokens, the sinks are W or more back and
@@ -236,7 +244,7 @@ class WindowBranch:
         import torch.nn.functional as F
 
         attn, t = self.swa, cache_layer.tensors
-        q, k, v = attn.project(x, position_embeddings)  # [B, heads, 1, D]
+        q, k, v = attn.project(x, position_embeddings, inputs=inputs)  # [B, heads, 1, D]
         slot = position % self.window
         t["swa_k"][:, :, slot] = k[:, :, 0]
         t["swa_v"][:, :, slot] = v[:, :, 0]

@@ -290,3 +290,46 @@ def test_kv_heads_is_checked():
 
     with pytest.raises(ValueError, match="sse_kv_heads"):
         SSEConfig(sse_kv_heads="group").check()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_window_branch_on_the_layers_own_qkv(kind, tmp_path):
+    """`--sse-window-qkv shared` (with `--sse-kv-heads source`): the window branch has no q / k / v
+    projections of its own and reads the SSE layer's, so the converted model computes what the default
+    conversion computes (full forward, cached decoding), and each shared projection's gradient is the sum
+    of the two projections' gradients there; the option without source K/V heads is refused."""
+    dense_source(kind, tmp_path / "src")
+    common = ["--to", "sse-h", "--sse-softmax-every", "2", "--sse-kv-heads", "source", "--sse-sliding-window", "4",
+              "--no-progress"]
+    models = {}
+    for qkv in ("own", "shared"):
+        assert cli_main(["convert", str(tmp_path / "src"), str(tmp_path / qkv), *common, "--sse-window-qkv", qkv]) == 0
+        m, info = AutoModelForCausalLM.from_pretrained(tmp_path / qkv, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        models[qkv] = m.eval()
+    names = {n for n, _ in models["shared"].named_parameters()}
+    assert not [n for n in names if ".swa.q_proj." in n or ".swa.k_proj." in n or ".swa.v_proj." in n]
+    assert "model.layers.0.self_attn.swa.o_proj.weight" in names
+    ids = tokens(2, 12)
+    logits = {}
+    for qkv, m in models.items():
+        full, gap = cached_decode_gap(m, ids, 7)
+        assert gap <= 1e-4, qkv
+        logits[qkv] = full
+    torch.testing.assert_close(logits["shared"], logits["own"], rtol=1e-5, atol=1e-5)
+    grads = {}
+    for qkv, m in models.items():
+        m.train()
+        m.zero_grad()
+        m(ids, labels=ids).loss.backward()
+        grads[qkv] = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    for p in ("q", "k", "v"):
+        name = f"model.layers.0.self_attn.{p}_proj.weight"
+        both = grads["own"][name] + grads["own"][name.replace("self_attn.", "self_attn.swa.")]
+        torch.testing.assert_close(grads["shared"][name], both, rtol=1e-4, atol=1e-6, msg=name)
+    for n, g in grads["shared"].items():
+        if not any(f"self_attn.{p}_proj." in n for p in "qkv"):
+            torch.testing.assert_close(g, grads["own"][n], rtol=1e-4, atol=1e-6, msg=n)
+    bad = ["convert", str(tmp_path / "src"), str(tmp_path / "bad"), "--to", "sse-h", "--sse-window-qkv", "shared",
+           "--no-progress"]
+    assert cli_main(bad) == 2 and not (tmp_path / "bad").exists()

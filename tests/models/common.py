@@ -323,9 +323,9 @@ class ModelTesterMixin:
         seen_docs = []
         softmax_forward = SoftmaxAttention.forward
 
-        def spy(attn, hidden_states, position_embeddings, seq, cache_layer=None):
+        def spy(attn, hidden_states, position_embeddings, seq, cache_layer=None, **kwargs):
             seen_docs.append(seq.documents is not None)
-            return softmax_forward(attn, hidden_states, position_embeddings, seq, cache_layer)
+            return softmax_forward(attn, hidden_states, position_embeddings, seq, cache_layer, **kwargs)
 
         monkeypatch.setattr(SoftmaxAttention, "forward", spy)
 

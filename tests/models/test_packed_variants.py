@@ -16,7 +16,8 @@ from tests.models.sse.test_modeling_sse import lively
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SSE_VARIANTS = [dict(sse_base="gdn"), dict(sse_num_partitions=8), dict(sse_window_merge="norm"),
-                dict(sse_sliding_window=4, sse_window_sinks=2)]
+                dict(sse_sliding_window=4, sse_window_sinks=2),
+                dict(sse_window_sinks=2, sse_kv_heads="source", sse_window_qkv="shared")]
 HLA_VARIANTS = [dict(hla_normalize=True), dict(hla_rope=True), dict(hla_variant="ahla", hla_normalize=True),
                 dict(hla_sliding_window=8, hla_window_sinks=2, hla_normalize=True)]
 

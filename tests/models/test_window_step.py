@@ -20,11 +20,22 @@ def sse_window(sinks: int):
     return lively("tiny-swa", 0, sse_window_merge="sum", sse_window_sinks=sinks).double().eval()
 
 
+def sse_window_shared(sinks: int):
+    """The window branch on the SSE layer's own q / k / v (`sse_window_qkv="shared"`)."""
+    return lively("tiny-swa", 0, sse_window_merge="sum", sse_window_sinks=sinks, sse_kv_heads="source",
+                  sse_window_qkv="shared").double().eval()
+
+
 def hla_window_sinks(sinks: int):
     m = hla_window(0).double().eval()
     for layer in m.model.layers:
         layer.self_attn.swa.sinks = sinks
     return m
+
+
+#: (model maker, sinks) of the step tests: SSE's window with and without sinks, on its own projections and
+#: on the layer's (shared), and HLA's
+STEP_CASES = [(sse_window, 0), (sse_window, 3), (sse_window_shared, 3), (hla_window_sinks, 2)]
 
 
 def decode(m, ids, prefill: int, mask=None, cache=None):
@@ -41,7 +52,7 @@ def decode(m, ids, prefill: int, mask=None, cache=None):
     return torch.cat(logits, 1), cache
 
 
-@pytest.mark.parametrize("make, sinks", [(sse_window, 0), (sse_window, 3), (hla_window_sinks, 2)])
+@pytest.mark.parametrize("make, sinks", STEP_CASES)
 def test_steady_steps_equal_the_masked_path_and_the_forward(make, sinks, monkeypatch):
     m = make(sinks)
     W = m.model.layers[0].self_attn.window
@@ -84,7 +95,7 @@ def test_padding_or_gradients_keep_the_masked_path(monkeypatch):
     assert not calls
 
 
-@pytest.mark.parametrize("make, sinks", [(sse_window, 3), (hla_window_sinks, 2)])
+@pytest.mark.parametrize("make, sinks", [(sse_window, 3), (sse_window_shared, 2), (hla_window_sinks, 2)])
 @pytest.mark.parametrize("prefill", [lambda W: 2, lambda W: W - 1, lambda W: W, lambda W: W + 5, lambda W: 2 * W + 3],
                          ids=["2", "W-1", "W", "W+5", "2W+3"])
 def test_a_fresh_prefill_fills_the_ring_as_the_masked_path_does(make, sinks, prefill, monkeypatch):
@@ -110,7 +121,7 @@ def test_a_fresh_prefill_fills_the_ring_as_the_masked_path_does(make, sinks, pre
                 assert torch.equal(a.tensors[name], b.tensors[name]), name
 
 
-@pytest.mark.parametrize("make, sinks", [(sse_window, 0), (sse_window, 3), (hla_window_sinks, 2)])
+@pytest.mark.parametrize("make, sinks", STEP_CASES)
 @pytest.mark.parametrize("prefill", [1, 2, 6, 13], ids=["1", "2", "6", "13"])
 def test_static_steps_equal_the_masked_path(make, sinks, prefill, monkeypatch):
     """A static cache's one-token steps take `static_window_step` (every window layer, every step) and

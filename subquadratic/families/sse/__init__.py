@@ -50,6 +50,11 @@ OPTIONS: dict[str, dict] = {
         help="heads of the SSE layers' k / v projections: query, each source K/V head repeated to its query "
              "heads (default); source, the source's K/V heads, repeated after the projection (smaller matmuls)",
     ),
+    "window-qkv": dict(
+        choices=["own", "shared"], dest="sse_window_qkv",
+        help="the window branch's q / k / v: own, projections of its own (default); shared, the SSE layer's "
+             "(needs --sse-kv-heads source)",
+    ),
     "base": dict(choices=["gla", "gdn"], dest="sse_base", help="linear-attention base (default gla)"),
     "key-topk": dict(type=nonnegative_int, dest="sse_key_topk",
                      help="row-sparse keys: softmax over the top N entries only"),

@@ -36,6 +36,10 @@ class SSEConfig(SubquadraticConfig):
     num_key_value_heads, each read by its G query heads: k_proj and v_proj keep the source's shapes,
     and k1, v are repeated to the query heads after the projection; the same values at conversion, a
     smaller projection, K / V tied within each group when trained).
+    `sse_window_qkv`: where the window branch's q, k, v come from: "own" (projections of its own,
+    `swa.q_proj` / `k_proj` / `v_proj`, copies of the source's) or "shared" (the SSE layer's q / k / v
+    projections, which then serve both branches: the same values at conversion, three projections
+    fewer; needs `sse_kv_heads` "source", the window's GQA heads).
     `aux_loss_weight` scales the router load-balance loss (summed over SSE layers) that the model
     adds to the LM loss in training. The kernels follow `kernel_backend` ("torch": the recurrent
     step for one token and the sorted variable-length form otherwise; "naive": the serial
@@ -54,6 +58,7 @@ class SSEConfig(SubquadraticConfig):
     sse_window_merge: str = "norm"
     sse_window_sinks: int = 0
     sse_kv_heads: str = "query"
+    sse_window_qkv: str = "own"
     sse_gate_rank: int = 16
     sse_gate_normalizer: float = 16.0
     sse_output_gate_rank: int | None = None
@@ -75,6 +80,11 @@ class SSEConfig(SubquadraticConfig):
             raise ValueError(f"sse_window_merge must be 'norm' or 'sum', got {self.sse_window_merge!r}")
         if self.sse_kv_heads not in ("query", "source"):
             raise ValueError(f"sse_kv_heads must be 'query' or 'source', got {self.sse_kv_heads!r}")
+        if self.sse_window_qkv not in ("own", "shared"):
+            raise ValueError(f"sse_window_qkv must be 'own' or 'shared', got {self.sse_window_qkv!r}")
+        if self.sse_window_qkv == "shared" and self.sse_kv_heads != "source":
+            raise ValueError("sse_window_qkv 'shared' needs sse_kv_heads 'source' (the window branch reads k / v at "
+                             "the source's KV heads): add --sse-kv-heads source")
         if self.sse_key_topk and self.sse_base != "gla":
             raise ValueError("sse_key_topk (row-sparse softmax keys) applies to sse_base='gla' only; set it to 0")
         for name in ("sse_lora_rank", "sse_output_gate_rank", "sse_sliding_window", "sse_window_sinks"):

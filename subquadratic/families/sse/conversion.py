@@ -9,7 +9,8 @@ Conversion table (layer i, names under model.layers.{i}.self_attn):
 | k_proj, v_proj  | as is         | each K/V head repeated to its G = HQ/H query heads (as is  |
 |                 |               | with --sse-kv-heads source)                                |
 | q_norm, k_norm  | as is         | as is, applied to q1/q2 and k1/k2 (Qwen3)                  |
-| (all of these)  | -             | also copied to swa.* as is, with --sse-sliding-window      |
+| (all of these)  | -             | also copied to swa.* as is, with --sse-sliding-window (but |
+|                 |               | q/k/v_proj with --sse-window-qkv shared: the SSE layer's)  |
 | -               | -             | new: LoRA down random / up = 0, router small random, decay |
 |                 |               | biases for long memory, output gate, norms = 1             |
 
@@ -55,7 +56,8 @@ def map_tensor(name: str, t: torch.Tensor, config: SSEConfig) -> Iterable[tuple[
     if parts is None or not _is_sse(config, parts[1]):
         return [(name, t)]
     prefix, _, rest = parts
-    out = window_copies(prefix, rest, t) if config.sse_sliding_window else []
+    shared = config.sse_window_qkv == "shared" and rest.split(".")[0] in ("q_proj", "k_proj", "v_proj")
+    out = window_copies(prefix, rest, t) if config.sse_sliding_window and not shared else []
     if rest.split(".")[0] in ("k_proj", "v_proj") and config.sse_kv_heads == "query":
         # [H * D, ...] -> [HQ * D, ...], kv head j -> q heads jG..jG+G-1
         h, g = config.num_key_value_heads, config.num_key_value_groups

@@ -130,7 +130,8 @@ class SSEAttention(WindowBranch, AttentionBase):
             nn.Linear(h, config.output_gate_rank, bias=False), nn.Linear(config.output_gate_rank, hq * d, bias=False)
         )
         self.o_norm = SSERMSNorm(d, eps=config.rms_norm_eps)
-        self.add_window(config, layer_idx, config.sse_sliding_window, config.sse_window_sinks or 0)
+        self.add_window(config, layer_idx, config.sse_sliding_window, config.sse_window_sinks or 0,
+                        own_qkv=config.sse_window_qkv == "own")
         if self.window:
             if config.sse_window_merge == "norm":
                 self.sse_merge_norm = SSERMSNorm(h, eps=config.rms_norm_eps)
@@ -298,7 +299,8 @@ class SSEAttention(WindowBranch, AttentionBase):
             o = self.o_norm(o) * F.silu(gate)
         out = self.o_proj((o if seq.padding_unread else o * tok).reshape(B, T, -1))
         if self.window:
-            o_swa = self.window_attention(x, position_embeddings, seq, cache_layer)
+            o_swa = self.window_attention(x, position_embeddings, seq, cache_layer,
+                                          inputs=None if cfg.sse_window_qkv == "own" else p)
             if cfg.sse_window_merge == "sum":
                 out = o_swa + out
             else:
