@@ -242,6 +242,33 @@ def test_window_merge_is_checked():
         SSEConfig(sse_window_merge="mean").check()
 
 
+def equal_variants(tmp_path, option: str, values: tuple[str, str], common: list[str]):
+    """Convert the source at tmp_path / "src" once per value of `option` (over the `common` options), load
+    each (no missing or unexpected keys) and check that the two compute the same logits, with cached
+    decoding equal to the full forward; returns {value: model} and {value: {name: gradient}} of one
+    training step on the same ids."""
+    models = {}
+    for value in values:
+        rc = cli_main(["convert", str(tmp_path / "src"), str(tmp_path / value), "--to", "sse-h", "--sse-softmax-every",
+                       "2", "--sse-sliding-window", "4", "--no-progress", *common, option, value])
+        assert rc == 0
+        m, info = AutoModelForCausalLM.from_pretrained(tmp_path / value, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        models[value] = m.eval()
+    ids = tokens(2, 12)
+    logits, grads = [], {}
+    for value, m in models.items():
+        full, gap = cached_decode_gap(m, ids, 7)
+        assert gap <= 1e-4, value
+        logits.append(full)
+        m.train()
+        m.zero_grad()
+        m(ids, labels=ids).loss.backward()
+        grads[value] = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    return models, grads
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_kv_heads_of_the_source(kind, tmp_path):
     """`--sse-kv-heads source`: the SSE layers' k_proj / v_proj keep the source's K/V heads (repeated to
@@ -249,34 +276,14 @@ def test_kv_heads_of_the_source(kind, tmp_path):
     (heads repeated in the weights) computes, in a full forward, cached decoding and the gradients of the
     shared weights; the checkpoint is smaller by those repeats."""
     dense_source(kind, tmp_path / "src")
-    models = {}
-    for heads in ("query", "source"):
-        rc = cli_main(["convert", str(tmp_path / "src"), str(tmp_path / heads), "--to", "sse-h", "--sse-softmax-every",
-                       "2", "--sse-kv-heads", heads, "--sse-sliding-window", "4", "--no-progress"])
-        assert rc == 0
-        m, info = AutoModelForCausalLM.from_pretrained(tmp_path / heads, output_loading_info=True)
-        assert not info["missing_keys"] and not info["unexpected_keys"], info
-        assert m.config.sse_kv_heads == heads
-        models[heads] = m.eval()
+    models, grads = equal_variants(tmp_path, "--sse-kv-heads", ("query", "source"), [])
     cfg = models["source"].config
+    assert cfg.sse_kv_heads == "source" and models["query"].config.sse_kv_heads == "query"
     H, G, d = cfg.num_key_value_heads, cfg.num_key_value_groups, cfg.head_dim
     assert G > 1
     sa = models["source"].model.layers[0].self_attn
     assert sa.k_proj.weight.shape == (H * d, cfg.hidden_size) and sa.v_proj.weight.shape == (H * d, cfg.hidden_size)
     assert models["query"].model.layers[0].self_attn.k_proj.weight.shape == (G * H * d, cfg.hidden_size)
-    ids = tokens(2, 12)
-    logits = {}
-    for heads, m in models.items():
-        full, gap = cached_decode_gap(m, ids, 7)
-        assert gap <= 1e-4, heads
-        logits[heads] = full
-    torch.testing.assert_close(logits["source"], logits["query"], rtol=1e-5, atol=1e-5)
-    grads = {}
-    for heads, m in models.items():
-        m.train()
-        m.zero_grad()
-        m(ids, labels=ids).loss.backward()
-        grads[heads] = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
     src_k = grads["source"]["model.layers.0.self_attn.k_proj.weight"]
     rep_k = grads["query"]["model.layers.0.self_attn.k_proj.weight"]  # the repeated heads' gradients sum
     torch.testing.assert_close(src_k, rep_k.view(H, G, d, -1).sum(1).reshape(H * d, -1), rtol=1e-4, atol=1e-6)
@@ -299,30 +306,10 @@ def test_window_branch_on_the_layers_own_qkv(kind, tmp_path):
     conversion computes (full forward, cached decoding), and each shared projection's gradient is the sum
     of the two projections' gradients there; the option without source K/V heads is refused."""
     dense_source(kind, tmp_path / "src")
-    common = ["--to", "sse-h", "--sse-softmax-every", "2", "--sse-kv-heads", "source", "--sse-sliding-window", "4",
-              "--no-progress"]
-    models = {}
-    for qkv in ("own", "shared"):
-        assert cli_main(["convert", str(tmp_path / "src"), str(tmp_path / qkv), *common, "--sse-window-qkv", qkv]) == 0
-        m, info = AutoModelForCausalLM.from_pretrained(tmp_path / qkv, output_loading_info=True)
-        assert not info["missing_keys"] and not info["unexpected_keys"], info
-        models[qkv] = m.eval()
+    models, grads = equal_variants(tmp_path, "--sse-window-qkv", ("own", "shared"), ["--sse-kv-heads", "source"])
     names = {n for n, _ in models["shared"].named_parameters()}
     assert not [n for n in names if ".swa.q_proj." in n or ".swa.k_proj." in n or ".swa.v_proj." in n]
     assert "model.layers.0.self_attn.swa.o_proj.weight" in names
-    ids = tokens(2, 12)
-    logits = {}
-    for qkv, m in models.items():
-        full, gap = cached_decode_gap(m, ids, 7)
-        assert gap <= 1e-4, qkv
-        logits[qkv] = full
-    torch.testing.assert_close(logits["shared"], logits["own"], rtol=1e-5, atol=1e-5)
-    grads = {}
-    for qkv, m in models.items():
-        m.train()
-        m.zero_grad()
-        m(ids, labels=ids).loss.backward()
-        grads[qkv] = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
     for p in ("q", "k", "v"):
         name = f"model.layers.0.self_attn.{p}_proj.weight"
         both = grads["own"][name] + grads["own"][name.replace("self_attn.", "self_attn.swa.")]
