@@ -10,7 +10,9 @@ head j reads KV head j // G); `gla_varlen_triton` keeps SSE's varlen GLA contrac
 Kernels, chunk C (a power of two >= 16, 64 at most with per-key decay; 64 is the fast one):
   `triton_chunk_h` `chunk_fwd_h` the state walk (the state before every chunk, the final state),
                    which also writes the in-chunk cumulative sum gc of the log decays in the
-                   forward, and its backward `chunk_bwd_dh`;
+                   forward, and its backward `chunk_bwd_dh`; calls of more than PIECE chunks take
+                   the split walk (`piece_fwd_h`, `piece_carry`, `piece_fix`: pieces of PIECE
+                   chunks walked side by side, then joined);
   `triton_chunk_o` `chunk_fwd_o` o = (q decay) h_c + A v, and its backward `chunk_bwd_dv`,
                    `chunk_bwd_dqk` (dq, dk and the decays' gradient); per-key decay adds the
                    intra-chunk scores by sub-chunks (`intra_fwd`, `intra_bwd_dA`, `intra_bwd`).
@@ -26,14 +28,14 @@ stages).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from ..triton_utils import TRITON_DTYPES, block_size, dot_precision, launch
 from ..utils import import_triton, new_output
-from .triton_chunk_h import chunk_bwd_dh, chunk_fwd_h
+from .triton_chunk_h import chunk_bwd_dh, chunk_fwd_h, piece_carry, piece_fix, piece_fwd_h
 from .triton_chunk_o import BC, chunk_bwd_dqk, chunk_bwd_dv, chunk_fwd_o, intra_bwd, intra_bwd_dA, intra_fwd
 
 triton, tl = import_triton()
@@ -50,11 +52,32 @@ WARPS_WIDE = 8  # kernels holding several [chunk, K] fp32 tiles
 DECAY_KINDS = ("none", "head", "key")
 
 
+#: Chunks of one piece of the split state walk (`triton_chunk_h`): a call of more tokens than one
+#: piece walks its sequences' pieces side by side and joins them (the serial part is a sequence's
+#: pieces, not its chunks); one piece or fewer take the single walk.
+PIECE = 16
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """The split walk's NP piece slots: for varlen inputs `table`, a chunk table of PIECE * C-token
+    chunks (its `ccu`: each sequence's first piece, `seq`: each piece's sequence); dense inputs have
+    cdiv(NT, PIECE) pieces per sequence, found by arithmetic."""
+
+    NP: int
+    table: Chunks | None = None
+
+    def args(self) -> tuple:
+        t = self.table
+        return (None, None, None) if t is None else (t.bos, t.n, t.seq)
+
+
 @dataclass(frozen=True)
 class Chunks:
     """Where the chunks are: C tokens each, NC of them (slots) over N sequences; dense: N = B
     sequences of T tokens (NT chunks each); varlen: cu [N + 1], ccu [N + 1] (first chunk of each
-    sequence), and per chunk slot its first token `bos` and valid tokens `n` [NC] (0: unused)."""
+    sequence), and per chunk slot its first token `bos`, valid tokens `n` (0: unused) and sequence
+    `seq` [NC]. `pieces`: where the split walk's pieces are (`with_pieces`), or None."""
 
     C: int
     N: int
@@ -65,6 +88,8 @@ class Chunks:
     ccu: Tensor | None = None
     bos: Tensor | None = None
     n: Tensor | None = None
+    seq: Tensor | None = None
+    pieces: Pieces | None = None
 
     @property
     def varlen(self) -> bool:
@@ -85,7 +110,7 @@ TABLE_SLOTS = 64
 
 
 @triton.jit
-def chunk_table_kernel(CU, CCU, BOS, CNT, N, NC, C: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr):
+def chunk_table_kernel(CU, CCU, BOS, CNT, SEQ, N, NC, C: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr):
     """The chunk table in one program: the chunks per sequence and their exclusive cumulative count
     ccu [N + 1] in registers, then per block of slots j: the sequence seg = #{s: ccu[s + 1] <= j}
     (clamped to N - 1), bos = cu[seg] + (j - ccu[seg]) C and the valid tokens n (0 past the last
@@ -109,6 +134,7 @@ def chunk_table_kernel(CU, CCU, BOS, CNT, N, NC, C: tl.constexpr, BN: tl.constex
         n = tl.where(j < total, n, 0)
         tl.store(BOS + j, bos, mask=j < NC)
         tl.store(CNT + j, n, mask=j < NC)
+        tl.store(SEQ + j, seg, mask=j < NC)
 
 
 def chunk_table(cu: Tensor, M: int, C: int) -> Chunks:
@@ -124,10 +150,11 @@ def chunk_table(cu: Tensor, M: int, C: int) -> Chunks:
     ccu = new_output((N + 1,), cu.device, torch.int32)
     bos = new_output((NC,), cu.device, torch.int32)
     n = new_output((NC,), cu.device, torch.int32)
+    seq = new_output((NC,), cu.device, torch.int32)
     BN = block_size(N)
     # a [slots, sequences] tile of comparisons per block of slots: at most 16k elements
-    chunk_table_kernel[(1,)](cu, ccu, bos, n, N, NC, C, BN, max(4, min(TABLE_SLOTS, 16384 // BN)), num_warps=4)
-    return Chunks(C, N, NC, cu=cu, ccu=ccu, bos=bos, n=n)
+    chunk_table_kernel[(1,)](cu, ccu, bos, n, seq, N, NC, C, BN, max(4, min(TABLE_SLOTS, 16384 // BN)), num_warps=4)
+    return Chunks(C, N, NC, cu=cu, ccu=ccu, bos=bos, n=n, seq=seq)
 
 
 def chunk_table_reference(cu: Tensor, M: int, C: int) -> Chunks:
@@ -143,20 +170,54 @@ def chunk_table_reference(cu: Tensor, M: int, C: int) -> Chunks:
     n = (cu[seg + 1] - bos).clamp(0, C)
     n = torch.where(j < ccu[-1], n, torch.zeros_like(n))
     i32 = torch.int32
-    return Chunks(C, N, NC, cu=cu, ccu=ccu.to(i32), bos=bos.to(i32).contiguous(), n=n.to(i32).contiguous())
+    return Chunks(C, N, NC, cu=cu, ccu=ccu.to(i32), bos=bos.to(i32).contiguous(), n=n.to(i32).contiguous(),
+                  seq=seg.to(i32).contiguous())
+
+
+def with_pieces(ch: Chunks, M: int) -> Chunks:
+    """`ch` with the split walk's pieces when its M tokens are more than one piece of PIECE chunks
+    (varlen inputs: one launch, the piece table), else `ch`."""
+    if M <= ch.C * PIECE:
+        return ch
+    if not ch.varlen:
+        return replace(ch, pieces=Pieces(ch.N * triton.cdiv(ch.NT, PIECE)))
+    table = chunk_table(ch.cu, M, ch.C * PIECE)
+    return replace(ch, pieces=Pieces(table.NC, table))
 
 
 def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final, g=None):
     """The state before every chunk h [NC, H, K, V] (input dtype, fp32 for fp32) and the final
     states [N, H, K, V] fp32 (None unless `want_final`). With the raw log decays `g`, the walk also
-    writes their in-chunk cumulative sum into `gc` (the forward); without, it reads `gc`."""
+    writes their in-chunk cumulative sum into `gc` (the forward); without, it reads `gc`. One walk
+    per sequence, or with `ch.pieces` the split walk: its pieces side by side, their joins, the
+    states' fix (three launches)."""
     M, H, K = k.shape
     V = v.shape[-1]
-    h = new_output((ch.NC, H, K, V), k.device, k.dtype)
-    ht = new_output((ch.N, H, K, V), k.device) if want_final else None
-    launch(chunk_fwd_h, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), ch.N * H),
-           (k, v, g, gc, h, h0, ht, *ch.seq_args(), H, G, K, V, ch.C, decay, ch.varlen, h0 is not None, want_final,
-            prec, g is not None), {"BK": min(BK_H, block_size(K)), "BV": min(BV_H, block_size(V))}, WARPS)
+    dev = k.device
+    h = new_output((ch.NC, H, K, V), dev, k.dtype)
+    ht = new_output((ch.N, H, K, V), dev) if want_final else None
+    blocks = {"BK": min(BK_H, block_size(K)), "BV": min(BV_H, block_size(V))}
+    pc = ch.pieces
+    if pc is None:
+        launch(chunk_fwd_h, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), ch.N * H),
+               (k, v, g, gc, h, h0, ht, *ch.seq_args(), H, G, K, V, ch.C, decay, ch.varlen, h0 is not None,
+                want_final, prec, g is not None), blocks, WARPS)
+        return h, ht
+    NP = pc.NP
+    S = new_output((NP, H, K, V), dev)
+    D = new_output((NP, H, K), dev) if decay else None
+    E = new_output((ch.NC, H, K), dev) if decay else None
+    launch(piece_fwd_h, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), NP * H),
+           (k, v, g, gc, h, h0, S, D, E, ch.cu, ch.ccu, *pc.args(), ch.T, ch.NT, H, G, K, V, ch.C, PIECE, decay,
+            ch.varlen, h0 is not None, prec, g is not None), blocks, WARPS)
+    X = new_output((NP, H, K, V), dev)
+    BK, BV = blocks["BK"], blocks["BV"]
+    kv = (triton.cdiv(K, BK), triton.cdiv(V, BV))
+    # not autotuned: piece_fix adds into h (an autotuner's repeated runs would add again)
+    piece_carry[(*kv, ch.N * H)](S, D, X, h0, ht, None if pc.table is None else pc.table.ccu, ch.NT, H, K, V,
+                                 PIECE, decay, ch.varlen, h0 is not None, want_final, BK, BV, num_warps=WARPS)
+    piece_fix[(NP * H * PIECE, *kv)](h, X, E, ch.cu, ch.ccu, *pc.args(), ch.T, ch.NT, H, K, V, ch.C, PIECE, decay,
+                                     ch.varlen, BK, BV, num_warps=WARPS)
     return h, ht
 
 
@@ -282,6 +343,7 @@ def chunk_linear_attention(
         ch = Chunks(chunk_size, B, B * triton.cdiv(T, chunk_size), T=T, NT=triton.cdiv(T, chunk_size))
     else:
         ch = chunk_table(cu_seqlens.to(torch.int32).contiguous(), M, chunk_size)
+    ch = with_pieces(ch, M)
     if initial_state is not None:
         if initial_state.shape != (ch.N, H, K, V):
             raise ValueError(f"initial_state must be [N={ch.N}, H={H}, K={K}, V={V}]; got "

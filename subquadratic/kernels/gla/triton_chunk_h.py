@@ -152,6 +152,29 @@ def cumsum_chunk(g, gc, bos, eos, i_t, i_h, o_k, who, H: tl.constexpr, K: tl.con
     return row, m_t, b_g, b_gl
 
 
+@triton.jit
+def walk_step(k, v, g, gc, b_h, bos, eos, i_t, i_h, o_k, o_v, who, H: tl.constexpr, K: tl.constexpr,
+              V: tl.constexpr, BT: tl.constexpr, DECAY: tl.constexpr, PREC: tl.constexpr, CUMSUM: tl.constexpr):
+    """One chunk of a forward walk: the state after chunk i_t of the walk's tokens [bos, eos) from the
+    state b_h [BK, BV] before it, and the chunk's last cumulative log decay (`cumsum_chunk` with
+    CUMSUM, else `walk_chunk`)."""
+    if CUMSUM and DECAY != 0:
+        row, m_t, b_g, b_gl = cumsum_chunk(g, gc, bos, eos, i_t, i_h, o_k, who, H, K, BT, DECAY)
+    else:
+        row, m_t, b_g, b_gl = walk_chunk(gc, bos, eos, i_t, i_h, o_k, H, K, BT, DECAY)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & (o_v < V)[None, :], other=0.0)
+    if DECAY == 1:  # k decayed to the chunk end, the state across the chunk
+        b_k = tl.where(m_tk, b_k.to(tl.float32) * tl.exp(b_gl - b_g)[:, None], 0.0).to(b_k.dtype)
+        b_h *= tl.exp(b_gl)
+    elif DECAY == 2:
+        b_k = tl.where(m_tk, b_k.to(tl.float32) * tl.exp(b_gl[None, :] - b_g), 0.0).to(b_k.dtype)
+        b_h *= tl.exp(b_gl)[:, None]
+    b_h += tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=PREC)
+    return b_h, b_gl
+
+
 @autotune(CONFIGS, KEY)
 @triton.jit
 def chunk_fwd_h(
@@ -166,7 +189,6 @@ def chunk_fwd_h(
     cumsum kernel; without, it reads gc."""
     i_nh, i_h, bos, eos, c0, nt, o_k, o_v, m_kv, off_kv = walk_program(cu, ccu, T, NT, H, K, V, BT, BK, BV,
                                                                        IS_VARLEN)
-    m_k, m_v = o_k < K, o_v < V
     if DECAY == 2:  # who stores gc (where `who` is 0): each key block's programs of the first V block
         who = tl.program_id(1)
     else:  # one decay per head: the first key block's
@@ -176,20 +198,7 @@ def chunk_fwd_h(
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     for i_t in range(0, nt):
         tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + off_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
-        if CUMSUM and DECAY != 0:
-            row, m_t, b_g, b_gl = cumsum_chunk(g, gc, bos, eos, i_t, i_h, o_k, who, H, K, BT, DECAY)
-        else:
-            row, m_t, b_g, b_gl = walk_chunk(gc, bos, eos, i_t, i_h, o_k, H, K, BT, DECAY)
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        if DECAY == 1:  # k decayed to the chunk end, the state across the chunk
-            b_k = tl.where(m_tk, b_k.to(tl.float32) * tl.exp(b_gl - b_g)[:, None], 0.0).to(b_k.dtype)
-            b_h *= tl.exp(b_gl)
-        elif DECAY == 2:
-            b_k = tl.where(m_tk, b_k.to(tl.float32) * tl.exp(b_gl[None, :] - b_g), 0.0).to(b_k.dtype)
-            b_h *= tl.exp(b_gl)[:, None]
-        b_h += tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=PREC)
+        b_h, _ = walk_step(k, v, g, gc, b_h, bos, eos, i_t, i_h, o_k, o_v, who, H, K, V, BT, DECAY, PREC, CUMSUM)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_kv, b_h, mask=m_kv)
 
@@ -229,3 +238,142 @@ def chunk_bwd_dh(
             b_dh += tl.dot(tl.trans(b_q), b_do.to(b_q.dtype), input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + off_kv, b_dh, mask=m_kv)
+
+
+# ---------------------------------------------------------------------------
+# The split forward walk: pieces of PIECE chunks walked side by side, then joined
+# ---------------------------------------------------------------------------
+#
+# A sequence of many chunks is cut into pieces of P chunks (the last may be shorter). Varlen inputs
+# have a piece table, a chunk table with chunks of P * C tokens (`Chunks.seq` names each piece's
+# sequence); dense ones cdiv(NT, P) pieces per sequence (`piece_bounds`). (1) `piece_fwd_h`: one
+# program per (K block, V block, piece x KV head) walks its piece from a zero state (its sequence's
+# initial state for the first piece), storing the states before its chunks less what enters the
+# piece, its end state S [NP, H, K, V] fp32, and with decay the sum of its chunks' log decays
+# D [NP, H, K] and per chunk the sum over the piece's chunks before it E [NC, H, K]. (2)
+# `piece_carry`: per (sequence, KV head), the state entering each piece after the first,
+# X_p = exp(D_{p-1}) X_{p-1} + S_{p-1} (X_1 = S_0), into X [NP, H, K, V] fp32, and the final state.
+# (3) `piece_fix`: each chunk of a later piece adds exp(E_c) X_p to its state. The serial part is a
+# sequence's pieces, not its chunks.
+
+
+@triton.jit
+def piece_bounds(cu, ccu, p_bos, p_n, p_seq, i_p, T, NT, P: tl.constexpr, BT: tl.constexpr,
+                 IS_VARLEN: tl.constexpr):
+    """(first token, tokens, sequence, the sequence's first token, the piece's first chunk) of piece
+    slot i_p (tokens 0: an unused slot)."""
+    if IS_VARLEN:
+        bos = tl.load(p_bos + i_p)
+        n_tok = tl.load(p_n + i_p)
+        seq = tl.load(p_seq + i_p)
+        s_bos = tl.load(cu + seq)
+        c_first = tl.load(ccu + seq) + (bos - s_bos) // BT
+    else:
+        nps = tl.cdiv(NT, P)
+        seq = i_p // nps
+        j = i_p % nps
+        s_bos = seq * T
+        bos = s_bos + j * P * BT
+        n_tok = tl.minimum(T - j * P * BT, P * BT)
+        c_first = seq * NT + j * P
+    return bos, n_tok, seq, s_bos, c_first
+
+
+@autotune(CONFIGS, KEY)
+@triton.jit
+def piece_fwd_h(
+    k, v, g, gc, h, h0, S, D, E, cu, ccu, p_bos, p_n, p_seq, T, NT,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, P: tl.constexpr,
+    DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, PREC: tl.constexpr,
+    CUMSUM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    i_k, i_v, i_ph = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_p, i_h = i_ph // H, i_ph % H
+    bos, n_tok, seq, s_bos, c_first = piece_bounds(cu, ccu, p_bos, p_n, p_seq, i_p, T, NT, P, BT, IS_VARLEN)
+    eos = bos + n_tok
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    off_kv = o_k[:, None] * V + o_v[None, :]
+    if DECAY == 2:  # who stores gc, D and E (where `who` is 0), as in `chunk_fwd_h`
+        who = tl.program_id(1)
+    else:
+        who = tl.program_id(0) + tl.program_id(1)
+    m_e = m_k & (o_k * 0 + tl.program_id(1) == 0)  # D, E: each key block's programs of the first V block
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:  # the sequence's initial state enters its first piece
+        first = (o_k * 0 + bos == s_bos)[:, None]
+        b_h += tl.load(h0 + (seq * H + i_h).to(tl.int64) * K * V + off_kv, mask=m_kv & first, other=0.0)
+    b_e = tl.zeros([BK], dtype=tl.float32)
+    for i_t in range(0, tl.cdiv(n_tok, BT)):
+        c = (c_first + i_t) * H + i_h
+        tl.store(h + c.to(tl.int64) * K * V + off_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
+        if DECAY != 0:
+            tl.store(E + c.to(tl.int64) * K + o_k, b_e, mask=m_e)
+        b_h, b_gl = walk_step(k, v, g, gc, b_h, bos, eos, i_t, i_h, o_k, o_v, who, H, K, V, BT, DECAY, PREC,
+                              CUMSUM)
+        if DECAY != 0:
+            b_e += b_gl
+    tl.store(S + (i_p * H + i_h).to(tl.int64) * K * V + off_kv, b_h, mask=m_kv)
+    if DECAY != 0:
+        tl.store(D + (i_p * H + i_h).to(tl.int64) * K + o_k, b_e, mask=m_e)
+
+
+@triton.jit
+def piece_carry(
+    S, D, X, h0, ht, pccu, NT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, DECAY: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        p0 = tl.load(pccu + i_n)
+        n_p = tl.load(pccu + i_n + 1) - p0
+    else:
+        n_p = tl.cdiv(NT, P)
+        p0 = i_n * n_p
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_kv = m_k[:, None] & (o_v < V)[None, :]
+    off_kv = o_k[:, None] * V + o_v[None, :]
+    # the first piece's end state (it holds the initial state); an empty sequence keeps its initial state
+    b_x = tl.load(S + (p0 * H + i_h).to(tl.int64) * K * V + off_kv, mask=m_kv & (o_k * 0 + n_p > 0)[:, None], other=0.0)
+    if USE_H0:
+        b_x += tl.load(h0 + i_nh.to(tl.int64) * K * V + off_kv, mask=m_kv & (o_k * 0 + n_p == 0)[:, None], other=0.0)
+    for j in range(1, n_p):
+        p = (p0 + j) * H + i_h
+        tl.store(X + p.to(tl.int64) * K * V + off_kv, b_x, mask=m_kv)
+        if DECAY != 0:
+            b_x *= tl.exp(tl.load(D + p.to(tl.int64) * K + o_k, mask=m_k, other=0.0))[:, None]
+        b_x += tl.load(S + p.to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + off_kv, b_x, mask=m_kv)
+
+
+@triton.jit
+def piece_fix(
+    h, X, E, cu, ccu, p_bos, p_n, p_seq, T, NT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, P: tl.constexpr,
+    DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    i_phj, i_k, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    j, i_ph = i_phj % P, i_phj // P
+    i_p, i_h = i_ph // H, i_ph % H
+    bos, n_tok, seq, s_bos, c_first = piece_bounds(cu, ccu, p_bos, p_n, p_seq, i_p, T, NT, P, BT, IS_VARLEN)
+    c = (c_first + j) * H + i_h
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    # a chunk of this piece, which is not its sequence's first (scalar conditions as tensors: the
+    # interpreter's masks are tensors)
+    live = (o_k * 0 + j * BT < n_tok) & (o_k * 0 + bos > s_bos)
+    m_kv = (m_k & live)[:, None] & (o_v < V)[None, :]
+    off_kv = o_k[:, None] * V + o_v[None, :]
+    b_x = tl.load(X + (i_p * H + i_h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
+    if DECAY != 0:
+        b_x *= tl.exp(tl.load(E + c.to(tl.int64) * K + o_k, mask=m_k & live, other=0.0))[:, None]
+    b_h = tl.load(h + c.to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
+    tl.store(h + c.to(tl.int64) * K * V + off_kv, (b_h + b_x).to(h.dtype.element_ty), mask=m_kv)

@@ -8,8 +8,9 @@ with h_c the state before the token's chunk and A the intra-chunk causal scores,
   DECAY 0:  A_ts = q_t . k_s;   DECAY 1:  A_ts = (q_t . k_s) exp(gc_t - gc_s)  (both formed here);
   DECAY 2:  A_ts = sum_d q_td k_sd exp(gc_td - gc_sd), which no single factorisation keeps finite:
             `intra_fwd` forms it by sub-chunks of BC = 16 tokens, exponents <= 0 only (for query
-            sub-chunk i and key sub-chunk j < i the product is split at the first row of i; inside
-            a diagonal sub-chunk the decays are formed pairwise per key dim), and `chunk_fwd_o`
+            sub-chunk i and key sub-chunk j < i the product is split at the first row of i; a
+            diagonal sub-chunk is one fp32 dot split the same way when its decay span is at most
+            30, else its decays are formed pairwise per key dim), and `chunk_fwd_o`
             loads it. G = 1 for this kind.
 
 Kernels, one program per (V block, chunk, KV head) unless said: `chunk_fwd_o` (the G query heads
@@ -260,18 +261,31 @@ def intra_fwd(
         b_kg = tl.where(m_jk, b_k * tl.exp(b_gn[None, :] - b_gj), 0.0).to(k.dtype.element_ty)
         b_A = tl.dot(b_qg, tl.trans(b_kg), input_precision=PREC)
         tl.store(a_base + r_i[:, None] * BT + r_j[None, :], b_A)
-    # diagonal block: exp(gc_t - gc_s) per key dim, s <= t, one key at a time
-    b_A = tl.zeros([BC, BC], dtype=tl.float32)
-    for j in range(0, BC):
-        s = i_i * BC + j
-        m_s = (o_k * 0 + s) < n
-        off_s = ((bos + s).to(tl.int64) * H + i_h) * K + o_k
-        b_ks = tl.load(k + off_s, mask=m_k & m_s, other=0.0).to(tl.float32)
-        b_gs = tl.load(gc + off_s, mask=m_k & m_s, other=0.0)
-        keep = (o_c >= j)[:, None] & m_ik & m_s[None, :]
-        b_e = tl.exp(tl.where(keep, b_g - b_gs[None, :], 0.0))
-        col = tl.sum(tl.where(keep, b_q * b_ks[None, :] * b_e, 0.0), 1)
-        b_A = tl.where(o_c[None, :] == j, col[:, None], b_A)
+    # diagonal block: A_ts = sum_d q_td k_sd exp(gc_td - gc_sd), s <= t inside the sub-chunk. Split at its
+    # first row n, exp(gc_t - gc_n) <= 1 and exp(gc_n - gc_s) <= exp(span), span the sub-chunk's largest
+    # decay (gc_n - gc_last over the key dims): one fp32 dot when the span is at most 30 (exp(30) |k|
+    # stays far inside fp32), else the pairwise exponents (all <= 0) one key at a time
+    r_last = tl.maximum(tl.minimum(i_i * BC + BC, n) - 1, 0)
+    b_gr = tl.load(gc + ((bos + r_last).to(tl.int64) * H + i_h) * K + o_k, mask=m_k & (o_k * 0 < n), other=0.0)
+    span = tl.max(tl.where(m_k, b_gn - b_gr, 0.0), 0)
+    lower = (o_c[:, None] >= o_c[None, :]) & m_i[:, None] & m_i[None, :]
+    if span <= 30.0:
+        b_ki = tl.load(k + off_i, mask=m_ik, other=0.0).to(tl.float32)
+        b_kn = tl.where(m_ik, b_ki * tl.exp(b_gn[None, :] - b_g), 0.0)
+        b_qn = tl.where(m_ik, b_q * tl.exp(b_g - b_gn[None, :]), 0.0)
+        b_A = tl.where(lower, tl.dot(b_qn, tl.trans(b_kn), input_precision=PREC), 0.0)
+    else:
+        b_A = tl.zeros([BC, BC], dtype=tl.float32)
+        for j in range(0, BC):
+            s = i_i * BC + j
+            m_s = (o_k * 0 + s) < n
+            off_s = ((bos + s).to(tl.int64) * H + i_h) * K + o_k
+            b_ks = tl.load(k + off_s, mask=m_k & m_s, other=0.0).to(tl.float32)
+            b_gs = tl.load(gc + off_s, mask=m_k & m_s, other=0.0)
+            keep = (o_c >= j)[:, None] & m_ik & m_s[None, :]
+            b_e = tl.exp(tl.where(keep, b_g - b_gs[None, :], 0.0))
+            col = tl.sum(tl.where(keep, b_q * b_ks[None, :] * b_e, 0.0), 1)
+            b_A = tl.where(o_c[None, :] == j, col[:, None], b_A)
     tl.store(a_base + r_i[:, None] * BT + r_i[None, :], b_A)
 
 
@@ -325,6 +339,12 @@ def intra_bwd(
                    other=0.0)
     r_last = tl.maximum(tl.minimum(i_i * BC + BC, n) - 1, 0)
     b_gr = tl.load(gc + ((bos + r_last).to(tl.int64) * H + i_h) * K + o_k, mask=m_k & (o_k * 0 < n), other=0.0)
+    # the diagonal block as in `intra_fwd`: one fp32 dot each for dq and dk when the sub-chunk's decay span
+    # is at most 30 (k_s exp(gc_n - gc_s) and q_t exp(gc_t - gc_last), both <= exp(span)), else the
+    # pairwise exponents one row at a time (below)
+    span = tl.max(tl.where(m_k, b_gn - b_gr, 0.0), 0)
+    lower = (o_c[:, None] >= o_c[None, :]) & m_i[:, None] & m_i[None, :]
+    b_dAii = tl.load(dA_base + r_i[:, None] * BT + r_i[None, :], mask=lower, other=0.0)  # [t, s]
     b_dq = tl.zeros([BC, BK], dtype=tl.float32)
     for j in range(0, i_i):
         r_j = j * BC + o_c
@@ -335,6 +355,9 @@ def intra_bwd(
         b_kg = tl.where(m_jk, b_kj * tl.exp(b_gn[None, :] - b_gj), 0.0).to(k.dtype.element_ty)
         b_dAij = tl.load(dA_base + r_i[:, None] * BT + r_j[None, :]).to(k.dtype.element_ty)
         b_dq += tl.dot(b_dAij, b_kg, input_precision=PREC)
+    if span <= 30.0:
+        b_ki = tl.load(k + off_i, mask=m_ik, other=0.0).to(tl.float32)
+        b_dq += tl.dot(b_dAii, tl.where(m_ik, b_ki * tl.exp(b_gn[None, :] - b_g), 0.0), input_precision=PREC)
     b_dq = tl.where(m_ik, b_dq * tl.exp(b_g - b_gn[None, :]), 0.0)
     b_dk = tl.zeros([BC, BK], dtype=tl.float32)
     for j in range(i_i + 1, NC):
@@ -346,23 +369,27 @@ def intra_bwd(
         b_qg = tl.where(m_jk, b_qj * tl.exp(b_gj - b_gr[None, :]), 0.0).to(q.dtype.element_ty)
         b_dAji = tl.load(dA_base + r_j[None, :] * BT + r_i[:, None]).to(q.dtype.element_ty)  # [s in i, t in j]
         b_dk += tl.dot(b_dAji, b_qg, input_precision=PREC)
+    if span <= 30.0:
+        b_qi = tl.load(q + off_i, mask=m_ik, other=0.0).to(tl.float32)
+        b_dk += tl.dot(tl.trans(b_dAii), tl.where(m_ik, b_qi * tl.exp(b_g - b_gr[None, :]), 0.0),
+                       input_precision=PREC)
     b_dk = tl.where(m_ik, b_dk * tl.exp(b_gr[None, :] - b_g), 0.0)
-    # diagonal block, one row j at a time: j as the key (for dq) and as the query (for dk)
-    for j in range(0, BC):
-        r = i_i * BC + j
-        m_r = (o_k * 0 + r) < n
-        m_rc = (o_c * 0 + r) < n
-        off_r = ((bos + r).to(tl.int64) * H + i_h) * K + o_k
-        b_kr = tl.load(k + off_r, mask=m_k & m_r, other=0.0).to(tl.float32)
-        b_qr = tl.load(q + off_r, mask=m_k & m_r, other=0.0).to(tl.float32)
-        b_gr_ = tl.load(gc + off_r, mask=m_k & m_r, other=0.0)
-        col = tl.load(dA_base + r_i * BT + r, mask=m_i & m_rc, other=0.0)     # dA[t in i, s = r]
-        rw = tl.load(dA_base + r * BT + r_i, mask=m_i & m_rc, other=0.0)      # dA[t = r, s in i]
-        keep_q = (o_c >= j)[:, None] & m_ik & m_r[None, :]                    # t >= s = r
-        e_q = tl.exp(tl.where(keep_q, b_g - b_gr_[None, :], 0.0))
-        b_dq += tl.where(keep_q, col[:, None] * b_kr[None, :] * e_q, 0.0)
-        keep_k = (o_c <= j)[:, None] & m_ik & m_r[None, :]                    # s <= t = r
-        e_k = tl.exp(tl.where(keep_k, b_gr_[None, :] - b_g, 0.0))
-        b_dk += tl.where(keep_k, rw[:, None] * b_qr[None, :] * e_k, 0.0)
+    if span > 30.0:  # diagonal block, one row j at a time: j as the key (for dq) and as the query (for dk)
+        for j in range(0, BC):
+            r = i_i * BC + j
+            m_r = (o_k * 0 + r) < n
+            m_rc = (o_c * 0 + r) < n
+            off_r = ((bos + r).to(tl.int64) * H + i_h) * K + o_k
+            b_kr = tl.load(k + off_r, mask=m_k & m_r, other=0.0).to(tl.float32)
+            b_qr = tl.load(q + off_r, mask=m_k & m_r, other=0.0).to(tl.float32)
+            b_gr_ = tl.load(gc + off_r, mask=m_k & m_r, other=0.0)
+            col = tl.load(dA_base + r_i * BT + r, mask=m_i & m_rc, other=0.0)     # dA[t in i, s = r]
+            rw = tl.load(dA_base + r * BT + r_i, mask=m_i & m_rc, other=0.0)      # dA[t = r, s in i]
+            keep_q = (o_c >= j)[:, None] & m_ik & m_r[None, :]                    # t >= s = r
+            e_q = tl.exp(tl.where(keep_q, b_g - b_gr_[None, :], 0.0))
+            b_dq += tl.where(keep_q, col[:, None] * b_kr[None, :] * e_q, 0.0)
+            keep_k = (o_c <= j)[:, None] & m_ik & m_r[None, :]                    # s <= t = r
+            e_k = tl.exp(tl.where(keep_k, b_gr_[None, :] - b_g, 0.0))
+            b_dk += tl.where(keep_k, rw[:, None] * b_qr[None, :] * e_k, 0.0)
     tl.store(dq + off_i, b_dq, mask=m_ik)
     tl.store(dk + off_i, b_dk, mask=m_ik)

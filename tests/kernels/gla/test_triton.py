@@ -138,6 +138,52 @@ def test_varlen_values_and_grads(kind, G, lens, chunk, shift, with_state):
         assert rel(o, want[0][0]) <= 1e-4 and rel(h, want[0][1]) <= 1e-4
 
 
+@pytest.mark.parametrize("piece", [2, 3])
+@pytest.mark.parametrize("kind,G,lens,chunk,with_state", [
+    ("key", 1, [0, 150, 5, 16, 0, 64], 16, True),     # empty sequences, one-piece and many-piece ones
+    ("head", 2, [70, 0, 33], 16, True),
+    ("none", 2, [130, 7], 32, False),
+    ("key", 1, None, 16, True),                        # dense: B = 2 sequences of 100 tokens
+    ("head", 4, None, 32, False),
+])
+def test_split_walk_values_and_grads(monkeypatch, piece, kind, G, lens, chunk, with_state):
+    """Calls of more tokens than one piece walk pieces of `piece` chunks side by side and join them
+    (`with_pieces`): values, final states and gradients as the oracle's, dense and packed, with
+    sequences shorter than a piece, empty ones, and pieces cut short by their sequence's end."""
+    monkeypatch.setattr(tc, "PIECE", piece)
+    H = 2
+    if lens is None:
+        inputs = make((2, 100), H * G, H, 16, 32, kind, 2, seed=piece + chunk)
+        want = run(oracle, inputs, torch.float64, with_state)
+        fn = lambda q, k, v, g, h0: chunk_linear_attention(q, k, v, g, initial_state=h0, chunk_size=chunk)  # noqa: E731
+    else:
+        inputs = make((sum(lens),), H * G, H, 16, 32, kind, len(lens), seed=len(lens) + piece)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        want = run(lambda *x: oracle(*x, cu), inputs, torch.float64, with_state)
+        cud = cu.to(DEV)
+        fn = lambda q, k, v, g, h0: chunk_linear_attention(q, k, v, g, initial_state=h0, cu_seqlens=cud,  # noqa: E731
+                                                           chunk_size=chunk)
+    M = inputs[0].shape[0] * (inputs[0].shape[1] if lens is None else 1)
+    assert M > chunk * piece  # the split walk runs
+    check(run(fn, inputs, torch.float32, with_state), want, 1e-4)
+
+
+def test_per_key_decay_both_diagonal_forms():
+    """The intra-chunk kernels take a sub-chunk's diagonal block as one dot when its decay span is
+    at most 30 and pairwise otherwise: a chunk whose first sub-chunks decay weakly (span ~2) and whose
+    last ones decay hard (span ~90, where the dot's exp(span) factor would not be exact) takes both
+    forms in one launch; both match the oracle, values and gradients."""
+    inputs = make((1, 64), 2, 2, 16, 32, "key", 1, seed=5)
+    g = inputs[3]
+    g[:, 32:] = Fn.logsigmoid(g[:, 32:].new_empty(g[:, 32:].shape).normal_(generator=torch.Generator().manual_seed(6))
+                              - 6.0)
+    assert (g[0, :16].sum(0).neg().max() < 30) and (g[0, 48:63].sum(0).neg().min() > 30)
+    want = run(oracle, inputs, torch.float64, True)
+    got = run(lambda q, k, v, g, h0: chunk_linear_attention(q, k, v, g, initial_state=h0, chunk_size=64),
+              inputs, torch.float32, True)
+    check(got, want, 1e-4)
+
+
 @pytest.mark.parametrize("kind,G", [("none", 2), ("head", 1), ("key", 1)])
 def test_several_blocks_per_head(monkeypatch, kind, G):
     """K = 32, V = 48 in blocks of 16: several K and V blocks in the walks, several V blocks in the
@@ -300,6 +346,6 @@ def test_chunk_table_kernel_matches_the_torch_ops(lens, chunk, spare):
     M = int(cu[-1]) + spare
     got, want = tc.chunk_table(cu, M, chunk), tc.chunk_table_reference(cu, M, chunk)
     assert (got.C, got.N, got.NC) == (want.C, want.N, want.NC)
-    for name in ("ccu", "bos", "n"):
+    for name in ("ccu", "bos", "n", "seq"):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), name
