@@ -94,16 +94,17 @@ def dense_and_conversions(work: Path, shape: dict, max_positions: int, device: t
 #: options over the defaults). "spla-adapted" is the SPLA conversion changed after loading
 #: (`as_variant`): gamma = 0.1 in every layer, as after adaptation (a fresh conversion has gamma = 0,
 #: whose residual term adds exactly nothing and is skipped at inference); the */no-window rows are the
-#: SSE-H / HLA-H presets without their window branch (the default before 2026-12-01); "sse-h-kv-source" is
-#: SSE-H with its SSE layers' k / v projections at the source's KV heads (`--sse-kv-heads source`),
-#: "sse-h-shared-qkv" the same with the window branch on the SSE layer's q / k / v (`--sse-window-qkv shared`)
+#: SSE-H / HLA-H presets without their window branch (the default before 2026-12-01); "sse-h-own-qkv" is
+#: SSE-H as converted before 2026-12-04: its SSE layers' k / v at the query heads (`--sse-kv-heads query`)
+#: and the window branch's own q / k / v (`--sse-window-qkv own`); "sse-h-kv-source" the source's K/V heads
+#: with the window's own q / k / v
 CONVERSIONS = {"spla-adapted": ("spla", {}), "sse-h-no-window": ("sse-h", {"sse_sliding_window": 0}),
                "hla-h-no-window": ("hla-h", {"hla_sliding_window": 0}),
-               "sse-h-kv-source": ("sse-h", {"sse_kv_heads": "source"}),
-               "sse-h-shared-qkv": ("sse-h", {"sse_kv_heads": "source", "sse_window_qkv": "shared"})}
+               "sse-h-own-qkv": ("sse-h", {"sse_kv_heads": "query", "sse_window_qkv": "own"}),
+               "sse-h-kv-source": ("sse-h", {"sse_window_qkv": "own"})}
 #: the family whose targets (BENCHMARKS.md) a benchmark row is held to: a variant's, a hybrid's family
 TARGET_FAMILY = {"spla-adapted": "spla", "sse-h-no-window": "sse-h", "hla-h": "hla", "hla-h-no-window": "hla",
-                 "sse-h-kv-source": "sse-h", "sse-h-shared-qkv": "sse-h"}
+                 "sse-h-own-qkv": "sse-h", "sse-h-kv-source": "sse-h"}
 
 
 def as_variant(model, name: str):

@@ -177,8 +177,8 @@ def main() -> None:
                     help="conversions to measure beside the dense model: convert targets (spla, sse, sse-h, hla, "
                          "hla-h) or spla-adapted (SPLA with gamma = 0.1, as after adaptation: its residual term is "
                          "computed), sse-h-no-window, hla-h-no-window (the presets without their window branch), "
-                         "sse-h-kv-source (SSE-H with --sse-kv-heads source), sse-h-shared-qkv (also with "
-                         "--sse-window-qkv shared)")
+                         "sse-h-own-qkv (SSE-H with --sse-kv-heads query --sse-window-qkv own, the conversion "
+                         "before 2026-12-04), sse-h-kv-source (with --sse-window-qkv own)")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per measure (median)")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")

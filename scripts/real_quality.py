@@ -183,6 +183,9 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
              dict(sse_sliding_window=scale.window, sse_window_merge="norm"), {}),
             ("decay-short", "initial decays 0.5..0.99", dict(sse_decay_init_min=0.5, sse_decay_init_max=0.99), {}),
             ("partitions-8", "8 partitions", dict(sse_num_partitions=8), {}),
+            ("own-qkv", "K / V projections at the query heads and the window branch's own q / k / v (the "
+             "conversion before 2026-12-04)", dict(sse_kv_heads="query", sse_window_qkv="own"), {}),
+            ("kv-source", "the window branch's own q / k / v (--sse-window-qkv own)", dict(sse_window_qkv="own"), {}),
             ("auto-layers", f"softmax at the {k} costliest layers (auto:{k})", dict(softmax_layers=f"auto:{k}"), {}),
             ("gdn", "gated delta rule base (L2-normalised feature maps)", dict(sse_base="gdn"), {}),
             ("fp32", "adapted in fp32 (no bf16 autocast: fp32 kernel operands, TF32 dots)", {}, dict(autocast=False)),

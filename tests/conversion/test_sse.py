@@ -82,6 +82,8 @@ def test_convert_dense_to_sse_h(kind, tmp_path):
     cfg = m.config
     assert cfg.mixer_types == ["sse", "full_attention"] * 2 and cfg.sse_num_partitions == 4
     assert cfg.sse_top_k == (1 if kind == "llama" else 2) and cfg.sse_sliding_window == (4 if kind == "qwen3" else 64)
+    # the preset: the source's K/V heads in the SSE layers, their q / k / v shared with the window branch
+    assert (cfg.sse_kv_heads, cfg.sse_window_qkv) == ("source", "shared")
     assert "needs adaptation" in (out / "README.md").read_text()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folders left
 
@@ -91,7 +93,8 @@ def test_convert_dense_to_sse_h(kind, tmp_path):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
-        if layer is not None and cfg.mixer_types[layer] == "sse" and (".k_proj." in name or ".v_proj." in name):
+        if (layer is not None and cfg.mixer_types[layer] == "sse" and (".k_proj." in name or ".v_proj." in name)
+                and cfg.sse_kv_heads == "query"):
             H = cfg.num_key_value_heads
             t = t.reshape(H, -1, *t.shape[1:]).repeat_interleave(G, 0).reshape(-1, *t.shape[1:])
         assert torch.equal(ours[name], t), name  # everything else byte-identical
@@ -130,11 +133,11 @@ def test_convert_options_sliding_window_and_layer_list(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert m.config.mixer_types == ["full_attention", "sse", "sse", "full_attention"]
     sd, src_sd = m.state_dict(), src.state_dict()
-    for i in (1, 2):  # each SSE layer's window branch is a copy of the source layer's attention
+    for i in (1, 2):  # each SSE layer's window branch: the source's o_proj (q / k / v: the SSE layer's)
         assert m.model.layers[i].self_attn.window == 4
         swa = {n: t for n, t in sd.items() if n.startswith(f"model.layers.{i}.self_attn.swa.")}
-        assert {n.split(".swa.")[1] for n in swa} == {f"{p}_proj.weight" for p in "qkvo"}
-        for n, t in swa.items():  # the source's GQA shapes, byte-identical
+        assert {n.split(".swa.")[1] for n in swa} == {"o_proj.weight"}
+        for n, t in swa.items():  # the source's shapes, byte-identical
             assert torch.equal(t, src_sd[n.replace(".swa.", ".")]), n
     full, gap = cached_decode_gap(m, tokens(2, 12), 7)
     assert torch.isfinite(full).all() and gap <= 1e-4
@@ -276,7 +279,7 @@ def test_kv_heads_of_the_source(kind, tmp_path):
     (heads repeated in the weights) computes, in a full forward, cached decoding and the gradients of the
     shared weights; the checkpoint is smaller by those repeats."""
     dense_source(kind, tmp_path / "src")
-    models, grads = equal_variants(tmp_path, "--sse-kv-heads", ("query", "source"), [])
+    models, grads = equal_variants(tmp_path, "--sse-kv-heads", ("query", "source"), ["--sse-window-qkv", "own"])
     cfg = models["source"].config
     assert cfg.sse_kv_heads == "source" and models["query"].config.sse_kv_heads == "query"
     H, G, d = cfg.num_key_value_heads, cfg.num_key_value_groups, cfg.head_dim
@@ -302,9 +305,10 @@ def test_kv_heads_is_checked():
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_window_branch_on_the_layers_own_qkv(kind, tmp_path):
     """`--sse-window-qkv shared` (with `--sse-kv-heads source`): the window branch has no q / k / v
-    projections of its own and reads the SSE layer's, so the converted model computes what the default
-    conversion computes (full forward, cached decoding), and each shared projection's gradient is the sum
-    of the two projections' gradients there; the option without source K/V heads is refused."""
+    projections of its own and reads the SSE layer's, so the converted model computes what the conversion
+    with the window's own projections computes (full forward, cached decoding), and each shared
+    projection's gradient is the sum of the two projections' gradients there; the option without source
+    K/V heads is refused."""
     dense_source(kind, tmp_path / "src")
     models, grads = equal_variants(tmp_path, "--sse-window-qkv", ("own", "shared"), ["--sse-kv-heads", "source"])
     names = {n for n, _ in models["shared"].named_parameters()}
@@ -318,5 +322,5 @@ def test_window_branch_on_the_layers_own_qkv(kind, tmp_path):
         if not any(f"self_attn.{p}_proj." in n for p in "qkv"):
             torch.testing.assert_close(g, grads["own"][n], rtol=1e-4, atol=1e-6, msg=n)
     bad = ["convert", str(tmp_path / "src"), str(tmp_path / "bad"), "--to", "sse-h", "--sse-window-qkv", "shared",
-           "--no-progress"]
+           "--sse-kv-heads", "query", "--no-progress"]
     assert cli_main(bad) == 2 and not (tmp_path / "bad").exists()

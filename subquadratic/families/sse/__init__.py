@@ -48,12 +48,13 @@ OPTIONS: dict[str, dict] = {
     "kv-heads": dict(
         choices=["query", "source"], dest="sse_kv_heads",
         help="heads of the SSE layers' k / v projections: query, each source K/V head repeated to its query "
-             "heads (default); source, the source's K/V heads, repeated after the projection (smaller matmuls)",
+             "heads (the default of --to sse); source, the source's K/V heads, repeated after the projection "
+             "(smaller matmuls; the default of --to sse-h)",
     ),
     "window-qkv": dict(
         choices=["own", "shared"], dest="sse_window_qkv",
-        help="the window branch's q / k / v: own, projections of its own (default); shared, the SSE layer's "
-             "(needs --sse-kv-heads source)",
+        help="the window branch's q / k / v: own, projections of its own (the default of --to sse); shared, the "
+             "SSE layer's (needs --sse-kv-heads source; the default of --to sse-h)",
     ),
     "base": dict(choices=["gla", "gdn"], dest="sse_base", help="linear-attention base (default gla)"),
     "key-topk": dict(type=nonnegative_int, dest="sse_key_topk",
@@ -73,9 +74,12 @@ OPTIONS: dict[str, dict] = {
 #: Conversion targets beside `sse`: option sets under the given options. SSE-H keeps softmax attention
 #: every 6th layer and adds a 64-token window branch (with 4 sinks) to the SSE output of the others: the
 #: real-model ablation (docs/results.md) found the window what keeps a conversion good past the length
-#: it was adapted at (`--sse-sliding-window 0` converts without it).
+#: it was adapted at (`--sse-sliding-window 0` converts without it). Its SSE layers keep the source's K/V
+#: heads and give the window branch their q / k / v: the same model at conversion, the same quality after
+#: adaptation (docs/results.md, 2026-12-04), and fewer projections.
 CONVERT_PRESETS: dict[str, dict] = {
-    "sse-h": {"softmax_every": 6, "sse_sliding_window": 64, "sse_window_merge": "sum"},
+    "sse-h": {"softmax_every": 6, "sse_sliding_window": 64, "sse_window_merge": "sum", "sse_kv_heads": "source",
+              "sse_window_qkv": "shared"},
 }
 #: Where the rest of the declaration lives: `registry.Family` field -> "module:attribute" of this
 #: folder, imported by `families.family()` (the config class alone by `families.config_class()`).

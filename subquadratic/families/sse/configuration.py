@@ -84,7 +84,7 @@ class SSEConfig(SubquadraticConfig):
             raise ValueError(f"sse_window_qkv must be 'own' or 'shared', got {self.sse_window_qkv!r}")
         if self.sse_window_qkv == "shared" and self.sse_kv_heads != "source":
             raise ValueError("sse_window_qkv 'shared' needs sse_kv_heads 'source' (the window branch reads k / v at "
-                             "the source's KV heads): add --sse-kv-heads source")
+                             "the source's KV heads): add --sse-kv-heads source, or --sse-window-qkv own")
         if self.sse_key_topk and self.sse_base != "gla":
             raise ValueError("sse_key_topk (row-sparse softmax keys) applies to sse_base='gla' only; set it to 0")
         for name in ("sse_lora_rank", "sse_output_gate_rank", "sse_sliding_window", "sse_window_sinks"):
