@@ -56,6 +56,12 @@ DECAY_KINDS = ("none", "head", "key")
 #: piece walks its sequences' pieces side by side and joins them (the serial part is a sequence's
 #: pieces, not its chunks); one piece or fewer take the single walk.
 PIECE = 16
+#: The decay kinds whose walks split. Per-key decay (SSE's GLA) pays for it: its walk also forms the
+#: in-chunk cumulative decays (an 8k SSE-H first token: the walks 5.4 -> 2.8 ms of GPU time). The
+#: split's two extra launches a call cost more than they save where the walk is cheap and the
+#: forward is bound by the host's launches (HLA's two stages a layer, SPLA's causal linear term:
+#: docs/benchmarks.md, 2026-12-04), so those keep the single walk; the kernels take every kind.
+SPLIT_DECAYS = ("key",)
 
 
 @dataclass(frozen=True)
@@ -343,7 +349,8 @@ def chunk_linear_attention(
         ch = Chunks(chunk_size, B, B * triton.cdiv(T, chunk_size), T=T, NT=triton.cdiv(T, chunk_size))
     else:
         ch = chunk_table(cu_seqlens.to(torch.int32).contiguous(), M, chunk_size)
-    ch = with_pieces(ch, M)
+    if kind in SPLIT_DECAYS:
+        ch = with_pieces(ch, M)
     if initial_state is not None:
         if initial_state.shape != (ch.N, H, K, V):
             raise ValueError(f"initial_state must be [N={ch.N}, H={H}, K={K}, V={V}]; got "

@@ -151,6 +151,7 @@ def test_split_walk_values_and_grads(monkeypatch, piece, kind, G, lens, chunk, w
     (`with_pieces`): values, final states and gradients as the oracle's, dense and packed, with
     sequences shorter than a piece, empty ones, and pieces cut short by their sequence's end."""
     monkeypatch.setattr(tc, "PIECE", piece)
+    monkeypatch.setattr(tc, "SPLIT_DECAYS", ("none", "head", "key"))  # the kernels take every kind
     H = 2
     if lens is None:
         inputs = make((2, 100), H * G, H, 16, 32, kind, 2, seed=piece + chunk)
@@ -166,6 +167,18 @@ def test_split_walk_values_and_grads(monkeypatch, piece, kind, G, lens, chunk, w
     M = inputs[0].shape[0] * (inputs[0].shape[1] if lens is None else 1)
     assert M > chunk * piece  # the split walk runs
     check(run(fn, inputs, torch.float32, with_state), want, 1e-4)
+
+
+def test_which_walks_split(monkeypatch):
+    """Only per-key decay takes the split walk, and only past one piece."""
+    seen, with_pieces = [], tc.with_pieces
+    monkeypatch.setattr(tc, "with_pieces", lambda ch, M: seen.append(M) or ch)
+    for kind, T in (("key", 40), ("key", 20), ("head", 40), ("none", 40)):
+        q, k, v, g, _ = (None if x is None else x.float().to(DEV) for x in make((1, T), 2, 2, 16, 16, kind, 1, seed=2))
+        chunk_linear_attention(q, k, v, g, chunk_size=16)
+    assert seen == [40, 20]  # with_pieces itself keeps a call of one piece or fewer on the single walk
+    assert with_pieces(tc.Chunks(16, 1, 2, T=20, NT=2), 20).pieces is None
+    assert with_pieces(tc.Chunks(16, 2, 40, T=320, NT=20), 640).pieces.NP == 4  # two pieces per sequence
 
 
 def test_per_key_decay_both_diagonal_forms():
