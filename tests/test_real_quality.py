@@ -70,7 +70,9 @@ def test_rows_and_groups(rq):
     assert table["sse-h/no-window"].options == {"sse_sliding_window": 0}
     # what convert makes of a row: the preset's window and layout under the row's own options
     assert rq.conversion_options(table["sse-h"]) == {"family": "sse", "softmax_every": 6, "sse_sliding_window": 64,
-                                                     "sse_window_merge": "sum"}
+                                                     "sse_window_merge": "sum", "sse_kv_heads": "source",
+                                                     "sse_window_qkv": "shared"}
+    assert rq.conversion_options(table["sse-h/own-qkv"])["sse_kv_heads"] == "query"
     assert rq.conversion_options(table["hla-hybrid/no-window"]) == {"family": "hla", "softmax_every": 6,
                                                                     "hla_sliding_window": 0}
     assert rq.conversion_options(auto) == {"family": "hla", "hla_sliding_window": 64, "softmax_layers": "auto:5"}

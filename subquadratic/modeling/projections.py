@@ -13,7 +13,10 @@ was replaced (`model.to(...)`, a new weight assigned) invalidates the pack, whic
 next use. The outputs are column slices of the packed result (views, no copy).
 
 With gradients, or in training mode (a reentrant checkpoint's first pass runs without gradients),
-every member runs as it is: the parameters stay leaves of their own.
+the parameters stay leaves of their own: a mixer whose `concat_with_grad` is set (SSE's and HLA's, with
+many narrow members) runs its members as one matmul over the concatenation of their weights, made
+at each call (one GEMM forward and two backward, where each member's dW GEMM read x again and their
+dx were summed); the others run every member as it is.
 The separate form is also taken wherever packing could change what a member computes or who owns
 its memory: a member that is not a plain `nn.Linear` (a PEFT adapter, a quantised layer), one with
 hooks (accelerate's offload), parameters that are not plain tensors (FSDP's), a distributed run,
@@ -100,8 +103,7 @@ class _Pack:
 
 
 def _may_pack(owner: nn.Module, linears: Sequence[nn.Module | None], x: torch.Tensor) -> bool:
-    if (not getattr(owner.config, "fuse_projections", True) or len(linears) < 2 or torch.is_grad_enabled()
-            or owner.training):
+    if not getattr(owner.config, "fuse_projections", True) or len(linears) < 2:
         return False
     if torch.compiler.is_compiling() or (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return False
@@ -112,11 +114,23 @@ def _may_pack(owner: nn.Module, linears: Sequence[nn.Module | None], x: torch.Te
                for lin in linears) and x.device == w0.device
 
 
+def _concat_outputs(linears: Sequence[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each member's output on x, with gradients: one matmul over the members' weights (and biases,
+    zeros for a member without) concatenated at this call; column slices of its result."""
+    w = torch.cat([lin.weight for lin in linears])
+    b = None
+    if any(lin.bias is not None for lin in linears):
+        b = torch.cat([lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias for lin in linears])
+    return F.linear(x, w, b).split([lin.out_features for lin in linears], -1)
+
+
 class PackedInputs:
     """Mixin of a module whose `input_projection_names` run through `input_projections`: a device or
-    dtype change (`model.to`, `.half()`) drops the pack, whose tensors the members no longer use."""
+    dtype change (`model.to`, `.half()`) drops the pack, whose tensors the members no longer use.
+    `concat_with_grad`: with gradients too, one matmul over the members' concatenated weights."""
 
     input_projection_names: tuple[str, ...] = ()
+    concat_with_grad: bool = False
 
     def _apply(self, fn, recurse=True):
         self.__dict__.pop("_input_pack", None)
@@ -125,7 +139,8 @@ class PackedInputs:
 
 def input_projections(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     """{name: member(x)} for the `names` (default: all) of `owner.input_projection_names` that exist:
-    one packed matmul without gradients (module docstring), each member on its own otherwise."""
+    one packed matmul without gradients, one over the concatenated weights with gradients where the
+    owner sets `concat_with_grad` (module docstring), each member on its own otherwise."""
     members = []
     for n in owner.input_projection_names:
         m = _member(owner, n)
@@ -133,7 +148,12 @@ def input_projections(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | 
             members.append((n, m))
     wanted = [n for n, _ in members] if names is None else list(names)
     linears = [m for _, m in members]
-    if _may_pack(owner, linears, x):
+    mods = dict(members)
+    if torch.is_grad_enabled() or owner.training:
+        use = [mods[n] for n in wanted]
+        if getattr(owner, "concat_with_grad", False) and _may_pack(owner, use, x):
+            return dict(zip(wanted, _concat_outputs(use, x), strict=True))
+    elif _may_pack(owner, linears, x):
         pack = owner.__dict__.get("_input_pack")
         if pack is None or not pack.live(linears):
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -143,5 +163,4 @@ def input_projections(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | 
         if pack is not None:
             outs = dict(zip([n for n, _ in members], pack.outputs(x), strict=True))
             return {n: outs[n] for n in wanted}
-    mods = dict(members)
     return {n: mods[n](x) for n in wanted}
