@@ -97,6 +97,26 @@ def load_state(h, i_c, i_h, n, o_k, o_v, H: tl.constexpr, K: tl.constexpr, V: tl
 
 
 @triton.jit
+def state_tile(i_k, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The [BK, BV] state tile of K block i_k and V block i_v: (key offsets [BK], value offsets [BV],
+    its mask and its offsets in a [K, V] state)."""
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    return o_k, o_v, (o_k < K)[:, None] & (o_v < V)[None, :], o_k[:, None] * V + o_v[None, :]
+
+
+@triton.jit
+def cumsum_writer(DECAY: tl.constexpr):
+    """`who` of `cumsum_chunk` for a forward walk's program: 0 where it stores gc. Per-key decay: each
+    key block's programs of the first V block; one decay per head: the first key block's."""
+    if DECAY == 2:
+        who = tl.program_id(1)
+    else:
+        who = tl.program_id(0) + tl.program_id(1)
+    return who
+
+
+@triton.jit
 def walk_program(cu, ccu, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """What a walk program (K block, V block, sequence x KV head) covers: (sequence x head i_nh, KV
@@ -104,10 +124,8 @@ def walk_program(cu, ccu, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constex
     and offsets of its [BK, BV] state tile)."""
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0 = seq_bounds(cu, ccu, i_nh // H, T, NT, IS_VARLEN)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    return i_nh, i_nh % H, bos, eos, c0, tl.cdiv(eos - bos, BT), o_k, o_v, m_kv, o_k[:, None] * V + o_v[None, :]
+    o_k, o_v, m_kv, off_kv = state_tile(i_k, i_v, K, V, BK, BV)
+    return i_nh, i_nh % H, bos, eos, c0, tl.cdiv(eos - bos, BT), o_k, o_v, m_kv, off_kv
 
 
 @triton.jit
@@ -189,10 +207,7 @@ def chunk_fwd_h(
     cumsum kernel; without, it reads gc."""
     i_nh, i_h, bos, eos, c0, nt, o_k, o_v, m_kv, off_kv = walk_program(cu, ccu, T, NT, H, K, V, BT, BK, BV,
                                                                        IS_VARLEN)
-    if DECAY == 2:  # who stores gc (where `who` is 0): each key block's programs of the first V block
-        who = tl.program_id(1)
-    else:  # one decay per head: the first key block's
-        who = tl.program_id(0) + tl.program_id(1)
+    who = cumsum_writer(DECAY)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
@@ -291,16 +306,9 @@ def piece_fwd_h(
     i_p, i_h = i_ph // H, i_ph % H
     bos, n_tok, seq, s_bos, c_first = piece_bounds(cu, ccu, p_bos, p_n, p_seq, i_p, T, NT, P, BT, IS_VARLEN)
     eos = bos + n_tok
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    off_kv = o_k[:, None] * V + o_v[None, :]
-    if DECAY == 2:  # who stores gc, D and E (where `who` is 0), as in `chunk_fwd_h`
-        who = tl.program_id(1)
-    else:
-        who = tl.program_id(0) + tl.program_id(1)
-    m_e = m_k & (o_k * 0 + tl.program_id(1) == 0)  # D, E: each key block's programs of the first V block
+    o_k, o_v, m_kv, off_kv = state_tile(i_k, i_v, K, V, BK, BV)
+    who = cumsum_writer(DECAY)
+    m_e = (o_k < K) & (o_k * 0 + i_v == 0)  # D, E: each key block's programs of the first V block
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:  # the sequence's initial state enters its first piece
         first = (o_k * 0 + bos == s_bos)[:, None]
@@ -334,11 +342,7 @@ def piece_carry(
     else:
         n_p = tl.cdiv(NT, P)
         p0 = i_n * n_p
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_kv = m_k[:, None] & (o_v < V)[None, :]
-    off_kv = o_k[:, None] * V + o_v[None, :]
+    o_k, o_v, m_kv, off_kv = state_tile(i_k, i_v, K, V, BK, BV)
     # the first piece's end state (it holds the initial state); an empty sequence keeps its initial state
     b_x = tl.load(S + (p0 * H + i_h).to(tl.int64) * K * V + off_kv, mask=m_kv & (o_k * 0 + n_p > 0)[:, None], other=0.0)
     if USE_H0:
@@ -347,7 +351,7 @@ def piece_carry(
         p = (p0 + j) * H + i_h
         tl.store(X + p.to(tl.int64) * K * V + off_kv, b_x, mask=m_kv)
         if DECAY != 0:
-            b_x *= tl.exp(tl.load(D + p.to(tl.int64) * K + o_k, mask=m_k, other=0.0))[:, None]
+            b_x *= tl.exp(tl.load(D + p.to(tl.int64) * K + o_k, mask=o_k < K, other=0.0))[:, None]
         b_x += tl.load(S + p.to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_kv, b_x, mask=m_kv)
@@ -364,16 +368,13 @@ def piece_fix(
     i_p, i_h = i_ph // H, i_ph % H
     bos, n_tok, seq, s_bos, c_first = piece_bounds(cu, ccu, p_bos, p_n, p_seq, i_p, T, NT, P, BT, IS_VARLEN)
     c = (c_first + j) * H + i_h
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
+    o_k, o_v, m_kv, off_kv = state_tile(i_k, i_v, K, V, BK, BV)
     # a chunk of this piece, which is not its sequence's first (scalar conditions as tensors: the
     # interpreter's masks are tensors)
     live = (o_k * 0 + j * BT < n_tok) & (o_k * 0 + bos > s_bos)
-    m_kv = (m_k & live)[:, None] & (o_v < V)[None, :]
-    off_kv = o_k[:, None] * V + o_v[None, :]
+    m_kv = m_kv & live[:, None]
     b_x = tl.load(X + (i_p * H + i_h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     if DECAY != 0:
-        b_x *= tl.exp(tl.load(E + c.to(tl.int64) * K + o_k, mask=m_k & live, other=0.0))[:, None]
+        b_x *= tl.exp(tl.load(E + c.to(tl.int64) * K + o_k, mask=(o_k < K) & live, other=0.0))[:, None]
     b_h = tl.load(h + c.to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
     tl.store(h + c.to(tl.int64) * K * V + off_kv, (b_h + b_x).to(h.dtype.element_ty), mask=m_kv)
