@@ -116,12 +116,30 @@ def _may_pack(owner: nn.Module, linears: Sequence[nn.Module | None], x: torch.Te
 
 def _concat_outputs(linears: Sequence[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each member's output on x, with gradients: one matmul over the members' weights (and biases,
-    zeros for a member without) concatenated at this call; column slices of its result."""
-    w = torch.cat([lin.weight for lin in linears])
-    b = None
-    if any(lin.bias is not None for lin in linears):
-        b = torch.cat([lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias for lin in linears])
-    return F.linear(x, w, b).split([lin.out_features for lin in linears], -1)
+    zeros for a member without) concatenated at this call, each slot padded with zero rows to a multiple
+    of ALIGN as in the pack (an unaligned row count sends the GEMMs to slow narrow-alignment kernels);
+    column slices of its result."""
+    w0 = linears[0].weight
+    parts, biases, sizes = [], [], []
+    has_bias = any(lin.bias is not None for lin in linears)
+    for lin in linears:
+        n = lin.out_features
+        pad = -n % ALIGN
+        parts.append(lin.weight)
+        if has_bias:
+            biases.append(w0.new_zeros(n) if lin.bias is None else lin.bias)
+        sizes.append(n)
+        if pad:
+            parts.append(w0.new_zeros(pad, w0.shape[1]))
+            if has_bias:
+                biases.append(w0.new_zeros(pad))
+            sizes.append(pad)
+    y = F.linear(x, torch.cat(parts), torch.cat(biases) if has_bias else None).split(sizes, -1)
+    out, i = [], 0
+    for lin in linears:
+        out.append(y[i])
+        i += 1 if lin.out_features % ALIGN == 0 else 2
+    return tuple(out)
 
 
 class PackedInputs:
