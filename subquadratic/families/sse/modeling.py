@@ -177,12 +177,12 @@ class SSEAttention(WindowBranch, AttentionBase):
             init.ones_(self.swa_merge_norm.weight)
 
     # --- the SSE branch -------------------------------------------------------------------------
-    def project_sse(self, x: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+    def project_sse(self, x: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None,
+                    offsets: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         """x: [B, T, hidden] -> q1, k1, q2, k2, v: [B, T, HQ, D] before the feature maps (qk-norm applied),
         in the autocast dtype under autocast (`autocast_operands`). `inputs`: x's `input_projections`
-        when already computed."""
-        B, T, _ = x.shape
-        shape = (B, T, self.num_heads, self.head_dim)
+        when already computed; `offsets`: q2's and k2's low-rank offsets (`lora_offsets`) when already
+        computed."""
         if inputs is None:
             inputs = input_projections(self, x, (*QKV, *LORA_DOWN) if self.config.lora_rank else QKV)
         q1, k1, v = self.qkv(x, inputs)
@@ -190,12 +190,17 @@ class SSEAttention(WindowBranch, AttentionBase):
             k1, v = (t.repeat_interleave(self.num_key_value_groups, dim=2) for t in (k1, v))
         q2, k2 = q1, k1
         if self.config.lora_rank:
-            q2 = q1 + self.q2_up(inputs["q2_down"]).view(shape)
-            k2 = k1 + self.k2_up(inputs["k2_down"]).view(shape)
+            dq2, dk2 = self.lora_offsets(x, inputs) if offsets is None else offsets
+            q2, k2 = q1 + dq2, k1 + dk2
         if self.config.qk_norm:
             q1, q2 = self.q_norm(q1), self.q_norm(q2)
             k1, k2 = self.k_norm(k1), self.k_norm(k2)
         return autocast_operands(q1, k1, q2, k2, v)
+
+    def lora_offsets(self, x: torch.Tensor, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """q2's and k2's low-rank offsets B_q A_q x, B_k A_k x [B, T, HQ, D] from x's `input_projections`."""
+        shape = (*x.shape[:2], self.num_heads, self.head_dim)
+        return self.q2_up(inputs["q2_down"]).view(shape), self.k2_up(inputs["k2_down"]).view(shape)
 
     def key_map(self, k: torch.Tensor) -> torch.Tensor:
         """GLA keys: softmax over D (the row classification), over the top `sse_key_topk` entries only if set."""
@@ -206,14 +211,15 @@ class SSEAttention(WindowBranch, AttentionBase):
         keep = torch.zeros_like(kf, dtype=torch.bool).scatter(-1, kf.topk(top, dim=-1).indices, True)
         return kf.masked_fill(~keep, float("-inf")).softmax(-1).to(k.dtype)
 
-    def features_take_kernel(self, xs: tuple[torch.Tensor, ...]) -> bool:
+    def features_take_kernel(self, xs: tuple[torch.Tensor | None, ...], q2_mode: str = "full") -> bool:
         """Whether the GLA base's feature maps and decays run fused (`kernels.sse.features`, the
         values of the PyTorch ops below): the Triton backend on CUDA, inputs it takes (not fp64), no
-        `sse_key_topk`. xs: q1, k1, q2, k2, v, the decay projections z1, z2 and the decay biases."""
+        `sse_key_topk`. xs: q1, k1, q2, k2, v, the decay projections z1, z2 and the decay biases, q2 /
+        k2 as `q2_mode` says."""
         cfg = self.config
         top = cfg.sse_key_topk
         return (cfg.kernel_backend in ("auto", "triton") and not (top and top < self.head_dim)
-                and sse_gla_features_takes_kernel(*xs))
+                and sse_gla_features_takes_kernel(*xs, q2_mode=q2_mode))
 
     def decays(self, x: torch.Tensor, projected: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -249,17 +255,27 @@ class SSEAttention(WindowBranch, AttentionBase):
         x = hidden_states
         B, T, _ = x.shape
         p = input_projections(self, x)  # without gradients one matmul
-        q1, k1, q2, k2, v = self.project_sse(x, p)
         if cfg.sse_base == "gla":
             z1, z2 = self.g1_up(p["g1_down"]), self.g2_up(p["g2_down"])
-            xs = (q1, k1, q2, k2, v, z1, z2, self.g1_bias, self.g2_bias)
-            if self.features_take_kernel(xs):  # CUDA: one kernel forward, one backward
-                q1, k1, q2, k2, v, g1, g2 = sse_gla_features(*xs, cfg.sse_gate_normalizer, backend="triton")
+            # CUDA: one kernel forward, one backward, reading q1 / k1 / v where the projection wrote them, K / V
+            # at their own heads and q2 / k2 as q1 / k1 plus their low-rank offsets (no repeat, no add); with
+            # qk-norm (applied to q2 / k2 after the offsets) on `project_sse`'s outputs
+            q1, k1, v = self.qkv(x, p)
+            offsets = self.lora_offsets(x, p) if cfg.lora_rank else None
+            mode = "offset" if offsets else "same"
+            xs = (q1, k1, *(offsets or (None, None)), v, z1, z2, self.g1_bias, self.g2_bias)
+            if cfg.qk_norm or not self.features_take_kernel(xs, mode):
+                q1, k1, q2, k2, v = self.project_sse(x, p, offsets)
+                xs, mode = (q1, k1, q2, k2, v, z1, z2, self.g1_bias, self.g2_bias), "full"
+            if self.features_take_kernel(xs, mode):
+                q1, k1, q2, k2, v, g1, g2 = sse_gla_features(*xs, cfg.sse_gate_normalizer, backend="triton",
+                                                             q2_mode=mode)
             else:
                 q1, q2, k1, k2, v = F.silu(q1), F.silu(q2), self.key_map(k1), self.key_map(k2), F.silu(v)
                 g1, g2, _ = self.decays(x, (z1, z2))
             beta = None
         else:
+            q1, k1, q2, k2, v = self.project_sse(x, p)
             q1, q2, k1, k2 = (F.normalize(F.silu(t), dim=-1) for t in (q1, q2, k1, k2))
             v = F.silu(v)
             g1, g2, beta = self.decays(x)

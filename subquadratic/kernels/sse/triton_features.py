@@ -59,21 +59,43 @@ def _strided(off, S, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _strided_kv(off, S, H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr):
+    """Offsets `off` of contiguous [tokens, H, D] rows moved to the KV head serving each query head
+    (head h reads KV head h // (H / HK)) of [tokens, HK, D] rows S elements apart per token."""
+    r = off % (H * D)
+    return (off // (H * D)) * S + (r // D) // (H // HK) * D + r % D
+
+
+@triton.jit
+def _second(x1, X2, off, S, m, H: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
+    """The second branch's pre-activation: x1 itself (MODE 0), x1 plus X2's row (1: X2 is its low-rank
+    offset), X2's row (2: X2 is the pre-activation)."""
+    if MODE == 0:
+        return x1
+    elif MODE == 1:
+        return x1 + _ld(X2, _strided(off, S, H, D), m)
+    else:
+        return _ld(X2, _strided(off, S, H, D), m)
+
+
+@triton.jit
 def sse_features_fwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, OQ1, OK1, OQ2, OK2, OV, G1, G2, n_rows, inv_norm,
                      S_Q1, S_K1, S_Q2, S_K2, S_V, S_Z1, S_Z2,
-                     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    """The inputs' tokens S_* elements apart (a token's H x D entries contiguous: column slices of a
-    packed projection), the outputs contiguous."""
+                     H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                     MODE: tl.constexpr):
+    """The inputs' tokens S_* elements apart (a token's entries contiguous: column slices of a packed
+    projection), K1 and V at HK heads, the outputs contiguous at H heads. MODE: `_second`."""
     off, m, off_b, m_d = _tile(n_rows, H, D, BD, BR)
     dt = OQ1.dtype.element_ty
-    x = _ld(Q1, _strided(off, S_Q1, H, D), m)
-    tl.store(OQ1 + off, (x * tl.sigmoid(x)).to(dt), mask=m)
-    x = _ld(Q2, _strided(off, S_Q2, H, D), m)
+    q1 = _ld(Q1, _strided(off, S_Q1, H, D), m)
+    tl.store(OQ1 + off, (q1 * tl.sigmoid(q1)).to(dt), mask=m)
+    x = _second(q1, Q2, off, S_Q2, m, H, D, MODE)
     tl.store(OQ2 + off, (x * tl.sigmoid(x)).to(dt), mask=m)
-    x = _ld(V, _strided(off, S_V, H, D), m)
+    x = _ld(V, _strided_kv(off, S_V, H, HK, D), m)
     tl.store(OV + off, (x * tl.sigmoid(x)).to(dt), mask=m)
-    tl.store(OK1 + off, _softmax(_ld(K1, _strided(off, S_K1, H, D), m), m_d).to(dt), mask=m)
-    tl.store(OK2 + off, _softmax(_ld(K2, _strided(off, S_K2, H, D), m), m_d).to(dt), mask=m)
+    k1 = _ld(K1, _strided_kv(off, S_K1, H, HK, D), m)
+    tl.store(OK1 + off, _softmax(k1, m_d).to(dt), mask=m)
+    tl.store(OK2 + off, _softmax(_second(k1, K2, off, S_K2, m, H, D, MODE), m_d).to(dt), mask=m)
     z = _ld(Z1, _strided(off, S_Z1, H, D), m) + _ld(B1, off_b, m)
     tl.store(G1 + off, _logsigmoid(z) * inv_norm, mask=m)
     z = _ld(Z2, _strided(off, S_Z2, H, D), m) + _ld(B2, off_b, m)
@@ -81,53 +103,80 @@ def sse_features_fwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, OQ1, OK1, OQ2, OK2, OV, 
 
 
 @triton.jit
-def _silu_bwd(X, DY, DX, off, m):
-    x = _ld(X, off, m)
+def _silu_grad(x, dy):
     s = tl.sigmoid(x)
-    tl.store(DX + off, (_ld(DY, off, m) * s * (1.0 + x * (1.0 - s))).to(DX.dtype.element_ty), mask=m)
+    return dy * s * (1.0 + x * (1.0 - s))
 
 
 @triton.jit
-def _softmax_bwd(K, DY, DK, off, m, m_d):
-    y = _softmax(_ld(K, off, m), m_d)
-    dy = _ld(DY, off, m)
-    tl.store(DK + off, (y * (dy - tl.sum(dy * y, 1)[:, None])).to(DK.dtype.element_ty), mask=m)
+def _softmax_grad(k, dy, m_d):
+    y = _softmax(k, m_d)
+    return y * (dy - tl.sum(dy * y, 1)[:, None])
 
 
 @triton.jit
-def _decay_bwd(Z, B, DG, DZ, off, m, off_b, inv_norm):
-    z = _ld(Z, off, m) + _ld(B, off_b, m)
+def _decay_bwd(Z, S, B, DG, DZ, off, m, off_b, inv_norm, H: tl.constexpr, D: tl.constexpr):
+    z = _ld(Z, _strided(off, S, H, D), m) + _ld(B, off_b, m)
     tl.store(DZ + off, _ld(DG, off, m) * inv_norm * tl.sigmoid(-z), mask=m)
 
 
 @triton.jit
 def sse_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, DOQ1, DOK1, DOQ2, DOK2, DOV, DG1, DG2,
                      DQ1, DK1, DQ2, DK2, DV, DZ1, DZ2, n_rows, inv_norm,
-                     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+                     S_Q1, S_K1, S_Q2, S_K2, S_V, S_Z1, S_Z2,
+                     H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                     MODE: tl.constexpr):
+    """The inputs read as the forward reads them, the output gradients contiguous; DK1 and DV per query
+    head (the caller sums a KV head's); DQ2 / DK2 written for MODE 1 and 2 only (MODE 0 and 1 add the
+    second branch's gradient to the first's)."""
     off, m, off_b, m_d = _tile(n_rows, H, D, BD, BR)
-    _silu_bwd(Q1, DOQ1, DQ1, off, m)
-    _silu_bwd(Q2, DOQ2, DQ2, off, m)
-    _silu_bwd(V, DOV, DV, off, m)
-    _softmax_bwd(K1, DOK1, DK1, off, m, m_d)
-    _softmax_bwd(K2, DOK2, DK2, off, m, m_d)
-    _decay_bwd(Z1, B1, DG1, DZ1, off, m, off_b, inv_norm)
-    _decay_bwd(Z2, B2, DG2, DZ2, off, m, off_b, inv_norm)
+    dt = DQ1.dtype.element_ty
+    q1 = _ld(Q1, _strided(off, S_Q1, H, D), m)
+    dq1 = _silu_grad(q1, _ld(DOQ1, off, m))
+    dq2 = _silu_grad(_second(q1, Q2, off, S_Q2, m, H, D, MODE), _ld(DOQ2, off, m))
+    if MODE != 0:
+        tl.store(DQ2 + off, dq2.to(dt), mask=m)
+    if MODE != 2:
+        dq1 += dq2
+    tl.store(DQ1 + off, dq1.to(dt), mask=m)
+    k1 = _ld(K1, _strided_kv(off, S_K1, H, HK, D), m)
+    dk1 = _softmax_grad(k1, _ld(DOK1, off, m), m_d)
+    dk2 = _softmax_grad(_second(k1, K2, off, S_K2, m, H, D, MODE), _ld(DOK2, off, m), m_d)
+    if MODE != 0:
+        tl.store(DK2 + off, dk2.to(dt), mask=m)
+    if MODE != 2:
+        dk1 += dk2
+    tl.store(DK1 + off, dk1.to(DK1.dtype.element_ty), mask=m)
+    v = _ld(V, _strided_kv(off, S_V, H, HK, D), m)
+    tl.store(DV + off, _silu_grad(v, _ld(DOV, off, m)).to(DV.dtype.element_ty), mask=m)
+    _decay_bwd(Z1, S_Z1, B1, DG1, DZ1, off, m, off_b, inv_norm, H, D)
+    _decay_bwd(Z2, S_Z2, B2, DG2, DZ2, off, m, off_b, inv_norm, H, D)
+
+
+#: `sse_gla_features`' q2_mode -> the kernels' MODE
+MODES = {"same": 0, "offset": 1, "full": 2}
+
+
+def _read_in_place(t: torch.Tensor) -> torch.Tensor:
+    """t itself where its tokens are rows of one stride (`token_stride`: a column slice of a packed
+    projection's output, or contiguous), else a contiguous copy."""
+    return t if token_stride(t) is not None else t.contiguous()
 
 
 class SSEFeatures(torch.autograd.Function):
-    """`sse_gla_features` on the kernels: q1, k1, q2, k2, v [B, T, H, D] of one dtype, z1, z2
-    [B, T, H * D], bias1, bias2 [H * D], the normalizer; differentiable in every tensor. `grad` False
-    (no gradient will be asked for): the inputs are read in place where their tokens are rows of one
-    stride (`token_stride`) and nothing is saved."""
+    """`sse_gla_features` on the kernels: q1 [B, T, H, D], k1, v [B, T, HK, D] (H a multiple of HK),
+    q2, k2 [B, T, H, D] (any tensors of q1's, ignored, for q2_mode "same"), of one dtype; z1, z2
+    [B, T, H * D], bias1, bias2 [H * D], the normalizer, q2_mode; differentiable in every tensor. The
+    inputs are read in place where their tokens are rows of one stride (`token_stride`; else copied
+    first) and saved so (views: what autograd keeps of a packed projection anyway); nothing is saved
+    when `grad` is False (no gradient will be asked for)."""
 
     @staticmethod
-    def forward(ctx, q1, k1, q2, k2, v, z1, z2, bias1, bias2, normalizer, grad=True):
+    def forward(ctx, q1, k1, q2, k2, v, z1, z2, bias1, bias2, normalizer, q2_mode="full", grad=True):
         B, T, H, D = q1.shape
-        xs = (q1, k1, q2, k2, v, z1, z2, bias1, bias2)
-        # without gradients the inputs are read where they are when their tokens are rows of one stride
-        # (slices of a packed projection's output: `modeling.projections`); else made contiguous, as the
-        # backward reads them
-        xs = [t if not grad and i < 7 and token_stride(t) is not None else t.contiguous() for i, t in enumerate(xs)]
+        HK = k1.shape[2]
+        mode = MODES[q2_mode]
+        xs = [_read_in_place(t) for t in (q1, k1, q2, k2, v, z1, z2)] + [bias1.contiguous(), bias2.contiguous()]
         n_rows = B * T * H
         outs = [new_output(q1.shape, q1.device, q1.dtype) for _ in range(5)]
         gs = [new_output(q1.shape, q1.device) for _ in range(2)]  # fp32
@@ -135,26 +184,38 @@ class SSEFeatures(torch.autograd.Function):
         BR = rows_per_program(BD, ELEMENTS)
         if n_rows:
             sse_features_fwd[(triton.cdiv(n_rows, BR),)](*xs, *outs, *gs, n_rows, 1.0 / normalizer,
-                                                         *(token_stride(t) for t in xs[:7]), H, D, BD, BR, num_warps=4)
+                                                         *(token_stride(t) for t in xs[:7]), H, HK, D, BD, BR, mode,
+                                                         num_warps=4)
         if grad:
             ctx.save_for_backward(*xs)
-        ctx.normalizer = normalizer
+        ctx.normalizer, ctx.mode = normalizer, mode
         return (*outs, *gs)
 
     @staticmethod
     def backward(ctx, *grads):
         xs = ctx.saved_tensors
-        q1, z1, bias1 = xs[0], xs[5], xs[7]
+        q1, k1, z1, bias1 = xs[0], xs[1], xs[5], xs[7]
         B, T, H, D = q1.shape
+        HK, mode = k1.shape[2], ctx.mode
         n_rows = B * T * H
-        dxs = [new_output(q1.shape, q1.device, q1.dtype) for _ in range(5)]
+        # a KV head's gradient sums its query heads': per query head in fp32 first where they are several
+        kv_dtype = q1.dtype if HK == H else torch.float32
+        dq1 = new_output(q1.shape, q1.device, q1.dtype)
+        dq2, dk2 = (new_output(q1.shape, q1.device, q1.dtype) if mode else dq1 for _ in range(2))  # mode 0: unwritten
+        dk1, dv = (new_output(q1.shape, q1.device, kv_dtype) for _ in range(2))
         dzs = [new_output(q1.shape, q1.device) for _ in range(2)]  # fp32: the biases' gradients sum them
         BD = block_size(D, 1)
         BR = rows_per_program(BD, ELEMENTS)
         if n_rows:
-            sse_features_bwd[(triton.cdiv(n_rows, BR),)](*xs, *(g.contiguous() for g in grads), *dxs, *dzs, n_rows,
-                                                         1.0 / ctx.normalizer, H, D, BD, BR, num_warps=4)
+            sse_features_bwd[(triton.cdiv(n_rows, BR),)](*xs, *(g.contiguous() for g in grads), dq1, dk1, dq2, dk2, dv,
+                                                         *dzs, n_rows, 1.0 / ctx.normalizer,
+                                                         *(token_stride(t) for t in xs[:7]), H, HK, D, BD, BR, mode,
+                                                         num_warps=4)
+        if HK != H:
+            dk1, dv = (t.view(B, T, HK, H // HK, D).sum(3).to(q1.dtype) for t in (dk1, dv))
+        if mode == 0:
+            dq2 = dk2 = None
         dbs = [dz.view(-1, H * D).sum(0).to(bias1.dtype) if ctx.needs_input_grad[7 + i] else None
                for i, dz in enumerate(dzs)]
         dzs = [dz.view(B, T, H * D).to(z1.dtype) for dz in dzs]
-        return (*dxs, *dzs, *dbs, None, None)
+        return (dq1, dk1, dq2, dk2, dv, *dzs, *dbs, None, None, None)

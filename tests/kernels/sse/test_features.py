@@ -84,6 +84,56 @@ def test_gradients_match_fp64_autograd(case):
         assert rel(a, b) < 1e-5, name
 
 
+def packed_inputs(B, T, H, HK, D, mode, seed):
+    """q1, k1, q2, k2, v, z1, z2 as column slices of one packed projection output (tokens one stride
+    apart, as `modeling.projections` gives them; q2 / k2 None for "same"), fp32 leaves of it, and the
+    fp32 biases."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [H * D, HK * D, *([H * D] * 2 if mode != "same" else []), HK * D, H * D, H * D]
+    packed = (torch.randn(B, T, sum(widths) + 5, generator=g) * 2.0).to(DEV).requires_grad_()
+    cols = packed.split([*widths, 5], -1)[:-1]
+    heads = [H, HK, *([H] * 2 if mode != "same" else []), HK]
+    xs = [c.view(B, T, n, D) for c, n in zip(cols, heads, strict=False)] + list(cols[len(heads):])
+    if mode == "same":
+        xs[2:2] = [None, None]
+    bs = [(torch.randn(H * D, generator=g) * 2.0).to(DEV).requires_grad_() for _ in range(2)]
+    return packed, xs + bs
+
+
+@pytest.mark.parametrize("mode", ["full", "offset", "same"])
+@pytest.mark.parametrize("B,T,H,HK,D", [(2, 5, 4, 2, 16), (1, 9, 6, 2, 24), (1, 4, 3, 3, 32), (1, 6, 4, 1, 16)])
+def test_kv_heads_and_second_branch_modes(B, T, H, HK, D, mode):
+    """K / V at HK heads (each serving H / HK query heads) read in place of their repeat, and q2 / k2 as
+    q2_mode says (the pre-activations, low-rank offsets added inside the kernel, or q1 / k1 themselves):
+    the values of the PyTorch form and the gradients of fp64 autograd, with every input a column slice
+    of one packed projection output read where it is, forward and backward (no copy of an input)."""
+    packed, xs = packed_inputs(B, T, H, HK, D, mode, seed=B + T + H + HK)
+    with CopyCounter() as copies:
+        got = sse_gla_features(*xs, 16.0, backend="triton", q2_mode=mode)
+    assert copies.n == 0
+    exact = sse_gla_features_reference(*(None if t is None else t.double() for t in xs), 16.0, q2_mode=mode)
+    for name, a, e in zip(NAMES, got, exact, strict=True):
+        assert a.shape == (B, T, H, D), name
+        assert rel(a, e) < 1e-6, name
+    gen = torch.Generator().manual_seed(5)
+    dys = [torch.randn(B, T, H, D, generator=gen).to(DEV) for _ in NAMES]
+    leaves = [packed, *xs[-2:]]
+    loss = sum((o * dy).sum() for o, dy in zip(got, dys, strict=True))
+    g = torch.autograd.grad(loss, leaves)
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    widths = [t.shape[-1] * (t.shape[-2] if t.dim() == 4 else 1) for t in xs[:7] if t is not None]
+    cols = ref[0].split([*widths, 5], -1)[:-1]
+    heads = [t.shape[2] for t in xs[:7] if t is not None and t.dim() == 4]
+    rx = [c.view(B, T, n, D) for c, n in zip(cols, heads, strict=False)] + list(cols[len(heads):])
+    if mode == "same":
+        rx[2:2] = [None, None]
+    routs = sse_gla_features_reference(*rx, *ref[1:], 16.0, q2_mode=mode)
+    g_ref = torch.autograd.grad(sum((o * dy.double()).sum() for o, dy in zip(routs, dys, strict=True)), ref)
+    for name, a, b in zip(["packed", "bias1", "bias2"], g, g_ref, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < 1e-5, name
+
+
 def test_bf16_gradients_and_unused_outputs():
     """bf16 inputs (fp32 biases): gradients in each input's dtype, near the fp64 ones; outputs that
     take no part in the loss give zero gradients."""
@@ -155,7 +205,7 @@ def test_the_mixer_takes_the_kernel_with_the_values_and_gradients_of_its_pytorch
 
     model = sse_model(preset, 0)
     perturb(model)
-    takes = lambda *xs: features.sse_gla_features_unsupported(*xs) is None  # noqa: E731
+    takes = lambda *xs, **kw: features.sse_gla_features_unsupported(*xs, **kw) is None  # noqa: E731
     gate = (sse_modeling, "sse_gla_features_takes_kernel", takes)
     calls = forced_kernel_matches(model, monkeypatch, [gate], triton_features.SSEFeatures, "apply")
     assert calls == model.config.mixer_types.count("sse") > 0
