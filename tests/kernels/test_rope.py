@@ -74,6 +74,38 @@ def test_values_and_gradients_match_transformers(case, dtypes):
         assert ((a.double() - b).norm() / b.norm()).item() < tol
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_column_slices_read_in_place(case):
+    """q and k as column slices of one packed projection output (tokens one stride apart, as
+    `modeling.projections` gives them): read where they are (no copy), the values and gradients of
+    contiguous copies; heads-first views (tokens not one stride apart) are copied first, same values."""
+    from .fused_models import CopyCounter
+
+    B, T, HQ, H, D, _ = case
+    q0, k0, cos, sin = make(*case, torch.float32, torch.float32, seed=sum(case) + 3)
+    packed = torch.cat([q0.flatten(2), k0.flatten(2), torch.randn(B, T, 7, device=DEV)], -1).requires_grad_()
+    q, k = packed[..., :HQ * D].view(B, T, HQ, D), packed[..., HQ * D:(HQ + H) * D].view(B, T, H, D)
+    with CopyCounter() as copies:
+        got = rope(q, k, cos, sin, backend="triton")
+    assert copies.n == 0
+    qa, ka = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+    want = rope_reference(qa, ka, cos, sin)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    dys = [torch.randn_like(t) for t in got]
+    (g,) = torch.autograd.grad(got, packed, dys)
+    dqa, dka = torch.autograd.grad(want, (qa, ka), dys)
+    torch.testing.assert_close(g, torch.cat([dqa.flatten(2), dka.flatten(2), torch.zeros(B, T, 7, device=DEV)], -1),
+                               rtol=1e-6, atol=1e-6)
+    qh, kh = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q0, k0))  # heads-first memory
+    if T > 1:
+        with CopyCounter() as copies:
+            got = rope(qh, kh, cos, sin, backend="triton")
+        assert copies.n == (HQ > 1) + (H > 1)  # a one-head view is one stride apart still
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+
+
 def test_dispatch():
     q, k, cos, sin = make(1, 3, 2, 1, 8, 1, torch.float64, torch.float64)
     for a, b in zip(rope(q, k, cos, sin), rope_reference(q, k, cos, sin), strict=True):
