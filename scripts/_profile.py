@@ -83,3 +83,38 @@ def sync_sites(run) -> list[str]:
         return ["  host waits on the device: none"]
     return [f"  host waits on the device: {sum(sites.values())} in one call"] + [
         f"    x{n:<4} {where}" for where, n in sites.most_common(20)]
+
+
+def python_table(run, calls: int = 5, rows: int = 40, title: str = "") -> str:
+    """The Python functions where `calls` calls of the no-argument `run` (already warm) spend their host
+    time, from cProfile: first the host time per call without the profiler (the calls back to back,
+    one synchronisation after them: on a host-bound call, the wall time), then the `rows` functions with
+    the most self time per call (and their inclusive time, calls per call, file:line)."""
+    import cProfile
+    import pstats
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        run()
+    host = (time.perf_counter() - t0) / calls * 1e3
+    if cuda:
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / calls * 1e3
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        run()
+    prof.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    lines = [f"{title}: {host:.3f} ms of host time per call to enqueue, {wall:.3f} ms to finish ({calls} calls); "
+             f"Python functions by self time per call (cProfile):"]
+    for (path, line, fn), (_, ncalls, tt, ct, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:rows]:
+        where = fn if path == "~" else f"{'/'.join(path.split('/')[-3:])}:{line} {fn}"
+        lines.append(f"  {tt / calls * 1e3:8.3f} ms self {ct / calls * 1e3:8.3f} ms incl  x{ncalls // calls:<5} "
+                     f"{where[:120]}")
+    return "\n".join(lines)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 from _models import LLAMA_1B, TARGET_FAMILY, TINY, dense_and_conversions, free, load_converted, log, timed, versions
-from _profile import kernel_table
+from _profile import kernel_table, python_table
 
 TARGETS = {  # (measure, family) -> {length: target ratio}, from BENCHMARKS.md M1 / M2 (variants: their family's)
     ("ttft", "spla"): {16384: 1.0, 32768: 1.3, 131072: 2.5},
@@ -78,7 +78,7 @@ def measure(fn, device: torch.device, repeats: int) -> dict:
 
 
 def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: int, results: dict, emit,
-              profile: tuple = (), report=None, host: int = 0) -> None:
+              profile: tuple = (), report=None, host: int = 0, python: int = 0) -> None:
     """Every (measure, length) of `measures` on one model, into results[name, measure, length]; at the
     lengths of `profile`, a profiler table of one more call, given to `report`."""
     for what, lengths in measures.items():
@@ -93,6 +93,8 @@ def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: 
                     table, busy = kernel_table(fn, calls=1, rows=30, title=f"{name} {what} T={T}", host=host)
                     res["profiled_device_ms"] = busy
                     report(table)
+                    if python:
+                        report(python_table(fn, calls=3, rows=python, title=f"{name} {what} T={T}"))
             except Exception as e:  # noqa: BLE001 (out of memory, say: record it and go on)
                 log(f"  failed:\n{traceback.format_exc()}")
                 res = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -193,6 +195,8 @@ def main() -> None:
     ap.add_argument("--profile-host", type=int, default=0,
                     help="with --profile, also list this many host functions / ops by CPU time, the launches "
                          "and the source lines that wait on the device")
+    ap.add_argument("--profile-python", type=int, default=0,
+                    help="with --profile, also list this many Python functions by host time per call (cProfile)")
     ap.add_argument("--profile-out", default=None, help="append the profiler tables here (default: stderr)")
     args = ap.parse_args()
     profile = tuple(int(x) for x in args.profile.split(",") if x)
@@ -254,13 +258,13 @@ def main() -> None:
         dense = dense_and_conversions(work, shape, max_pos, device, dtype, families, options,
                                       source=Path(args.checkpoint) if args.checkpoint else None)
         run_model("dense", dense, measures, prompts, device, args.repeats, results, emit, profile, report,
-                  args.profile_host)
+                  args.profile_host, args.profile_python)
         del dense
         free(device)
         for fam in families:
             model = load_converted(work / fam, device, dtype)
             run_model(fam, model, measures, prompts, device, args.repeats, results, emit, profile, report,
-                  args.profile_host)
+                      args.profile_host, args.profile_python)
             del model
             free(device)
     rows = rows_of(results, families, measures)
