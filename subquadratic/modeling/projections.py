@@ -42,30 +42,43 @@ QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def _member(owner: nn.Module, name: str) -> nn.Module | None:
-    """owner's submodule at dotted path `name` ("g_proj.0"), None if absent."""
+    """owner's submodule at dotted path `name` ("g_proj.0"), None if absent (read from the modules'
+    `_modules`, as `get_submodule` does, without `nn.Module.__getattr__`'s cost: this runs at every call)."""
     m = owner
     for part in name.split("."):
-        m = getattr(m, part, None) if not part.isdigit() else (m[int(part)] if isinstance(m, nn.Sequential) else None)
+        m = m._modules.get(part)
         if m is None:
             return None
     return m
 
 
+def _unhooked(lin: nn.Module) -> bool:
+    """No forward hooks on `lin`, nor accelerate's."""
+    return not (lin._forward_hooks or lin._forward_pre_hooks or "_hf_hook" in lin.__dict__)
+
+
 def _plain(lin: nn.Module) -> bool:
     """A plain nn.Linear without hooks whose parameters are plain tensors on a real device."""
-    if type(lin) is not nn.Linear or lin._forward_hooks or lin._forward_pre_hooks or hasattr(lin, "_hf_hook"):
+    if type(lin) is not nn.Linear or not _unhooked(lin):
         return False
-    ps = [lin.weight] if lin.bias is None else [lin.weight, lin.bias]
+    ps = [p for p in (lin._parameters["weight"], lin._parameters.get("bias")) if p is not None]
     return all(type(p) is nn.Parameter and type(p.data) is torch.Tensor and p.device.type != "meta" for p in ps)
 
 
-class _Pack:
-    """The packed weight [rows, in] (and bias, or None) of a mixer's members: member i's rows at
-    offsets[i] (a multiple of ALIGN; zero rows between slots), and the data pointers their parameters
-    must have for the pack to be the live weights."""
+def _signature(linears: Sequence[nn.Linear]) -> list[tuple[int, torch.Size]]:
+    """The data pointer and shape of each member's parameters."""
+    return [(p.data_ptr(), p.shape) for lin in linears for p in (lin._parameters["weight"], lin._parameters.get("bias"))
+            if p is not None]
 
-    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+
+class _Pack:
+    """The packed weight [rows, in] (and bias, or None) of a mixer's members (`names`, the module objects
+    `members`): member i's rows at offsets[i] (a multiple of ALIGN; zero rows between slots), and the
+    data pointers and shapes their parameters must have for the pack to be the live weights."""
+
+    def __init__(self, names: Sequence[str], linears: Sequence[nn.Linear]) -> None:
         w0 = linears[0].weight
+        self.names, self.members = list(names), list(linears)
         self.sizes = [lin.out_features for lin in linears]
         # each member's rows start at a multiple of ALIGN and the packed row is a multiple of ALIGN long, so
         # that every output slice (and its row stride) is aligned for vectorised loads and the GEMMs' fast paths
@@ -73,6 +86,13 @@ class _Pack:
         for n in self.sizes:
             self.offsets.append(row)
             row += -(-n // ALIGN) * ALIGN
+        # the output's split: each member's columns, then its slot's zero columns where there are any
+        self.split, self.index = [], []
+        for n in self.sizes:
+            self.index.append(len(self.split))
+            self.split.append(n)
+            if n % ALIGN:
+                self.split.append(-n % ALIGN)
         # normal tensors even under torch.inference_mode (parameters made of inference tensors could not be
         # trained later)
         with torch.inference_mode(False), torch.no_grad():
@@ -85,27 +105,29 @@ class _Pack:
                 if lin.bias is not None:
                     self.bias[off:off + n] = lin.bias.detach()
                     lin.bias.data = self.bias[off:off + n]
-        self.ptrs = self.pointers(linears)
+        self.sig = _signature(linears)
 
-    def outputs(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each member's output on x: column slices of one matmul over the packed weight."""
-        y = F.linear(x, self.weight, self.bias)
-        return [y.narrow(-1, off, n) for off, n in zip(self.offsets, self.sizes, strict=True)]
+    def outputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{name: member(x)}: column slices of one matmul over the packed weight."""
+        y = F.linear(x, self.weight, self.bias).split(self.split, -1)
+        return {n: y[i] for n, i in zip(self.names, self.index, strict=True)}
 
-    @staticmethod
-    def pointers(linears: Sequence[nn.Linear]) -> list[int]:
-        return [p.data_ptr() for lin in linears for p in (lin.weight, lin.bias) if p is not None]
+    def live(self, owner: nn.Module, x: torch.Tensor) -> bool:
+        """Whether the pack still is `owner`'s members (the same modules, plain, without hooks, their
+        parameters views of the pack) for an input on its device: the checks of a pack's every use, kept
+        cheap (no `nn.Module.__getattr__`)."""
+        return (all(_member(owner, n) is m and _unhooked(m) for n, m in zip(self.names, self.members, strict=True))
+                and _signature(self.members) == self.sig and x.device == self.weight.device)
 
-    def live(self, linears: Sequence[nn.Linear]) -> bool:
-        return (self.pointers(linears) == self.ptrs
-                and all(lin.weight.dtype == self.weight.dtype and lin.weight.device == self.weight.device
-                        and lin.weight.shape[0] == n for lin, n in zip(linears, self.sizes, strict=True)))
+
+def _may_use_pack(owner: nn.Module) -> bool:
+    """The conditions on the call (not the members) for one matmul (module docstring)."""
+    return (getattr(owner.config, "fuse_projections", True) and not torch.compiler.is_compiling()
+            and not (torch.distributed.is_available() and torch.distributed.is_initialized()))
 
 
 def _may_pack(owner: nn.Module, linears: Sequence[nn.Module | None], x: torch.Tensor) -> bool:
-    if not getattr(owner.config, "fuse_projections", True) or len(linears) < 2:
-        return False
-    if torch.compiler.is_compiling() or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if len(linears) < 2 or not _may_use_pack(owner):
         return False
     if not all(lin is not None and _plain(lin) for lin in linears):
         return False
@@ -159,6 +181,12 @@ def input_projections(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | 
     """{name: member(x)} for the `names` (default: all) of `owner.input_projection_names` that exist:
     one packed matmul without gradients, one over the concatenated weights with gradients where the
     owner sets `concat_with_grad` (module docstring), each member on its own otherwise."""
+    grad = torch.is_grad_enabled() or owner.training
+    if not grad:
+        pack = owner.__dict__.get("_input_pack")
+        if pack is not None and _may_use_pack(owner) and pack.live(owner, x):
+            outs = pack.outputs(x)
+            return outs if names is None else {n: outs[n] for n in names}
     members = []
     for n in owner.input_projection_names:
         m = _member(owner, n)
@@ -167,18 +195,13 @@ def input_projections(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | 
     wanted = [n for n, _ in members] if names is None else list(names)
     linears = [m for _, m in members]
     mods = dict(members)
-    if torch.is_grad_enabled() or owner.training:
+    if grad:
         use = [mods[n] for n in wanted]
         if getattr(owner, "concat_with_grad", False) and _may_pack(owner, use, x):
             return dict(zip(wanted, _concat_outputs(use, x), strict=True))
-    elif _may_pack(owner, linears, x):
-        pack = owner.__dict__.get("_input_pack")
-        if pack is None or not pack.live(linears):
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                pack = None  # never build a pack inside a capture: the separate matmuls
-            else:
-                pack = owner.__dict__["_input_pack"] = _Pack(linears)
-        if pack is not None:
-            outs = dict(zip([n for n, _ in members], pack.outputs(x), strict=True))
-            return {n: outs[n] for n in wanted}
+    elif _may_pack(owner, linears, x) and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        # (never build a pack inside a capture: the separate matmuls)
+        pack = owner.__dict__["_input_pack"] = _Pack([n for n, _ in members], linears)
+        outs = pack.outputs(x)
+        return {n: outs[n] for n in wanted}
     return {n: mods[n](x) for n in wanted}
