@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .triton_utils import TRITON_DTYPES
-from .utils import acc_dtype, fused_kernel
+from .utils import acc_dtype, fused_kernel, run_function
 
 #: The largest head dim the kernel takes (one block per row).
 MAX_DIM = 256
@@ -67,7 +67,7 @@ def norm_gate(x: Tensor, weight: Tensor, gate: Tensor, eps: float, backend: str 
     if fused_kernel(backend, x.device, "norm-gate", norm_gate_unsupported(x, weight, gate)):
         from .triton_norm_gate import NormGate
 
-        return NormGate.apply(x, weight, gate, eps)
+        return run_function(NormGate, x, weight, gate, eps)
     return norm_gate_reference(x, weight, gate, eps)
 
 
@@ -90,5 +90,5 @@ def add_norm(o: Tensor, x: Tensor, weight: Tensor, eps: float, backend: str = "a
     if fused_kernel(backend, x.device, "add-norm", norm_gate_unsupported(x, weight, o)):
         from .triton_norm_gate import AddNorm
 
-        return AddNorm.apply(o, x, weight, eps)
+        return run_function(AddNorm, o, x, weight, eps)
     return add_norm_reference(o, x, weight, eps)

@@ -15,7 +15,7 @@ from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .triton_utils import TRITON_DTYPES
-from .utils import fused_kernel
+from .utils import fused_kernel, run_function
 
 
 def rope_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -51,5 +51,5 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str = "auto") 
     if fused_kernel(backend, q.device, "RoPE", rope_unsupported(q, k, cos, sin)):
         from .triton_rope import Rope
 
-        return Rope.apply(q, k, cos.detach(), sin.detach())
+        return run_function(Rope, q, k, cos.detach(), sin.detach())
     return rope_reference(q, k, cos, sin)

@@ -62,6 +62,29 @@ def triton_available() -> bool:
 
 
 #: The backends of the fused elementwise ops (`norm_gate`, `rope`, SSE's and HLA's feature maps).
+class _RecordlessCtx:
+    """The context a Function's forward gets from `run_function` when no gradient is recorded: what a
+    forward may call on it does nothing (nothing is kept for a backward that will not run)."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass
+
+
+def run_function(fn: type[torch.autograd.Function], *args):
+    """fn.apply(*args); with grad mode off (generation, evaluation, a first-token call) fn's forward
+    called directly on a context that keeps nothing: the same outputs without `apply`'s cost a call
+    (the autograd bookkeeping of every argument, some microseconds of host time a launch)."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return fn.apply(*args)
+    return fn.forward(_RecordlessCtx(), *args)
+
+
 FUSED_BACKENDS = ("auto", "triton", "torch")
 
 

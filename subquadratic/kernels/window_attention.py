@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .triton_utils import TRITON_DTYPES
-from .utils import resolve_backend, resolve_precision
+from .utils import resolve_backend, resolve_precision, run_function
 
 #: The largest head dim the kernels take.
 MAX_DIM = 256
@@ -57,7 +57,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scaling: floa
 
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     ieee = q.dtype == torch.float32 and resolve_precision(precision, q.device) == "ieee"
-    return WindowAttention.apply(q, k, v, window, sinks, float(scaling), ieee)
+    return run_function(WindowAttention, q, k, v, window, sinks, float(scaling), ieee)
 
 
 def window_step_reference(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window: int,

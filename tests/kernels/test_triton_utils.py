@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 from subquadratic.kernels import triton_utils  # noqa: E402
@@ -25,3 +26,32 @@ def test_autotuning_is_on_the_gpu_unless_switched_off(interpret, switch, expecte
     finally:
         monkeypatch.undo()
         importlib.reload(triton_utils)
+
+
+def test_run_function_calls_forward_directly_without_grad(monkeypatch):
+    """`run_function`: with grad mode off a Function's forward runs directly (apply not called), the
+    outputs of apply; with grad mode on through apply, gradients flowing."""
+    from subquadratic.kernels.utils import run_function
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, s):
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(x)
+            ctx.s = s
+            return x * s, x + 1
+
+        @staticmethod
+        def backward(ctx, dy, dz):
+            return dy * ctx.s + dz, None
+
+    x = torch.randn(5, requires_grad=True)
+    want = Scale.apply(x, 3.0)
+    with torch.no_grad(), monkeypatch.context() as m:
+        m.setattr(Scale, "apply", lambda *a: pytest.fail("apply ran without grad"))
+        got = run_function(Scale, x, 3.0)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(got, want, strict=True))
+    assert not any(t.requires_grad for t in got)
+    y, z = run_function(Scale, x, 3.0)
+    (g,) = torch.autograd.grad((y + z).sum(), x)
+    assert torch.equal(g, torch.full_like(x, 4.0))

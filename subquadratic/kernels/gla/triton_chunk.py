@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..triton_utils import TRITON_DTYPES, block_size, dot_precision, launch
-from ..utils import import_triton, new_output
+from ..utils import import_triton, new_output, run_function
 from .triton_chunk_h import chunk_bwd_dh, chunk_fwd_h, piece_carry, piece_fix, piece_fwd_h
 from .triton_chunk_o import BC, chunk_bwd_dqk, chunk_bwd_dv, chunk_fwd_o, intra_bwd, intra_bwd_dA, intra_fwd
 
@@ -361,8 +361,8 @@ def chunk_linear_attention(
         st = initial_state.clone() if initial_state is not None else q.new_zeros(ch.N, H, K, V, dtype=torch.float32)
         return o, st if output_final_state else None
     flat = (lambda x: x.reshape(M, *x.shape[2:])) if dense else (lambda x: x)  # noqa: E731
-    o, st = ChunkLinearAttention.apply(flat(q), flat(k), flat(v), None if g is None else flat(g), initial_state, ch,
-                                       prec, out_dtype or dt, output_final_state)
+    o, st = run_function(ChunkLinearAttention, flat(q), flat(k), flat(v), None if g is None else flat(g),
+                         initial_state, ch, prec, out_dtype or dt, output_final_state)
     return o.view(*lead, HQ, V), st
 
 

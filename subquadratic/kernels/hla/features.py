@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..triton_utils import TRITON_DTYPES
-from ..utils import fused_kernel
+from ..utils import fused_kernel, run_function
 
 #: The largest head dim the kernel takes (one block per row).
 MAX_DIM = 256
@@ -65,5 +65,5 @@ def hla_features(q: Tensor, k: Tensor, v: Tensor, scale: float, normalize: bool 
         from .triton_features import HLAFeatures
 
         grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-        return HLAFeatures.apply(q, k, v, float(scale), grad)
+        return run_function(HLAFeatures, q, k, v, float(scale), grad)
     return hla_features_reference(q, k, v, scale, normalize)

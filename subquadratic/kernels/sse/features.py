@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..triton_utils import TRITON_DTYPES
-from ..utils import acc_dtype, fused_kernel
+from ..utils import acc_dtype, fused_kernel, run_function
 
 #: The largest head dim the kernel takes (one block per row).
 MAX_DIM = 256
@@ -115,5 +115,5 @@ def sse_gla_features(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: Tensor | Non
         if q2_mode == "same":
             xs = (q1, k1, q1, q1, *xs[4:])  # placeholders the kernel does not read
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in xs)
-        return SSEFeatures.apply(*xs, float(normalizer), q2_mode, grad)
+        return run_function(SSEFeatures, *xs, float(normalizer), q2_mode, grad)
     return sse_gla_features_reference(*xs, normalizer, q2_mode)

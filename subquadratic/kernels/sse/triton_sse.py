@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..gla.triton_chunk import chunk_linear_attention
 from ..triton_utils import block_size, rows_per_program
-from ..utils import import_triton, new_output
+from ..utils import import_triton, new_output, run_function
 from .recurrent import SSEState, setup
 
 triton, tl = import_triton()
@@ -170,14 +170,14 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
         raise ValueError(f"topk must be in [1, N={N}]; got {topk}")
     src, cu, inv = group_rows(sel, K)
     # one GLA call over the shared rows (one segment per sample) and the partition segments
-    qa, ka, va, ga = PackRows.apply(q1, k1, v, g1, q2, k2, g2, probs, src, cu, inv)
+    qa, ka, va, ga = run_function(PackRows, q1, k1, v, g1, q2, k2, g2, probs, src, cu, inv)
     h0 = None
     if state is not None:
         h0 = torch.cat([state.shared.float(), state.parts.float().reshape(B * N, H, Dk, Dv),
                         state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
     o_all, h = chunk_linear_attention(qa, ka, va, ga, cu_seqlens=cu, initial_state=h0, chunk_size=chunk_size,
                                       out_dtype=torch.float32, precision=precision)
-    o = CombineRows.apply(o_all, src, cu, inv, B * T, q1.dtype)
+    o = run_function(CombineRows, o_all, src, cu, inv, B * T, q1.dtype)
     return o.view(B, T, H, Dv), SSEState(h[:B], h[B:B + B * N].reshape(B, N, H, Dk, Dv))
 
 
