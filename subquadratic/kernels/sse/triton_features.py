@@ -157,10 +157,14 @@ def sse_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, DOQ1, DOK1, DOQ2, DOK2, 
 MODES = {"same": 0, "offset": 1, "full": 2}
 
 
-def _read_in_place(t: torch.Tensor) -> torch.Tensor:
-    """t itself where its tokens are rows of one stride (`token_stride`: a column slice of a packed
-    projection's output, or contiguous), else a contiguous copy."""
-    return t if token_stride(t) is not None else t.contiguous()
+def _read_in_place(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(t, its token stride) where its tokens are rows of one stride (`token_stride`: a column slice of a
+    packed projection's output, or contiguous), else a contiguous copy and its stride."""
+    S = token_stride(t)
+    if S is None:
+        t = t.contiguous()
+        S = token_stride(t)
+    return t, S
 
 
 class SSEFeatures(torch.autograd.Function):
@@ -176,19 +180,19 @@ class SSEFeatures(torch.autograd.Function):
         B, T, H, D = q1.shape
         HK = k1.shape[2]
         mode = MODES[q2_mode]
-        xs = [_read_in_place(t) for t in (q1, k1, q2, k2, v, z1, z2)] + [bias1.contiguous(), bias2.contiguous()]
+        xs, strides = zip(*(_read_in_place(t) for t in (q1, k1, q2, k2, v, z1, z2)), strict=True)
+        xs = [*xs, bias1.contiguous(), bias2.contiguous()]
         n_rows = B * T * H
         outs = [new_output(q1.shape, q1.device, q1.dtype) for _ in range(5)]
         gs = [new_output(q1.shape, q1.device) for _ in range(2)]  # fp32
         BD = block_size(D, 1)
         BR = rows_per_program(BD, ELEMENTS)
         if n_rows:
-            sse_features_fwd[(triton.cdiv(n_rows, BR),)](*xs, *outs, *gs, n_rows, 1.0 / normalizer,
-                                                         *(token_stride(t) for t in xs[:7]), H, HK, D, BD, BR, mode,
-                                                         num_warps=4)
+            sse_features_fwd[(triton.cdiv(n_rows, BR),)](*xs, *outs, *gs, n_rows, 1.0 / normalizer, *strides,
+                                                         H, HK, D, BD, BR, mode, num_warps=4)
         if grad:
             ctx.save_for_backward(*xs)
-        ctx.normalizer, ctx.mode = normalizer, mode
+        ctx.normalizer, ctx.mode, ctx.strides = normalizer, mode, strides
         return (*outs, *gs)
 
     @staticmethod
@@ -209,8 +213,7 @@ class SSEFeatures(torch.autograd.Function):
         if n_rows:
             sse_features_bwd[(triton.cdiv(n_rows, BR),)](*xs, *(g.contiguous() for g in grads), dq1, dk1, dq2, dk2, dv,
                                                          *dzs, n_rows, 1.0 / ctx.normalizer,
-                                                         *(token_stride(t) for t in xs[:7]), H, HK, D, BD, BR, mode,
-                                                         num_warps=4)
+                                                         *ctx.strides, H, HK, D, BD, BR, mode, num_warps=4)
         if HK != H:
             dk1, dv = (t.view(B, T, HK, H // HK, D).sum(3).to(q1.dtype) for t in (dk1, dv))
         if mode == 0:
