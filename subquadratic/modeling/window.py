@@ -10,6 +10,8 @@ is the conversion's half: the source's attention tensors of a converted layer, c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -123,6 +125,26 @@ class WindowRing:
                 torch.where(has, self.pos.gather(1, src), buf_pos))
 
 
+@functools.lru_cache(maxsize=32)
+def _fresh_layout(T: int, W: int, sinks: int, device: torch.device
+                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """`FreshRing.update`'s index tensors for T new tokens, a ring of W slots and `sinks` sink slots,
+    made once per shape and device (read only; what a cache keeps is copied from them): the token each
+    ring slot takes (None when T < W: slots 0..T-1 take the tokens), the ring's positions [W] (-1:
+    empty) and the sinks' positions [sinks] (None without sinks)."""
+    slots = torch.arange(W, device=device)
+    if T >= W:  # slot s holds the position p in [T - W, T) with p % W = s
+        src = T - W + (slots - T) % W
+        pos = src
+    else:  # slots 0..T-1 hold the tokens, the rest is empty
+        src, pos = None, torch.where(slots < T, slots, -1)
+    sink_pos = None
+    if sinks:
+        sink = torch.arange(sinks, device=device)
+        sink_pos = torch.where(sink < min(sinks, T), sink, -1)
+    return src, pos, sink_pos
+
+
 class FreshRing:
     """The window ring of a call whose new tokens are each row's first T, all real (positions 0..T-1 in
     every row, an empty ring): the queries attend over the new tokens themselves as causal rows (the
@@ -138,23 +160,21 @@ class FreshRing:
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, H, T, D] (post-RoPE) -> themselves, after writing the ring and the sinks."""
         B, H, T, D = k.shape
-        W, dev = self.window, k.device
-        slots = torch.arange(W, device=dev)
-        if T >= W:  # slot s holds the position p in [T - W, T) with p % W = s
-            src = T - W + (slots - T) % W
-            ring_k, ring_v, pos = k.index_select(2, src), v.index_select(2, src), src
-        else:  # slots 0..T-1 hold the tokens, the rest is empty
+        W = self.window
+        src, pos, sink_pos = _fresh_layout(T, W, self.sinks, k.device)
+        if src is not None:
+            ring_k, ring_v = k.index_select(2, src), v.index_select(2, src)
+        else:
             pad = (0, 0, 0, W - T)
             ring_k, ring_v = F.pad(k, pad), F.pad(v, pad)
-            pos = torch.where(slots < T, slots, -1)
         t = self.layer.tensors
-        t.update(swa_k=ring_k, swa_v=ring_v, swa_pos=pos.expand(B, W).contiguous())
+        # copies: the cache writes them in place
+        t.update(swa_k=ring_k, swa_v=ring_v, swa_pos=pos.expand(B, W).clone(memory_format=torch.contiguous_format))
         if self.sinks:
             n = min(self.sinks, T)
             pad = (0, 0, 0, self.sinks - n)
-            sink = torch.arange(self.sinks, device=dev)
             t.update(swa_sink_k=F.pad(k[:, :, :n], pad), swa_sink_v=F.pad(v[:, :, :n], pad),
-                     swa_sink_pos=torch.where(sink < n, sink, -1).expand(B, self.sinks).contiguous())
+                     swa_sink_pos=sink_pos.expand(B, self.sinks).clone(memory_format=torch.contiguous_format))
         return k, v
 
 
