@@ -27,15 +27,17 @@ def sse_aux_loss(probs: Tensor, sel: Tensor, valid: Tensor | None = None) -> Ten
     """Load-balancing loss (N / K) sum_i mean_t(p^i_t) mean_t(1[i in T_t]) over
     the valid tokens of the whole batch; 1 when routing is uniform.
     probs, sel: [B, T, N], valid: [B, T] bool (default: tokens with any selection).
-    K is the number of selected partitions of a valid token."""
+    K is the number of selected partitions of a valid token.
+
+    With c valid tokens, P_i and S_i the sums of p^i and of the selections over them and S their
+    total (K = S / c): (N / max(K, 1)) sum_i (P_i / c)(S_i / c) = N sum_i P_i S_i / (c max(S, c)),
+    c at least 1: 0 (and a zero gradient) without valid tokens. One pass over [B, T, 2N] for the two
+    sums (a training step runs it in every SSE layer)."""
     N = probs.shape[-1]
     if valid is None:
         valid = sel.any(-1)
     w = valid.to(probs.dtype)[..., None]                             # [B, T, 1]; masks, no indexing
-    count = w.sum()
-    s = sel.to(probs.dtype) * w
-    p_mean = (probs * w).sum((0, 1)) / count.clamp(min=1)            # [N]
-    s_mean = s.sum((0, 1)) / count.clamp(min=1)
-    K = s.sum() / count.clamp(min=1)                                 # partitions per valid token
-    loss = N / K.clamp(min=1) * (p_mean * s_mean).sum()
-    return torch.where(count > 0, loss, probs.sum() * 0.0)
+    sums = (torch.cat([probs, sel.to(probs.dtype)], -1) * w).sum((0, 1))  # [2N]: P_i, then S_i
+    c = w.sum().clamp(min=1)
+    p_sum, s_sum = sums.split(N)
+    return N * (p_sum * s_sum).sum() / (c * torch.maximum(s_sum.sum(), c))

@@ -235,6 +235,33 @@ def test_router_topk():
     assert ((probs >= top) == sel)[valid].all()
 
 
+def aux_loss_by_definition(probs, sel, valid):
+    """(N / max(K, 1)) sum_i mean_t(p^i_t) mean_t(1[i in T_t]) over the valid tokens, term by term."""
+    N = probs.shape[-1]
+    p, s = probs[valid], sel[valid].to(probs.dtype)
+    if p.shape[0] == 0:
+        return probs.sum() * 0.0
+    K = s.sum(-1).mean()
+    return N / K.clamp(min=1) * (p.mean(0) * s.mean(0)).sum()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_aux_loss_values_and_gradients_by_definition(seed):
+    """On random routings (padding, tokens with fewer selections than K, a batch without valid tokens):
+    the definition's value and probability gradients, fp64."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(3, 7, 5, generator=g, dtype=torch.float64), -1).requires_grad_()
+    sel = torch.rand(3, 7, 5, generator=g) < 0.4
+    valid = torch.rand(3, 7, generator=g) < 0.7
+    for v in (valid, torch.zeros_like(valid)):
+        got = sse_aux_loss(probs, sel, v)
+        want = aux_loss_by_definition(probs, sel, v)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        ga, = torch.autograd.grad(got, probs)
+        gb, = torch.autograd.grad(want, probs)
+        torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-12)
+
+
 def test_aux_loss_by_hand():
     # N = 2, K = 1, three valid tokens and one padding token (ignored)
     probs = torch.tensor([[[0.7, 0.3], [0.6, 0.4], [0.4, 0.6], [0.1, 0.9]]])
