@@ -249,3 +249,44 @@ def test_strided_inputs_without_gradients(B, T):
         want = sse_gla_features_reference(*(t.contiguous() for t in xs2), 16.0)
         for name, a, b in zip(NAMES, got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("kv_heads", ["query", "source"])
+def test_generation_through_the_kernel_equals_the_full_forward(kv_heads, monkeypatch, one_thread):
+    """SSE-H with the feature and RoPE kernels taken (forced, as on CUDA): generate() with the static
+    cache and with the default one give the same tokens, the greedy tokens of the full forward over the
+    generated sequence (prefill with left padding, then one-token steps reading the cache), whose logits
+    are the PyTorch forms', with K / V at the query heads or at the source's (the kernel reading each
+    query head's KV head)."""
+    from subquadratic.families.sse import modeling as sse_modeling
+    from subquadratic.kernels import rope as rope_module
+    from subquadratic.kernels.sse import features
+    from subquadratic.modeling import fused
+
+    from ...models.common import GEN, left_pad
+    from ...models.sse.test_modeling_sse import lively
+
+    calls = []
+
+    def takes(*xs, **kw):
+        calls.append(kw.get("q2_mode"))
+        return features.sse_gla_features_unsupported(*xs, **kw) is None
+
+    monkeypatch.setattr(sse_modeling, "sse_gla_features_takes_kernel", takes)
+    monkeypatch.setattr(fused, "rope_takes_kernel", lambda *a: rope_module.rope_unsupported(*a) is None)
+    monkeypatch.setattr(fused, "ROPE_KERNEL_BACKENDS", ("auto", "triton"))
+    m = lively("tiny-h", 0, sse_kv_heads=kv_heads).to(DEV)
+    g = torch.Generator().manual_seed(0)
+    ids, mask = left_pad([torch.randint(3, 128, (n,), generator=g) for n in (30, 17)])
+    ids, mask = ids.to(DEV), mask.to(DEV)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, **GEN)
+    out = m.generate(ids, cache_implementation="static", **kw)
+    assert torch.equal(out, m.generate(ids, **kw))
+    assert calls and set(calls) == {"offset"}  # the kernel's path: q2 / k2 as offsets
+    full_mask = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype, device=DEV)], 1)
+    with torch.no_grad():
+        logits = m(out[:, :-1], attention_mask=full_mask).logits
+    assert torch.equal(logits[:, ids.shape[1] - 1:].argmax(-1), out[:, ids.shape[1]:])
+    monkeypatch.undo()  # the PyTorch forms: the same logits
+    with torch.no_grad():
+        torch.testing.assert_close(m(out[:, :-1], attention_mask=full_mask).logits, logits, rtol=1e-4, atol=1e-4)
