@@ -18,7 +18,10 @@ Measures, each warm (one untimed call of the same shape first, so kernels are co
   train: one training step's forward and backward, `model(ids, labels=ids).loss.backward()`, with the
          weights in the run's dtype and gradients for every parameter (no optimizer step).
 The time of a call is the median of --repeats synchronised wall-clock runs; the ratio is dense time over
-ours (above 1: ours is faster). Peak memory is torch.cuda.max_memory_allocated over the timed runs. A
+ours (above 1: ours is faster). A first token's row also gives the host time: the median time the
+call took to return before its synchronisation, what the host spends enqueueing it (near the wall
+time: the host bounds the call; well below it: the GPU does). Peak memory is
+torch.cuda.max_memory_allocated over the timed runs. A
 call that fails (out of memory, say) is recorded with its error and the run goes on. The table is
 printed at the end as Markdown and, with --out, written as JSON after every row. `--profile T[,T..]`
 adds, for each model and each measure at those lengths, a torch.profiler table of one warm call (the
@@ -33,11 +36,12 @@ import json
 import math
 import statistics
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
 import torch
-from _models import LLAMA_1B, TARGET_FAMILY, TINY, dense_and_conversions, free, load_converted, log, timed, versions
+from _models import LLAMA_1B, TARGET_FAMILY, TINY, dense_and_conversions, free, load_converted, log, sync, versions
 from _profile import kernel_table, python_table
 
 TARGETS = {  # (measure, family) -> {length: target ratio}, from BENCHMARKS.md M1 / M2 (variants: their family's)
@@ -68,13 +72,23 @@ def train_call(model, ids: torch.Tensor):
 
 
 def measure(fn, device: torch.device, repeats: int) -> dict:
-    """Median seconds of `repeats` timed calls after one untimed call, and the peak memory of the timed ones."""
+    """Median seconds of `repeats` timed calls after one untimed call, the median seconds each took to
+    return before its synchronisation (`host_s`: the time the host takes to enqueue a call that does
+    not wait on the device, a first token's; a training step's waits for its loss), and the peak memory
+    of the timed calls."""
     fn()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = [timed(fn, device)[0] for _ in range(repeats)]
+    times, host = [], []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+        sync(device)
+        times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return dict(s=statistics.median(times), runs=times, peak_bytes=peak)
+    return dict(s=statistics.median(times), runs=times, host_s=statistics.median(host), peak_bytes=peak)
 
 
 def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: int, results: dict, emit,
@@ -109,6 +123,10 @@ def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: 
         model.eval()
 
 
+def fmt_ms(ms) -> str:
+    return "-" if ms is None else f"{ms:.1f}"
+
+
 def fmt_bytes(n) -> str:
     return "-" if n is None else f"{n / 2**30:.1f} GiB"
 
@@ -128,20 +146,24 @@ def rows_of(results: dict, families: list[str], measures: dict) -> list[dict]:
                                  dense_ms=dense.get("s", math.nan) * 1000, ours_ms=ours.get("s", math.nan) * 1000,
                                  ratio=ratio, target=target, met=None if target is None else ratio >= target,
                                  dense_peak=dense.get("peak_bytes"), ours_peak=ours.get("peak_bytes"),
+                                 **{f"{who}_host_ms": r["host_s"] * 1000 if what == "ttft" and "host_s" in r else None
+                                    for who, r in (("dense", dense), ("ours", ours))},
                                  error=ours.get("error") or dense.get("error")))
     return rows
 
 
 def markdown(rows: list[dict], batch: int) -> str:
-    lines = [f"| id | measure (B{batch}) | T | family | dense ms | ours ms | ratio | target | peak GiB dense / ours |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| id | measure (B{batch}) | T | family | dense ms | ours ms | ratio | target | peak GiB dense / ours "
+             "| host ms dense / ours |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         target = "" if r["target"] is None else f">= {r['target']}x ({'met' if r['met'] else 'missed'})"
         what = {"ttft": "time to first token", "train": "training step"}[r["measure"]]
         if r["error"]:
             target = f"{target} error: {r['error']}".strip()
         lines.append(f"| {r['id']} | {what} | {r['T']} | {r['family']} | {r['dense_ms']:.1f} | {r['ours_ms']:.1f} | "
-                     f"{r['ratio']:.2f}x | {target} | {fmt_bytes(r['dense_peak'])} / {fmt_bytes(r['ours_peak'])} |")
+                     f"{r['ratio']:.2f}x | {target} | {fmt_bytes(r['dense_peak'])} / {fmt_bytes(r['ours_peak'])} | "
+                     f"{fmt_ms(r['dense_host_ms'])} / {fmt_ms(r['ours_host_ms'])} |")
     return "\n".join(lines)
 
 

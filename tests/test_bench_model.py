@@ -24,6 +24,11 @@ def test_bench_model_quick_smoke(tmp_path):
     assert keys == {("ttft", T, f) for T in (128, 320) for f in families} | {("train", 128, f) for f in families}
     assert all(r["error"] is None and r["dense_ms"] > 0 and r["ours_ms"] > 0 and r["ratio"] > 0 for r in rows)
     assert "| M1 | time to first token | 320 | spla |" in res.stdout  # the Markdown table for docs/benchmarks.md
+    for r in rows:  # a first token's host time (the call's time to return, at most its wall time); none for training
+        if r["measure"] == "ttft":
+            assert 0 < r["ours_host_ms"] <= r["ours_ms"] * 1.001 and 0 < r["dense_host_ms"] <= r["dense_ms"] * 1.001
+        else:
+            assert r["ours_host_ms"] is None and r["dense_host_ms"] is None
     tables = (tmp_path / "prof.txt").read_text()  # one profiler table per model and measure at 128 tokens
     for name in ("dense", *families):
         for what in ("ttft", "train"):
