@@ -71,6 +71,18 @@ def _signature(linears: Sequence[nn.Linear]) -> list[tuple[int, torch.Size]]:
             if p is not None]
 
 
+def _slot_split(sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The split of a packed output whose members' slots are rounded up to ALIGN rows: each member's
+    columns, then its slot's zero columns where there are any; and the index of each member's piece."""
+    split, index = [], []
+    for n in sizes:
+        index.append(len(split))
+        split.append(n)
+        if n % ALIGN:
+            split.append(-n % ALIGN)
+    return split, index
+
+
 class _Pack:
     """The packed weight [rows, in] (and bias, or None) of a mixer's members (`names`, the module objects
     `members`): member i's rows at offsets[i] (a multiple of ALIGN; zero rows between slots), and the
@@ -86,13 +98,7 @@ class _Pack:
         for n in self.sizes:
             self.offsets.append(row)
             row += -(-n // ALIGN) * ALIGN
-        # the output's split: each member's columns, then its slot's zero columns where there are any
-        self.split, self.index = [], []
-        for n in self.sizes:
-            self.index.append(len(self.split))
-            self.split.append(n)
-            if n % ALIGN:
-                self.split.append(-n % ALIGN)
+        self.split, self.index = _slot_split(self.sizes)
         # normal tensors even under torch.inference_mode (parameters made of inference tensors could not be
         # trained later)
         with torch.inference_mode(False), torch.no_grad():
@@ -142,26 +148,17 @@ def _concat_outputs(linears: Sequence[nn.Linear], x: torch.Tensor) -> tuple[torc
     of ALIGN as in the pack (an unaligned row count sends the GEMMs to slow narrow-alignment kernels);
     column slices of its result."""
     w0 = linears[0].weight
-    parts, biases, sizes = [], [], []
+    split, index = _slot_split([lin.out_features for lin in linears])
     has_bias = any(lin.bias is not None for lin in linears)
+    parts, biases = [], []
     for lin in linears:
-        n = lin.out_features
-        pad = -n % ALIGN
-        parts.append(lin.weight)
+        pad = -lin.out_features % ALIGN
+        parts += [lin.weight, w0.new_zeros(pad, w0.shape[1])] if pad else [lin.weight]
         if has_bias:
-            biases.append(w0.new_zeros(n) if lin.bias is None else lin.bias)
-        sizes.append(n)
-        if pad:
-            parts.append(w0.new_zeros(pad, w0.shape[1]))
-            if has_bias:
-                biases.append(w0.new_zeros(pad))
-            sizes.append(pad)
-    y = F.linear(x, torch.cat(parts), torch.cat(biases) if has_bias else None).split(sizes, -1)
-    out, i = [], 0
-    for lin in linears:
-        out.append(y[i])
-        i += 1 if lin.out_features % ALIGN == 0 else 2
-    return tuple(out)
+            b = w0.new_zeros(lin.out_features) if lin.bias is None else lin.bias
+            biases += [b, w0.new_zeros(pad)] if pad else [b]
+    y = F.linear(x, torch.cat(parts), torch.cat(biases) if has_bias else None).split(split, -1)
+    return tuple(y[i] for i in index)
 
 
 class PackedInputs:
