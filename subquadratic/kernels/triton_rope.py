@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_utils import block_size, token_stride
+from .triton_utils import block_size, read_in_place, token_stride
 from .utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -112,8 +112,7 @@ class Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         out_dtype = torch.promote_types(q.dtype, cos.dtype)
-        # read where they are when their tokens are rows of one stride (column slices of a packed projection)
-        q, k = (t if token_stride(t) is not None else t.contiguous() for t in (q, k))
+        q, k = (read_in_place(t)[0] for t in (q, k))  # column slices of a packed projection: no copy
         cos, sin = cos.contiguous(), sin.contiguous()
         yq = new_output(q.shape, q.device, out_dtype)
         yk = new_output(k.shape, k.device, out_dtype)

@@ -102,3 +102,14 @@ def token_stride(t: torch.Tensor) -> int | None:
         inner *= n
     S = t.stride(1) if T > 1 else (t.stride(0) if B > 1 else inner)
     return S if S >= inner and (B == 1 or T == 1 or t.stride(0) == T * S) else None
+
+
+def read_in_place(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(t, its token stride) where t's tokens are rows of one stride (`token_stride`: a column slice of a
+    packed projection's output, or contiguous): what a kernel reads where it is; else a contiguous copy
+    and its stride."""
+    S = token_stride(t)
+    if S is None:
+        t = t.contiguous()
+        S = token_stride(t)
+    return t, S

@@ -61,7 +61,6 @@ def triton_available() -> bool:
     return True
 
 
-#: The backends of the fused elementwise ops (`norm_gate`, `rope`, SSE's and HLA's feature maps).
 class _RecordlessCtx:
     """The context a Function's forward gets from `run_function` when no gradient is recorded: what a
     forward may call on it does nothing (nothing is kept for a backward that will not run)."""
@@ -85,6 +84,7 @@ def run_function(fn: type[torch.autograd.Function], *args):
     return fn.forward(_RecordlessCtx(), *args)
 
 
+#: The backends of the fused elementwise ops (`norm_gate`, `rope`, SSE's and HLA's feature maps).
 FUSED_BACKENDS = ("auto", "triton", "torch")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import block_size, rows_per_program, token_stride
+from ..triton_utils import block_size, read_in_place, rows_per_program
 from ..utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -157,16 +157,6 @@ def sse_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, DOQ1, DOK1, DOQ2, DOK2, 
 MODES = {"same": 0, "offset": 1, "full": 2}
 
 
-def _read_in_place(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(t, its token stride) where its tokens are rows of one stride (`token_stride`: a column slice of a
-    packed projection's output, or contiguous), else a contiguous copy and its stride."""
-    S = token_stride(t)
-    if S is None:
-        t = t.contiguous()
-        S = token_stride(t)
-    return t, S
-
-
 class SSEFeatures(torch.autograd.Function):
     """`sse_gla_features` on the kernels: q1 [B, T, H, D], k1, v [B, T, HK, D] (H a multiple of HK),
     q2, k2 [B, T, H, D] (any tensors of q1's, ignored, for q2_mode "same"), of one dtype; z1, z2
@@ -180,7 +170,7 @@ class SSEFeatures(torch.autograd.Function):
         B, T, H, D = q1.shape
         HK = k1.shape[2]
         mode = MODES[q2_mode]
-        xs, strides = zip(*(_read_in_place(t) for t in (q1, k1, q2, k2, v, z1, z2)), strict=True)
+        xs, strides = zip(*(read_in_place(t) for t in (q1, k1, q2, k2, v, z1, z2)), strict=True)
         xs = [*xs, bias1.contiguous(), bias2.contiguous()]
         n_rows = B * T * H
         outs = [new_output(q1.shape, q1.device, q1.dtype) for _ in range(5)]
