@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .spla.triton_common import NEG
+from .triton_launch import jit
 from .triton_utils import block_size
 from .triton_window import _group_queries, _kv, _online_softmax, _store_group
 from .utils import import_triton, new_output
@@ -22,7 +23,7 @@ triton, tl = import_triton()
 BN = 64
 
 
-@triton.jit
+@jit
 def decode_split(Q, K, V, OK, M, L, ACC, S, span, scale, s_qb, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_mb,
                  H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                  BN: tl.constexpr, IEEE: tl.constexpr):
@@ -51,7 +52,7 @@ def decode_split(Q, K, V, OK, M, L, ACC, S, span, scale, s_qb, s_qh, s_kb, s_kh,
     tl.store(ACC + row[:, None] * BD + cols[None, :], acc)
 
 
-@triton.jit
+@jit
 def decode_combine(M, L, ACC, OUT, n_spans, s_ob, s_oh, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
                    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
     i_bh = tl.program_id(0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .triton_launch import jit
 from .triton_utils import block_size
 from .utils import import_triton, new_output
 
@@ -16,7 +17,7 @@ triton, tl = import_triton()
 ROWS = 16
 
 
-@triton.jit
+@jit
 def _rows(X, W, GATE, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
     """This program's rows: offsets, mask, x, gate and weight in fp32, and rsqrt(mean(x^2) + eps)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -30,7 +31,7 @@ def _rows(X, W, GATE, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.cons
     return off, m, x, g, w, r
 
 
-@triton.jit
+@jit
 def norm_gate_fwd(X, W, GATE, Y, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                   BR: tl.constexpr):
     off, m, x, g, w, r = _rows(X, W, GATE, n_rows, eps, H, D, BD, BR)
@@ -39,7 +40,7 @@ def norm_gate_fwd(X, W, GATE, Y, n_rows, eps, H: tl.constexpr, D: tl.constexpr, 
     tl.store(Y + off, (n * s).to(Y.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@jit
 def norm_gate_bwd(X, W, GATE, DY, DX, DG, DW, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                   BR: tl.constexpr):
     off, m, x, g, w, r = _rows(X, W, GATE, n_rows, eps, H, D, BD, BR)
@@ -93,7 +94,7 @@ class NormGate(torch.autograd.Function):
         return dx, _weight_grad(ctx, dw_rows) if ctx.needs_input_grad[1] else None, dg, None
 
 
-@triton.jit
+@jit
 def add_norm_fwd(X, W, OUT_SP, Y, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                  BR: tl.constexpr):
     off, m, x, o, w, r = _rows(X, W, OUT_SP, n_rows, eps, H, D, BD, BR)
@@ -101,7 +102,7 @@ def add_norm_fwd(X, W, OUT_SP, Y, n_rows, eps, H: tl.constexpr, D: tl.constexpr,
     tl.store(Y + off, (o + n).to(Y.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@jit
 def add_norm_bwd(X, W, DY, DX, DW, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                  BR: tl.constexpr):
     off, m, x, dy, w, r = _rows(X, W, DY, n_rows, eps, H, D, BD, BR)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .triton_launch import jit
 from .triton_utils import block_size, read_in_place, token_stride
 from .utils import import_triton, new_output
 
@@ -21,7 +22,7 @@ triton, tl = import_triton()
 ROWS = 16
 
 
-@triton.jit
+@jit
 def _rows(X, S, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2: tl.constexpr, BD2: tl.constexpr, BR: tl.constexpr):
     """This program's rows of X [tokens, heads, 2 * D2] (tokens S elements apart, a token's heads
     contiguous): the output's offsets of the halves (contiguous [tokens * heads, 2 * D2]), mask, and x1,
@@ -42,7 +43,7 @@ def _rows(X, S, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2: tl.constexpr, BD2: t
     return off, m, x1, x2, c1, c2, s1, s2
 
 
-@triton.jit
+@jit
 def _fwd(X, S, Y, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2: tl.constexpr, BD2: tl.constexpr, BR: tl.constexpr):
     off, m, x1, x2, c1, c2, s1, s2 = _rows(X, S, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2, BD2, BR)
     dt = Y.dtype.element_ty
@@ -52,7 +53,7 @@ def _fwd(X, S, Y, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2: tl.constexpr, BD2:
     tl.store(Y + off + D2, y2.to(dt), mask=m)
 
 
-@triton.jit
+@jit
 def _bwd(DY, S, DX, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2: tl.constexpr, BD2: tl.constexpr, BR: tl.constexpr):
     """dx = r(r(dy c)) + rotate_half^T(r(dy s)) rounded to x's dtype, rotate_half^T(u) = [u2, -u1]."""
     off, m, g1, g2, c1, c2, s1, s2 = _rows(DY, S, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2, BD2, BR)
@@ -66,7 +67,7 @@ def _bwd(DY, S, DX, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2: tl.constexpr, BD
     tl.store(DX + off + D2, (a2 - b2).to(xt), mask=m)
 
 
-@triton.jit
+@jit
 def _rotate(X, S, Y, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2: tl.constexpr, BD2: tl.constexpr, BR: tl.constexpr,
             BWD: tl.constexpr):
     if BWD:
@@ -75,7 +76,7 @@ def _rotate(X, S, Y, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2: tl.constexpr, B
         _fwd(X, S, Y, COS, SIN, n, heads, T, s_cb, s_ct, pid, D2, BD2, BR)
 
 
-@triton.jit
+@jit
 def rope_kernel(A, B, OUT_A, OUT_B, COS, SIN, nq, nk, HQ, H, T, s_cb, s_ct, PQ, S_A, S_B, D2: tl.constexpr,
                 BD2: tl.constexpr, BR: tl.constexpr, BWD: tl.constexpr):
     """Programs [0, PQ) take q's rows (A: q, or its output's gradient with BWD), the rest k's (B); A's and

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .triton_launch import jit
 from .triton_utils import token_stride
 from .utils import import_triton, new_output
 
@@ -14,7 +15,7 @@ triton, tl = import_triton()
 BLOCK = 1024
 
 
-@triton.jit
+@jit
 def silu_mul_fwd(G, U, Y, W, SG, SU, BC: tl.constexpr):
     """y = (SiLU(g) rounded to y's dtype) * u, in fp32, rounded once more."""
     col = tl.program_id(0) * BC + tl.arange(0, BC)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .spla.triton_common import NEG, mm
+from .triton_launch import jit
 from .triton_utils import block_size
 from .utils import import_triton, new_output
 
@@ -39,14 +40,14 @@ def _warps(BD: int) -> int:
     return 4 if BD <= 64 else 8
 
 
-@triton.jit
+@jit
 def _tile(P, s_t, rows, n_rows, cols, D: tl.constexpr):
     """The [len(rows), BD] tile of rows `rows` (< n_rows) of a [T, D] matrix at P with row stride s_t."""
     m = (rows < n_rows)[:, None] & (cols < D)[None, :]
     return tl.load(P + rows.to(tl.int64)[:, None] * s_t + cols[None, :], mask=m, other=0.0)
 
 
-@triton.jit
+@jit
 def _heads(i_bh, Q, K, V, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, HQ: tl.constexpr, G: tl.constexpr):
     """Batch row, query head and the bases of its q and of its KV head's k, v, for program i_bh."""
     b, h = i_bh // HQ, i_bh % HQ
@@ -55,13 +56,13 @@ def _heads(i_bh, Q, K, V, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, HQ: tl.constexpr, 
     return b, h, Q + bb * s_qb + h * s_qh, K + bb * s_kb + kh * s_kh, V + bb * s_vb + kh * s_vh
 
 
-@triton.jit
+@jit
 def _kv(Kp, Vp, s_kt, s_vt, keys, n_rows, cols, D: tl.constexpr):
     """The k and v tiles of `keys` (< n_rows)."""
     return _tile(Kp, s_kt, keys, n_rows, cols, D), _tile(Vp, s_vt, keys, n_rows, cols, D)
 
 
-@triton.jit
+@jit
 def _query_tile(i_m, Qp, s_qt, T, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, W: tl.constexpr):
     """Query tile i_m: its rows, the head-dim columns, its q tile and the range [lo, hi) of the window's keys."""
     m0 = i_m * BM
@@ -70,20 +71,20 @@ def _query_tile(i_m, Qp, s_qt, T, D: tl.constexpr, BD: tl.constexpr, BM: tl.cons
     return rows, cols, _tile(Qp, s_qt, rows, T, cols, D), tl.maximum(m0 - W + 1, 0), tl.minimum(m0 + BM, T)
 
 
-@triton.jit
+@jit
 def _sees_sink(rows, keys, SINKS: tl.constexpr, W: tl.constexpr):
     """Which sink keys each query row counts as sinks: those W or more positions back (the window counts the rest)."""
     return (keys < SINKS)[None, :] & (rows[:, None] - keys[None, :] >= W)
 
 
-@triton.jit
+@jit
 def _sees_in_window(rows, keys, W: tl.constexpr):
     """Which keys each query row sees through its window: 0 <= t - j < W."""
     d = rows[:, None] - keys[None, :]
     return (d >= 0) & (d < W)
 
 
-@triton.jit
+@jit
 def _online_softmax(q, k, v, ok, m_i, l_i, acc, scale, IEEE: tl.constexpr):
     """One key tile of the online softmax: the running max m_i, sum l_i and output acc [BM, BD] after the
     keys where `ok`."""
@@ -94,7 +95,7 @@ def _online_softmax(q, k, v, ok, m_i, l_i, acc, scale, IEEE: tl.constexpr):
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + mm(p, v, IEEE)
 
 
-@triton.jit
+@jit
 def window_fwd(Q, K, V, OUT, LSE, T, scale,
                s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_ot, s_oh,
                HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
@@ -122,7 +123,7 @@ def window_fwd(Q, K, V, OUT, LSE, T, scale,
     tl.store(LSE + i_bh.to(tl.int64) * T + rows, m_i + tl.log(l_safe), mask=rows < T)
 
 
-@triton.jit
+@jit
 def _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE: tl.constexpr):
     """For a [BM] x [BN] tile: p (the softmax weights, 0 where not `ok`) and ds = p * (dp - delta)."""
     s = mm(q, tl.trans(k), IEEE) * scale
@@ -131,7 +132,7 @@ def _scores_grad(q, k, v, do, lse, delta, rows, keys, ok, scale, IEEE: tl.conste
     return p, p * (dp - delta[:, None])
 
 
-@triton.jit
+@jit
 def window_bwd_dq(Q, K, V, DO, OUT, LSE, DELTA, DQ, T, scale,
                   s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_ot, s_oh, s_pb, s_pt, s_ph,
                   s_db, s_dh, s_dt,
@@ -164,7 +165,7 @@ def window_bwd_dq(Q, K, V, DO, OUT, LSE, DELTA, DQ, T, scale,
              (dq * scale).to(DQ.dtype.element_ty), mask=(rows < T)[:, None] & (cols < D)[None, :])
 
 
-@triton.jit
+@jit
 def window_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, scale,
                     s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_ot, s_oh,
                     HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
@@ -201,7 +202,7 @@ def window_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, scale,
     tl.store(DV + off, dv, mask=m)
 
 
-@triton.jit
+@jit
 def window_bwd_sinks(Q, K, V, DO, LSE, DELTA, DKS, DVS, T, scale,
                      s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_ot, s_oh,
                      HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
@@ -234,21 +235,21 @@ def window_bwd_sinks(Q, K, V, DO, LSE, DELTA, DKS, DVS, T, scale,
     tl.store(DVS + off, dv, mask=m)
 
 
-@triton.jit
+@jit
 def _group_queries(Q, bb, h, s_qb, s_qh, heads, cols, G: tl.constexpr, D: tl.constexpr):
     """The one-token queries [BG, BD] of the G query heads of KV head h (row bb), 0 past G and D."""
     return tl.load(Q + bb * s_qb + (h * G + heads)[:, None] * s_qh + cols[None, :],
                    mask=(heads < G)[:, None] & (cols < D)[None, :], other=0.0)
 
 
-@triton.jit
+@jit
 def _store_group(OUT, bb, h, s_ob, s_oh, heads, cols, o, G: tl.constexpr, D: tl.constexpr):
     """Store the outputs o [BG, BD] of the G query heads of KV head h (row bb) in OUT's dtype."""
     tl.store(OUT + bb * s_ob + (h * G + heads)[:, None] * s_oh + cols[None, :], o.to(OUT.dtype.element_ty),
              mask=(heads < G)[:, None] & (cols < D)[None, :])
 
 
-@triton.jit
+@jit
 def _step_keys(kn, vn, pos, Kp, Vp, Pp, s_kt, s_vt, rows, n_rows, cols, at, D: tl.constexpr):
     """A window step's key tile `rows` (< n_rows) of a ring or of the sinks, with row `at` holding the new
     key / value / position (from registers: the buffer's row may be written by now): k, v, positions."""
@@ -259,7 +260,7 @@ def _step_keys(kn, vn, pos, Kp, Vp, Pp, s_kt, s_vt, rows, n_rows, cols, at, D: t
     return k, v, tl.where(new, pos, tl.load(Pp + rows, mask=rows < n_rows, other=-1))
 
 
-@triton.jit
+@jit
 def window_step_fwd(Q, K, V, RK, RV, RP, SK, SV, SPOS, POS, OUT, scale, s_pos,
                     s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt, s_rpb,
                     s_skb, s_skh, s_skt, s_svb, s_svh, s_svt, s_spb, s_ob, s_oh,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from ..triton_launch import jit
 from ..triton_utils import TRITON_DTYPES, block_size, dot_precision, launch
 from ..utils import import_triton, new_output, run_function
 from .triton_chunk_h import chunk_bwd_dh, chunk_fwd_h, piece_carry, piece_fix, piece_fwd_h
@@ -115,7 +116,7 @@ TABLE_SEQS = 4096
 TABLE_SLOTS = 64
 
 
-@triton.jit
+@jit
 def chunk_table_kernel(CU, CCU, BOS, CNT, SEQ, N, NC, C: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr):
     """The chunk table in one program: the chunks per sequence and their exclusive cumulative count
     ccu [N + 1] in registers, then per block of slots j: the sequence seg = #{s: ccu[s + 1] <= j}

@@ -25,6 +25,7 @@ pieces the walks and the output kernels of `triton_chunk_o.py` share.
 
 from __future__ import annotations
 
+from ..triton_launch import jit
 from ..triton_utils import autotune
 from ..utils import import_triton
 
@@ -36,7 +37,7 @@ CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3), (32, 
 KEY = ["K", "V", "BT", "G", "DECAY", "PREC"]
 
 
-@triton.jit
+@jit
 def seq_bounds(cu, ccu, i_n, T, NT, IS_VARLEN: tl.constexpr):
     """(first token, end token, first chunk) of sequence i_n."""
     if IS_VARLEN:
@@ -50,7 +51,7 @@ def seq_bounds(cu, ccu, i_n, T, NT, IS_VARLEN: tl.constexpr):
     return bos, eos, c0
 
 
-@triton.jit
+@jit
 def chunk_bounds(s_bos, s_n, i_c, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """(first token, valid tokens) of chunk i_c; varlen chunk slots past the last chunk have 0."""
     if IS_VARLEN:
@@ -63,7 +64,7 @@ def chunk_bounds(s_bos, s_n, i_c, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constex
     return bos, n
 
 
-@triton.jit
+@jit
 def chunk_rows(s_bos, s_n, i_c, i_h, T, NT, H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Chunk i_c of the chunk list for KV head i_h: (valid tokens n, row index tok * H + i_h of its
     BT token slots [BT] (int64), which are valid [BT], the row of its last valid token)."""
@@ -73,7 +74,7 @@ def chunk_rows(s_bos, s_n, i_c, i_h, T, NT, H: tl.constexpr, BT: tl.constexpr, I
     return n, row, o_t < n, (bos + tl.maximum(n, 1) - 1).to(tl.int64) * H + i_h
 
 
-@triton.jit
+@jit
 def load_decays(gc, row, row_last, m_t, n, o_k, K: tl.constexpr, DECAY: tl.constexpr):
     """The in-chunk cumulative log decays of rows [BT] and of the chunk's last row (read where the
     chunk has n > 0 tokens): DECAY 1 [BT] and a scalar, DECAY 2 [BT, BK] and [BK]; 0 past K and at
@@ -88,7 +89,7 @@ def load_decays(gc, row, row_last, m_t, n, o_k, K: tl.constexpr, DECAY: tl.const
     return b_g, b_gl
 
 
-@triton.jit
+@jit
 def load_state(h, i_c, i_h, n, o_k, o_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
     """The [BK, BV] tile (o_k, o_v) of the state h[i_c, i_h] [NC, H, K, V]; 0 for an empty chunk slot
     (whose state the walk never wrote)."""
@@ -96,7 +97,7 @@ def load_state(h, i_c, i_h, n, o_k, o_v, H: tl.constexpr, K: tl.constexpr, V: tl
     return tl.load(h + (i_c * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], mask=m, other=0.0)
 
 
-@triton.jit
+@jit
 def state_tile(i_k, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """The [BK, BV] state tile of K block i_k and V block i_v: (key offsets [BK], value offsets [BV],
     its mask and its offsets in a [K, V] state)."""
@@ -105,7 +106,7 @@ def state_tile(i_k, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV:
     return o_k, o_v, (o_k < K)[:, None] & (o_v < V)[None, :], o_k[:, None] * V + o_v[None, :]
 
 
-@triton.jit
+@jit
 def cumsum_writer(DECAY: tl.constexpr):
     """`who` of `cumsum_chunk` for a forward walk's program: 0 where it stores gc. Per-key decay: each
     key block's programs of the first V block; one decay per head: the first key block's."""
@@ -116,7 +117,7 @@ def cumsum_writer(DECAY: tl.constexpr):
     return who
 
 
-@triton.jit
+@jit
 def walk_program(cu, ccu, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """What a walk program (K block, V block, sequence x KV head) covers: (sequence x head i_nh, KV
@@ -128,7 +129,7 @@ def walk_program(cu, ccu, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constex
     return i_nh, i_nh % H, bos, eos, c0, tl.cdiv(eos - bos, BT), o_k, o_v, m_kv, off_kv
 
 
-@triton.jit
+@jit
 def walk_chunk(gc, bos, eos, i_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                DECAY: tl.constexpr):
     """Chunk i_t of a walk's sequence: (its token rows [BT] (int64), which are valid [BT], the
@@ -145,7 +146,7 @@ def walk_chunk(gc, bos, eos, i_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr, BT
     return row, m_t, b_g, b_gl
 
 
-@triton.jit
+@jit
 def cumsum_chunk(g, gc, bos, eos, i_t, i_h, o_k, who, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                  DECAY: tl.constexpr):
     """`walk_chunk` from the raw log decays g: their in-chunk cumulative sum, computed here (and
@@ -170,7 +171,7 @@ def cumsum_chunk(g, gc, bos, eos, i_t, i_h, o_k, who, H: tl.constexpr, K: tl.con
     return row, m_t, b_g, b_gl
 
 
-@triton.jit
+@jit
 def walk_step(k, v, g, gc, b_h, bos, eos, i_t, i_h, o_k, o_v, who, H: tl.constexpr, K: tl.constexpr,
               V: tl.constexpr, BT: tl.constexpr, DECAY: tl.constexpr, PREC: tl.constexpr, CUMSUM: tl.constexpr):
     """One chunk of a forward walk: the state after chunk i_t of the walk's tokens [bos, eos) from the
@@ -194,7 +195,7 @@ def walk_step(k, v, g, gc, b_h, bos, eos, i_t, i_h, o_k, o_v, who, H: tl.constex
 
 
 @autotune(CONFIGS, KEY)
-@triton.jit
+@jit
 def chunk_fwd_h(
     k, v, g, gc, h, h0, ht, cu, ccu, T, NT,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -219,7 +220,7 @@ def chunk_fwd_h(
 
 
 @autotune(CONFIGS, KEY)
-@triton.jit
+@jit
 def chunk_bwd_dh(
     q, do, gc, dh, dht, dh0, cu, ccu, T, NT,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -272,7 +273,7 @@ def chunk_bwd_dh(
 # sequence's pieces, not its chunks.
 
 
-@triton.jit
+@jit
 def piece_bounds(cu, ccu, p_bos, p_n, p_seq, i_p, T, NT, P: tl.constexpr, BT: tl.constexpr,
                  IS_VARLEN: tl.constexpr):
     """(first token, tokens, sequence, the sequence's first token, the piece's first chunk) of piece
@@ -295,7 +296,7 @@ def piece_bounds(cu, ccu, p_bos, p_n, p_seq, i_p, T, NT, P: tl.constexpr, BT: tl
 
 
 @autotune(CONFIGS, KEY)
-@triton.jit
+@jit
 def piece_fwd_h(
     k, v, g, gc, h, h0, S, D, E, cu, ccu, p_bos, p_n, p_seq, T, NT,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, P: tl.constexpr,
@@ -328,7 +329,7 @@ def piece_fwd_h(
         tl.store(D + (i_p * H + i_h).to(tl.int64) * K + o_k, b_e, mask=m_e)
 
 
-@triton.jit
+@jit
 def piece_carry(
     S, D, X, h0, ht, pccu, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, DECAY: tl.constexpr,
@@ -357,7 +358,7 @@ def piece_carry(
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_kv, b_x, mask=m_kv)
 
 
-@triton.jit
+@jit
 def piece_fix(
     h, X, E, cu, ccu, p_bos, p_n, p_seq, T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, P: tl.constexpr,

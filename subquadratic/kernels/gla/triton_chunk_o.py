@@ -25,6 +25,7 @@ dg_t = sum_{t' >= t in the chunk} (q dq - k dk)_t' + the chunk-end term <h_c, dh
 
 from __future__ import annotations
 
+from ..triton_launch import jit
 from ..triton_utils import autotune
 from ..utils import import_triton
 from .triton_chunk_h import chunk_bounds, chunk_rows, load_decays, load_state
@@ -46,7 +47,7 @@ KEY_DA = ["V", "BT", "PREC"]
 
 
 @autotune(CONFIGS_O, KEY)
-@triton.jit
+@jit
 def chunk_fwd_o(
     q, k, v, gc, h, A, o, s_bos, s_n, T, NT,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -91,7 +92,7 @@ def chunk_fwd_o(
 
 
 @autotune(CONFIGS_O, KEY)
-@triton.jit
+@jit
 def chunk_bwd_dv(
     q, k, gc, A, do, dh, dv, s_bos, s_n, T, NT,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -134,7 +135,7 @@ def chunk_bwd_dv(
 
 
 @autotune(CONFIGS_DQK, KEY)
-@triton.jit
+@jit
 def chunk_bwd_dqk(
     q, k, v, gc, h, do, dh, dq_in, dk_in, dq, dk, dg, s_bos, s_n, T, NT,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -230,7 +231,7 @@ def chunk_bwd_dqk(
 
 
 @autotune(CONFIGS_INTRA, KEY_INTRA)
-@triton.jit
+@jit
 def intra_fwd(
     q, k, gc, A, s_bos, s_n, T, NT,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
@@ -290,7 +291,7 @@ def intra_fwd(
 
 
 @autotune(CONFIGS_DA, KEY_DA)
-@triton.jit
+@jit
 def intra_bwd_dA(
     v, do, dA, s_bos, s_n, T, NT,
     H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
@@ -315,7 +316,7 @@ def intra_bwd_dA(
 
 
 @autotune(CONFIGS_INTRA, KEY_INTRA)
-@triton.jit
+@jit
 def intra_bwd(
     q, k, gc, dA, dq, dk, s_bos, s_n, T, NT,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..triton_launch import jit
 from ..triton_utils import block_size, token_stride
 from ..utils import import_triton, new_output
 
@@ -17,21 +18,21 @@ ROWS = 16
 EPS = 1e-12
 
 
-@triton.jit
+@jit
 def _ld(X, rows, cols, n, D: tl.constexpr):
     m = (rows < n)[:, None] & (cols < D)[None, :]
     off = rows.to(tl.int64)[:, None] * D + cols[None, :]
     return off, m, tl.load(X + off, mask=m, other=0.0).to(tl.float32)
 
 
-@triton.jit
+@jit
 def _inv_norm(x, eps):
     """1 / max(|x|, eps) per row, and whether the norm is above eps."""
     nrm = tl.sqrt(tl.sum(x * x, 1))
     return 1.0 / tl.maximum(nrm, eps), nrm > eps
 
 
-@triton.jit
+@jit
 def _norm_bwd(x, dy, scale, eps):
     """The gradient of s x / max(|x|, eps) for the output gradient dy (rows)."""
     inv, above = _inv_norm(x, eps)
@@ -39,7 +40,7 @@ def _norm_bwd(x, dy, scale, eps):
     return scale * inv[:, None] * (dy - x * proj[:, None])
 
 
-@triton.jit
+@jit
 def _ld_strided(X, rows, cols, n, D: tl.constexpr, NH, S):
     """Rows (token, head) of X whose tokens are S elements apart (a token's NH x D entries contiguous)."""
     m = (rows < n)[:, None] & (cols < D)[None, :]
@@ -48,7 +49,7 @@ def _ld_strided(X, rows, cols, n, D: tl.constexpr, NH, S):
     return m, tl.load(X + off, mask=m, other=0.0).to(tl.float32)
 
 
-@triton.jit
+@jit
 def hla_features_fwd(Q, K, V, QO, KO, VO, n, scale, eps, H, S_Q, S_K, S_V, G: tl.constexpr, D: tl.constexpr,
                      DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr):
     """Q, K, V with their tokens S_* elements apart (column slices of a packed projection), the outputs
@@ -72,7 +73,7 @@ def hla_features_fwd(Q, K, V, QO, KO, VO, n, scale, eps, H, S_Q, S_K, S_V, G: tl
         tl.store(VO + rows.to(tl.int64)[:, None] * DV + cols_v[None, :], v, mask=mv)
 
 
-@triton.jit
+@jit
 def hla_features_bwd(Q, K, DQO, DKO, DVO, DQ, DK, DV, n, scale, eps, G: tl.constexpr, D: tl.constexpr,
                      DV_: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr):
     pairs = tl.program_id(0) * BR + tl.arange(0, BR)

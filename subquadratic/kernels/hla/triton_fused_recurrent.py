@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..triton_launch import jit
 from ..triton_utils import TRITON_DTYPES as DTYPES
 from ..triton_utils import block_size
 from ..utils import import_triton, new_output
@@ -29,12 +30,12 @@ BV_DECODE = 32
 WARPS_DECODE = 4
 
 
-@triton.jit
+@jit
 def _clamp_signed(x, eps):
     return tl.where(x >= 0, tl.maximum(x, eps), tl.minimum(x, -eps))
 
 
-@triton.jit
+@jit
 def _hla2_recurrent(
     q, k, v, la, S0, F0, E0, o, S1, F1, E1, eps,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -72,7 +73,7 @@ def _hla2_recurrent(
             tl.store(E1 + i_bh * K + o_k, b_e, mask=m_k)
 
 
-@triton.jit
+@jit
 def _ahla_recurrent(
     q, k, v, la, P0, R0, Z0, E0, o, P1, R1, Z1, E1, eps,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,

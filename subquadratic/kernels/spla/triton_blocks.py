@@ -63,6 +63,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..triton_launch import jit
 from ..triton_utils import half_or_fp32
 from ..utils import import_triton, new_output
 from .triton_common import NEG, softmax_rows
@@ -215,7 +216,7 @@ class BlockPairs(NamedTuple):
     num_blocks: int
 
 
-@triton.jit
+@jit
 def pair_keys_kernel(
     IDX, QPOS, KEYS, COUNTS, P, T, H, NSEL, NW, NB, NK, window, BS,
     COUNT: tl.constexpr, BLOCK: tl.constexpr,
@@ -239,7 +240,7 @@ def pair_keys_kernel(
         tl.atomic_add(COUNTS + key, tl.full([BLOCK], 1, tl.int32), mask=ok, sem="relaxed")
 
 
-@triton.jit
+@jit
 def pair_scatter_kernel(KEYS, CURSOR, PAIRS, P, NK, BLOCK: tl.constexpr):
     """Counting sort's scatter: each valid pair e to PAIRS[CURSOR[key]++] (CURSOR [NK] starts as the
     exclusive cumsum of the counts; the order within a key is the atomics' order)."""
@@ -288,7 +289,7 @@ def block_pairs(idx: torch.Tensor, qpos: torch.Tensor, num_blocks: int, block_si
     return BlockPairs(pairs, starts, window, NW, NB)
 
 
-@triton.jit
+@jit
 def segments_kernel(STARTS, SEG_KEY, SEG_FIRST, SEG_COUNT, NK, NSEG, SEG: tl.constexpr, BLOCK: tl.constexpr):
     """One program: each key's run of pairs (STARTS [NK + 1]) cut into segments of at most SEG pairs,
     numbered in key order (an exclusive cumsum of the per-key segment counts, carried over tiles of
@@ -345,7 +346,7 @@ def segments_reference(bp: BlockPairs, seg_pairs: int) -> tuple[torch.Tensor, to
     return kc.to(torch.int32), torch.where(key < NK, first, 0).to(torch.int32), count.to(torch.int32)
 
 
-@triton.jit
+@jit
 def _dot(a, b, F32: tl.constexpr, PREC: tl.constexpr):
     """a @ b with fp32 accumulation: fp32 operands at PREC ("tf32" or "ieee"), else on the tensor
     cores with `a` cast to b's (16-bit) dtype."""
@@ -355,7 +356,7 @@ def _dot(a, b, F32: tl.constexpr, PREC: tl.constexpr):
         return tl.dot(a.to(b.dtype), b)
 
 
-@triton.jit
+@jit
 def _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS: tl.constexpr, BSK: tl.constexpr):
     """Segment of this program (program_id(0)) and its part program_id(1) of BSK keys of the block:
     (b, h, first sorted position, count, koff, key positions [BSK], which key slots to load [BSK]:
@@ -376,7 +377,7 @@ def _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS: tl.c
     return b, h, first, count, koff, pos, kload
 
 
-@triton.jit
+@jit
 def _key_tile(X, b64, h, slot, kload, stride_b, stride_h, stride_s, D: tl.constexpr):
     """The rows `slot` [BSK] (those with kload) of X[b, h] (K or V, [B, H, S, D] strides): [BSK, D]."""
     d = tl.arange(0, D)
@@ -384,7 +385,7 @@ def _key_tile(X, b64, h, slot, kload, stride_b, stride_h, stride_s, D: tl.conste
                    other=0.0)
 
 
-@triton.jit
+@jit
 def _segment_kv(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb,
                 stride_vh, stride_vs, NW, NB, H, S, BS: tl.constexpr, BSK: tl.constexpr, D: tl.constexpr):
     """`_segment` and the K, V tiles [BSK, D] of its keys: (b, h, first, count, key positions, kload,
@@ -397,7 +398,7 @@ def _segment_kv(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, st
     return b, h, first, count, pos, kload, b64, slot, k, v
 
 
-@triton.jit
+@jit
 def _query_rows(Q, b64, h, t, g, ok, stride_b, stride_h, stride_t, T, H, G: tl.constexpr, D: tl.constexpr):
     """The chunk's query rows q [R, D] (token t, head h * G + g; 0 where not ok) and their row index
     (b * T + t) * HQ + head into the [B, T, HQ, ...] outputs and statistics."""
@@ -407,7 +408,7 @@ def _query_rows(Q, b64, h, t, g, ok, stride_b, stride_h, stride_t, T, H, G: tl.c
     return q, (b64 * T + t) * (H * G) + head
 
 
-@triton.jit
+@jit
 def _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b,
                 G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr):
     """Rows (token, head) of the chunk at sorted positions [first + c0, first + c0 + BMQ): per row the
@@ -423,7 +424,7 @@ def _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b,
     return e, t, tpos, g, ok
 
 
-@triton.jit
+@jit
 def _add_rows(OUT, row, x, ok, D: tl.constexpr, ATOMICS: tl.constexpr):
     """OUT[row[r] * D + d] += x[r, d] for the rows r with ok[r] (x [R, D] fp32), with fp32 atomics:
     ATOMICS 0: tl.atomic_add (one float per instruction); 1: red.global.add.v4.f32 (sm_90: four
@@ -451,7 +452,7 @@ def _add_rows(OUT, row, x, ok, D: tl.constexpr, ATOMICS: tl.constexpr):
             tl.atomic_add(p + 3, x3 + 0.0, mask=m, sem="relaxed")
 
 
-@triton.jit
+@jit
 def _block_softmax(q, kt, mask, scale, F32: tl.constexpr, PREC: tl.constexpr):
     """The rows' softmax over one block's keys (mask: the causal selected ones): (P unnormalised
     [R, BS], the rows' max score, their sum of P, at least 1e-30)."""
@@ -461,14 +462,14 @@ def _block_softmax(q, kt, mask, scale, F32: tl.constexpr, PREC: tl.constexpr):
     return p, mx, tl.maximum(tl.sum(p, 1), 1e-30)
 
 
-@triton.jit
+@jit
 def _residual_rows(q, phikt, v, mask, F32: tl.constexpr, PREC: tl.constexpr):
     """The rows' correction over one block, (phi(q) phi(k)^T masked) V: [R, D] fp32."""
     a = tl.where(mask, _dot(softmax_rows(q), phikt, F32, PREC), 0.0)
     return _dot(a, v, F32, PREC)
 
 
-@triton.jit
+@jit
 def blocks_lse_kernel(
     Q, K, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE_SLOT,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks,
@@ -491,7 +492,7 @@ def blocks_lse_kernel(
         tl.store(LSE_SLOT + e * G + g, mx + tl.log(lsum), mask=ok)
 
 
-@triton.jit
+@jit
 def blocks_out_kernel(
     Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, OUT, OT,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -519,7 +520,7 @@ def blocks_out_kernel(
             _add_rows(OT, row, _residual_rows(q, phikt, v, mask, F32, PREC), ok, D, ATOMICS)
 
 
-@triton.jit
+@jit
 def blocks_split_kernel(
     Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE_SLOT, PART, PART_T,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -552,7 +553,7 @@ def blocks_split_kernel(
             tl.store(PART_T + prow[:, None] * D + d[None, :], ot.to(PART_T.dtype.element_ty), mask=ok[:, None])
 
 
-@triton.jit
+@jit
 def blocks_combine_kernel(LSE_SLOT, PART, PART_T, OUT, OT, LSE, NSEL,
                           G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, USE_RLA: tl.constexpr):
     """The split forward's combine, one (token, KV head) (b * T + t) * H + h: its G rows over the NSEL

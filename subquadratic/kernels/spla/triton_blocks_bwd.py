@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from ..triton_launch import jit
 from ..triton_utils import rows_per_program
 from ..utils import import_triton
 from .triton_blocks import (
@@ -48,7 +49,7 @@ triton, tl = import_triton()
 DQ_PAIR_BYTES = 8 << 30
 
 
-@triton.jit
+@jit
 def row_dots_kernel(A, B, OUT, N, D: tl.constexpr, ROWS: tl.constexpr):
     """OUT[r] = sum_d A[r, d] B[r, d] in fp32 for ROWS rows of contiguous [N, D] tensors of any dtypes."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -72,7 +73,7 @@ def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
+@jit
 def _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h, stride_qb, stride_qh, stride_qt, T, H, NSEL,
                G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr):
     """A chunk's rows for the backward: (t, positions, g, ok, q [R, D], lse, delta, the rows' offsets
@@ -84,7 +85,7 @@ def _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h, stride_q
     return t, tpos, g, ok, q, row, lse, delta, row[:, None] * D + tl.arange(0, D)[None, :], e
 
 
-@triton.jit
+@jit
 def blocks_bwd_dkdv_kernel(
     Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DK, DV, DQ,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -138,7 +139,7 @@ def blocks_bwd_dkdv_kernel(
     _add_rows(DV, krow, dv, kload, D, ATOMICS)
 
 
-@triton.jit
+@jit
 def blocks_bwd_dq_kernel(
     Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE, DELTA, DO, DOT, DQ,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,

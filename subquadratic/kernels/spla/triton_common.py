@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..triton_launch import jit
 from ..utils import import_triton
 
 triton, tl = import_triton()
@@ -22,7 +23,7 @@ def key_features(k: torch.Tensor) -> torch.Tensor:
     return torch.softmax(k.float(), dim=-1).to(k.dtype)
 
 
-@triton.jit
+@jit
 def mm(a, b, IEEE: tl.constexpr):
     """a @ b with fp32 accumulation: with IEEE exact fp32; else on the tensor cores with `a` cast to
     b's dtype (16-bit operands, or fp32 ones as TF32, tl.dot's default for fp32)."""
@@ -32,7 +33,7 @@ def mm(a, b, IEEE: tl.constexpr):
         return tl.dot(a.to(b.dtype), b)
 
 
-@triton.jit
+@jit
 def softmax_rows(x):
     """phi(x) = softmax over the last (head) dimension, in fp32."""
     xf = x.to(tl.float32)
@@ -40,7 +41,7 @@ def softmax_rows(x):
     return e / tl.sum(e, 1)[:, None]
 
 
-@triton.jit
+@jit
 def selected_blocks(
     q, phiq, idx_base, first, count, NSEL, tpos, koff, k_base, v_base, p_base,
     stride_ks, stride_vs, stride_ps, scale,

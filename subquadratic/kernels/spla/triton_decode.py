@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from ..triton_launch import jit
 from ..utils import import_triton, new_output
 from .plan import Launch, SPLAParams
 from .stats import feature_map, new_tokens
@@ -18,7 +19,7 @@ from .triton_select import select_indices
 triton, tl = import_triton()
 
 
-@triton.jit
+@jit
 def spla_decode_kernel(
     Q, K, V, IDX, QPOS, KOFF, SBAR, M_PART, L_PART, O_PART, OT_PART, N_PART, LIN, SBAR_NEW,
     stride_qb, stride_qh,
@@ -89,7 +90,7 @@ def spla_decode_kernel(
         tl.store(LIN + ((b * H + h) * G + rows)[:, None] * D + d[None, :], lin, mask=row_ok[:, None])
 
 
-@triton.jit
+@jit
 def spla_decode_merge_kernel(
     QPOS, M_PART, L_PART, O_PART, OT_PART, N_PART, LIN, O_SP, O_RLA,
     H, NSPLIT, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, USE_RLA: tl.constexpr,
@@ -182,7 +183,7 @@ def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, params: SPLAParams, *,
     return o_sp, o_rla, sbar_new
 
 
-@triton.jit
+@jit
 def spla_append_kernel(
     KNEW, VNEW, K, V, SLOT, POS, SUMK, SUMK2, CNT,
     stride_nb, stride_nh, stride_vnb, stride_vnh,

@@ -25,6 +25,7 @@ import math
 import torch
 
 from ..gla.triton_chunk import chunk_linear_attention
+from ..triton_launch import jit
 from ..triton_utils import half_or_fp32, rows_per_program
 from ..utils import acc_dtype, import_triton, new_output
 from .plan import UNION_TILE_MAX, SPLAParams, SPLAPlan, UnionHint
@@ -42,7 +43,7 @@ __all__ = ["FeatureRows", "ResidualTerm", "SparseAttention", "causal_linear_term
            "residual_term", "residual_term_reference", "sparse_forward", "spla_parallel_triton"]
 
 
-@triton.jit
+@jit
 def spla_sparse_kernel(
     Q, K, V, PHIK, IDX, QPOS, KOFF, O_ACC, O_TIL, M_OUT, L_OUT,
     stride_qb, stride_qh, stride_qt,
@@ -86,7 +87,7 @@ def spla_sparse_kernel(
         tl.store(O_TIL + out_row[:, None] * D + d[None, :], ot, mask=row_ok[:, None])
 
 
-@triton.jit
+@jit
 def residual_term_kernel(A, B, DROP, OUT, N, G, D: tl.constexpr, ROWS: tl.constexpr, BACKWARD: tl.constexpr):
     """Forward: OUT = (A - B) rounded to OUT's dtype, 0 on dropped rows; backward (A the incoming
     gradient): OUT = A in fp32, 0 on dropped rows, and B = -OUT. Rows of D; row r's flag DROP[r // G]."""
@@ -150,7 +151,7 @@ def residual_term(o_lin, otilde, drop, out_dtype):
     return ResidualTerm.apply(o_lin, otilde, drop, out_dtype)
 
 
-@triton.jit
+@jit
 def feature_rows_kernel(X, GRAD, OUT, N, A1, A2, stride_0, stride_1, stride_2,
                         D: tl.constexpr, ROWS: tl.constexpr, BACKWARD: tl.constexpr):
     """phi(x) = softmax over D in fp32 for rows r = (i0 A1 + i1) A2 + i2 of X [A0, A1, A2, D] (any strides,

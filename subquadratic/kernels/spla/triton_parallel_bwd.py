@@ -10,13 +10,14 @@ import math
 
 import torch
 
+from ..triton_launch import jit
 from ..utils import import_triton, new_output
 from .triton_common import mm, softmax_rows
 
 triton, tl = import_triton()
 
 
-@triton.jit
+@jit
 def spla_bwd_dq_kernel(
     Q, K, V, PHIK, IDX, QPOS, KOFF, LSE, DELTA, DO, DOT, DQ,
     stride_qb, stride_qh, stride_qt,
@@ -80,7 +81,7 @@ def spla_bwd_dq_kernel(
     tl.store(DQ + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None])
 
 
-@triton.jit
+@jit
 def spla_bwd_dkv_kernel(
     Q, K, V, QPOS, KOFF, LSE, DELTA, DO, DOT, CSR_T, CSR_OFF, DK, DV,
     stride_qb, stride_qh, stride_qt,

@@ -9,13 +9,14 @@ import math
 
 import torch
 
+from ..triton_launch import jit
 from ..utils import import_triton, new_output
 from .plan import Launch, SPLAParams
 from .triton_common import NEG
 
 triton, tl = import_triton()
 
-@triton.jit
+@jit
 def spla_score_kernel(
     Q, SUMK, SUMK2, CNT, QPOS, SC,
     stride_qb, stride_qh, stride_qt, stride_sb, stride_sh, stride_cb,
@@ -64,7 +65,7 @@ def spla_score_kernel(
             tl.store(SC + (((b * T + t) * H + h) * G + g) * NB + n, sg, mask=n < NB)
 
 
-@triton.jit
+@jit
 def spla_topk_kernel(
     SC, QPOS, GS, IDX,
     stride_sb, stride_st, stride_sh, stride_sg,

@@ -54,6 +54,7 @@ import os
 
 import torch
 
+from ..triton_launch import jit
 from ..utils import import_triton, new_output
 from .plan import SPLAParams
 from .stats import BlockStats
@@ -68,14 +69,14 @@ FP16_MAX = 65504.0
 EMPTY = tl.constexpr(-(2**31))  # the key of "no block": below every real key
 
 
-@triton.jit
+@jit
 def _order_key(x):
     """int32 keys whose signed order is the order of the fp32 values x (finite)."""
     bits = x.to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-@triton.jit
+@jit
 def _to_operand(x, dtype: tl.constexpr, EMU_BF16: tl.constexpr):
     """fp32 x as a score operand of `dtype`; with EMU_BF16 (the CPU interpreter, whose bf16 casts
     truncate and whose bf16 dots are wrong) rounded to bf16 to nearest even but kept in fp32."""
@@ -86,7 +87,7 @@ def _to_operand(x, dtype: tl.constexpr, EMU_BF16: tl.constexpr):
         return x.to(dtype)
 
 
-@triton.jit
+@jit
 def _block_scores(q, q2, mu_base, s2_base, n, NB, scale, D: tl.constexpr, TAYLOR: tl.constexpr,
                   PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """Scores of the rows q [ROWS, D] against blocks n [BN]: (s, f) [ROWS, BN] fp32 with
@@ -109,7 +110,7 @@ def _block_scores(q, q2, mu_base, s2_base, n, NB, scale, D: tl.constexpr, TAYLOR
     return s, f
 
 
-@triton.jit
+@jit
 def stream_select_kernel(
     Q, MU, S2, QPOS, IDX,
     stride_qb, stride_qt, stride_qh,

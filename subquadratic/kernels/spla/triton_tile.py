@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from ..triton_launch import jit
 from ..utils import import_triton, new_output
 from .plan import SPLAParams
 from .triton_common import NEG, key_features, mm, softmax_rows
@@ -39,7 +40,7 @@ triton, tl = import_triton()
 TILE_MAX_TOKENS = 32
 
 
-@triton.jit
+@jit
 def tile_union_kernel(
     IDX, SCR, UNION, BITS, CNT, T, H, NSEL, NU, NB,
     BM: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr,
@@ -76,7 +77,7 @@ def tile_union_kernel(
     tl.store(CNT + bh * ntiles + tile, tl.sum(mark, 0))
 
 
-@triton.jit
+@jit
 def tile_fwd_kernel(
     Q, K, V, PHIK, UNION, BITS, CNT, QPOS, KOFF, OUT, OT, LSE,
     stride_qb, stride_qh, stride_qt,
@@ -154,7 +155,7 @@ def tile_fwd_kernel(
         tl.store(OT + out_row[:, None] * D + d[None, :], ot, mask=row_ok[:, None])
 
 
-@triton.jit
+@jit
 def tile_bwd_dq_kernel(
     Q, K, V, PHIK, UNION, BITS, CNT, QPOS, KOFF, LSE, DELTA, DO, DOT, DQ,
     stride_qb, stride_qh, stride_qt,
@@ -229,7 +230,7 @@ def tile_bwd_dq_kernel(
     tl.store(DQ + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None])
 
 
-@triton.jit
+@jit
 def tile_bwd_dkv_kernel(
     Q, K, V, PHIQ, QPOS, KOFF, LSE, DELTA, DO, DOT, E_TILE, E_BITS, E_OFF, DK, DV,
     stride_qb, stride_qh, stride_qt,
@@ -305,7 +306,7 @@ def tile_bwd_dkv_kernel(
     tl.store(DV + out, dv, mask=kv_ok[:, None])
 
 
-@triton.jit
+@jit
 def tile_select_kernel(
     Q, MU, S2, QPOS, GS, IDX,
     stride_qb, stride_qh, stride_qt, stride_ib, stride_it,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..triton_launch import jit
 from ..triton_utils import block_size, read_in_place, rows_per_program
 from ..utils import import_triton, new_output
 
@@ -17,12 +18,12 @@ triton, tl = import_triton()
 ELEMENTS = 1024
 
 
-@triton.jit
+@jit
 def _ld(X, off, m):
     return tl.load(X + off, mask=m, other=0.0).to(tl.float32)
 
 
-@triton.jit
+@jit
 def _softmax(k, m_d):
     """Softmax over the valid columns of each row (fp32)."""
     k = tl.where(m_d[None, :], k, float("-inf"))
@@ -30,7 +31,7 @@ def _softmax(k, m_d):
     return e / tl.sum(e, 1)[:, None]
 
 
-@triton.jit
+@jit
 def _logsigmoid(z):
     """min(z, 0) - log1p(exp(-|z|)), log1p(u) as log(1 + u) * u / ((1 + u) - 1) (exact to rounding for
     the small u of strongly positive z, where log(1 + u) alone loses the digits)."""
@@ -40,7 +41,7 @@ def _logsigmoid(z):
     return tl.minimum(z, 0.0) - lp
 
 
-@triton.jit
+@jit
 def _tile(n_rows, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
     """This program's element offsets [BR, BD], mask, bias offsets and column mask."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -52,13 +53,13 @@ def _tile(n_rows, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.con
     return off, m, off_b, m_d
 
 
-@triton.jit
+@jit
 def _strided(off, S, H: tl.constexpr, D: tl.constexpr):
     """Offsets `off` of contiguous [tokens, H, D] rows moved to rows S elements apart per token."""
     return (off // (H * D)) * S + off % (H * D)
 
 
-@triton.jit
+@jit
 def _strided_kv(off, S, H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr):
     """Offsets `off` of contiguous [tokens, H, D] rows moved to the KV head serving each query head
     (head h reads KV head h // (H / HK)) of [tokens, HK, D] rows S elements apart per token."""
@@ -66,7 +67,7 @@ def _strided_kv(off, S, H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr):
     return (off // (H * D)) * S + (r // D) // (H // HK) * D + r % D
 
 
-@triton.jit
+@jit
 def _second(x1, X2, off, S, m, H: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
     """The second branch's pre-activation: x1 itself (MODE 0), x1 plus X2's row (1: X2 is its low-rank
     offset), X2's row (2: X2 is the pre-activation)."""
@@ -78,7 +79,7 @@ def _second(x1, X2, off, S, m, H: tl.constexpr, D: tl.constexpr, MODE: tl.conste
         return _ld(X2, _strided(off, S, H, D), m)
 
 
-@triton.jit
+@jit
 def sse_features_fwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, OQ1, OK1, OQ2, OK2, OV, G1, G2, n_rows, inv_norm,
                      S_Q1, S_K1, S_Q2, S_K2, S_V, S_Z1, S_Z2,
                      H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
@@ -102,25 +103,25 @@ def sse_features_fwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, OQ1, OK1, OQ2, OK2, OV, 
     tl.store(G2 + off, _logsigmoid(z) * inv_norm, mask=m)
 
 
-@triton.jit
+@jit
 def _silu_grad(x, dy):
     s = tl.sigmoid(x)
     return dy * s * (1.0 + x * (1.0 - s))
 
 
-@triton.jit
+@jit
 def _softmax_grad(k, dy, m_d):
     y = _softmax(k, m_d)
     return y * (dy - tl.sum(dy * y, 1)[:, None])
 
 
-@triton.jit
+@jit
 def _decay_bwd(Z, S, B, DG, DZ, off, m, off_b, inv_norm, H: tl.constexpr, D: tl.constexpr):
     z = _ld(Z, _strided(off, S, H, D), m) + _ld(B, off_b, m)
     tl.store(DZ + off, _ld(DG, off, m) * inv_norm * tl.sigmoid(-z), mask=m)
 
 
-@triton.jit
+@jit
 def sse_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, DOQ1, DOK1, DOQ2, DOK2, DOV, DG1, DG2,
                      DQ1, DK1, DQ2, DK2, DV, DZ1, DZ2, n_rows, inv_norm,
                      S_Q1, S_K1, S_Q2, S_K2, S_V, S_Z1, S_Z2,

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..gla.triton_chunk import chunk_linear_attention
+from ..triton_launch import jit
 from ..triton_utils import block_size, rows_per_program
 from ..utils import import_triton, new_output, run_function
 from .recurrent import SSEState, setup
@@ -73,7 +74,7 @@ def group_rows_reference(sel: Tensor, topk: int):
 GROUP_BLOCK = 1024
 
 
-@triton.jit
+@jit
 def group_count_kernel(SEL, COUNT, T, N, NCH, BLOCK: tl.constexpr):
     """COUNT[blk] = selected entries of block blk: the selection in (b, partition, t) order cut into
     blocks of BLOCK entries that stay inside one (b, partition) segment (NCH blocks a segment)."""
@@ -85,7 +86,7 @@ def group_count_kernel(SEL, COUNT, T, N, NCH, BLOCK: tl.constexpr):
     tl.store(COUNT + blk, tl.sum(s, 0))
 
 
-@triton.jit
+@jit
 def group_rows_kernel(SEL, COUNT, SRC, CU, INV, B, T, N, NCH, NB, R, BLOCK: tl.constexpr):
     """`group_rows_reference` over the blocks of `group_count_kernel`, one program a block: the rows
     before it (the counts of the blocks before), then an inclusive scan of its entries gives each
@@ -181,7 +182,7 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
     return o.view(B, T, H, Dv), SSEState(h[:B], h[B:B + B * N].reshape(B, N, H, Dk, Dv))
 
 
-@triton.jit
+@jit
 def _pack_rows(Q1, K1, V, G1, Q2, K2, G2, PROBS, SRC, CU, QA, KA, VA, GA, n, BT, B, H: tl.constexpr,
                N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                BR: tl.constexpr):
@@ -220,7 +221,7 @@ def _pack_rows(Q1, K1, V, G1, Q2, K2, G2, PROBS, SRC, CU, QA, KA, VA, GA, n, BT,
     tl.store(VA + dst[:, None] * DV + ov[None, :], b, mask=mv)
 
 
-@triton.jit
+@jit
 def _pack_rows_bwd(Q2, K2, PROBS, INV, DQA, DKA, DVA, DGA, DV_, DQ2, DK2, DG2, DP, BT, H: tl.constexpr,
                    N: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr):
@@ -322,7 +323,7 @@ class PackRows(torch.autograd.Function):
                 dg2.view(*shape, Dk), dp.view(probs_shape).to(dts[7]), None, None, None)
 
 
-@triton.jit
+@jit
 def _combine_rows(OA, INV, OUT, n, BT, H: tl.constexpr, N: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                   BR: tl.constexpr):
     """(token, head) pairs m = tok * H + h: o = the shared row's output + its partition rows' (fp32),
@@ -341,7 +342,7 @@ def _combine_rows(OA, INV, OUT, n, BT, H: tl.constexpr, N: tl.constexpr, DV: tl.
     tl.store(OUT + m_idx.to(tl.int64)[:, None] * DV + ov[None, :], b.to(OUT.dtype.element_ty), mask=mv)
 
 
-@triton.jit
+@jit
 def _combine_rows_bwd(DO, SRC, CU, DOA, n, BT, B, H: tl.constexpr, N: tl.constexpr, DV: tl.constexpr,
                       BV: tl.constexpr, BR: tl.constexpr):
     """(row, head) pairs of the merged rows: the shared row's gradient is its token's, a partition
@@ -398,7 +399,7 @@ class CombineRows(torch.autograd.Function):
 # ---------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _decode(
     q1, k1, q2, k2, v, g1, g2, probs, sel, s_in, s_out, parts, o,
     H: tl.constexpr, N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
