@@ -392,8 +392,8 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
         self.mixer_type = config.mixer_types[layer_idx]
         self.self_attn = mixer(self.mixer_type)(config, layer_idx)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
 
     def forward(self, hidden_states, position_embeddings=None, seq=None, cache_layer=None, **kwargs):
         x = self.input_layernorm(hidden_states)
@@ -579,7 +579,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(SubquadraticDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.post_init()

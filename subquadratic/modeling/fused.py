@@ -10,8 +10,9 @@ only inside `compiled_step()`, which `cuda_graph.DecodeGraph` enters while it wa
 step of a cache built with `fuse=True`; the layer code calls the modules and never asks which form
 runs. A chain that fails to compile warns once and runs eagerly from then on. `recording()` tells
 any layer that it runs inside such a warm-up or recording (fused or not). Outside a captured step,
-RoPE on CUDA can run as one Triton kernel forward and one backward with Transformers' values
-(`kernels.rope`, kernel_backend "auto" or "triton").
+RoPE and the RMSNorms (with the residual add before them) on CUDA run as one Triton kernel forward and
+one backward each with Transformers' values (`kernels.rope`, `kernels.rms_norm`; kernel_backend "auto"
+or "triton").
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
 from ..kernels.norm_gate import add_norm, add_norm_takes_kernel
+from ..kernels.rms_norm import add_rms_norm as add_rms_norm_kernel
+from ..kernels.rms_norm import rms_norm as rms_norm_kernel
+from ..kernels.rms_norm import rms_norm_takes_kernel
 from ..kernels.rope import rope as rope_kernel
 from ..kernels.rope import rope_takes_kernel
 from ..kernels.swiglu import silu_mul as silu_mul_kernel
@@ -124,17 +128,30 @@ add_head_norm = Compiled(_add_head_norm)
 
 class RMSNorm(LlamaRMSNorm):
     """LlamaRMSNorm (x: [..., dim]), fused inside a captured step; `add_and_norm` also does the
-    residual add before it."""
+    residual add before it. Elsewhere, with `config` given and its kernel_backend in ROPE_KERNEL_BACKENDS,
+    on CUDA one Triton kernel forward and one backward with LlamaRMSNorm's values (`kernels.rms_norm`)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, config=None) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.config = config
+
+    def _kernel(self, x: torch.Tensor, h: torch.Tensor | None = None) -> bool:
+        return (self.config is not None and getattr(self.config, "kernel_backend", "torch") in ROPE_KERNEL_BACKENDS
+                and rms_norm_takes_kernel(x, self.weight, h))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _Step.compiled:
             return rms_norm(x, self.weight, self.variance_epsilon)
+        if self._kernel(x):
+            return rms_norm_kernel(x, self.weight, self.variance_epsilon, backend="triton")
         return super().forward(x)
 
     def add_and_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, this norm of x + h): a residual add and the norm after it."""
         if _Step.compiled:
             return add_rms_norm(x, h, self.weight, self.variance_epsilon)
+        if self._kernel(x, h):
+            return add_rms_norm_kernel(x, h, self.weight, self.variance_epsilon, backend="triton")
         y = x + h
         return y, super().forward(y)
 
