@@ -112,10 +112,12 @@ def cuda_paths():
         return real_fused(backend, torch.device("cuda") if device.type == "cpu" else device, op, unsupported)
 
     import subquadratic.kernels.hla.features as hla_features
+    import subquadratic.kernels.rms_norm as rms_norm
     import subquadratic.kernels.rope as rope
     import subquadratic.kernels.sse.features as sse_features
+    import subquadratic.kernels.sse.router as router
 
-    patched = [(m, "fused_kernel", fused) for m in (hla_features, sse_features, norm_gate, rope)]
+    patched = [(m, "fused_kernel", fused) for m in (hla_features, sse_features, norm_gate, rope, rms_norm, router)]
     from subquadratic.modeling import base as model_base
 
     patched += [(model_base, "resolve_backend", resolve)]  # the softmax layers' and window branches' kernels

@@ -26,10 +26,12 @@ def test_count_ops_hla_and_sse(tmp_path):
     # HLA: 4 chunked-kernel launches (two calls of walk and output; the walk does the decays' cumsum) +
     # the feature maps + the norm-gate, no torch.where; SSE: 3 (one call of walk, intra-chunk, output over
     # the shared and partition rows) + the grouping by partition (2) + the chunk table + the rows' packing +
-    # their sum per token + the feature maps + the norm-gate, none of the padding masks' torch.where
-    for fam, launches, where in (("hla", 6, None), ("sse", 10, None)):
+    # their sum per token + the feature maps + the norm-gate + the router (softmax and top-K in one kernel),
+    # none of the padding masks' torch.where
+    for fam, launches, where in (("hla", 6, None), ("sse", 11, None)):
         line = rows[f"{fam} model forward"]
         assert f"<triton> x{launches}" in line, line
+        assert "topk" not in line and "softmax" not in line and "scatter" not in line, line
         assert "syncs  0" in line and "rsqrt" not in line, line
         assert (where in line) if where else ("where" not in line), line
         assert f"{fam} model backward" in " ".join(rows), rows

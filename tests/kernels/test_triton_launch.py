@@ -188,13 +188,13 @@ def test_tuned_returns_the_autotuners_own_cached_choice(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or not L.ENABLED, reason="needs CUDA and the compiled path")
 def test_cuda_results_through_both_paths():
     @L.jit
-    def axpy(X, Y, O, n, a, BLOCK: tl.constexpr, SQUARE: tl.constexpr = False):
+    def axpy(X, Y, OUT, n, a, BLOCK: tl.constexpr, SQUARE: tl.constexpr = False):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
         x = tl.load(X + offs, mask=m)
         if SQUARE:
             x = x * x
-        tl.store(O + offs, a * x + tl.load(Y + offs, mask=m), mask=m)
+        tl.store(OUT + offs, a * x + tl.load(Y + offs, mask=m), mask=m)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for n, dtype, shift, square in [(1000, torch.float32, 0, False), (1000, torch.float32, 0, False),

@@ -285,7 +285,8 @@ class SSEAttention(WindowBranch, AttentionBase):
             q1, k1, q2, k2, v, g1, g2, logits = (seq.documents.unpack(t) for t in (q1, k1, q2, k2, v, g1, g2, logits))
             beta = None if beta is None else seq.documents.unpack(beta)
         # [B, T, N], sel False at padding
-        probs, sel = router_topk(logits, cfg.sse_top_k, None if seq.causal else seq.valid)
+        probs, sel = router_topk(logits, cfg.sse_top_k, None if seq.causal else seq.valid,
+                                 backend="auto" if cfg.kernel_backend in ("auto", "triton") else "torch")
 
         # padding: no read, no write, no decay (nothing to mask where no real token reads the padding)
         valid = seq.valid

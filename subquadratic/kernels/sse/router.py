@@ -5,16 +5,39 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..utils import acc_dtype
+from ..triton_utils import TRITON_DTYPES
+from ..utils import acc_dtype, fused_kernel, run_function
+
+#: The most partitions the router kernel takes.
+MAX_PARTITIONS = 256
 
 
-def router_topk(logits: Tensor, k: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def router_unsupported(logits: Tensor, valid: Tensor | None = None) -> str | None:
+    """Why the router kernel cannot take these inputs, or None."""
+    if logits.dtype not in TRITON_DTYPES:
+        return f"logits dtype {logits.dtype} (one of {TRITON_DTYPES})"
+    if logits.shape[-1] > MAX_PARTITIONS:
+        return f"{logits.shape[-1]} partitions (at most {MAX_PARTITIONS})"
+    if valid is not None and (valid.shape != logits.shape[:-1] or valid.dtype != torch.bool):
+        return f"valid {list(valid.shape)} {valid.dtype} (bool, the logits' shape without N)"
+    return None
+
+
+def router_topk(logits: Tensor, k: int, valid: Tensor | None = None, backend: str = "torch") -> tuple[Tensor, Tensor]:
     """Router: softmax over the N partitions in float32 (float64 stays float64),
     then the top-k mask. logits: [B, T, N], valid: [B, T] bool (False at
-    padding). Returns (probs [B, T, N], sel [B, T, N] bool; all False where invalid)."""
+    padding). Returns (probs [B, T, N], sel [B, T, N] bool; all False where invalid).
+    backend: "auto" runs one Triton kernel on CUDA for inputs it takes (`router_unsupported`; among equal
+    probabilities the lowest partitions are selected), "triton" it on any device Triton runs on (the CPU
+    interpreter in tests) or a ValueError, "torch" (the default) the PyTorch ops. Differentiable in the
+    logits through probs."""
     N = logits.shape[-1]
     if not 1 <= k <= N:
         raise ValueError(f"top-k must be in [1, N={N}]; got {k}")
+    if fused_kernel(backend, logits.device, "router", router_unsupported(logits, valid)):
+        from .triton_router import Router
+
+        return run_function(Router, logits, k, valid)
     probs = torch.softmax(logits, dim=-1, dtype=acc_dtype(logits))  # the cast inside the softmax
     top = probs.topk(k, dim=-1).indices
     sel = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top, True)

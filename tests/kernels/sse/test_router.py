@@ -1,0 +1,60 @@
+"""SSE's router kernel (`router_topk(backend="triton")`): probabilities and their gradient against the
+PyTorch form (fp64 oracle), the same top-K selection where probabilities differ, the lowest partitions
+among equal ones, padding left unselected; refused inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subquadratic.kernels.sse.router import router_topk, router_unsupported
+
+pytest.importorskip("triton")
+
+
+def dev() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("N,k", [(4, 1), (4, 2), (5, 3), (16, 4), (8, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_valid", [False, True])
+def test_values_selection_and_gradient_match_the_pytorch_form(N, k, dtype, with_valid):
+    g = torch.Generator().manual_seed(N * 10 + k)
+    B, T = 2, 37
+    logits = (torch.randn(B, T, N, generator=g) * 2).to(dtype).to(dev())
+    valid = (torch.rand(B, T, generator=g) > 0.2).to(dev()) if with_valid else None
+    dp = torch.randn(B, T, N, generator=g).to(dev())
+    a = logits.clone().requires_grad_(True)
+    probs, sel = router_topk(a, k, valid, backend="triton")
+    (probs * dp).sum().backward()
+    r = logits.double().clone().requires_grad_(True)
+    want_p, want_sel = router_topk(r, k, valid)
+    (want_p * dp.double()).sum().backward()
+    assert probs.dtype == torch.float32 and sel.dtype == torch.bool and a.grad.dtype == dtype
+    torch.testing.assert_close(probs.double(), want_p, atol=1e-6, rtol=1e-6)
+    assert torch.equal(sel, want_sel)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(a.grad.double(), r.grad, atol=tol, rtol=tol)
+    if valid is not None:
+        assert not sel[~valid].any() and (sel[valid].sum(-1) == k).all()
+
+
+def test_equal_probabilities_select_the_lowest_partitions():
+    logits = torch.zeros(1, 3, 6, device=dev())
+    logits[0, 1, 4] = 1.0  # one clear winner, then ties
+    _, sel = router_topk(logits, 2, backend="triton")
+    assert sel[0, 0].tolist() == [True, True, False, False, False, False]
+    assert sel[0, 1].tolist() == [True, False, False, False, True, False]
+
+
+def test_refused_inputs():
+    x = torch.zeros(1, 2, 4)
+    assert router_unsupported(x.double()) is not None
+    assert router_unsupported(torch.zeros(1, 2, 300)) is not None
+    assert router_unsupported(x, torch.ones(1, 2)) is not None  # not bool
+    assert router_unsupported(x, torch.ones(1, 2, dtype=torch.bool)) is None
+    with pytest.raises(ValueError, match="router kernel does not take"):
+        router_topk(x.double(), 1, backend="triton")
+    p, s = router_topk(x.double(), 1, backend="auto")  # fp64 stays on the PyTorch form
+    assert p.dtype == torch.float64 and s.sum() == 2
