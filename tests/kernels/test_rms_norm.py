@@ -143,3 +143,23 @@ def test_the_model_norm_takes_the_kernel_where_the_backend_allows(backend, monke
     torch.testing.assert_close(y, LlamaRMSNorm.forward(norm, x + h), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(norm(x), LlamaRMSNorm.forward(norm, x), atol=1e-5, rtol=1e-5)
     assert torch.equal(fused.RMSNorm(48, eps=EPS)(x.cpu()), LlamaRMSNorm.forward(norm.cpu(), x.cpu()))  # no config
+
+
+@pytest.mark.parametrize("preset", ["tiny-h"])
+def test_a_model_through_the_kernels_keeps_its_logits_and_gradients(preset, monkeypatch):
+    """A model's norms through the kernels (as on CUDA; here forced, on a GPU or under the interpreter):
+    the logits and every parameter's gradient of LlamaRMSNorm's form, and kernel_backend="torch" keeps it."""
+    from subquadratic.kernels import rms_norm as rms_module
+    from subquadratic.kernels import triton_rms_norm
+
+    from ..models.sse.test_modeling_sse import model as sse_model
+    from .fused_models import forced_kernel_matches
+
+    model = sse_model(preset, 0)
+    gates = [(fused, "rms_norm_takes_kernel", lambda x, w, h=None: rms_module.rms_norm_unsupported(x, w, h) is None)]
+    assert forced_kernel_matches(model, monkeypatch, gates, triton_rms_norm.RMSNormFn, "apply") > 0
+    model.config.kernel_backend = "torch"
+    with monkeypatch.context() as m:
+        m.setattr(triton_rms_norm.RMSNormFn, "apply",
+                  lambda *a: pytest.fail("the kernel ran with kernel_backend='torch'"))
+        model(torch.randint(3, 128, (1, 9), device=model.device), use_cache=False)

@@ -58,3 +58,18 @@ def test_refused_inputs():
         router_topk(x.double(), 1, backend="triton")
     p, s = router_topk(x.double(), 1, backend="auto")  # fp64 stays on the PyTorch form
     assert p.dtype == torch.float64 and s.sum() == 2
+
+
+def test_a_model_through_the_router_kernel_keeps_its_logits_and_gradients(monkeypatch):
+    """An SSE-H model's router through the kernel (as on CUDA; here forced): the logits and every parameter's
+    gradient of the PyTorch ops (random logits: no equal probabilities)."""
+    from subquadratic.kernels.sse import router as router_module
+    from subquadratic.kernels.sse import triton_router
+
+    from ...models.sse.test_modeling_sse import model as sse_model
+    from ..fused_models import forced_kernel_matches
+
+    model = sse_model("tiny-h", 0)
+    real = router_module.fused_kernel
+    gates = [(router_module, "fused_kernel", lambda b, d, op, u: real(b, torch.device("cuda"), op, u))]
+    assert forced_kernel_matches(model, monkeypatch, gates, triton_router.Router, "apply") > 0
