@@ -28,7 +28,7 @@ from transformers import initialization as init
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel
-from ...kernels.sse import SSEState, router_topk, sse_attention, sse_aux_loss
+from ...kernels.sse import SSEState, router_topk, sse_attention
 from ...kernels.sse.features import sse_gla_features, sse_gla_features_takes_kernel
 from ...kernels.utils import acc_dtype
 from ...modeling.base import (
@@ -285,8 +285,10 @@ class SSEAttention(WindowBranch, AttentionBase):
             q1, k1, q2, k2, v, g1, g2, logits = (seq.documents.unpack(t) for t in (q1, k1, q2, k2, v, g1, g2, logits))
             beta = None if beta is None else seq.documents.unpack(beta)
         # [B, T, N], sel False at padding
-        probs, sel = router_topk(logits, cfg.sse_top_k, None if seq.causal else seq.valid,
-                                 backend="auto" if cfg.kernel_backend in ("auto", "triton") else "torch")
+        # in training also the load-balancing loss over the valid tokens (all of them where seq.causal)
+        probs, sel, *aux = router_topk(logits, cfg.sse_top_k, None if seq.causal else seq.valid,
+                                       backend="auto" if cfg.kernel_backend in ("auto", "triton") else "torch",
+                                       aux=self.training)
 
         # padding: no read, no write, no decay (nothing to mask where no real token reads the padding)
         valid = seq.valid
@@ -323,8 +325,7 @@ class SSEAttention(WindowBranch, AttentionBase):
                 out = o_swa + out
             else:
                 out = (self.sse_merge_norm(out) + self.swa_merge_norm(o_swa)) / 2
-        aux = sse_aux_loss(probs, sel, valid) if self.training else None
-        return out, aux
+        return out, aux[0] if aux else None
 
 
 

@@ -1,7 +1,9 @@
-"""The Triton kernel of SSE's router (`router.router_topk`): one program per ROWS tokens, the softmax over
+"""The Triton kernels of SSE's router (`router.router_topk`): one program per ROWS tokens, the softmax over
 the N partitions in fp32 and the top-K mask (K rounds of the largest remaining probability, the lowest
-index among equals), the valid mask applied, in one launch where PyTorch takes four. The backward is the
-softmax's, in PyTorch."""
+index among equals), the valid mask applied, in one launch where PyTorch takes four; in training the same
+launch also sums what the load-balancing loss needs per program, and a second one-program launch makes
+the loss (about a dozen launches forward and as many backward in PyTorch). The backward is the
+softmax's with the loss's gradient added, in PyTorch."""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ ROWS = 64
 
 
 @jit
-def router_fwd(LOGITS, VALID, P, SEL, n_rows, N: tl.constexpr, BN: tl.constexpr, K: tl.constexpr,
-               BR: tl.constexpr, HAS_VALID: tl.constexpr):
+def router_fwd(LOGITS, VALID, P, SEL, PART, n_rows, N: tl.constexpr, BN: tl.constexpr, K: tl.constexpr,
+               BR: tl.constexpr, HAS_VALID: tl.constexpr, AUX: tl.constexpr):
+    """probs, the top-K mask; with AUX this program's sums for the load-balancing loss into its row of
+    PART: sum_t w_t p_t [BN], sum_t sel_t [BN] (sel already 0 where w_t = 0), sum_t w_t, w = valid."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BN)
     mr = rows < n_rows
@@ -39,35 +43,81 @@ def router_fwd(LOGITS, VALID, P, SEL, n_rows, N: tl.constexpr, BN: tl.constexpr,
         hit = cols[None, :] == first[:, None]
         sel = sel | hit
         cur = tl.where(hit, -2.0, cur)
+    w = mr
     if HAS_VALID:
-        sel = sel & (tl.load(VALID + rows, mask=mr, other=0) != 0)[:, None]
+        w = mr & (tl.load(VALID + rows, mask=mr, other=0) != 0)
+        sel = sel & w[:, None]
     tl.store(SEL + off, sel.to(tl.int8), mask=m)
+    if AUX:
+        wf = w.to(tl.float32)
+        base = PART + tl.program_id(0).to(tl.int64) * (2 * BN + 1)
+        tl.store(base + cols, tl.sum(tl.where(m, p, 0.0) * wf[:, None], 0))
+        tl.store(base + BN + cols, tl.sum((sel & m).to(tl.float32), 0))
+        tl.store(base + 2 * BN, tl.sum(wf, 0))
+
+
+@jit
+def router_aux_fin(PART, LOSS, COEF, n_parts, N: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr):
+    """The load-balancing loss N sum_i P_i S_i / (c max(S, c)) from the programs' sums (c at least 1), and
+    its gradient's coefficients N S_i / (c max(S, c)) (d loss / d p_ti = coef_i w_t)."""
+    cols = tl.arange(0, BN)
+    ps = tl.zeros([BN], dtype=tl.float32)
+    ss = tl.zeros([BN], dtype=tl.float32)
+    c = tl.zeros([BP], dtype=tl.float32)
+    for p0 in range(0, n_parts, BP):
+        r = p0 + tl.arange(0, BP)
+        mr = r < n_parts
+        base = PART + r.to(tl.int64)[:, None] * (2 * BN + 1) + cols[None, :]
+        ps += tl.sum(tl.load(base, mask=mr[:, None], other=0.0), 0)
+        ss += tl.sum(tl.load(base + BN, mask=mr[:, None], other=0.0), 0)
+        c += tl.load(PART + r.to(tl.int64) * (2 * BN + 1) + 2 * BN, mask=mr, other=0.0)
+    cc = tl.maximum(tl.sum(c, 0), 1.0)
+    scale = N / (cc * tl.maximum(tl.sum(ss, 0), cc))
+    tl.store(LOSS + cols, tl.sum(ps * ss, 0) * scale + 0.0 * cols, mask=cols == 0)
+    tl.store(COEF + cols, ss * scale, mask=cols < N)
 
 
 class Router(torch.autograd.Function):
     """(probs fp32, sel bool) of logits [..., N] (fp32 / bf16 / fp16) and top-k, `valid` [...] bool or None;
-    differentiable in the logits through probs."""
+    with `aux` also SSE's load-balancing loss (`router.sse_aux_loss` over the valid tokens, all without
+    `valid`). Differentiable in the logits through probs and the loss."""
 
     @staticmethod
-    def forward(ctx, logits, k, valid):
+    def forward(ctx, logits, k, valid, aux=False):
         N = logits.shape[-1]
         lc = logits.contiguous()
         n_rows = lc.numel() // N
-        probs = new_output(logits.shape, logits.device)  # fp32
-        sel = torch.empty(logits.shape, device=logits.device, dtype=torch.int8)
+        dev = logits.device
+        probs = new_output(logits.shape, dev)  # fp32
+        sel = torch.empty(logits.shape, device=dev, dtype=torch.bool)
+        BN = block_size(N, 2)
+        programs = triton.cdiv(n_rows, ROWS)
+        part = new_output((max(programs, 1), 2 * BN + 1), dev) if aux else probs
         if n_rows:
             v = valid.contiguous().view(torch.int8) if valid is not None else lc
-            router_fwd[(triton.cdiv(n_rows, ROWS),)](lc, v, probs, sel, n_rows, N, block_size(N, 2), k, ROWS,
-                                                     valid is not None, num_warps=4)
-        sel = sel.view(torch.bool)
+            router_fwd[(programs,)](lc, v, probs, sel.view(torch.int8), part, n_rows, N, BN, k, ROWS,
+                                    valid is not None, aux, num_warps=4)
+        elif aux:
+            part.zero_()
         ctx.mark_non_differentiable(sel)
-        ctx.save_for_backward(probs)
-        ctx.dtype = logits.dtype
-        return probs, sel
+        ctx.dtype, ctx.aux = logits.dtype, aux
+        if not aux:
+            ctx.save_for_backward(probs)
+            return probs, sel
+        loss = new_output((1,), dev)
+        coef = new_output((N,), dev)
+        router_aux_fin[(1,)](part, loss, coef, part.shape[0], N, BN, 32, num_warps=4)
+        ctx.save_for_backward(probs, coef, valid if valid is not None else None)
+        return probs, sel, loss.view(())
 
     @staticmethod
-    def backward(ctx, dp, _dsel):
-        (p,) = ctx.saved_tensors
+    def backward(ctx, dp, _dsel, dloss=None):
+        p = ctx.saved_tensors[0]
+        if ctx.aux and dloss is not None:  # d loss / d p_ti = coef_i w_t (w = valid, 1 without)
+            _, coef, valid = ctx.saved_tensors
+            extra = dloss * coef
+            extra = extra * valid[..., None] if valid is not None else extra.expand_as(p)
+            dp = extra if dp is None else dp + extra
         if dp is None:
-            return None, None, None
-        return (p * (dp - (dp * p).sum(-1, keepdim=True))).to(ctx.dtype), None, None
+            return None, None, None, None
+        return (p * (dp - (dp * p).sum(-1, keepdim=True))).to(ctx.dtype), None, None, None

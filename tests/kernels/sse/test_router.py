@@ -61,15 +61,48 @@ def test_refused_inputs():
 
 
 def test_a_model_through_the_router_kernel_keeps_its_logits_and_gradients(monkeypatch):
-    """An SSE-H model's router through the kernel (as on CUDA; here forced): the logits and every parameter's
-    gradient of the PyTorch ops (random logits: no equal probabilities)."""
+    """An SSE-H model's router through the kernel (as on CUDA; here forced), in training (its
+    load-balancing loss in the loss): the logits and every parameter's gradient of the PyTorch ops (random
+    logits: no equal probabilities)."""
     from subquadratic.kernels.sse import router as router_module
     from subquadratic.kernels.sse import triton_router
 
     from ...models.sse.test_modeling_sse import model as sse_model
     from ..fused_models import forced_kernel_matches
 
-    model = sse_model("tiny-h", 0)
+    model = sse_model("tiny-h", 0).train()  # with the load-balancing loss in the loss
+    assert model.config.aux_loss_weight
     real = router_module.fused_kernel
     gates = [(router_module, "fused_kernel", lambda b, d, op, u: real(b, torch.device("cuda"), op, u))]
     assert forced_kernel_matches(model, monkeypatch, gates, triton_router.Router, "apply") > 0
+
+
+@pytest.mark.parametrize("N,k", [(4, 1), (5, 2), (16, 4)])
+@pytest.mark.parametrize("valid_kind", ["none", "some", "none-valid"])
+def test_the_load_balancing_loss_and_its_gradient_match_the_pytorch_form(N, k, valid_kind):
+    """With aux: the loss of `sse_aux_loss` over the valid tokens (all without a mask; none valid: 0), and
+    the logits' gradient through probs and the loss together, against the fp64 PyTorch form; B T past one
+    program of rows."""
+    g = torch.Generator().manual_seed(N + k)
+    B, T = 2, 70
+    logits = (torch.randn(B, T, N, generator=g) * 2).to(dev())
+    valid = None if valid_kind == "none" else (torch.rand(B, T, generator=g) > (0.3 if valid_kind == "some" else 2))
+    valid = valid.to(dev()) if valid is not None else None
+    dp = torch.randn(B, T, N, generator=g).to(dev())
+    a = logits.clone().requires_grad_(True)
+    probs, sel, loss = router_topk(a, k, valid, backend="triton", aux=True)
+    ((probs * dp).sum() + 3.0 * loss).backward()
+    r = logits.double().clone().requires_grad_(True)
+    want_p, want_sel, want_loss = router_topk(r, k, valid, aux=True)
+    ((want_p * dp.double()).sum() + 3.0 * want_loss).backward()
+    assert loss.shape == () and loss.dtype == torch.float32 and torch.equal(sel, want_sel)
+    torch.testing.assert_close(loss.double(), want_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-6, rtol=1e-6)
+    if valid_kind == "none-valid":
+        assert loss.item() == 0.0
+    # the loss alone (probs unused): its gradient only
+    b = logits.clone().requires_grad_(True)
+    router_topk(b, k, valid, backend="triton", aux=True)[2].backward()
+    s = logits.double().clone().requires_grad_(True)
+    router_topk(s, k, valid, aux=True)[2].backward()
+    torch.testing.assert_close(b.grad.double(), s.grad, atol=1e-6, rtol=1e-6)
