@@ -30,17 +30,23 @@ from _models import LLAMA_1B, TINY, dense_and_conversions, load_converted, log, 
 from _profile import kernel_table
 from bench_model import train_call
 
-from subquadratic.kernels import triton_launch
 from subquadratic.kernels.sse import router
 from subquadratic.modeling import fused
 
+try:
+    from subquadratic.kernels import triton_launch
+except ImportError:  # no Triton (a CPU smoke run): no launches to speed up
+    triton_launch = None
+
 SPEEDUPS = ("fast-launch", "rms-norm", "router")
-_REAL = dict(rms=fused.rms_norm_takes_kernel, router=router.router_unsupported, fast=triton_launch.ENABLED)
+_REAL = dict(rms=fused.rms_norm_takes_kernel, router=router.router_unsupported,
+             fast=triton_launch is not None and triton_launch.ENABLED)
 
 
 def setting(off: tuple[str, ...]) -> None:
     """Turn the speed-ups named in `off` off and the others back on."""
-    triton_launch.ENABLED = _REAL["fast"] and "fast-launch" not in off
+    if triton_launch is not None:
+        triton_launch.ENABLED = _REAL["fast"] and "fast-launch" not in off
     fused.rms_norm_takes_kernel = (lambda *a: False) if "rms-norm" in off else _REAL["rms"]
     router.router_unsupported = (lambda *a: "turned off") if "router" in off else _REAL["router"]
 
