@@ -307,9 +307,10 @@ def test_fused_chains_equal_the_modules_they_stand_for(monkeypatch):
         with fused.compiled_step(fuse_step):  # what the captured step enters
             got[fuse_step], _ = run(model, ids, cache=cache, start=20)
         steps, layers = 10, len(MIXED)
-        # per step and layer: the input norm, the residual add + norm, RoPE, the MLP gate; the SPLA layer's
-        # head norm; the final norm
-        want = dict(rms_norm=(layers + 1) * steps, add_rms_norm=layers * steps, rope=layers * steps,
+        # per step and layer: the residual add + norm before the mixer (the first layer's a plain norm: the
+        # previous layer's MLP output added there) and after it, RoPE, the MLP gate; the SPLA layer's head
+        # norm; the final norm with the last MLP output's add
+        want = dict(rms_norm=steps, add_rms_norm=2 * layers * steps, rope=layers * steps,
                     add_head_norm=steps, silu_mul=layers * steps)
         assert calls == (want if fuse_step else dict.fromkeys(chains, 0))
     torch.testing.assert_close(got[True], got[False], rtol=0, atol=1e-5)

@@ -395,8 +395,14 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
 
-    def forward(self, hidden_states, position_embeddings=None, seq=None, cache_layer=None, **kwargs):
-        x = self.input_layernorm(hidden_states)
+    def forward(self, hidden_states, pending=None, position_embeddings=None, seq=None, cache_layer=None, **kwargs):
+        """(residual stream, this layer's MLP output, aux loss or None): the MLP output is left for the next
+        norm to add (`pending`: the previous layer's, added here before this layer's input norm, in one
+        kernel with it on CUDA), so that the stream is hidden_states + pending."""
+        if pending is None:
+            x = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, x = self.input_layernorm.add_and_norm(hidden_states, pending)
         docs = seq.documents if seq is not None else None
         if docs is None or getattr(self.self_attn, "takes_packed", False):
             # a mixer that `takes_packed` keeps a packed batch's documents apart itself
@@ -405,7 +411,7 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
             h, aux = self.self_attn(docs.unpack(x), position_embeddings, seq, cache_layer)
             h = docs.pack(h)
         hidden_states, x = self.post_attention_layernorm.add_and_norm(hidden_states, h)  # residual add, norm
-        return hidden_states + self.mlp(x), aux
+        return hidden_states, self.mlp(x), aux
 
 
 @dataclass
@@ -665,17 +671,19 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         None). `restore` maps each recorded hidden state back to the caller's layout."""
         restore = restore or (lambda x: x)
         all_hidden = (restore(hidden),) if output_hidden_states else None
-        aux_total = None
+        aux_total, pending = None, None
         for i, layer in enumerate(self.layers):
-            hidden, aux = layer(
-                hidden, position_embeddings=position_embeddings, seq=seq,
+            # each layer leaves its MLP output for the next norm to add (`pending`, positional: under reentrant
+            # gradient checkpointing only positional tensors get gradients)
+            hidden, pending, aux = layer(
+                hidden, pending, position_embeddings=position_embeddings, seq=seq,
                 cache_layer=cache.layers[i] if cache is not None else None,
             )
             if aux is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
             if output_hidden_states:
-                all_hidden += (restore(hidden),)
-        hidden = self.norm(hidden)
+                all_hidden += (restore(hidden + pending),)
+        hidden = self.norm(hidden) if pending is None else self.norm.add_and_norm(hidden, pending)[1]
         if output_hidden_states:
             all_hidden = all_hidden[:-1] + (restore(hidden),)
         return hidden, all_hidden, aux_total

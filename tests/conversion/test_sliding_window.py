@@ -107,5 +107,5 @@ def _layer_output(model, i, h):
     valid = torch.ones(h.shape[:2], dtype=torch.bool)
     pos = positions_from_mask(valid)
     seq = SequenceInfo(positions=pos, valid=valid, key_positions=pos)
-    out, _ = model.model.layers[i](h, position_embeddings=model.model.rotary_emb(h, pos), seq=seq)
-    return out
+    out, mlp, _ = model.model.layers[i](h, position_embeddings=model.model.rotary_emb(h, pos), seq=seq)
+    return out + mlp  # the layer leaves its MLP output for the next norm to add
