@@ -1,5 +1,7 @@
 """The decoder shared by every family, written once: embeddings -> L x [RMSNorm -> token mixer ->
-residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head.
+residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head. Each residual add runs with the
+norm after it (`fused.RMSNorm.add_and_norm`: one kernel on CUDA), so a layer leaves its MLP output for
+the next layer's input norm (or the final norm) to add.
 
 Families only add token mixers (declared with `registry.register_family`); `config.mixer_types[i]`
 picks layer i's mixer from the registry (`registry.mixer`). A mixer subclasses `AttentionBase` (q/k/v/o
