@@ -168,7 +168,10 @@ def _residual(i: int, sums: dict):
 
     def hook(module, args, kwargs):
         h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        seq = kwargs["seq"] if "seq" in kwargs else args[2]
+        pending = kwargs["pending"] if "pending" in kwargs else args[1] if len(args) > 1 else None
+        if pending is not None:  # the previous layer's MLP output, which this layer's norm adds
+            h = h + pending
+        seq = kwargs["seq"] if "seq" in kwargs else args[3]
         energy = (h.detach().float() ** 2 * _valid(seq, h)).sum().double()
         zero = torch.zeros_like(energy)
         sums[i] = torch.stack([zero, energy, zero, zero])

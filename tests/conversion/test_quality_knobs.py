@@ -175,3 +175,22 @@ def test_layer_costs_on_rows_that_pack_several_documents(priced_source, tmp_path
     assert by_layer[1]["cost"] == 0.0
     assert all(0 < by_layer[i]["cost"] < float("inf") for i in (0, 2, 3))
     assert max(by_layer, key=lambda i: by_layer[i]["cost"]) == 2
+
+
+def test_the_pricing_hook_sees_the_whole_residual_stream_entering_a_layer():
+    """The residual energy the layer pricing records for layer i is that of the stream entering it (the
+    model's hidden state i), though each layer leaves its MLP output for the next norm to add."""
+    from subquadratic.adaptation.layer_choice import _residual
+
+    from ..models.sse.test_modeling_sse import model as sse_model
+
+    model = sse_model("tiny-h", 0)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    sums: dict = {}
+    handles = [model.model.layers[i].register_forward_pre_hook(_residual(i, sums), with_kwargs=True) for i in (0, 2)]
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True, use_cache=False).hidden_states
+    for h in handles:
+        h.remove()
+    for i in (0, 2):
+        torch.testing.assert_close(sums[i][1], (hidden[i].double() ** 2).sum(), rtol=1e-5, atol=1e-5)
