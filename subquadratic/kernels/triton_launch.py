@@ -75,7 +75,9 @@ class FastRun:
     def __init__(self, kernel):
         self.slow = kernel.run  # the bound method, before this object shadows it on the instance
         self.names = tuple(kernel.arg_names)
-        self.constexpr = tuple(i in set(kernel.constexprs) for i in range(len(self.names)))
+        constexprs = set(kernel.constexprs)
+        self.constexpr = tuple(i in constexprs for i in range(len(self.names)))
+        self.by_name = dict(zip(self.names, self.constexpr, strict=True))  # a keyword's: constexpr or not
         self.defaults = {n: p.default for n, p in kernel.signature.parameters.items()
                          if p.default is not inspect.Parameter.empty}
         self.compiled: dict = {}
@@ -84,10 +86,8 @@ class FastRun:
         parts = [_device()]
         for v, const in zip(args, self.constexpr, strict=False):  # args may stop short
             parts.append((type(v), v) if const else _signature(v))
-        for n in sorted(kwargs):
-            v = kwargs[n]
-            i = self.names.index(n) if n in self.names else None
-            parts.append((n, (type(v), v) if i is None or self.constexpr[i] else _signature(v)))
+        for n, v in kwargs.items():  # a constexpr or an option (num_warps, ...) by value, else its signature
+            parts.append((n, (type(v), v) if self.by_name.get(n, True) else _signature(v)))
         return tuple(parts)
 
     def values(self, args: tuple, kwargs: dict) -> tuple:
@@ -100,10 +100,9 @@ class FastRun:
             return self.slow(*args, grid=grid, warmup=warmup, **kwargs)
         try:
             key = self.key(args, kwargs)
-            hash(key)
-        except (_Unkeyed, TypeError):
+            kernel = self.compiled.get(key)
+        except (_Unkeyed, TypeError):  # TypeError: an unhashable value (a list constexpr)
             return self.slow(*args, grid=grid, warmup=warmup, **kwargs)
-        kernel = self.compiled.get(key)
         if kernel is None:
             kernel = self.slow(*args, grid=grid, warmup=warmup, **kwargs)
             if kernel is not None and not hasattr(kernel, "result"):

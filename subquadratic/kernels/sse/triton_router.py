@@ -107,7 +107,7 @@ class Router(torch.autograd.Function):
         loss = new_output((1,), dev)
         coef = new_output((N,), dev)
         router_aux_fin[(1,)](part, loss, coef, part.shape[0], N, BN, 32, num_warps=4)
-        ctx.save_for_backward(probs, coef, valid if valid is not None else None)
+        ctx.save_for_backward(probs, coef, valid)
         return probs, sel, loss.view(())
 
     @staticmethod
