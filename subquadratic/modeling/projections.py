@@ -1,28 +1,30 @@
-"""A mixer's input projections as one matmul at inference.
+"""A mixer's input projections as one matmul.
 
 A layer of the state families reads its input x through many linear maps: q, k, v, and, for SSE, the
 low-rank offsets' and decays' down projections, the output gate's and the router; HLA its decay and
-gate projections. At a decode step each is a one-row matmul of its own kernel (the largest share of
-a captured step's kernels), at prefill each a launch and, for the low-rank ones, a GEMM too narrow
-to fill the GPU. Without gradients in eval mode (generation, evaluation, a first-token call) `input_projections`
-runs them as one matmul: on first use the members' weights (and biases) are copied into one packed
-tensor and each member's parameter becomes a view of its rows (`param.data`: the same Parameter
-objects, the same values, no second copy kept), so the packed matmul reads the live weights and
-later in-place updates (an optimizer step, `load_state_dict`) keep it valid. A member whose tensor
-was replaced (`model.to(...)`, a new weight assigned) invalidates the pack, which is rebuilt at the
-next use. The outputs are column slices of the packed result (views, no copy).
+gate projections; the MLP its gate and up. At a decode step each is a one-row matmul of its own kernel
+(the largest share of a captured step's kernels), at prefill each a launch and, for the low-rank ones,
+a GEMM too narrow to fill the GPU. `input_projections` runs them as one matmul: on first use the
+members' weights (and biases) are copied into one packed tensor and each member's parameter becomes a
+view of its rows (`param.data`: the same Parameter objects, the same values, no second copy kept), so
+the packed matmul reads the live weights and later in-place updates (an optimizer step,
+`load_state_dict`) keep it valid. A member whose tensor was replaced (`model.to(...)`, a new weight
+assigned) invalidates the pack, which is rebuilt at the next use. The outputs are column slices of the
+packed result (views, no copy).
 
-With gradients, or in training mode (a reentrant checkpoint's first pass runs without gradients),
-the parameters stay leaves of their own: a mixer whose `concat_with_grad` is set (SSE's and HLA's, with
-many narrow members) runs its members as one matmul over the concatenation of their weights, made
-at each call (one GEMM forward and two backward, where each member's dW GEMM read x again and their
-dx were summed); the others run every member as it is.
+With gradients the packed matmul is differentiable in x and in every member's parameters
+(`_PackedLinear`): one GEMM for x's gradient (where each member's dx was a GEMM and their sum further
+adds) and one for the weights' (each member's gradient the view of its rows), no weight copied at the
+call. Under autocast with gradients (which casts each matmul's operands itself), a mixer whose
+`concat_with_grad` is set (SSE's and HLA's, with many narrow members) runs its members as one matmul over
+the concatenation of their weights made at the call; the others run every member as it is.
 The separate form is also taken wherever packing could change what a member computes or who owns
 its memory: a member that is not a plain `nn.Linear` (a PEFT adapter, a quantised layer), one with
 hooks (accelerate's offload), parameters that are not plain tensors (FSDP's), a distributed run,
 a trace (`torch.compile`), a CUDA graph being captured (a pack is never built inside a capture), or
-the model's `fuse_projections` set to False. Both forms give the same values (one matmul over the
-concatenated rows: each output column is the same dot product).
+the model's `fuse_projections` set to False; with gradients also a call that asks for some members only
+(the others would get a zero gradient instead of none). Every form gives the same values (one matmul
+over the concatenated rows: each output column is the same dot product).
 """
 
 from __future__ import annotations
@@ -113,10 +115,22 @@ class _Pack:
                     lin.bias.data = self.bias[off:off + n]
         self.sig = _signature(linears)
 
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed result [..., rows] of one matmul over the packed weight; with gradients through the
+        members' parameters (`_PackedLinear`) where grad mode is on."""
+        if torch.is_grad_enabled():
+            return _PackedLinear.apply(x, self, *self.params())
+        return F.linear(x, self.weight, self.bias)
+
     def outputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """{name: member(x)}: column slices of one matmul over the packed weight."""
-        y = F.linear(x, self.weight, self.bias).split(self.split, -1)
+        y = self.output(x).split(self.split, -1)
         return {n: y[i] for n, i in zip(self.names, self.index, strict=True)}
+
+    def params(self) -> list[torch.Tensor]:
+        """The members' parameters in order: each weight, then its bias where it has one."""
+        return [p for lin in self.members for p in (lin._parameters["weight"], lin._parameters.get("bias"))
+                if p is not None]
 
     def live(self, owner: nn.Module, x: torch.Tensor) -> bool:
         """Whether the pack still is `owner`'s members (the same modules, plain, without hooks, their
@@ -124,6 +138,38 @@ class _Pack:
         cheap (no `nn.Module.__getattr__`)."""
         return (all(_member(owner, n) is m and _unhooked(m) for n, m in zip(self.names, self.members, strict=True))
                 and _signature(self.members) == self.sig and x.device == self.weight.device)
+
+
+class _PackedLinear(torch.autograd.Function):
+    """x [..., in] -> x W^T + b over a `_Pack`'s weight W [rows, in] (bias b or none), differentiable in x
+    and in the members' parameters (`_Pack.params`, views of W's and b's rows): the weights' gradient is
+    one GEMM over every row, each member's the view of its rows; x's one GEMM over every row too."""
+
+    @staticmethod
+    def forward(ctx, x, pack, *params):
+        ctx.pack = pack
+        ctx.save_for_backward(x, pack.weight)
+        return F.linear(x, pack.weight, pack.bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        pack = ctx.pack
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        need = ctx.needs_input_grad[2:]
+        dw = db = None
+        if any(need):
+            d2 = dy.reshape(-1, dy.shape[-1])
+            dw = d2.t() @ x.reshape(-1, x.shape[-1])
+            db = d2.sum(0) if pack.bias is not None else None
+        grads, i = [], 0
+        for lin, off, n in zip(pack.members, pack.offsets, pack.sizes, strict=True):
+            grads.append(dw[off:off + n] if need[i] else None)
+            i += 1
+            if lin._parameters.get("bias") is not None:
+                grads.append(db[off:off + n] if need[i] else None)
+                i += 1
+        return dx, None, *grads
 
 
 def _may_use_pack(owner: nn.Module) -> bool:
@@ -164,7 +210,8 @@ def _concat_outputs(linears: Sequence[nn.Linear], x: torch.Tensor) -> tuple[torc
 class PackedInputs:
     """Mixin of a module whose `input_projection_names` run through `input_projections`: a device or
     dtype change (`model.to`, `.half()`) drops the pack, whose tensors the members no longer use.
-    `concat_with_grad`: with gradients too, one matmul over the members' concatenated weights."""
+    `concat_with_grad`: where the pack is not taken with gradients (autocast), one matmul over the
+    members' concatenated weights."""
 
     input_projection_names: tuple[str, ...] = ()
     concat_with_grad: bool = False
@@ -176,29 +223,54 @@ class PackedInputs:
 
 def input_projections(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     """{name: member(x)} for the `names` (default: all) of `owner.input_projection_names` that exist:
-    one packed matmul without gradients, one over the concatenated weights with gradients where the
-    owner sets `concat_with_grad` (module docstring), each member on its own otherwise."""
-    grad = torch.is_grad_enabled() or owner.training
-    if not grad:
-        pack = owner.__dict__.get("_input_pack")
-        if pack is not None and _may_use_pack(owner) and pack.live(owner, x):
-            outs = pack.outputs(x)
-            return outs if names is None else {n: outs[n] for n in names}
+    one packed matmul (`packed_output`), else one over the concatenated weights with gradients where the
+    owner sets `concat_with_grad` (module docstring), else each member on its own."""
+    y = packed_output(owner, x, names)
+    if y is not None:
+        pack = owner.__dict__["_input_pack"]
+        parts = y.split(pack.split, -1)
+        outs = {n: parts[i] for n, i in zip(pack.names, pack.index, strict=True)}
+        return outs if names is None else {n: outs[n] for n in names}
     members = []
     for n in owner.input_projection_names:
         m = _member(owner, n)
         if m is not None:
             members.append((n, m))
     wanted = [n for n, _ in members] if names is None else list(names)
-    linears = [m for _, m in members]
     mods = dict(members)
-    if grad:
+    if torch.is_grad_enabled() or owner.training:
         use = [mods[n] for n in wanted]
         if getattr(owner, "concat_with_grad", False) and _may_pack(owner, use, x):
             return dict(zip(wanted, _concat_outputs(use, x), strict=True))
-    elif _may_pack(owner, linears, x) and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        # (never build a pack inside a capture: the separate matmuls)
-        pack = owner.__dict__["_input_pack"] = _Pack([n for n, _ in members], linears)
-        outs = pack.outputs(x)
-        return {n: outs[n] for n in wanted}
     return {n: mods[n](x) for n in wanted}
+
+
+#: Whether the pack also serves calls with gradients (set False to compare with the separate or concatenated
+#: members).
+PACK_WITH_GRAD = True
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def packed_output(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | None = None) -> torch.Tensor | None:
+    """The packed result [..., rows] of all of `owner`'s input projections as one matmul (the pack's
+    `split` / `index` give each member's columns; built on first use), or None where the pack is not
+    taken (module docstring): with gradients also where autocast is on (it casts each matmul's
+    operands itself) or `names` leaves a member out (it would get a zero gradient, not none)."""
+    if not _may_use_pack(owner):
+        return None
+    grad = torch.is_grad_enabled()
+    if grad and (not PACK_WITH_GRAD or torch.is_autocast_enabled(x.device.type)):
+        return None
+    pack = owner.__dict__.get("_input_pack")
+    if pack is None or not pack.live(owner, x):
+        members = [(n, m) for n in owner.input_projection_names if (m := _member(owner, n)) is not None]
+        linears = [m for _, m in members]
+        if not _may_pack(owner, linears, x) or _capturing():  # never build a pack inside a capture
+            return None
+        pack = owner.__dict__["_input_pack"] = _Pack([n for n, _ in members], linears)
+    if grad and names is not None and set(names) != set(pack.names):
+        return None
+    return pack.output(x)
