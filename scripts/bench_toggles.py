@@ -10,10 +10,12 @@ dense model runs in the same process as the peer.
 The speed-ups (each a setting a user never needs to touch; on by default):
   fast-launch  Triton launches through the kept compiled kernel (`kernels.triton_launch`);
   rms-norm     the decoder's RMSNorm and the residual add before it as one kernel (`kernels.rms_norm`);
-  router       SSE's router softmax and top-K as one kernel (`kernels.sse.router`).
+  router       SSE's router softmax and top-K as one kernel (`kernels.sse.router`);
+  packed-grad  (training) the input projections as one matmul with gradients (`modeling.projections`);
+  swiglu-grad  (training) the MLP's SiLU product forward and backward as kernels (`kernels.swiglu`).
 Per first token: the median host time the call took to return before its synchronisation and the
-median wall time; per training step (new and old only): the median wall time; with a GPU, the device
-time of one call of each (the kernels' summed time, `_profile.kernel_table`) for new and old.
+median wall time; per training step: the median wall time; with a GPU, the device time of one call of
+each (the kernels' summed time, `_profile.kernel_table`) for new and old.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from _profile import kernel_table
 from bench_model import train_call
 
 from subquadratic.kernels.sse import router
-from subquadratic.modeling import fused
+from subquadratic.modeling import fused, projections
 
 try:
     from subquadratic.kernels import triton_launch
@@ -39,8 +41,9 @@ except ImportError:  # no Triton (a CPU smoke run): no launches to speed up
     triton_launch = None
 
 SPEEDUPS = ("fast-launch", "rms-norm", "router")
+TRAINING_SPEEDUPS = ("packed-grad", "swiglu-grad")
 _REAL = dict(rms=fused.rms_norm_takes_kernel, router=router.router_unsupported,
-             fast=triton_launch is not None and triton_launch.ENABLED)
+             fast=triton_launch is not None and triton_launch.ENABLED, swiglu=fused.silu_mul_packed_takes_kernel)
 
 
 def setting(off: tuple[str, ...]) -> None:
@@ -49,11 +52,16 @@ def setting(off: tuple[str, ...]) -> None:
         triton_launch.ENABLED = _REAL["fast"] and "fast-launch" not in off
     fused.rms_norm_takes_kernel = (lambda *a: False) if "rms-norm" in off else _REAL["rms"]
     router.router_unsupported = (lambda *a: "turned off") if "router" in off else _REAL["router"]
+    projections.PACK_WITH_GRAD = "packed-grad" not in off
+    fused.silu_mul_packed_takes_kernel = (lambda *a: False) if "swiglu-grad" in off else _REAL["swiglu"]
 
 
-def settings(family: str) -> dict[str, tuple[str, ...]]:
-    """The settings measured for a family: new, old, and each speed-up that applies to it off alone."""
+def settings(family: str, training: bool = False) -> dict[str, tuple[str, ...]]:
+    """The settings measured for a family: new, old, and each speed-up that applies to it off alone
+    (`training`: with the training-only ones)."""
     own = [s for s in SPEEDUPS if s != "router" or family.startswith("sse")]
+    if training:
+        own += TRAINING_SPEEDUPS
     return {"new": (), "old": tuple(own), **{f"no-{s}": (s,) for s in own}}
 
 
@@ -127,14 +135,14 @@ def main() -> None:
         if train_len:
             model.train()
             step = train_call(model, ids[:, :train_len])
-            pair = {n: named[n] for n in ("new", "old") if n in named}
+            pair = {"new": ()} if name == "dense" else settings(name, training=True)
             for off in pair.values():
                 setting(off)
                 step()
             for n, t in alternate({n: (step, off) for n, off in pair.items()}, max(2, args.repeats // 2),
                                   device).items():
                 gpu = None
-                if device.type == "cuda":
+                if device.type == "cuda" and n in ("new", "old"):
                     setting(pair[n])
                     gpu = kernel_table(step, calls=1)[1]
                 row(model=name, measure="train", T=train_len, setting=n, gpu_ms=gpu, wall_ms=t["wall_ms"])

@@ -19,6 +19,7 @@ def test_bench_toggles_quick_smoke(tmp_path):
         for s in ("new", "old", "no-fast-launch", "no-rms-norm", "no-router"):
             assert ("sse-h", "ttft", T, s) in got
         assert ("hla-h", "ttft", T, "no-rms-norm") in got and ("hla-h", "ttft", T, "no-router") not in got
-    assert {("sse-h", "train", 64, "new"), ("sse-h", "train", 64, "old"), ("hla-h", "train", 64, "old")} <= got
+    assert {("sse-h", "train", 64, "new"), ("sse-h", "train", 64, "old"), ("hla-h", "train", 64, "old"),
+            ("sse-h", "train", 64, "no-packed-grad"), ("hla-h", "train", 64, "no-swiglu-grad")} <= got
     assert all(r["wall_ms"] > 0 for r in rows) and all(r["host_ms"] <= r["wall_ms"] for r in rows if "host_ms" in r)
     assert "| sse-h | ttft | 128 | no-router |" in res.stdout

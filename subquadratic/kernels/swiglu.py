@@ -6,8 +6,11 @@ product fall back to their unvectorised kernels (at 8k tokens of Llama-3.2-1B's 
 the time of the same ops on contiguous tensors). `silu_mul` reads both slices where they are and
 writes the product once (`triton_swiglu.py`), rounding where the PyTorch form rounds (SiLU(gate) to
 the inputs' dtype before the product), so it gives that form's values up to the last bit of the
-sigmoid. Forward only: with gradients the projections are not packed and the PyTorch form runs.
-`silu_mul_reference` is that form: the fallback and the tests' oracle.
+sigmoid. `silu_mul` has no gradients; `silu_mul_packed` takes the packed output itself and is
+differentiable in it: its backward writes the gradients of both slices into one tensor, in one kernel
+(PyTorch's backward is three elementwise kernels, and the split's backward one more copy to join
+them), rounding where PyTorch's SiLU and product backward round. `silu_mul_reference` is that form: the
+fallback and the tests' oracle.
 """
 
 from __future__ import annotations
@@ -50,6 +53,41 @@ def silu_mul(gate: Tensor, up: Tensor, backend: str = "auto") -> Tensor:
     the PyTorch form; "triton" the kernel on any device Triton runs on (the CPU interpreter in tests)
     or a ValueError; "torch" the PyTorch form. No gradients through the kernel."""
     if fused_kernel(backend, gate.device, "silu-mul", silu_mul_unsupported(gate, up)):
+        from .triton_swiglu import silu_mul_triton
+
+        return silu_mul_triton(gate, up)
+    return silu_mul_reference(gate, up)
+
+
+def silu_mul_packed_unsupported(y: Tensor, g0: int, u0: int, width: int) -> str | None:
+    """Why `silu_mul_packed` cannot take these inputs on the kernel, or None."""
+    if y.dtype not in TRITON_DTYPES:
+        return f"dtype {y.dtype} (one of {TRITON_DTYPES})"
+    if y.dim() != 3:
+        return f"shape {list(y.shape)} ([B, T, C])"
+    C = y.shape[-1]
+    if not (0 <= g0 and 0 <= u0 and max(g0, u0) + width <= C and abs(g0 - u0) >= width):
+        return f"columns {g0} / {u0} of width {width} (two disjoint slices of the {C} columns)"
+    if token_stride(y) is None:
+        return "each token's entries must be contiguous, the tokens one stride apart"
+    return None
+
+
+def silu_mul_packed_takes_kernel(y: Tensor, g0: int, u0: int, width: int, backend: str = "auto") -> bool:
+    """Whether `silu_mul_packed(y, g0, u0, width, backend)` runs the Triton kernels on these inputs."""
+    return fused_kernel(backend, y.device, "silu-mul", silu_mul_packed_unsupported(y, g0, u0, width))
+
+
+def silu_mul_packed(y: Tensor, g0: int, u0: int, width: int, backend: str = "auto") -> Tensor:
+    """SiLU(gate) * up [B, T, width] for gate = y[..., g0:g0 + width], up = y[..., u0:u0 + width] of y
+    [B, T, C] (a packed projection's output): the values of `silu_mul_reference` on the two slices,
+    differentiable in y. backend as `silu_mul`'s; the kernels forward and backward where taken."""
+    gate, up = y[..., g0:g0 + width], y[..., u0:u0 + width]
+    if fused_kernel(backend, y.device, "silu-mul", silu_mul_packed_unsupported(y, g0, u0, width)):
+        from .triton_swiglu import SiluMulPacked
+
+        if torch.is_grad_enabled() and y.requires_grad:
+            return SiluMulPacked.apply(y, g0, u0, width)
         from .triton_swiglu import silu_mul_triton
 
         return silu_mul_triton(gate, up)

@@ -32,8 +32,8 @@ from ..kernels.rms_norm import rms_norm_takes_kernel
 from ..kernels.rope import rope as rope_kernel
 from ..kernels.rope import rope_takes_kernel
 from ..kernels.swiglu import silu_mul as silu_mul_kernel
-from ..kernels.swiglu import silu_mul_takes_kernel
-from .projections import PackedInputs, input_projections
+from ..kernels.swiglu import silu_mul_packed, silu_mul_packed_takes_kernel, silu_mul_takes_kernel
+from .projections import PackedInputs, input_projections, packed_output
 
 
 class _Step:
@@ -165,6 +165,17 @@ class MLP(PackedInputs, LlamaMLP):
     input_projection_names = ("gate_proj", "up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.config.hidden_act == "silu" and not _Step.compiled and x.dim() == 3
+                and getattr(self.config, "kernel_backend", "torch") in ROPE_KERNEL_BACKENDS):
+            # gate and up as one matmul (with gradients too) and SiLU(gate) * up on its output where it is,
+            # forward and backward one kernel each on CUDA
+            y = packed_output(self, x)
+            if y is not None:
+                pack = self.__dict__["_input_pack"]
+                offsets = dict(zip(pack.names, pack.offsets, strict=True))
+                g0, u0, width = offsets["gate_proj"], offsets["up_proj"], self.intermediate_size
+                if silu_mul_packed_takes_kernel(y, g0, u0, width):
+                    return self.down_proj(silu_mul_packed(y, g0, u0, width, backend="triton"))
         p = input_projections(self, x)
         gate, up = p["gate_proj"], p["up_proj"]
         if self.config.hidden_act == "silu":

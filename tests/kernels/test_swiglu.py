@@ -9,7 +9,13 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from subquadratic.kernels.swiglu import silu_mul, silu_mul_reference, silu_mul_unsupported  # noqa: E402
+from subquadratic.kernels.swiglu import (  # noqa: E402
+    silu_mul,
+    silu_mul_packed,
+    silu_mul_packed_unsupported,
+    silu_mul_reference,
+    silu_mul_unsupported,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -78,6 +84,59 @@ def test_the_mlps_take_it_without_gradients(monkeypatch, one_thread):
     assert not any(calls)  # the packed output's slices, read in place
 
 
+@pytest.mark.parametrize("cols", [(0, 48, 96), (56, 0, 112), (0, 48, 120)])  # (gate, up, C): up first, a pad
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_packed_values_and_gradients_match_the_pytorch_form(cols, dtype):
+    """`silu_mul_packed` on the kernels: the PyTorch form's values and gradient of the packed output
+    (zero in columns outside the two slices), gate before or after up."""
+    g0, u0, C = cols
+    W = 48
+    gen = torch.Generator().manual_seed(C + g0)
+    y = (torch.randn(3, 5, C, generator=gen) * 3.0).to(DEV, dtype).requires_grad_()
+    dout = torch.randn(3, 5, W, generator=gen).to(DEV, dtype)
+    got = silu_mul_packed(y, g0, u0, W, backend="triton")
+    (dy,) = torch.autograd.grad(got, y, dout)
+    y2 = y.detach().clone().requires_grad_()
+    want = silu_mul_reference(y2[..., g0:g0 + W], y2[..., u0:u0 + W])
+    (dy_ref,) = torch.autograd.grad(want, y2, dout)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3  # fp16: a rounding of the SiLU may differ in the last bit
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(dy, dy_ref, rtol=tol, atol=tol)
+    outside = torch.ones(C, dtype=torch.bool)
+    outside[g0:g0 + W] = outside[u0:u0 + W] = False
+    assert (dy[..., outside.to(DEV)] == 0).all() and outside.sum() == C - 2 * W
+
+
+def test_packed_inputs_it_refuses():
+    y = torch.zeros(1, 4, 96)
+    assert silu_mul_packed_unsupported(y, 0, 48, 48) is None
+    assert "disjoint" in silu_mul_packed_unsupported(y, 0, 40, 48)
+    assert "disjoint" in silu_mul_packed_unsupported(y, 0, 60, 48)
+    assert "dtype" in silu_mul_packed_unsupported(y.double(), 0, 48, 48)
+    assert "contiguous" in silu_mul_packed_unsupported(torch.zeros(1, 96, 4).transpose(1, 2), 0, 2, 2)
+    out = silu_mul_packed(y.double().requires_grad_(), 0, 48, 48)  # "auto": the PyTorch form
+    assert out.shape == (1, 4, 48) and out.grad_fn is not None
+
+
+def test_the_mlps_take_it_in_training(monkeypatch, one_thread):
+    """In training every MLP runs gate and up packed and the SiLU product's kernels forward and backward
+    (forced here as on CUDA): the logits and every parameter gradient of the PyTorch forms."""
+    from subquadratic import HLAForCausalLM
+    from subquadratic.families.hla.configuration import tiny_hla_config
+    from subquadratic.kernels import swiglu, triton_swiglu
+    from subquadratic.modeling import fused
+
+    from .fused_models import forced_kernel_matches, perturb
+
+    torch.manual_seed(0)
+    model = HLAForCausalLM(tiny_hla_config()).train()
+    perturb(model)
+    gates = [(fused, "silu_mul_packed_takes_kernel", lambda y, g0, u0, w: silu_mul_packed_unsupported(
+        y, g0, u0, w) is None), (swiglu, "fused_kernel", lambda b, d, op, u: u is None and b != "torch")]
+    calls = forced_kernel_matches(model, monkeypatch, gates, triton_swiglu.SiluMulPacked, "apply")
+    assert calls == model.config.num_hidden_layers
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
 def test_bf16_real_shapes_on_gpu():
@@ -85,3 +144,13 @@ def test_bf16_real_shapes_on_gpu():
     gate, up = packed(1, 2048, 8192, torch.bfloat16)
     got, want = silu_mul(gate, up), silu_mul_reference(gate, up)
     assert ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-2)).max().item() <= 1e-2
+    y = gate._base.detach().requires_grad_()  # the packed output, with gradients: forward and backward kernels
+    got = silu_mul_packed(y, 0, 8192, 8192)
+    dout = torch.randn_like(got)
+    (dy,) = torch.autograd.grad(got, y, dout)
+    y2 = y.detach().clone().requires_grad_()
+    want = silu_mul_reference(y2[..., :8192], y2[..., 8192:16384])
+    (dy_ref,) = torch.autograd.grad(want, y2, dout)
+    assert (got == want).float().mean().item() > 0.97
+    assert (dy == dy_ref).float().mean().item() > 0.95
+    torch.testing.assert_close(dy.float(), dy_ref.float(), rtol=2e-2, atol=2e-2)
