@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .triton_launch import jit
-from .triton_utils import block_size
+from .triton_utils import block_size, cdiv
 from .utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -62,7 +62,7 @@ def _launch(kernel, x, weight, eps, *tensors) -> int:
     D = x.shape[-1]
     H = weight.shape[0] if weight.dim() == 2 else 1
     n_rows = x.numel() // D
-    kernel[(triton.cdiv(n_rows, ROWS),)](*tensors, n_rows, eps, H, D, block_size(D, 1), ROWS, num_warps=4)
+    kernel[(cdiv(n_rows, ROWS),)](*tensors, n_rows, eps, H, D, block_size(D, 1), ROWS, num_warps=4)
     return H
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .triton_launch import jit
-from .triton_utils import block_size, rows_per_program
+from .triton_utils import block_size, cdiv, rows_per_program
 from .utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -85,7 +85,7 @@ class RMSNormFn(torch.autograd.Function):
         BD = block_size(D, 1)
         BR = rows_per_program(BD, 4096, 16)
         if n_rows:
-            rms_norm_fwd[(triton.cdiv(n_rows, BR),)](xc, hc, wc, s, y, n_rows, eps, D, BD, BR, add,
+            rms_norm_fwd[(cdiv(n_rows, BR),)](xc, hc, wc, s, y, n_rows, eps, D, BD, BR, add,
                                                      num_warps=_warps(BD * BR))
         ctx.save_for_backward(s if add else xc, wc)
         ctx.eps, ctx.add, ctx.weight_dtype = eps, add, weight.dtype
@@ -102,8 +102,8 @@ class RMSNormFn(torch.autograd.Function):
             dy = torch.zeros_like(x)
         dx = new_output(x.shape, x.device, x.dtype)
         P = max(1, min(n_rows, BWD_PROGRAMS))
-        per = triton.cdiv(n_rows, P) if n_rows else 0
-        P = triton.cdiv(n_rows, per) if n_rows else 1
+        per = cdiv(n_rows, P) if n_rows else 0
+        P = cdiv(n_rows, per) if n_rows else 1
         dw = new_output((P, D), x.device)  # fp32 partial sums
         BD = block_size(D, 1)
         if n_rows:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .triton_launch import jit
-from .triton_utils import block_size, read_in_place, token_stride
+from .triton_utils import block_size, cdiv, read_in_place, token_stride
 from .utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -96,8 +96,8 @@ def _launch(a, b, out_a, out_b, cos, sin, bwd: bool):
     B, T, HQ, D = a.shape
     H = b.shape[2]
     nq, nk = B * T * HQ, B * T * H
-    PQ = triton.cdiv(nq, ROWS)
-    grid = (PQ + triton.cdiv(nk, ROWS),)
+    PQ = cdiv(nq, ROWS)
+    grid = (PQ + cdiv(nk, ROWS),)
     s_cb = cos.stride(0) if cos.shape[0] > 1 else 0
     if nq + nk:
         rope_kernel[grid](a, b, out_a, out_b, cos, sin, nq, nk, HQ, H, T, s_cb, cos.stride(1), PQ, token_stride(a),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .triton_launch import jit
-from .triton_utils import token_stride
+from .triton_utils import cdiv, token_stride
 from .utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -34,7 +34,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = new_output((B, T, W), gate.device, gate.dtype)
     if B * T and W:
         with torch.no_grad():
-            silu_mul_fwd[(triton.cdiv(W, BLOCK), B * T)](gate, up, y, W, token_stride(gate), token_stride(up), BLOCK,
+            silu_mul_fwd[(cdiv(W, BLOCK), B * T)](gate, up, y, W, token_stride(gate), token_stride(up), BLOCK,
                                                          num_warps=4)
     return y
 
@@ -81,7 +81,7 @@ class SiluMulPacked(torch.autograd.Function):
             y, memory_format=torch.contiguous_format)
         gate, up = y[..., g0:g0 + W], y[..., u0:u0 + W]
         if B * T and W:
-            silu_mul_bwd[(triton.cdiv(W, BLOCK), B * T)](gate, up, dout.contiguous(), dy[..., g0:], dy[..., u0:], W,
+            silu_mul_bwd[(cdiv(W, BLOCK), B * T)](gate, up, dout.contiguous(), dy[..., g0:], dy[..., u0:], W,
                                                          token_stride(gate), token_stride(up), C, BLOCK,
                                                          num_warps=4)
         return dy, None, None, None

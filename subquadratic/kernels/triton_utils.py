@@ -47,6 +47,17 @@ def dot_precision(dtype: torch.dtype, precision: str | None = None) -> str:
     return precision or "ieee"
 
 
+def cdiv(x: int, y: int) -> int:
+    """ceil(x / y) for ints: `triton.cdiv` without its per-call unwrapping of constexpr arguments (some
+    microseconds each: a launch's grid is worked out on every call)."""
+    return -(-x // y)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for n = 0): `triton.next_power_of_2` as a plain function."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
 def block_size(n: int, lo: int = 16) -> int:
     """The smallest power of two >= n and >= lo (a tile dimension covering n; tl.dot wants >= 16)."""
     return max(lo, 1 << max(0, n - 1).bit_length())

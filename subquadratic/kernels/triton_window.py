@@ -24,7 +24,7 @@ import torch
 
 from .spla.triton_common import NEG, mm
 from .triton_launch import jit
-from .triton_utils import block_size
+from .triton_utils import block_size, cdiv
 from .utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -344,7 +344,7 @@ class WindowAttention(torch.autograd.Function):
         o = new_output((B, T, HQ, D), q.device, q.dtype)
         lse = new_output((B, HQ, T), q.device)
         BD, SP = block_size(D), _sink_pad(sinks)
-        window_fwd[(triton.cdiv(T, BM), B * HQ)](
+        window_fwd[(cdiv(T, BM), B * HQ)](
             q, k, v, o, lse, T, scale, *_strides(q), *_strides(k), *_strides(v), o.stride(0), o.stride(1),
             o.stride(2), HQ, HQ // H, D, BD, window, sinks, SP, BM, BN, ieee, num_warps=_warps(BD))
         ctx.save_for_backward(q, k, v, o, lse)
@@ -364,15 +364,15 @@ class WindowAttention(torch.autograd.Function):
         delta = new_output((B, HQ, T), q.device)  # rowsum(do o), written by the dq kernel
         dq = torch.empty_like(q)
         strides = (*_strides(q), *_strides(k), *_strides(v), do.stride(0), do.stride(1), do.stride(2))
-        window_bwd_dq[(triton.cdiv(T, BM), B * HQ)](
+        window_bwd_dq[(cdiv(T, BM), B * HQ)](
             q, k, v, do, o, lse, delta, dq, T, scale, *strides, o.stride(0), o.stride(1), o.stride(2), *_strides(dq),
             HQ, G, D, BD, W, sinks, SP, BM, BN, ieee, num_warps=_warps(BD))
         dk = new_output((B, H, T, D), q.device)
         dv = new_output((B, H, T, D), q.device)
-        window_bwd_dkdv[(triton.cdiv(T, BN), B * H)](
+        window_bwd_dkdv[(cdiv(T, BN), B * H)](
             q, k, v, do, lse, delta, dk, dv, T, scale, *strides, HQ, H, G, D, BD, W, BM, BN, ieee, num_warps=_warps(BD))
         if sinks and T > W:
-            chunks = triton.cdiv(T, BM * SINK_TILES)
+            chunks = cdiv(T, BM * SINK_TILES)
             dks = new_output((chunks, B, HQ, SP, D), q.device)
             dvs = new_output((chunks, B, HQ, SP, D), q.device)
             window_bwd_sinks[(chunks, B * HQ)](

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..triton_launch import jit
-from ..triton_utils import TRITON_DTYPES, block_size, dot_precision, launch
+from ..triton_utils import TRITON_DTYPES, block_size, cdiv, dot_precision, launch
 from ..utils import import_triton, new_output, run_function
 from .triton_chunk_h import chunk_bwd_dh, chunk_fwd_h, piece_carry, piece_fix, piece_fwd_h
 from .triton_chunk_o import BC, chunk_bwd_dqk, chunk_bwd_dv, chunk_fwd_o, intra_bwd, intra_bwd_dA, intra_fwd
@@ -187,7 +187,7 @@ def with_pieces(ch: Chunks, M: int) -> Chunks:
     if M <= ch.C * PIECE:
         return ch
     if not ch.varlen:
-        return replace(ch, pieces=Pieces(ch.N * triton.cdiv(ch.NT, PIECE)))
+        return replace(ch, pieces=Pieces(ch.N * cdiv(ch.NT, PIECE)))
     table = chunk_table(ch.cu, M, ch.C * PIECE)
     return replace(ch, pieces=Pieces(table.NC, table))
 
@@ -206,7 +206,7 @@ def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final, g=None):
     blocks = {"BK": min(BK_H, block_size(K)), "BV": min(BV_H, block_size(V))}
     pc = ch.pieces
     if pc is None:
-        launch(chunk_fwd_h, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), ch.N * H),
+        launch(chunk_fwd_h, lambda m: (cdiv(K, m["BK"]), cdiv(V, m["BV"]), ch.N * H),
                (k, v, g, gc, h, h0, ht, *ch.seq_args(), H, G, K, V, ch.C, decay, ch.varlen, h0 is not None,
                 want_final, prec, g is not None), blocks, WARPS)
         return h, ht
@@ -214,12 +214,12 @@ def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final, g=None):
     S = new_output((NP, H, K, V), dev)
     D = new_output((NP, H, K), dev) if decay else None
     E = new_output((ch.NC, H, K), dev) if decay else None
-    launch(piece_fwd_h, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), NP * H),
+    launch(piece_fwd_h, lambda m: (cdiv(K, m["BK"]), cdiv(V, m["BV"]), NP * H),
            (k, v, g, gc, h, h0, S, D, E, ch.cu, ch.ccu, *pc.args(), ch.T, ch.NT, H, G, K, V, ch.C, PIECE, decay,
             ch.varlen, h0 is not None, prec, g is not None), blocks, WARPS)
     X = new_output((NP, H, K, V), dev)
     BK, BV = blocks["BK"], blocks["BV"]
-    kv = (triton.cdiv(K, BK), triton.cdiv(V, BV))
+    kv = (cdiv(K, BK), cdiv(V, BV))
     # not autotuned: piece_fix adds into h (an autotuner's repeated runs would add again)
     piece_carry[(*kv, ch.N * H)](S, D, X, h0, ht, None if pc.table is None else pc.table.ccu, ch.NT, H, K, V,
                                  PIECE, decay, ch.varlen, h0 is not None, want_final, BK, BV, num_warps=WARPS)
@@ -249,7 +249,7 @@ class ChunkLinearAttention(torch.autograd.Function):
             launch(intra_fwd, (ch.NC, C // BC, H), (q, k, gc, A, *ch.chunk_args(), H, K, C, BC, BK, ch.varlen, prec),
                    {}, WARPS)
         o = new_output((M, HQ, V), q.device, out_dtype)
-        launch(chunk_fwd_o, lambda m: (triton.cdiv(V, m["BV"]), ch.NC, H),
+        launch(chunk_fwd_o, lambda m: (cdiv(V, m["BV"]), ch.NC, H),
                (q, k, v, gc, h, A, o, *ch.chunk_args(), H, G, K, V, C, decay, ch.varlen, prec, BK),
                {"BV": min(BV_O, block_size(V))}, WARPS_WIDE)
         ctx.save_for_backward(q, k, v, gc, h0, A)
@@ -270,7 +270,7 @@ class ChunkLinearAttention(torch.autograd.Function):
         h, _ = _walk(k, v, gc, h0, ch, G, decay, prec, False)
         dh = new_output(h.shape, dev, h.dtype)
         dh0 = new_output(h0.shape, dev) if h0 is not None and ctx.needs_input_grad[4] else None
-        launch(chunk_bwd_dh, lambda m: (triton.cdiv(K, m["BK"]), triton.cdiv(V, m["BV"]), ch.N * H),
+        launch(chunk_bwd_dh, lambda m: (cdiv(K, m["BK"]), cdiv(V, m["BV"]), ch.N * H),
                (q, do, gc, dh, dht, dh0, *ch.seq_args(), H, G, K, V, C, decay, ch.varlen, dht is not None,
                 dh0 is not None, prec), {"BK": min(BK_H, block_size(K)), "BV": min(BV_H, block_size(V))}, WARPS)
         dq_in = dk_in = None
@@ -282,7 +282,7 @@ class ChunkLinearAttention(torch.autograd.Function):
             launch(intra_bwd, (ch.NC, C // BC, H), (q, k, gc, dA, dq_in, dk_in, *ch.chunk_args(), H, K, C, BC, BK,
                                                      C // BC, ch.varlen, prec), {}, WARPS)
         dv = new_output(v.shape, dev, v.dtype)
-        launch(chunk_bwd_dv, lambda m: (triton.cdiv(V, m["BV"]), ch.NC, H),
+        launch(chunk_bwd_dv, lambda m: (cdiv(V, m["BV"]), ch.NC, H),
                (q, k, gc, A, do, dh, dv, *ch.chunk_args(), H, G, K, V, C, decay, ch.varlen, prec, BK),
                {"BV": min(BV_O, block_size(V))}, WARPS_WIDE)
         dq, dk = new_output(q.shape, dev, q.dtype), new_output(k.shape, dev, k.dtype)
@@ -347,7 +347,7 @@ def chunk_linear_attention(
     M = q.shape[0] * (q.shape[1] if dense else 1)
     if dense:
         B, T = lead
-        ch = Chunks(chunk_size, B, B * triton.cdiv(T, chunk_size), T=T, NT=triton.cdiv(T, chunk_size))
+        ch = Chunks(chunk_size, B, B * cdiv(T, chunk_size), T=T, NT=cdiv(T, chunk_size))
     else:
         ch = chunk_table(cu_seqlens.to(torch.int32).contiguous(), M, chunk_size)
     if kind in SPLIT_DECAYS:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..triton_launch import jit
-from ..triton_utils import block_size, token_stride
+from ..triton_utils import block_size, cdiv, token_stride
 from ..utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -112,7 +112,7 @@ class HLAFeatures(torch.autograd.Function):
         vo = new_output((B, T, HQ, Dv), q.device, q.dtype)
         n = B * T * H
         if n:
-            hla_features_fwd[(triton.cdiv(n, ROWS),)](q, k, v, qo, ko, vo, n, scale, EPS, H,
+            hla_features_fwd[(cdiv(n, ROWS),)](q, k, v, qo, ko, vo, n, scale, EPS, H,
                                                       *(token_stride(x) for x in (q, k, v)), G, D, Dv,
                                                       block_size(D, 1), block_size(Dv, 1), ROWS, num_warps=4)
         if grad:
@@ -131,7 +131,7 @@ class HLAFeatures(torch.autograd.Function):
         dv = new_output((B, T, H, Dv), k.device, k.dtype)
         n = B * T * H
         if n:
-            hla_features_bwd[(triton.cdiv(n, ROWS),)](q, k, dqo.contiguous(), dko.contiguous(), dvo.contiguous(),
+            hla_features_bwd[(cdiv(n, ROWS),)](q, k, dqo.contiguous(), dko.contiguous(), dvo.contiguous(),
                                                       dq, dk, dv, n, ctx.scale, EPS, G, D, Dv, block_size(D, 1),
                                                       block_size(Dv, 1), ROWS, num_warps=4)
         return dq, dk, dv, None, None

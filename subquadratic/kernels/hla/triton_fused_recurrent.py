@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..triton_launch import jit
 from ..triton_utils import TRITON_DTYPES as DTYPES
-from ..triton_utils import block_size
+from ..triton_utils import block_size, cdiv
 from ..utils import import_triton, new_output
 from .recurrent import HLAState, check_inputs, init_state
 
@@ -148,7 +148,7 @@ def hla_recurrent_triton(
     o = new((B, T, H, Dv), q.device, q.dtype)
     S1, F1 = new(S0.shape, q.device), new(F0.shape, q.device)
     BK, BV = block_size(D, 1), min(BV_DECODE, block_size(Dv, 1))
-    grid = (triton.cdiv(Dv, BV), B * H)
+    grid = (cdiv(Dv, BV), B * H)
     E0 = st.eta.contiguous() if normalize else None
     E1 = new(E0.shape, q.device) if normalize else None
     if variant == "hla2":

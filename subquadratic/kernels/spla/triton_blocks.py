@@ -64,7 +64,7 @@ from typing import NamedTuple
 import torch
 
 from ..triton_launch import jit
-from ..triton_utils import half_or_fp32
+from ..triton_utils import cdiv, half_or_fp32, next_power_of_2
 from ..utils import import_triton, new_output
 from .triton_common import NEG, softmax_rows
 
@@ -156,7 +156,7 @@ def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True
     if precision is None:
         precision = "tf32" if device.type == "cuda" else "ieee"
     vec = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    gp = triton.next_power_of_2(G)
+    gp = next_power_of_2(G)
     # pass 2 on 64 rows of 4 warps (d <= 128: at 16k, HQ32 H8 d64, forward 3.11 against 3.95 ms on 128 rows of
     # 8 warps, 2026-12-03) or 32 (d256); the backward on 64 rows fused (d <= 64: 8.8 against 11.5 ms forward +
     # backward split3 at 16k; at d128 32k even, 44.2 / 44.3) or split3 on 32 rows of 4 warps over whole blocks;
@@ -261,7 +261,7 @@ def block_pairs(idx: torch.Tensor, qpos: torch.Tensor, num_blocks: int, block_si
     (sort="count", the order within a key unspecified)."""
     B, T, H, K = idx.shape
     P = B * T * H * K
-    NW = triton.cdiv(T, window)
+    NW = cdiv(T, window)
     NB = max(1, num_blocks)
     NK = B * H * NW * NB
     if P >= 2**31 or NK >= 2**31 - 1:
@@ -271,7 +271,7 @@ def block_pairs(idx: torch.Tensor, qpos: torch.Tensor, num_blocks: int, block_si
     keys = torch.empty(P, device=dev, dtype=torch.int32)
     counts = torch.zeros(NK + 1, device=dev, dtype=torch.int32) if sort == "count" else keys
     BLOCK = 1024
-    grid = (triton.cdiv(P, BLOCK),)
+    grid = (cdiv(P, BLOCK),)
     pair_keys_kernel[grid](idx, qpos, keys, counts, P, T, H, K, NW, NB, NK, window, block_size,
                            COUNT=sort == "count", BLOCK=BLOCK)
     if sort == "sort":
@@ -322,7 +322,7 @@ def segments(bp: BlockPairs, seg_pairs: int) -> tuple[torch.Tensor, torch.Tensor
     the real segments have count 0. One launch (`segments_kernel`); `segments_reference` is its
     PyTorch form."""
     NK = bp.starts.numel() - 1
-    NSEG = triton.cdiv(bp.pairs.numel(), seg_pairs) + NK
+    NSEG = cdiv(bp.pairs.numel(), seg_pairs) + NK
     out = [new_output((NSEG,), bp.starts.device, torch.int32) for _ in range(3)]
     segments_kernel[(1,)](bp.starts, *out, NK, NSEG, SEG=seg_pairs, BLOCK=1024)
     return tuple(out)
@@ -336,7 +336,7 @@ def segments_reference(bp: BlockPairs, seg_pairs: int) -> tuple[torch.Tensor, to
     counts = starts[1:] - starts[:-1]  # [NK]
     nseg = (counts + seg_pairs - 1) // seg_pairs
     cum = torch.cumsum(nseg, 0)  # inclusive
-    NSEG = triton.cdiv(P, seg_pairs) + NK
+    NSEG = cdiv(P, seg_pairs) + NK
     s = torch.arange(NSEG, device=starts.device)
     key = torch.searchsorted(cum, s, right=True)  # [NSEG], NK past the last segment
     kc = key.clamp(max=NK - 1)
@@ -622,7 +622,7 @@ def _launch(q, k, pairs: BlockPairs, nsel: int, block_size: int, plan: BlocksPla
     seg_key, seg_first, seg_count = segments(pairs, seg_pairs)
     common = (T, H, pairs.num_windows, pairs.num_blocks, nsel, S, 1.0 / math.sqrt(D))
     meta = dict(G=G, D=D, BS=block_size, F32=f32, PREC=plan.precision)
-    lse_rows = max(plan.lse_rows, triton.next_power_of_2(G))
+    lse_rows = max(plan.lse_rows, next_power_of_2(G))
     meta1 = dict(meta, R=lse_rows, BMQ=max(1, lse_rows // G), num_warps=plan.lse_warps, num_stages=plan.stages)
     meta2 = dict(meta, R=plan.rows, BMQ=plan.tokens(G), num_warps=plan.warps, num_stages=plan.stages)
     return (seg_key.numel(), 1), (pairs.pairs, seg_key, seg_first, seg_count), common, meta1, meta2
@@ -711,7 +711,7 @@ def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool,
     lse = new_output((B, T, HQ), dev)
     if B * T * H:
         blocks_combine_kernel[(B * T * H,)](lse_slot, part, part_t, o, ot, lse, nsel, G=G,
-                                            GP=triton.next_power_of_2(G), D=D, USE_RLA=use_rla,
+                                            GP=next_power_of_2(G), D=D, USE_RLA=use_rla,
                                             num_warps=4 if G * D >= 1024 else 2)
     return o, (ot if use_rla else None), lse
 
@@ -742,7 +742,7 @@ def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: i
         o, ot, lse = (None if parts[0] is None else torch.cat(parts, 1) for parts in zip(*outs, strict=True))
         return o, ot, lse, None
     if pairs is None:
-        pairs = block_pairs(idx, qpos, triton.cdiv(S, block_size), block_size, plan.window, plan.sort)
+        pairs = block_pairs(idx, qpos, cdiv(S, block_size), block_size, plan.window, plan.sort)
     launch = _launch(q, k, pairs, nsel, block_size, plan, f32)
     if plan.forward == "split" and split_bytes(q, nsel, use_rla, plan) <= SPLIT_BYTES:
         o, ot, lse = split_pass(q, k, v, pairs, qpos, koff, nsel, use_rla, block_size, plan, f32, launch, o_dtype)

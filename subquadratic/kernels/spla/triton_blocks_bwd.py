@@ -25,7 +25,7 @@ import math
 import torch
 
 from ..triton_launch import jit
-from ..triton_utils import rows_per_program
+from ..triton_utils import cdiv, rows_per_program
 from ..utils import import_triton
 from .triton_blocks import (
     ATOMIC_MODES,
@@ -69,7 +69,7 @@ def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     n = out.numel()
     rows = rows_per_program(D, 4096, 128)
     if n:
-        row_dots_kernel[(triton.cdiv(n, rows),)](a, b, out, n, D=D, ROWS=rows, num_warps=4)
+        row_dots_kernel[(cdiv(n, rows),)](a, b, out, n, D=D, ROWS=rows, num_warps=4)
     return out
 
 

@@ -10,6 +10,7 @@ import math
 import torch
 
 from ..triton_launch import jit
+from ..triton_utils import next_power_of_2
 from ..utils import import_triton, new_output
 from .plan import Launch, SPLAParams
 from .stats import feature_map, new_tokens
@@ -143,7 +144,7 @@ def spla_decode_triton(q, k, v, q_pos, stats, sbar, koff, params: SPLAParams, *,
     B, _, HQ, D = q.shape
     H = stats.sum_k.shape[1]
     G = HQ // H
-    GP = max(16, triton.next_power_of_2(G))
+    GP = max(16, next_power_of_2(G))
     dev = q.device
     qpos = q_pos.to(torch.int32).contiguous()
     launch = Launch() if launch is None else launch

@@ -26,7 +26,7 @@ import torch
 
 from ..gla.triton_chunk import chunk_linear_attention
 from ..triton_launch import jit
-from ..triton_utils import half_or_fp32, rows_per_program
+from ..triton_utils import cdiv, half_or_fp32, next_power_of_2, rows_per_program
 from ..utils import acc_dtype, import_triton, new_output
 from .plan import UNION_TILE_MAX, SPLAParams, SPLAPlan, UnionHint
 from .stats import BlockStats, feature_map, new_tokens, state_increment
@@ -109,7 +109,7 @@ def _residual_launch(a, b, drop, out, backward: bool) -> None:
     n = a.numel() // D
     rows = rows_per_program(D, 4096, 128)
     if n:
-        residual_term_kernel[(triton.cdiv(n, rows),)](a, b, drop, out, n, n // drop.numel(), D=D, ROWS=rows,
+        residual_term_kernel[(cdiv(n, rows),)](a, b, drop, out, n, n // drop.numel(), D=D, ROWS=rows,
                                                      BACKWARD=backward, num_warps=4)
 
 
@@ -178,7 +178,7 @@ def _feature_rows_launch(x, grad, out, backward: bool) -> None:
     n = A0 * A1 * A2
     rows = rows_per_program(D, 4096, 128)
     if n:
-        feature_rows_kernel[(triton.cdiv(n, rows),)](x, grad, out, n, A1, A2, x.stride(0), x.stride(1), x.stride(2),
+        feature_rows_kernel[(cdiv(n, rows),)](x, grad, out, n, A1, A2, x.stride(0), x.stride(1), x.stride(2),
                                                     D=D, ROWS=rows, BACKWARD=backward, num_warps=4)
 
 
@@ -248,7 +248,7 @@ def sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, num_splits=1, 
         v.stride(0), v.stride(1), v.stride(2),
         pk.stride(0), pk.stride(1), pk.stride(2),
         Tq, H, K_sel, per, 1.0 / math.sqrt(D),
-        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=block_size, USE_RLA=use_rla,
+        G=G, GP=max(16, next_power_of_2(G)), D=D, BS=block_size, USE_RLA=use_rla,
         IEEE=q.dtype == torch.float32 and precision == "ieee", PRE_PHIK=phik is not None, num_warps=4, num_stages=2,
     )
     if num_splits == 1:

@@ -11,6 +11,7 @@ import math
 import torch
 
 from ..triton_launch import jit
+from ..triton_utils import cdiv, next_power_of_2
 from ..utils import import_triton, new_output
 from .triton_common import mm, softmax_rows
 
@@ -192,15 +193,15 @@ def sparse_backward(q, k, v, idx, qpos, koff, o, lse, phik, do, dot_, use_rla: b
     pk = k if phik is None else phik
     spla_bwd_dq_kernel[(Tq, B * H)](
         q, k, v, pk, idx, qpos, koff, lse, delta, do, dot_, dq, *strides, pk.stride(0), pk.stride(1),
-        pk.stride(2), Tq, H, idx.shape[-1], scale, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs,
+        pk.stride(2), Tq, H, idx.shape[-1], scale, G=G, GP=max(16, next_power_of_2(G)), D=D, BS=bs,
         USE_RLA=use_rla, IEEE=ieee, PRE_PHIK=phik is not None, num_warps=4, num_stages=2,
     )
-    NB = triton.cdiv(S, bs)
+    NB = cdiv(S, bs)
     csr_t, csr_off = queries_by_block(idx, NB)
     # padding slots belong to no block: their gradient is 0
     dk = torch.zeros(B, H, S, D, device=dev, dtype=torch.float32)
     dv = torch.zeros_like(dk)
-    R = max(16, triton.next_power_of_2(G), 64 if D <= 64 else 32)
+    R = max(16, next_power_of_2(G), 64 if D <= 64 else 32)
     spla_bwd_dkv_kernel[(NB, B * H)](
         q, k, v, qpos, koff, lse, delta, do, dot_, csr_t, csr_off, dk, dv, *strides,
         Tq, H, NB, S, scale, G=G, R=R, D=D, BS=bs, USE_RLA=use_rla, IEEE=ieee,

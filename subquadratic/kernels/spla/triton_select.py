@@ -10,6 +10,7 @@ import math
 import torch
 
 from ..triton_launch import jit
+from ..triton_utils import cdiv, next_power_of_2
 from ..utils import import_triton, new_output
 from .plan import Launch, SPLAParams
 from .triton_common import NEG
@@ -139,7 +140,7 @@ def select_indices(q, stats, q_pos, params: SPLAParams, *, matmul: bool = False,
     B, HQ, Tq, D = q.shape
     H, NB = stats.sum_k.shape[1], stats.num_blocks
     G = HQ // H
-    GP = max(16, triton.next_power_of_2(G))
+    GP = max(16, next_power_of_2(G))
     dev = q.device
     block_size, n_sink, n_local, top_k = (params.block_size, params.num_sink_blocks, params.num_local_blocks,
                                           params.top_k_blocks)
@@ -167,7 +168,7 @@ def select_indices(q, stats, q_pos, params: SPLAParams, *, matmul: bool = False,
             strides = (sc.stride(0), sc.stride(3), sc.stride(1), sc.stride(2))
         else:
             sc = new_output((B, C, H, G, NB), dev)
-            spla_score_kernel[(C, B * H, triton.cdiv(NB, launch.score_bn))](
+            spla_score_kernel[(C, B * H, cdiv(NB, launch.score_bn))](
                 qc, sum_k, sum_k2, count, pc, sc, qc.stride(0), qc.stride(1), qc.stride(2),
                 sum_k.stride(0), sum_k.stride(1), count.stride(0),
                 C, H, NB, block_size, n_sink, n_local, 1.0 / math.sqrt(D),
@@ -176,10 +177,10 @@ def select_indices(q, stats, q_pos, params: SPLAParams, *, matmul: bool = False,
             )
             strides = (sc.stride(0), sc.stride(1), sc.stride(2), sc.stride(3))
         idx = new_output((B, C, H, nsel), dev, torch.int32)
-        GP_TOPK = max(2, triton.next_power_of_2(G))  # no tl.dot in the top-k: no padding to 16
+        GP_TOPK = max(2, next_power_of_2(G))  # no tl.dot in the top-k: no padding to 16
         spla_topk_kernel[(C, B * H)](
             sc, pc, new_output((B, C, H, NB), dev), idx, *strides, C, H, NB, block_size, n_sink, n_local, top_k, nsel,
-            G=G, GP=GP_TOPK, BN=launch.topk_bn or max(128, 4096 // GP_TOPK), NBP=max(16, triton.next_power_of_2(NB)),
+            G=G, GP=GP_TOPK, BN=launch.topk_bn or max(128, 4096 // GP_TOPK), NBP=max(16, next_power_of_2(NB)),
             num_warps=launch.topk_warps if NB <= 4096 else 8,
         )
         if out is None:

@@ -55,6 +55,7 @@ import os
 import torch
 
 from ..triton_launch import jit
+from ..triton_utils import cdiv, next_power_of_2
 from ..utils import import_triton, new_output
 from .plan import SPLAParams
 from .stats import BlockStats
@@ -242,7 +243,7 @@ def score_operands(stats: BlockStats, dim: int, dtype: torch.dtype, taylor: bool
 def tile_rows(G: int, D: int, rows: int | None = None) -> tuple[int, int]:
     """(GP, BM): the group padded to a power of two and the tokens of one query tile (BM x GP rows,
     at least 16 for tl.dot; `rows` default 128, 64 for D > 128)."""
-    GP = triton.next_power_of_2(G)
+    GP = next_power_of_2(G)
     rows = rows if rows is not None else (128 if D <= 128 else 64)
     BM = max(1, rows // GP)
     while BM * GP < 16:
@@ -313,7 +314,7 @@ def select_indices_stream(
     dev = q.device
     nsel = num_local_blocks + num_sink_blocks + top_k_blocks
     nfree = top_k_blocks - num_local_blocks - num_sink_blocks  # most free picks of any token
-    KP = max(2, triton.next_power_of_2(max(1, nfree)))
+    KP = max(2, next_power_of_2(max(1, nfree)))
     BN = max(16, KP, block_chunk or (64 if D <= 128 else 32))
     if BN & (BN - 1):
         raise ValueError(f"block_chunk must be a power of two; got {block_chunk}")
@@ -333,11 +334,11 @@ def select_indices_stream(
     IB = max(1, (max(1, stats.num_blocks) - 1).bit_length())
     if IB > 22:
         raise ValueError(f"{stats.num_blocks} blocks exceed the 2^22 the packed top-k keys index")
-    stream_select_kernel[(B * H * triton.cdiv(Tq, BM),)](
+    stream_select_kernel[(B * H * cdiv(Tq, BM),)](
         q, mu, s2, qpos, out, q.stride(0), q.stride(1), q.stride(2),
         B, Tq, H, stats.num_blocks, block_size, num_sink_blocks, num_local_blocks, top_k_blocks, nsel,
         math.log2(math.e) / math.sqrt(D),
-        G=G, GP=GP, BM=BM, D=D, BN=BN, KP=KP, NFP=max(2, triton.next_power_of_2(nsel - top_k_blocks)), IB=IB,
+        G=G, GP=GP, BM=BM, D=D, BN=BN, KP=KP, NFP=max(2, next_power_of_2(nsel - top_k_blocks)), IB=IB,
         TAYLOR=taylor, FREE=nfree > 0, PREC=prec, CLAMP16=dtype == torch.float16, EMU_BF16=emulate,
         BITONIC=merge == "bitonic",
         num_warps=num_warps or (8 if BM * GP * D >= 128 * 128 else 4), num_stages=num_stages or 2,

@@ -30,6 +30,7 @@ import math
 import torch
 
 from ..triton_launch import jit
+from ..triton_utils import cdiv, next_power_of_2
 from ..utils import import_triton, new_output
 from .plan import SPLAParams
 from .triton_common import NEG, key_features, mm, softmax_rows
@@ -414,7 +415,7 @@ def select_indices_fast(q, stats, q_pos, params: SPLAParams, *, prec: str = "iee
     B, HQ, Tq, D = q.shape
     H, NB = stats.sum_k.shape[1], stats.num_blocks
     G = HQ // H
-    GP = triton.next_power_of_2(G)
+    GP = next_power_of_2(G)
     BM = max(1, min(TILE_MAX_TOKENS, 64 // GP))
     while BM * GP < 16:
         BM *= 2
@@ -427,12 +428,12 @@ def select_indices_fast(q, stats, q_pos, params: SPLAParams, *, prec: str = "iee
     out = new_output((B, Tq, H, nsel), dev, torch.int32)
     chunk = max(BM, min(Tq, max_scores // max(1, B * H * max(1, NB))) // BM * BM)
     gs = torch.empty(B * H * min(chunk, Tq) * max(1, NB), device=dev, dtype=torch.float32)
-    NBP = max(16, triton.next_power_of_2(NB))
+    NBP = max(16, next_power_of_2(NB))
     TB = max(1, min(BM, 8192 // NBP))
     for c0 in range(0, Tq, chunk):
         C = min(Tq, c0 + chunk) - c0
         qc, pc, oc = q[:, :, c0:c0 + C], qpos[:, c0:c0 + C].contiguous(), out[:, c0:c0 + C]
-        tile_select_kernel[(triton.cdiv(C, BM), B * H)](
+        tile_select_kernel[(cdiv(C, BM), B * H)](
             qc, mu, s2, pc, gs, oc, qc.stride(0), qc.stride(1), qc.stride(2), oc.stride(0), oc.stride(1),
             C, H, NB, params.block_size, params.num_sink_blocks, params.num_local_blocks, params.top_k_blocks, nsel,
             1.0 / math.sqrt(D), G=G, GP=GP, BM=BM, D=D, BN=64 if D <= 64 else 32, NBP=NBP, TB=TB,
@@ -445,7 +446,7 @@ def select_indices_fast(q, stats, q_pos, params: SPLAParams, *, prec: str = "iee
 def tile_shape(G: int, rows: int) -> tuple[int, int]:
     """(GP, BM): the group padded to a power of two and the tokens of a query tile of about `rows`
     rows (tokens x GP)."""
-    GP = triton.next_power_of_2(G)
+    GP = next_power_of_2(G)
     BM = max(1, min(TILE_MAX_TOKENS, rows // GP))
     while BM * GP < 16:
         BM *= 2
@@ -456,7 +457,7 @@ def tile_union(idx: torch.Tensor, num_blocks: int, BM: int):
     """Per query tile of BM tokens: (union [B*H, ntiles, NU] int32 ascending, bits (same shape, int32:
     bit m = token m of the tile chose the block), count [B*H, ntiles] int32, NU). No host sync."""
     B, T, H, K = idx.shape
-    ntiles = triton.cdiv(T, BM)
+    ntiles = cdiv(T, BM)
     NU = max(1, min(num_blocks, BM * K))
     dev = idx.device
     union = new_output((B * H, ntiles, NU), dev, torch.int32)
@@ -465,7 +466,7 @@ def tile_union(idx: torch.Tensor, num_blocks: int, BM: int):
     scratch = torch.empty(B * H, ntiles, max(1, num_blocks), device=dev, dtype=torch.int32)
     tile_union_kernel[(ntiles, B * H)](
         idx, scratch, union, bits, cnt, T, H, K, NU, max(1, num_blocks), BM=BM,
-        KP=max(2, triton.next_power_of_2(K)), NBP=max(16, triton.next_power_of_2(num_blocks)),
+        KP=max(2, next_power_of_2(K)), NBP=max(16, next_power_of_2(num_blocks)),
         num_warps=4 if num_blocks <= 4096 else 8,
     )
     return union, bits, cnt, NU
@@ -474,7 +475,7 @@ def tile_union(idx: torch.Tensor, num_blocks: int, BM: int):
 def query_tile_union(idx: torch.Tensor, num_keys: int, G: int, block_size: int, rows: int):
     """`tile_union` of the query tiles `tile_sparse_forward` runs (tiles of about `rows` rows, groups
     of G query heads) over `num_keys` key slots in blocks of `block_size`."""
-    return tile_union(idx.contiguous(), triton.cdiv(num_keys, block_size), tile_shape(G, rows)[1])
+    return tile_union(idx.contiguous(), cdiv(num_keys, block_size), tile_shape(G, rows)[1])
 
 
 def tile_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, *, rows: int, phik=None, union=None,
@@ -570,7 +571,7 @@ class TileSparseAttention(torch.autograd.Function):
             G=G, GP=GP, BM=BM, D=D, BS=bs, USE_RLA=use_rla, IEEE=ieee, PRE_PHIK=phik is not None,
             num_warps=warps, num_stages=2,
         )
-        NB = triton.cdiv(S, bs)
+        NB = cdiv(S, bs)
         e_tile, e_bits, e_off = blocks_to_tiles((ul, ub, uc, NU), NB)
         dk = torch.zeros(B, H, S, D, device=dev, dtype=torch.float32)
         dv = torch.zeros_like(dk)

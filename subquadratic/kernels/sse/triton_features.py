@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..triton_launch import jit
-from ..triton_utils import block_size, read_in_place, rows_per_program
+from ..triton_utils import block_size, cdiv, read_in_place, rows_per_program
 from ..utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -179,7 +179,7 @@ class SSEFeatures(torch.autograd.Function):
         BD = block_size(D, 1)
         BR = rows_per_program(BD, ELEMENTS)
         if n_rows:
-            sse_features_fwd[(triton.cdiv(n_rows, BR),)](*xs, *outs, *gs, n_rows, 1.0 / normalizer, *strides,
+            sse_features_fwd[(cdiv(n_rows, BR),)](*xs, *outs, *gs, n_rows, 1.0 / normalizer, *strides,
                                                          H, HK, D, BD, BR, mode, num_warps=4)
         if grad:
             ctx.save_for_backward(*xs)
@@ -202,7 +202,7 @@ class SSEFeatures(torch.autograd.Function):
         BD = block_size(D, 1)
         BR = rows_per_program(BD, ELEMENTS)
         if n_rows:
-            sse_features_bwd[(triton.cdiv(n_rows, BR),)](*xs, *(g.contiguous() for g in grads), dq1, dk1, dq2, dk2, dv,
+            sse_features_bwd[(cdiv(n_rows, BR),)](*xs, *(g.contiguous() for g in grads), dq1, dk1, dq2, dk2, dv,
                                                          *dzs, n_rows, 1.0 / ctx.normalizer,
                                                          *ctx.strides, H, HK, D, BD, BR, mode, num_warps=4)
         if HK != H:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..triton_launch import jit
-from ..triton_utils import block_size
+from ..triton_utils import block_size, cdiv
 from ..utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -91,7 +91,7 @@ class Router(torch.autograd.Function):
         probs = new_output(logits.shape, dev)  # fp32
         sel = torch.empty(logits.shape, device=dev, dtype=torch.bool)
         BN = block_size(N, 2)
-        programs = triton.cdiv(n_rows, ROWS)
+        programs = cdiv(n_rows, ROWS)
         part = new_output((max(programs, 1), 2 * BN + 1), dev) if aux else probs
         if n_rows:
             v = valid.contiguous().view(torch.int8) if valid is not None else lc

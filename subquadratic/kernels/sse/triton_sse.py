@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..gla.triton_chunk import chunk_linear_attention
 from ..triton_launch import jit
-from ..triton_utils import block_size, rows_per_program
+from ..triton_utils import block_size, cdiv, next_power_of_2, rows_per_program
 from ..utils import import_triton, new_output, run_function
 from .recurrent import SSEState, setup
 
@@ -131,7 +131,7 @@ def group_rows(sel: Tensor, topk: int):
         return group_rows_reference(sel, topk)
     R = B * T * topk
     dev = sel.device
-    nch = triton.cdiv(T, GROUP_BLOCK)
+    nch = cdiv(T, GROUP_BLOCK)
     nb = B * N * nch
     sel8 = sel.contiguous().view(torch.uint8)
     count = new_output((nb,), dev, torch.int32)
@@ -295,7 +295,7 @@ class PackRows(torch.autograd.Function):
         BR = rows_per_program(max(BK, BV), 2048)
         n = (BT + R) * H
         if n:
-            _pack_rows[(triton.cdiv(n, BR),)](*xs, pf, src, cu, qa, ka, va, ga, n, BT, B, H, N, Dk, Dv, BK, BV, BR,
+            _pack_rows[(cdiv(n, BR),)](*xs, pf, src, cu, qa, ka, va, ga, n, BT, B, H, N, Dk, Dv, BK, BV, BR,
                                               num_warps=4)
         ctx.save_for_backward(xs[4], xs[5], pf, inv)
         ctx.meta = (B, T, N, [x.dtype for x in (q1, k1, v, g1, q2, k2, g2, probs)], probs.shape)
@@ -375,7 +375,7 @@ class CombineRows(torch.autograd.Function):
         BV = block_size(Dv)
         BR = rows_per_program(BV, 2048)
         if BT:
-            _combine_rows[(triton.cdiv(BT * H, BR),)](o_all, inv, o, BT * H, BT, H, N, Dv, BV, BR, num_warps=4)
+            _combine_rows[(cdiv(BT * H, BR),)](o_all, inv, o, BT * H, BT, H, N, Dv, BV, BR, num_warps=4)
         ctx.save_for_backward(src, cu)
         ctx.meta = (M, N, BT, o_all.dtype)
         return o
@@ -389,7 +389,7 @@ class CombineRows(torch.autograd.Function):
         BV = block_size(Dv)
         BR = rows_per_program(BV, 2048)
         B = (cu.numel() - 2) // (N + 1)  # cu has B + B N + 2 entries
-        _combine_rows_bwd[(triton.cdiv(M * H, BR),)](do.contiguous(), src, cu, doa, M * H, BT, B, H, N, Dv, BV, BR,
+        _combine_rows_bwd[(cdiv(M * H, BR),)](do.contiguous(), src, cu, doa, M * H, BT, B, H, N, Dv, BV, BR,
                                                       num_warps=4)
         return doa, None, None, None, None, None
 
@@ -457,10 +457,10 @@ def sse_decode_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor,
         s_out = new_output(s_in.shape, q1.device)
         parts = state.parts.float().clone(memory_format=torch.contiguous_format)
     o = new_output((B, H, Dv), q1.device, q1.dtype)
-    BK = max(16, triton.next_power_of_2(Dk))
-    BV = min(64, max(16, triton.next_power_of_2(Dv)))
+    BK = max(16, next_power_of_2(Dk))
+    BV = min(64, max(16, next_power_of_2(Dv)))
     with torch.no_grad():
-        _decode[(triton.cdiv(Dv, BV), B * H)](
+        _decode[(cdiv(Dv, BV), B * H)](
             c(q1), c(k1), c(q2), c(k2), c(v), c(g1).float(), c(g2).float(),
             probs.reshape(B, N).float().contiguous(), sel.reshape(B, N).to(torch.int8).contiguous(),
             s_in, s_out, parts, o, H, N, Dk, Dv, BK, BV, num_warps=4)
