@@ -33,7 +33,7 @@ from ..kernels.rope import rope as rope_kernel
 from ..kernels.rope import rope_takes_kernel
 from ..kernels.swiglu import silu_mul as silu_mul_kernel
 from ..kernels.swiglu import silu_mul_packed, silu_mul_packed_takes_kernel, silu_mul_takes_kernel
-from .projections import PackedInputs, input_projections, packed_output
+from .projections import PackedInputs, input_projections, packed_members, packed_output
 
 
 class _Step:
@@ -157,32 +157,34 @@ class RMSNorm(LlamaRMSNorm):
 
 
 class MLP(PackedInputs, LlamaMLP):
-    """LlamaMLP (SwiGLU: down(act(gate(x)) * up(x))); without gradients in eval mode gate and up are one
-    matmul (`projections.input_projections`); with hidden_act "silu", act(gate) * up runs as one kernel
-    inside a captured step (compiled) and, on CUDA with a kernel backend, on the packed output's two
-    column slices where they are (`kernels.swiglu`)."""
+    """LlamaMLP (SwiGLU: down(act(gate(x)) * up(x))); gate and up are one matmul, with gradients too
+    (`projections.packed_output`); with hidden_act "silu", act(gate) * up runs as one kernel inside a
+    captured step (compiled) and, on CUDA with a kernel backend, on the packed output's two column slices
+    where they are, its backward one kernel writing the packed output's gradient (`kernels.swiglu`)."""
 
     input_projection_names = ("gate_proj", "up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.config.hidden_act == "silu" and not _Step.compiled and x.dim() == 3
-                and getattr(self.config, "kernel_backend", "torch") in ROPE_KERNEL_BACKENDS):
+        silu = self.config.hidden_act == "silu"
+        kernels = getattr(self.config, "kernel_backend", "torch") in ROPE_KERNEL_BACKENDS
+        y = None if _Step.compiled else packed_output(self, x)
+        if y is None:
+            p = input_projections(self, x)
+        else:
             # gate and up as one matmul (with gradients too) and SiLU(gate) * up on its output where it is,
             # forward and backward one kernel each on CUDA
-            y = packed_output(self, x)
-            if y is not None:
-                pack = self.__dict__["_input_pack"]
-                offsets = dict(zip(pack.names, pack.offsets, strict=True))
+            if silu and kernels and y.dim() == 3:
+                offsets = dict(zip(self.__dict__["_input_pack"].names, self.__dict__["_input_pack"].offsets,
+                                   strict=True))
                 g0, u0, width = offsets["gate_proj"], offsets["up_proj"], self.intermediate_size
                 if silu_mul_packed_takes_kernel(y, g0, u0, width):
                     return self.down_proj(silu_mul_packed(y, g0, u0, width, backend="triton"))
-        p = input_projections(self, x)
+            p = packed_members(self, y)
         gate, up = p["gate_proj"], p["up_proj"]
-        if self.config.hidden_act == "silu":
+        if silu:
             if _Step.compiled:
                 return self.down_proj(silu_mul(gate, up))
-            if (getattr(self.config, "kernel_backend", "torch") in ROPE_KERNEL_BACKENDS and gate.dim() == 3
-                    and silu_mul_takes_kernel(gate, up)):
+            if kernels and gate.dim() == 3 and silu_mul_takes_kernel(gate, up):
                 return self.down_proj(silu_mul_kernel(gate, up, backend="triton"))
         return self.down_proj(self.act_fn(gate) * up)
 

@@ -15,9 +15,10 @@ packed result (views, no copy).
 With gradients the packed matmul is differentiable in x and in every member's parameters
 (`_PackedLinear`): one GEMM for x's gradient (where each member's dx was a GEMM and their sum further
 adds) and one for the weights' (each member's gradient the view of its rows), no weight copied at the
-call. Under autocast with gradients (which casts each matmul's operands itself), a mixer whose
-`concat_with_grad` is set (SSE's and HLA's, with many narrow members) runs its members as one matmul over
-the concatenation of their weights made at the call; the others run every member as it is.
+call; under autocast its operands are cast as autocast casts a linear layer's. Where a call with
+gradients does not take the pack (it asks for some members only), a mixer whose `concat_with_grad` is
+set (SSE's and HLA's, with many narrow members) runs its members as one matmul over the concatenation of
+their weights made at the call; the others run every member as it is.
 The separate form is also taken wherever packing could change what a member computes or who owns
 its memory: a member that is not a plain `nn.Linear` (a PEFT adapter, a quantised layer), one with
 hooks (accelerate's offload), parameters that are not plain tensors (FSDP's), a distributed run,
@@ -143,13 +144,20 @@ class _Pack:
 class _PackedLinear(torch.autograd.Function):
     """x [..., in] -> x W^T + b over a `_Pack`'s weight W [rows, in] (bias b or none), differentiable in x
     and in the members' parameters (`_Pack.params`, views of W's and b's rows): the weights' gradient is
-    one GEMM over every row, each member's the view of its rows; x's one GEMM over every row too."""
+    one GEMM over every row, each member's the view of its rows; x's one GEMM over every row too. Under
+    autocast the operands are cast as autocast casts F.linear's (the gradients come in the compute dtype,
+    and autograd casts each to its input's dtype)."""
 
     @staticmethod
     def forward(ctx, x, pack, *params):
         ctx.pack = pack
-        ctx.save_for_backward(x, pack.weight)
-        return F.linear(x, pack.weight, pack.bias)
+        w, b = pack.weight, pack.bias
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # the casts autocast gives F.linear's operands
+            dt = torch.get_autocast_dtype(device)
+            x, w, b = (t if t is None or t.dtype == torch.float64 else t.to(dt) for t in (x, w, b))
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w, b)
 
     @staticmethod
     def backward(ctx, dy):
@@ -210,7 +218,7 @@ def _concat_outputs(linears: Sequence[nn.Linear], x: torch.Tensor) -> tuple[torc
 class PackedInputs:
     """Mixin of a module whose `input_projection_names` run through `input_projections`: a device or
     dtype change (`model.to`, `.half()`) drops the pack, whose tensors the members no longer use.
-    `concat_with_grad`: where the pack is not taken with gradients (autocast), one matmul over the
+    `concat_with_grad`: where a call with gradients does not take the pack, one matmul over the
     members' concatenated weights."""
 
     input_projection_names: tuple[str, ...] = ()
@@ -227,9 +235,7 @@ def input_projections(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | 
     owner sets `concat_with_grad` (module docstring), else each member on its own."""
     y = packed_output(owner, x, names)
     if y is not None:
-        pack = owner.__dict__["_input_pack"]
-        parts = y.split(pack.split, -1)
-        outs = {n: parts[i] for n, i in zip(pack.names, pack.index, strict=True)}
+        outs = packed_members(owner, y)
         return outs if names is None else {n: outs[n] for n in names}
     members = []
     for n in owner.input_projection_names:
@@ -250,6 +256,13 @@ def input_projections(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | 
 PACK_WITH_GRAD = True
 
 
+def packed_members(owner: nn.Module, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: member's columns of y} for y, `packed_output(owner, ...)`'s result (views)."""
+    pack = owner.__dict__["_input_pack"]
+    parts = y.split(pack.split, -1)
+    return {n: parts[i] for n, i in zip(pack.names, pack.index, strict=True)}
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -257,12 +270,12 @@ def _capturing() -> bool:
 def packed_output(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | None = None) -> torch.Tensor | None:
     """The packed result [..., rows] of all of `owner`'s input projections as one matmul (the pack's
     `split` / `index` give each member's columns; built on first use), or None where the pack is not
-    taken (module docstring): with gradients also where autocast is on (it casts each matmul's
-    operands itself) or `names` leaves a member out (it would get a zero gradient, not none)."""
+    taken (module docstring): with gradients also where `names` leaves a member out (it would get a zero
+    gradient, not none)."""
     if not _may_use_pack(owner):
         return None
     grad = torch.is_grad_enabled()
-    if grad and (not PACK_WITH_GRAD or torch.is_autocast_enabled(x.device.type)):
+    if grad and not PACK_WITH_GRAD:
         return None
     pack = owner.__dict__.get("_input_pack")
     if pack is None or not pack.live(owner, x):

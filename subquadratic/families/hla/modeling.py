@@ -75,7 +75,7 @@ class HLAAttention(WindowBranch, AttentionBase):
     takes_packed = True
     needs_key_positions = False
     input_projection_names = (*QKV, "decay_proj", "g_proj")
-    concat_with_grad = True  # training under autocast: the members as one matmul (`modeling.projections`)
+    concat_with_grad = True  # a call with gradients off the pack: the members as one matmul (`modeling.projections`)
 
     def __init__(self, config: HLAConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)

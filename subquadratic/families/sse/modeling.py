@@ -100,7 +100,7 @@ class SSEAttention(WindowBranch, AttentionBase):
     cache_layer_cls = SSELayer
     needs_key_positions = False
     input_projection_names = (*QKV, *LORA_DOWN, "g1_down", "g2_down", "g_proj.0", "router")
-    concat_with_grad = True  # training under autocast: the members as one matmul (`modeling.projections`)
+    concat_with_grad = True  # a call with gradients off the pack: the members as one matmul (`modeling.projections`)
     #: a packed batch's hidden states come packed: every per-token step (projections, feature maps, decays,
     #: router, gate, output) runs on the real tokens, the state recurrence one document per row
     takes_packed = True
