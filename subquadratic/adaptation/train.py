@@ -640,17 +640,27 @@ class Trainee(torch.nn.Module):
 
 def _drop_tied_copies(models, weights, output_dir) -> None:
     """accelerate's `save_state` pre-hook: each tied parameter (the LM head of tied embeddings) once
-    in the state it saves. The copy shares its storage with the embedding and is tied again when the
-    state loads; left in, accelerate drops it itself with a warning on every checkpoint."""
+    in the state it saves, and each other tensor on a storage of its own. A tied copy shares its storage
+    with the embedding and is tied again when the state loads; left in, accelerate drops it itself with
+    a warning on every checkpoint. Tensors that are other parts of one storage (the parameters of packed
+    input projections, views of one packed weight: `modeling.projections`) are saved as copies: accelerate
+    keeps one tensor of each storage, so it would drop the others."""
     for state in weights:
-        seen = set()
+        seen, storages = set(), {}
         for name, t in list(state.items()):
             if not isinstance(t, torch.Tensor):
                 continue
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            ptr = t.untyped_storage().data_ptr()
+            key = (ptr, t.storage_offset(), tuple(t.shape))
             if key in seen:
                 del state[name]
+                continue
             seen.add(key)
+            storages.setdefault(ptr, []).append(name)
+        for names in storages.values():
+            if len(names) > 1:
+                for name in names:
+                    state[name] = state[name].clone()
 
 
 def save_model(accelerator, model, tokenizer, folder: Path, lora: bool = False) -> None:

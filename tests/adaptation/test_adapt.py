@@ -367,8 +367,9 @@ def test_gradient_checkpointing_follows_the_same_run(tmp_path, corpus, converted
 
 
 def test_a_checkpoint_state_keeps_each_tied_weight_once():
-    """accelerate's save_state warns "Removed shared tensor" for every tied pair it finds; the pre-hook
-    keeps the first name of each shared tensor and every other tensor, views of one storage included."""
+    """accelerate's save_state warns "Removed shared tensor" for every tied pair it finds (and keeps one
+    tensor of each storage); the pre-hook keeps the first name of each shared tensor and every other
+    tensor, views of one storage (a packed projection's parameters) as copies of their own."""
     emb = torch.randn(8, 4)
     other = torch.randn(8, 4)
     flat = torch.randn(32)
@@ -376,7 +377,9 @@ def test_a_checkpoint_state_keeps_each_tied_weight_once():
              "b": flat[16:].view(4, 4), "step": 3}
     _drop_tied_copies([None], [state], "unused")
     assert list(state) == ["embed.weight", "mlp.weight", "a", "b", "step"]
-    assert state["embed.weight"] is emb
+    assert state["embed.weight"] is emb and state["mlp.weight"] is other
+    assert torch.equal(state["a"], flat[:16].view(4, 4)) and torch.equal(state["b"], flat[16:].view(4, 4))
+    assert state["a"].untyped_storage().data_ptr() != state["b"].untyped_storage().data_ptr()
 
 
 def test_default_rows_are_8192_tokens_or_the_context_and_16384_tokens_a_step():
