@@ -118,3 +118,75 @@ def python_table(run, calls: int = 5, rows: int = 40, title: str = "") -> str:
         lines.append(f"  {tt / calls * 1e3:8.3f} ms self {ct / calls * 1e3:8.3f} ms incl  x{ncalls // calls:<5} "
                      f"{where[:120]}")
     return "\n".join(lines)
+
+
+def idle_gaps(run, rows: int = 30, title: str = "") -> str:
+    """Where the GPU waits in one call of the no-argument `run` (already warm): each GPU event (kernel,
+    copy, memset) that starts after the previous one ended, the gap before it charged to the outermost
+    CPU op around the launch that queued it (on a host-bound call: the host work that made the GPU
+    wait), split into the forward and the backward (the backward starting at autograd's first
+    `evaluate_function`). The profiler's own host cost makes every gap larger than without it: the
+    shares, not the sizes, compare. On a machine without CUDA: a line saying there is nothing to show."""
+    import bisect
+    import collections
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return f"{title}: no GPU, no idle gaps to show"
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    finally:
+        os.unlink(path)
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    if not gpu:
+        return f"{title}: no GPU events recorded"
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+    ops = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops[e["tid"]].append(e)
+    starts = {}
+    for tid, lst in ops.items():
+        lst.sort(key=lambda e: e["ts"])
+        starts[tid] = [e["ts"] for e in lst]
+
+    def outermost(launch) -> str:
+        lst, st = ops.get(launch["tid"], []), starts.get(launch["tid"], [])
+        i = bisect.bisect_right(st, launch["ts"])
+        around = [e for e in lst[max(0, i - 500):i] if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]
+        return max(around, key=lambda e: e["dur"])["name"][:100] if around else "(launched outside any op)"
+
+    backward = min((e["ts"] for e in events if e.get("cat") == "cpu_op"
+                    and e["name"].startswith("autograd::engine::evaluate_function")), default=None)
+    charged, count = collections.Counter(), collections.Counter()
+    idle = {"forward": 0.0, "backward": 0.0}
+    busy, end = 0.0, None
+    for g in gpu:
+        busy += g["dur"]
+        if end is not None and g["ts"] > end:
+            launch = launches.get(g["args"].get("correlation"))
+            name = outermost(launch) if launch else g["name"][:100]
+            charged[name] += g["ts"] - end
+            count[name] += 1
+            late = backward is not None and launch is not None and launch["ts"] >= backward
+            idle["backward" if late else "forward"] += g["ts"] - end
+        end = max(end or 0.0, g["ts"] + g["dur"])
+    span = end - gpu[0]["ts"]
+    lines = [f"{title}: GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {idle['forward'] / 1e3:.1f} ms "
+             f"in the forward and {idle['backward'] / 1e3:.1f} ms in the backward (under the profiler); the gaps by "
+             f"the op that launched the kernel after them:"]
+    for name, t in charged.most_common(rows):
+        lines.append(f"  {t / 1e3:9.2f} ms idle  x{count[name]:<5} before {name}")
+    return "\n".join(lines)

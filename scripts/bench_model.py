@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 from _models import LLAMA_1B, TARGET_FAMILY, TINY, dense_and_conversions, free, load_converted, log, sync, versions
-from _profile import kernel_table, python_table
+from _profile import idle_gaps, kernel_table, python_table
 
 TARGETS = {  # (measure, family) -> {length: target ratio}, from BENCHMARKS.md M1 / M2 (variants: their family's)
     ("ttft", "spla"): {16384: 1.0, 32768: 1.3, 131072: 2.5},
@@ -92,9 +92,10 @@ def measure(fn, device: torch.device, repeats: int) -> dict:
 
 
 def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: int, results: dict, emit,
-              profile: tuple = (), report=None, host: int = 0, python: int = 0) -> None:
+              profile: tuple = (), report=None, host: int = 0, python: int = 0, gaps: int = 0) -> None:
     """Every (measure, length) of `measures` on one model, into results[name, measure, length]; at the
-    lengths of `profile`, a profiler table of one more call, given to `report`."""
+    lengths of `profile`, a profiler table of one more call (and with `gaps`, its GPU idle gaps by the
+    op launching after them: `_profile.idle_gaps`), given to `report`."""
     for what, lengths in measures.items():
         if what == "train":
             model.train()
@@ -109,6 +110,8 @@ def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: 
                     report(table)
                     if python:
                         report(python_table(fn, calls=3, rows=python, title=f"{name} {what} T={T}"))
+                    if gaps:
+                        report(idle_gaps(fn, rows=gaps, title=f"{name} {what} T={T}"))
             except Exception as e:  # noqa: BLE001 (out of memory, say: record it and go on)
                 log(f"  failed:\n{traceback.format_exc()}")
                 res = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -219,6 +222,9 @@ def main() -> None:
                          "and the source lines that wait on the device")
     ap.add_argument("--profile-python", type=int, default=0,
                     help="with --profile, also list this many Python functions by host time per call (cProfile)")
+    ap.add_argument("--profile-gaps", type=int, default=0,
+                    help="with --profile, also list this many ops by the GPU idle time before the kernels they "
+                         "launched (where a host-bound call makes the GPU wait, forward and backward apart)")
     ap.add_argument("--profile-out", default=None, help="append the profiler tables here (default: stderr)")
     args = ap.parse_args()
     profile = tuple(int(x) for x in args.profile.split(",") if x)
@@ -280,13 +286,13 @@ def main() -> None:
         dense = dense_and_conversions(work, shape, max_pos, device, dtype, families, options,
                                       source=Path(args.checkpoint) if args.checkpoint else None)
         run_model("dense", dense, measures, prompts, device, args.repeats, results, emit, profile, report,
-                  args.profile_host, args.profile_python)
+                  args.profile_host, args.profile_python, args.profile_gaps)
         del dense
         free(device)
         for fam in families:
             model = load_converted(work / fam, device, dtype)
             run_model(fam, model, measures, prompts, device, args.repeats, results, emit, profile, report,
-                      args.profile_host, args.profile_python)
+                      args.profile_host, args.profile_python, args.profile_gaps)
             del model
             free(device)
     rows = rows_of(results, families, measures)

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_model_quick_smoke(tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_model.py"), "--quick", "--repeats", "1", "--out", str(out),
-           "--profile", "128", "--profile-host", "5", "--profile-out", str(tmp_path / "prof.txt")]
+           "--profile", "128", "--profile-host", "5", "--profile-gaps", "5",
+           "--profile-out", str(tmp_path / "prof.txt")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -33,6 +34,7 @@ def test_bench_model_quick_smoke(tmp_path):
     for name in ("dense", *families):
         for what in ("ttft", "train"):
             assert f"{name} {what} T=128: " in tables
+            assert f"{name} {what} T=128: no GPU, no idle gaps to show" in tables  # --profile-gaps on the CPU
 
 
 def test_bench_model_on_a_checkpoint_and_real_text(tmp_path):
