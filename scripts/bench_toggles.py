@@ -135,15 +135,15 @@ def main() -> None:
         if train_len:
             model.train()
             step = train_call(model, ids[:, :train_len])
-            pair = {"new": ()} if name == "dense" else settings(name, training=True)
-            for off in pair.values():
+            trained = {"new": ()} if name == "dense" else settings(name, training=True)
+            for off in trained.values():
                 setting(off)
                 step()
-            for n, t in alternate({n: (step, off) for n, off in pair.items()}, max(2, args.repeats // 2),
+            for n, t in alternate({n: (step, off) for n, off in trained.items()}, max(2, args.repeats // 2),
                                   device).items():
                 gpu = None
                 if device.type == "cuda" and n in ("new", "old"):
-                    setting(pair[n])
+                    setting(trained[n])
                     gpu = kernel_table(step, calls=1)[1]
                 row(model=name, measure="train", T=train_len, setting=n, gpu_ms=gpu, wall_ms=t["wall_ms"])
             model.eval()

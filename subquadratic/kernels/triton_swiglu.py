@@ -64,9 +64,7 @@ class SiluMulPacked(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, g0, u0, W):
-        B, T, C = y.shape
-        gate, up = y[..., g0:g0 + W], y[..., u0:u0 + W]
-        out = silu_mul_triton(gate, up)
+        out = silu_mul_triton(y[..., g0:g0 + W], y[..., u0:u0 + W])
         ctx.save_for_backward(y)
         ctx.cols = g0, u0, W
         return out
@@ -82,6 +80,5 @@ class SiluMulPacked(torch.autograd.Function):
         gate, up = y[..., g0:g0 + W], y[..., u0:u0 + W]
         if B * T and W:
             silu_mul_bwd[(cdiv(W, BLOCK), B * T)](gate, up, dout.contiguous(), dy[..., g0:], dy[..., u0:], W,
-                                                         token_stride(gate), token_stride(up), C, BLOCK,
-                                                         num_warps=4)
+                                                  token_stride(gate), token_stride(up), C, BLOCK, num_warps=4)
         return dy, None, None, None

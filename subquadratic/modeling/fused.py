@@ -174,9 +174,8 @@ class MLP(PackedInputs, LlamaMLP):
             # gate and up as one matmul (with gradients too) and SiLU(gate) * up on its output where it is,
             # forward and backward one kernel each on CUDA
             if silu and kernels and y.dim() == 3:
-                offsets = dict(zip(self.__dict__["_input_pack"].names, self.__dict__["_input_pack"].offsets,
-                                   strict=True))
-                g0, u0, width = offsets["gate_proj"], offsets["up_proj"], self.intermediate_size
+                start = self.__dict__["_input_pack"].start
+                g0, u0, width = start["gate_proj"], start["up_proj"], self.intermediate_size
                 if silu_mul_packed_takes_kernel(y, g0, u0, width):
                     return self.down_proj(silu_mul_packed(y, g0, u0, width, backend="triton"))
             p = packed_members(self, y)

@@ -101,6 +101,7 @@ class _Pack:
         for n in self.sizes:
             self.offsets.append(row)
             row += -(-n // ALIGN) * ALIGN
+        self.start = dict(zip(self.names, self.offsets, strict=True))  # each member's first column of a result
         self.split, self.index = _slot_split(self.sizes)
         # normal tensors even under torch.inference_mode (parameters made of inference tensors could not be
         # trained later)
@@ -123,10 +124,10 @@ class _Pack:
             return _PackedLinear.apply(x, self, *self.params())
         return F.linear(x, self.weight, self.bias)
 
-    def outputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{name: member(x)}: column slices of one matmul over the packed weight."""
-        y = self.output(x).split(self.split, -1)
-        return {n: y[i] for n, i in zip(self.names, self.index, strict=True)}
+    def columns(self, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{name: member's columns of y} for y, a result of `output` (views)."""
+        parts = y.split(self.split, -1)
+        return {n: parts[i] for n, i in zip(self.names, self.index, strict=True)}
 
     def params(self) -> list[torch.Tensor]:
         """The members' parameters in order: each weight, then its bias where it has one."""
@@ -258,9 +259,7 @@ PACK_WITH_GRAD = True
 
 def packed_members(owner: nn.Module, y: torch.Tensor) -> dict[str, torch.Tensor]:
     """{name: member's columns of y} for y, `packed_output(owner, ...)`'s result (views)."""
-    pack = owner.__dict__["_input_pack"]
-    parts = y.split(pack.split, -1)
-    return {n: parts[i] for n, i in zip(pack.names, pack.index, strict=True)}
+    return owner.__dict__["_input_pack"].columns(y)
 
 
 def _capturing() -> bool:
