@@ -23,6 +23,21 @@ _LEGACY_BACKENDS = {"reference": "torch", "varlen": "torch", "masked": "torch", 
 SOFTMAX_MIXERS = ("full_attention", "sliding_attention")
 
 
+#: Per config class: the names a read must resolve through the class (data descriptors such as properties,
+#: `attribute_map`'s aliases), filled on a class's first read (`SubquadraticConfig.__getattribute__`).
+_CLASS_NAMES: dict[type, frozenset[str]] = {}
+
+
+def _class_names(cls: type) -> frozenset[str]:
+    names = set(getattr(cls, "attribute_map", None) or ())
+    for klass in cls.__mro__:
+        for n, v in vars(klass).items():
+            if hasattr(type(v), "__set__") or hasattr(type(v), "__delete__"):
+                names.add(n)
+    _CLASS_NAMES[cls] = frozen = frozenset(names)
+    return frozen
+
+
 def known_mixers() -> tuple[str, ...]:
     """Every mixer name `mixer_types` may use: the softmax ones and those of registered families."""
     return tuple(dict.fromkeys((*SOFTMAX_MIXERS, *sorted(mixers()))))
@@ -108,6 +123,19 @@ class SubquadraticConfig(PreTrainedConfig):
     #: matmul over a packed weight that the members' parameters become views of
     #: (`modeling.projections`); False keeps one matmul per projection.
     fuse_projections: bool = True
+
+    def __getattribute__(self, key: str):
+        """A field's value read from the instance's dict directly. Transformers' own read (an alias lookup,
+        and in later versions a per-layer check, each a Python-level `__getattribute__`) costs about a
+        microsecond, and a forward reads the config some hundreds of times. Names the class resolves itself
+        (properties, aliases) and configs with per-layer values take Transformers' path; a read returns
+        what that path would."""
+        d = object.__getattribute__(self, "__dict__")
+        if key in d and "_heterogeneity_spec" not in d:
+            names = _CLASS_NAMES.get(type(self))
+            if key not in (_class_names(type(self)) if names is None else names):
+                return d[key]
+        return super().__getattribute__(key)
 
     def __post_init__(self, **kwargs):
         for name in [n for n in kwargs if n.endswith("_backend") and n != "kernel_backend"]:
