@@ -70,7 +70,12 @@ def _hooks() -> bool:
 
 
 class FastRun:
-    """A JITFunction's `run`, with Triton's per-call bookkeeping done once per argument signature."""
+    """A JITFunction's `run`, with Triton's per-call bookkeeping done once per argument signature.
+
+    The signature of a call is read in two steps: its layout (each positional argument's type, the keywords'
+    names), and for that layout a key function made once (`_key_source`) that reads what the layout's
+    arguments are specialised on in one expression: no per-argument function call, branch or loop, which were
+    most of a launch's host time."""
 
     def __init__(self, kernel):
         self.slow = kernel.run  # the bound method, before this object shadows it on the instance
@@ -80,15 +85,42 @@ class FastRun:
         self.by_name = dict(zip(self.names, self.constexpr, strict=True))  # a keyword's: constexpr or not
         self.defaults = {n: p.default for n, p in kernel.signature.parameters.items()
                          if p.default is not inspect.Parameter.empty}
-        self.compiled: dict = {}
+        self.layouts: dict = {}  # layout -> its key function, or None where the key does not model it
+        self.compiled: dict = {}  # key -> the compiled kernel
+
+    def _key_source(self, layout_id: int, types: tuple, kwnames: tuple) -> str:
+        """The key function of one layout: (its id, the device, each argument's specialisation), as `_signature`
+        reads it (a constexpr's value; its type is the layout's)."""
+        parts = [str(layout_id), "_device()"]
+        for i, (t, const) in enumerate(zip(types, self.constexpr, strict=False)):
+            a = f"a[{i}]"
+            if const:
+                parts.append(a)
+            elif issubclass(t, torch.Tensor):
+                parts += [f"{a}.dtype", f"not {a}.data_ptr() & 15"]
+            elif t is int:
+                parts += [f"{a} == 1", f"not {a} & 15", f"{_INT32[0]} <= {a} < {_INT32[1]}", f"{a} >= {2 ** 63}"]
+            elif not (t is bool or t is float or t is type(None)):
+                raise _Unkeyed
+        for n in kwnames:  # a constexpr or an option (num_warps, ...) by type and value, else its signature
+            parts += [f"type(k[{n!r}])", f"k[{n!r}]"] if self.by_name.get(n, True) else [f"_signature(k[{n!r}])"]
+        return f"def key(a, k):\n    return ({', '.join(parts)},)\n"
 
     def key(self, args: tuple, kwargs: dict) -> tuple:
-        parts = [_device()]
-        for v, const in zip(args, self.constexpr, strict=False):  # args may stop short
-            parts.append((type(v), v) if const else _signature(v))
-        for n, v in kwargs.items():  # a constexpr or an option (num_warps, ...) by value, else its signature
-            parts.append((n, (type(v), v) if self.by_name.get(n, True) else _signature(v)))
-        return tuple(parts)
+        """The call's signature (raises _Unkeyed where the key does not model an argument)."""
+        layout = (*map(type, args), *kwargs)
+        fn = self.layouts.get(layout, False)
+        if fn is False:
+            try:
+                made: dict = {}  # the function reads this module's names (`_device`, `_signature`) at each call
+                exec(self._key_source(len(self.layouts), layout[:len(args)], tuple(kwargs)), globals(), made)  # noqa: S102
+                fn = made["key"]
+            except _Unkeyed:
+                fn = None
+            self.layouts[layout] = fn
+        if fn is None:
+            raise _Unkeyed
+        return fn(args, kwargs)
 
     def values(self, args: tuple, kwargs: dict) -> tuple:
         """All the parameters' values in order, as Triton's binder gives them to the launcher."""
@@ -109,8 +141,7 @@ class FastRun:
                 self.compiled[key] = kernel
             return kernel
         n = len(grid)
-        dev = key[0]
-        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(dev),
+        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(key[1]),
                    kernel.function, kernel.packed_metadata, None, None, None, *self.values(args, kwargs))
         return kernel
 
