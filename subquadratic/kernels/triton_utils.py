@@ -7,6 +7,7 @@ Triton import it when called.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 
@@ -112,6 +113,8 @@ def token_stride(t: torch.Tensor) -> int | None:
     """The stride between the tokens of t [B, T, ...] when each token's entries are contiguous and its
     B x T tokens are one stride apart (a column slice of a packed projection's [B, T, N] output, or a
     contiguous tensor), else None."""
+    if t.is_contiguous():
+        return math.prod(t.shape[2:])
     B, T = t.shape[:2]
     inner = 1
     for n, st in zip(reversed(t.shape[2:]), reversed(t.stride()[2:]), strict=True):

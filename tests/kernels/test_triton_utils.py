@@ -55,3 +55,19 @@ def test_run_function_calls_forward_directly_without_grad(monkeypatch):
     y, z = run_function(Scale, x, 3.0)
     (g,) = torch.autograd.grad((y + z).sum(), x)
     assert torch.equal(g, torch.full_like(x, 4.0))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 4, 8), (1, 5, 3, 8), (2, 1, 16), (3, 7, 2, 4), (2, 6, 1, 5)])
+def test_token_stride_of_a_contiguous_tensor_is_its_row_length(shape):
+    """The contiguous case's shortcut gives what the stride walk gives: a token's element count, for one
+    row, one token, and a unit head dim; and a column slice of such a tensor keeps the full row's stride."""
+    t = torch.zeros(shape)
+    n = 1
+    for s in shape[2:]:
+        n *= s
+    assert triton_utils.token_stride(t) == n
+    assert triton_utils.token_stride(t.as_strided(t.shape, t.stride())) == n
+    wide = torch.zeros(*shape[:2], 3 * n)
+    part = wide[..., n:2 * n].view(shape)
+    assert not part.is_contiguous() or shape[:2] == (1, 1)
+    assert triton_utils.token_stride(part) == (n if shape[:2] == (1, 1) else 3 * n)
