@@ -28,7 +28,7 @@ from transformers import initialization as init
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel
-from ...kernels.sse import SSEState, router_topk, sse_attention
+from ...kernels.sse import SSEState, router_topk, sse_attention, sse_from_projections, sse_from_projections_takes
 from ...kernels.sse.features import sse_gla_features, sse_gla_features_takes_kernel
 from ...kernels.utils import acc_dtype
 from ...modeling.base import (
@@ -255,6 +255,8 @@ class SSEAttention(WindowBranch, AttentionBase):
         x = hidden_states
         B, T, _ = x.shape
         p = input_projections(self, x)  # without gradients one matmul
+        packed = seq.is_packed(x)
+        from_projections = False
         if cfg.sse_base == "gla":
             z1, z2 = self.g1_up(p["g1_down"]), self.g2_up(p["g2_down"])
             # CUDA: one kernel forward, one backward, reading q1 / k1 / v where the projection wrote them, K / V
@@ -264,10 +266,17 @@ class SSEAttention(WindowBranch, AttentionBase):
             offsets = self.lora_offsets(x, p) if cfg.lora_rank else None
             mode = "offset" if offsets else "same"
             xs = (q1, k1, *(offsets or (None, None)), v, z1, z2, self.g1_bias, self.g2_bias)
-            if cfg.qk_norm or not self.features_take_kernel(xs, mode):
+            kernel = not cfg.qk_norm and self.features_take_kernel(xs, mode)
+            if not kernel:
                 q1, k1, q2, k2, v = self.project_sse(x, p, offsets)
                 xs, mode = (q1, k1, q2, k2, v, z1, z2, self.g1_bias, self.g2_bias), "full"
-            if self.features_take_kernel(xs, mode):
+                kernel = self.features_take_kernel(xs, mode)
+            # a prefill without gradients, every token real: the features computed inside the SSE kernels
+            from_projections = (kernel and not packed and seq.padding_unread
+                                and sse_from_projections_takes(q1, v, cfg.sse_chunk_size, cfg.kernel_backend))
+            if from_projections:
+                pass
+            elif kernel:
                 q1, k1, q2, k2, v, g1, g2 = sse_gla_features(*xs, cfg.sse_gate_normalizer, backend="triton",
                                                              q2_mode=mode)
             else:
@@ -280,7 +289,6 @@ class SSEAttention(WindowBranch, AttentionBase):
             v = F.silu(v)
             g1, g2, beta = self.decays(x)
         logits = p["router"]
-        packed = seq.is_packed(x)
         if packed:  # the recurrence runs one document per right-padded row
             q1, k1, q2, k2, v, g1, g2, logits = (seq.documents.unpack(t) for t in (q1, k1, q2, k2, v, g1, g2, logits))
             beta = None if beta is None else seq.documents.unpack(beta)
@@ -301,11 +309,16 @@ class SSEAttention(WindowBranch, AttentionBase):
                 beta = torch.where(valid[:, :, None], beta, 0.0)
 
         state = cache_layer.read() if cache_layer is not None else None
-        o, state = sse_attention(
-            q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=cfg.sse_base, beta=beta,
-            chunk_size=cfg.sse_chunk_size, backend=cfg.kernel_backend, topk=cfg.sse_top_k,
-            inplace=cache_layer is not None and not torch.is_grad_enabled(), precision=cfg.kernel_precision,
-        )  # o: [B, T, HQ, D]
+        if from_projections:
+            o, state = sse_from_projections(*xs, cfg.sse_gate_normalizer, probs, sel, state, q2_mode=mode,
+                                            chunk_size=cfg.sse_chunk_size, topk=cfg.sse_top_k,
+                                            precision=cfg.kernel_precision)
+        else:
+            o, state = sse_attention(
+                q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=cfg.sse_base, beta=beta,
+                chunk_size=cfg.sse_chunk_size, backend=cfg.kernel_backend, topk=cfg.sse_top_k,
+                inplace=cache_layer is not None and not torch.is_grad_enabled(), precision=cfg.kernel_precision,
+            )  # o: [B, T, HQ, D]
         if cache_layer is not None:
             cache_layer.write(state)
         if packed:

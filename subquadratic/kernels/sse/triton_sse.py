@@ -33,9 +33,10 @@ from torch import Tensor
 
 from ..gla.triton_chunk import chunk_linear_attention
 from ..triton_launch import jit
-from ..triton_utils import block_size, cdiv, next_power_of_2, rows_per_program
+from ..triton_utils import block_size, cdiv, next_power_of_2, read_in_place, rows_per_program
 from ..utils import import_triton, new_output, run_function
 from .recurrent import SSEState, setup
+from .triton_features import _logsigmoid, _softmax
 
 triton, tl = import_triton()
 
@@ -159,8 +160,8 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
                          "other inputs to the PyTorch forms")
     # from zero states (a first call, no cache's state yet) the kernels start from zero themselves
     _, _, state = setup(q1, k1, q2, k2, v, g1, g2, probs, sel, state, base, beta, make_state=False)
-    B, T, H, Dk = q1.shape
-    N, Dv = probs.shape[-1], v.shape[-1]
+    B, T = q1.shape[:2]
+    N = probs.shape[-1]
     tensors = (q1, k1, q2, k2, v, g1, g2, probs) + (() if state is None else (state.shared, state.parts))
     if T == 1 and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)):
         inplace = inplace and state is not None and all(
@@ -172,23 +173,78 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
     src, cu, inv = group_rows(sel, K)
     # one GLA call over the shared rows (one segment per sample) and the partition segments
     qa, ka, va, ga = run_function(PackRows, q1, k1, v, g1, q2, k2, g2, probs, src, cu, inv)
+    return _merged_gla(qa, ka, va, ga, src, cu, inv, state, B, T, N, q1.dtype, chunk_size, precision)
+
+
+def _merged_gla(qa: Tensor, ka: Tensor, va: Tensor, ga: Tensor, src: Tensor, cu: Tensor, inv: Tensor,
+                state: SSEState | None, B: int, T: int, N: int, dtype: torch.dtype, chunk_size: int,
+                precision: str) -> tuple[Tensor, SSEState]:
+    """Steps 2 and 3 of the module docstring on the merged rows [B T + R, H, D] (`PackRows`' layout): the
+    chunked GLA call from the SSE states (None: zeros) and each token's output summed from its rows."""
+    H, Dk, Dv = qa.shape[1], qa.shape[2], va.shape[2]
     h0 = None
     if state is not None:
         h0 = torch.cat([state.shared.float(), state.parts.float().reshape(B * N, H, Dk, Dv),
                         state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
     o_all, h = chunk_linear_attention(qa, ka, va, ga, cu_seqlens=cu, initial_state=h0, chunk_size=chunk_size,
                                       out_dtype=torch.float32, precision=precision)
-    o = run_function(CombineRows, o_all, src, cu, inv, B * T, q1.dtype)
+    o = run_function(CombineRows, o_all, src, cu, inv, B * T, dtype)
     return o.view(B, T, H, Dv), SSEState(h[:B], h[B:B + B * N].reshape(B, N, H, Dk, Dv))
 
 
+def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: Tensor | None, v: Tensor, z1: Tensor,
+                                z2: Tensor, bias1: Tensor, bias2: Tensor, normalizer: float, probs: Tensor,
+                                sel: Tensor, state: SSEState | None = None, *, q2_mode: str = "full",
+                                chunk_size: int = 64, topk: int | None = None,
+                                precision: str = "ieee") -> tuple[Tensor, SSEState]:
+    """`sse_triton` on the GLA base's feature maps and decays of the projections, `sse_gla_features(q1, k1,
+    q2, k2, v, z1, z2, bias1, bias2, normalizer, q2_mode=q2_mode)`, with the same values, for a prefill
+    without gradients: the features are computed where the merged rows are written (`_pack_features`, one
+    kernel in place of the feature kernel and `PackRows`), so that the seven feature tensors are never
+    written out and read back. Inputs as `sse_gla_features` takes them (k1 and v at HK heads, column
+    slices of a packed projection read in place); probs, sel, state, chunk_size, topk, precision as
+    `sse_triton`'s. Returns (o [B, T, H, D] in q1's dtype, new SSEState (fp32))."""
+    from .features import MAX_DIM, Q2_MODES
+    from .triton_features import ELEMENTS, MODES
+
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q1, k1, q2, k2, v, z1, z2, probs)):
+        raise ValueError("sse_triton_from_projections computes no gradients; with gradients run sse_gla_features "
+                         "and sse_triton")
+    if q2_mode not in Q2_MODES:
+        raise ValueError(f"q2_mode must be one of {Q2_MODES}; got {q2_mode!r}")
+    B, T, H, D = q1.shape
+    HK, N = k1.shape[2], probs.shape[-1]
+    if D > MAX_DIM or probs.shape != (B, T, N) or sel.shape != probs.shape or sel.dtype != torch.bool:
+        raise ValueError(f"head dim {D} (at most {MAX_DIM}), probs {list(probs.shape)} and sel {list(sel.shape)} "
+                         f"{sel.dtype} (both [B={B}, T={T}, N], sel bool)")
+    if state is not None and (state.shared.shape != (B, H, D, D) or state.parts.shape != (B, N, H, D, D)):
+        raise ValueError(f"state must have shared [B, H, Dk, Dv] = {[B, H, D, D]} and parts [B, N, H, Dk, Dv] = "
+                         f"{[B, N, H, D, D]}; got {list(state.shared.shape)} and {list(state.parts.shape)}")
+    K = N if topk is None else topk
+    if not 1 <= K <= N:
+        raise ValueError(f"topk must be in [1, N={N}]; got {topk}")
+    src, cu, inv = group_rows(sel, K)
+    if q2_mode == "same":
+        q2 = k2 = q1  # placeholders the kernel does not read
+    xs, strides = zip(*(read_in_place(t) for t in (q1, k1, q2, k2, v, z1, z2)), strict=True)
+    BT, R, dev = B * T, src.shape[0], q1.device
+    qa, ka, va = (new_output((BT + R, H, D), dev, q1.dtype) for _ in range(3))
+    ga = new_output((BT + R, H, D), dev)  # fp32
+    BD = block_size(D, 1)
+    BR = rows_per_program(BD, ELEMENTS)
+    n = (BT + R) * H
+    if n:
+        _pack_features[(cdiv(n, BR),)](*xs, bias1.contiguous(), bias2.contiguous(), probs.reshape(-1).contiguous(),
+                                       src, cu, qa, ka, va, ga, n, BT, B, 1.0 / normalizer, *strides, H, HK, N, D,
+                                       BD, BR, MODES[q2_mode], num_warps=4)
+    return _merged_gla(qa, ka, va, ga, src, cu, inv, state, B, T, N, q1.dtype, chunk_size, precision)
+
+
 @jit
-def _pack_rows(Q1, K1, V, G1, Q2, K2, G2, PROBS, SRC, CU, QA, KA, VA, GA, n, BT, B, H: tl.constexpr,
-               N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               BR: tl.constexpr):
-    """(row, head) pairs m = r * H + h of the merged rows: r < BT the shared branch's (q1, k1, v, g1) of
-    token r; past it partition row j = r - BT: (p q2, p k2 (rounded once), v, g2) of its token, p its
-    router probability, and q = k = g = 0 past the selected rows (the trailing segment)."""
+def _merged_rows(SRC, CU, PROBS, n, BT, B, H: tl.constexpr, N: tl.constexpr, BR: tl.constexpr):
+    """This program's BR (row, head) pairs m = r * H + h of the merged rows: (m, m < n, the head, whether
+    the row is a shared one (r < BT), whether it is a selected partition row, its router probability p (0
+    but there; fp32), the token it reads (int64))."""
     m_idx = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = m_idx < n
     r = m_idx // H
@@ -199,8 +255,18 @@ def _pack_rows(Q1, K1, V, G1, Q2, K2, G2, PROBS, SRC, CU, QA, KA, VA, GA, n, BT,
     code = tl.load(SRC + j, mask=part, other=0)  # (b * T + t) * N + i
     valid = part & (j + BT < tl.load(CU + B + B * N))
     p = tl.where(valid, tl.load(PROBS + code, mask=part, other=0.0).to(tl.float32), 0.0)
-    tok = tl.where(shared, r, code // N)
-    src = tok.to(tl.int64) * H + hd  # the token's row of the [tokens, H, D] inputs
+    return m_idx, m_r, hd, shared, valid, p, tl.where(shared, r, code // N).to(tl.int64)
+
+
+@jit
+def _pack_rows(Q1, K1, V, G1, Q2, K2, G2, PROBS, SRC, CU, QA, KA, VA, GA, n, BT, B, H: tl.constexpr,
+               N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               BR: tl.constexpr):
+    """(row, head) pairs m = r * H + h of the merged rows: r < BT the shared branch's (q1, k1, v, g1) of
+    token r; past it partition row j = r - BT: (p q2, p k2 (rounded once), v, g2) of its token, p its
+    router probability, and q = k = g = 0 past the selected rows (the trailing segment)."""
+    m_idx, m_r, hd, shared, valid, p, tok = _merged_rows(SRC, CU, PROBS, n, BT, B, H, N, BR)
+    src = tok * H + hd  # the token's row of the [tokens, H, D] inputs
     dst = m_idx.to(tl.int64)
     ok = tl.arange(0, BK)
     mk = m_r[:, None] & (ok < DK)[None, :]
@@ -219,6 +285,55 @@ def _pack_rows(Q1, K1, V, G1, Q2, K2, G2, PROBS, SRC, CU, QA, KA, VA, GA, n, BT,
     mv = m_r[:, None] & (ov < DV)[None, :]
     b = tl.load(V + src[:, None] * DV + ov[None, :], mask=mv, other=0.0)
     tl.store(VA + dst[:, None] * DV + ov[None, :], b, mask=mv)
+
+
+@jit
+def _pack_features(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, PROBS, SRC, CU, QA, KA, VA, GA, n, BT, B, inv_norm,
+                   S_Q1, S_K1, S_Q2, S_K2, S_V, S_Z1, S_Z2, H: tl.constexpr, HK: tl.constexpr, N: tl.constexpr,
+                   D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, MODE: tl.constexpr):
+    """`sse_features_fwd` and `_pack_rows` in one: the merged rows' (row, head) pairs m = r * H + h as
+    `_pack_rows` takes them, each computing its token's feature maps from the projections (read as
+    `sse_features_fwd` reads them: tokens S_* elements apart, K1 and V at HK heads, MODE its `_second`)
+    and rounding them where the two kernels round: a feature to q1's dtype, then p q2 / p k2 in fp32 rounded
+    once, the decays in fp32."""
+    m_idx, m_r, hd, shared, valid, p, tok = _merged_rows(SRC, CU, PROBS, n, BT, B, H, N, BR)
+    p, tok = p[:, None], tok[:, None]
+    cols = tl.arange(0, BD)
+    m_d = cols < D
+    mk = m_r[:, None] & m_d[None, :]
+    ms, mp = mk & shared[:, None], mk & ~shared[:, None]
+    col = hd[:, None] * D + cols[None, :]  # the head's columns of a token's [H, D] row (and of the biases)
+    col_kv = (hd // (H // HK))[:, None] * D + cols[None, :]
+    dst = m_idx.to(tl.int64)[:, None] * D + cols[None, :]
+    dt = QA.dtype.element_ty
+    x1 = tl.load(Q1 + tok * S_Q1 + col, mask=mk, other=0.0).to(tl.float32)
+    if MODE == 0:
+        x2 = x1
+    elif MODE == 1:
+        x2 = x1 + tl.load(Q2 + tok * S_Q2 + col, mask=mp, other=0.0).to(tl.float32)
+    else:
+        x2 = tl.load(Q2 + tok * S_Q2 + col, mask=mp, other=0.0).to(tl.float32)
+    f1 = (x1 * tl.sigmoid(x1)).to(dt).to(tl.float32)
+    f2 = (x2 * tl.sigmoid(x2)).to(dt).to(tl.float32)
+    tl.store(QA + dst, (tl.where(ms, f1, 0.0) + tl.where(mp, f2, 0.0) * p).to(dt), mask=mk)
+    x1 = tl.load(K1 + tok * S_K1 + col_kv, mask=mk, other=0.0).to(tl.float32)
+    if MODE == 0:
+        x2 = x1
+    elif MODE == 1:
+        x2 = x1 + tl.load(K2 + tok * S_K2 + col, mask=mp, other=0.0).to(tl.float32)
+    else:
+        x2 = tl.load(K2 + tok * S_K2 + col, mask=mp, other=0.0).to(tl.float32)
+    f1 = _softmax(x1, m_d).to(dt).to(tl.float32)
+    f2 = _softmax(x2, m_d).to(dt).to(tl.float32)
+    tl.store(KA + dst, (tl.where(ms, f1, 0.0) + tl.where(mp, f2, 0.0) * p).to(dt), mask=mk)
+    x1 = tl.load(V + tok * S_V + col_kv, mask=mk, other=0.0).to(tl.float32)
+    tl.store(VA + dst, (x1 * tl.sigmoid(x1)).to(dt).to(VA.dtype.element_ty), mask=mk)
+    z = tl.load(Z1 + tok * S_Z1 + col, mask=ms, other=0.0).to(tl.float32) + \
+        tl.load(B1 + col, mask=ms, other=0.0).to(tl.float32)
+    g = tl.where(ms, _logsigmoid(z) * inv_norm, 0.0)
+    z = tl.load(Z2 + tok * S_Z2 + col, mask=mp, other=0.0).to(tl.float32) + \
+        tl.load(B2 + col, mask=mp, other=0.0).to(tl.float32)
+    tl.store(GA + dst, g + tl.where(mp & valid[:, None], _logsigmoid(z) * inv_norm, 0.0), mask=mk)
 
 
 @jit
