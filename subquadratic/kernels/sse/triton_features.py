@@ -68,15 +68,21 @@ def _strided_kv(off, S, H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr):
 
 
 @jit
-def _second(x1, X2, off, S, m, H: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
-    """The second branch's pre-activation: x1 itself (MODE 0), x1 plus X2's row (1: X2 is its low-rank
-    offset), X2's row (2: X2 is the pre-activation)."""
+def _second_at(x1, X2, off, m, MODE: tl.constexpr):
+    """The second branch's pre-activation: x1 itself (MODE 0), x1 plus X2 at offsets `off` (1: X2 is its
+    low-rank offset), X2 there (2: X2 is the pre-activation)."""
     if MODE == 0:
         return x1
     elif MODE == 1:
-        return x1 + _ld(X2, _strided(off, S, H, D), m)
+        return x1 + _ld(X2, off, m)
     else:
-        return _ld(X2, _strided(off, S, H, D), m)
+        return _ld(X2, off, m)
+
+
+@jit
+def _second(x1, X2, off, S, m, H: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
+    """`_second_at` for contiguous [tokens, H, D] offsets `off` of X2's rows S elements apart."""
+    return _second_at(x1, X2, _strided(off, S, H, D), m, MODE)
 
 
 @jit

@@ -36,7 +36,7 @@ from ..triton_launch import jit
 from ..triton_utils import block_size, cdiv, next_power_of_2, read_in_place, rows_per_program
 from ..utils import import_triton, new_output, run_function
 from .recurrent import SSEState, setup
-from .triton_features import _logsigmoid, _softmax
+from .triton_features import _ld, _logsigmoid, _second_at, _softmax
 
 triton, tl = import_triton()
 
@@ -306,33 +306,20 @@ def _pack_features(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, PROBS, SRC, CU, QA, KA, VA
     col_kv = (hd // (H // HK))[:, None] * D + cols[None, :]
     dst = m_idx.to(tl.int64)[:, None] * D + cols[None, :]
     dt = QA.dtype.element_ty
-    x1 = tl.load(Q1 + tok * S_Q1 + col, mask=mk, other=0.0).to(tl.float32)
-    if MODE == 0:
-        x2 = x1
-    elif MODE == 1:
-        x2 = x1 + tl.load(Q2 + tok * S_Q2 + col, mask=mp, other=0.0).to(tl.float32)
-    else:
-        x2 = tl.load(Q2 + tok * S_Q2 + col, mask=mp, other=0.0).to(tl.float32)
+    x1 = _ld(Q1, tok * S_Q1 + col, mk)
+    x2 = _second_at(x1, Q2, tok * S_Q2 + col, mp, MODE)
     f1 = (x1 * tl.sigmoid(x1)).to(dt).to(tl.float32)
     f2 = (x2 * tl.sigmoid(x2)).to(dt).to(tl.float32)
     tl.store(QA + dst, (tl.where(ms, f1, 0.0) + tl.where(mp, f2, 0.0) * p).to(dt), mask=mk)
-    x1 = tl.load(K1 + tok * S_K1 + col_kv, mask=mk, other=0.0).to(tl.float32)
-    if MODE == 0:
-        x2 = x1
-    elif MODE == 1:
-        x2 = x1 + tl.load(K2 + tok * S_K2 + col, mask=mp, other=0.0).to(tl.float32)
-    else:
-        x2 = tl.load(K2 + tok * S_K2 + col, mask=mp, other=0.0).to(tl.float32)
+    x1 = _ld(K1, tok * S_K1 + col_kv, mk)
+    x2 = _second_at(x1, K2, tok * S_K2 + col, mp, MODE)
     f1 = _softmax(x1, m_d).to(dt).to(tl.float32)
     f2 = _softmax(x2, m_d).to(dt).to(tl.float32)
     tl.store(KA + dst, (tl.where(ms, f1, 0.0) + tl.where(mp, f2, 0.0) * p).to(dt), mask=mk)
-    x1 = tl.load(V + tok * S_V + col_kv, mask=mk, other=0.0).to(tl.float32)
+    x1 = _ld(V, tok * S_V + col_kv, mk)
     tl.store(VA + dst, (x1 * tl.sigmoid(x1)).to(dt).to(VA.dtype.element_ty), mask=mk)
-    z = tl.load(Z1 + tok * S_Z1 + col, mask=ms, other=0.0).to(tl.float32) + \
-        tl.load(B1 + col, mask=ms, other=0.0).to(tl.float32)
-    g = tl.where(ms, _logsigmoid(z) * inv_norm, 0.0)
-    z = tl.load(Z2 + tok * S_Z2 + col, mask=mp, other=0.0).to(tl.float32) + \
-        tl.load(B2 + col, mask=mp, other=0.0).to(tl.float32)
+    g = tl.where(ms, _logsigmoid(_ld(Z1, tok * S_Z1 + col, ms) + _ld(B1, col, ms)) * inv_norm, 0.0)
+    z = _ld(Z2, tok * S_Z2 + col, mp) + _ld(B2, col, mp)
     tl.store(GA + dst, g + tl.where(mp & valid[:, None], _logsigmoid(z) * inv_norm, 0.0), mask=mk)
 
 
