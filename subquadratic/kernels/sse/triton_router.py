@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..triton_launch import jit
-from ..triton_utils import block_size, cdiv
+from ..triton_utils import block_size, cdiv, read_in_place
 from ..utils import import_triton, new_output
 
 triton, tl = import_triton()
@@ -20,16 +20,18 @@ ROWS = 64
 
 
 @jit
-def router_fwd(LOGITS, VALID, P, SEL, PART, n_rows, N: tl.constexpr, BN: tl.constexpr, K: tl.constexpr,
+def router_fwd(LOGITS, VALID, P, SEL, PART, n_rows, S_L, N: tl.constexpr, BN: tl.constexpr, K: tl.constexpr,
                BR: tl.constexpr, HAS_VALID: tl.constexpr, AUX: tl.constexpr):
     """probs, the top-K mask; with AUX this program's sums for the load-balancing loss into its row of
-    PART: sum_t w_t p_t [BN], sum_t sel_t [BN] (sel already 0 where w_t = 0), sum_t w_t, w = valid."""
+    PART: sum_t w_t p_t [BN], sum_t sel_t [BN] (sel already 0 where w_t = 0), sum_t w_t, w = valid. The
+    logits' tokens are S_L elements apart (a column slice of a packed projection), the outputs contiguous."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BN)
     mr = rows < n_rows
     m = mr[:, None] & (cols < N)[None, :]
     off = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = tl.load(LOGITS + off, mask=m, other=float("-inf")).to(tl.float32)
+    x = tl.load(LOGITS + rows.to(tl.int64)[:, None] * S_L + cols[None, :], mask=m, other=float("-inf"))
+    x = x.to(tl.float32)
     x = tl.where(m, x, float("-inf"))
     e = tl.exp(x - tl.where(mr, tl.max(x, 1), 0.0)[:, None])
     e = tl.where(m, e, 0.0)
@@ -85,7 +87,8 @@ class Router(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, k, valid, aux=False):
         N = logits.shape[-1]
-        lc = logits.contiguous()
+        # [B, T, N] columns of a packed projection are read where they are
+        lc, S = read_in_place(logits) if logits.dim() == 3 else (logits.contiguous(), N)
         n_rows = lc.numel() // N
         dev = logits.device
         probs = new_output(logits.shape, dev)  # fp32
@@ -95,7 +98,7 @@ class Router(torch.autograd.Function):
         part = new_output((max(programs, 1), 2 * BN + 1), dev) if aux else probs
         if n_rows:
             v = valid.contiguous().view(torch.int8) if valid is not None else lc
-            router_fwd[(programs,)](lc, v, probs, sel.view(torch.int8), part, n_rows, N, BN, k, ROWS,
+            router_fwd[(programs,)](lc, v, probs, sel.view(torch.int8), part, n_rows, S, N, BN, k, ROWS,
                                     valid is not None, aux, num_warps=4)
         elif aux:
             part.zero_()

@@ -40,6 +40,24 @@ def test_values_selection_and_gradient_match_the_pytorch_form(N, k, dtype, with_
         assert not sel[~valid].any() and (sel[valid].sum(-1) == k).all()
 
 
+@pytest.mark.parametrize("B,T", [(2, 37), (1, 5), (3, 1)])
+def test_logits_read_where_a_packed_projection_wrote_them(B, T):
+    """Logits that are columns of one packed projection output (tokens one stride apart) are read in place
+    (no copy) with the values of their contiguous copy; a 2-D [rows, N] input too."""
+    from ..fused_models import CopyCounter
+
+    g = torch.Generator().manual_seed(B * 100 + T)
+    packed = torch.randn(B, T, 37, generator=g).to(dev())
+    logits = packed[..., 11:16]
+    with torch.no_grad(), CopyCounter() as copies:
+        probs, sel, loss = router_topk(logits, 2, None, backend="triton", aux=True)
+    assert copies.n == 0
+    want = router_topk(logits.contiguous(), 2, None, backend="triton", aux=True)
+    assert torch.equal(probs, want[0]) and torch.equal(sel, want[1]) and torch.equal(loss, want[2])
+    flat = router_topk(logits.reshape(-1, 5), 2, None, backend="triton")
+    assert torch.equal(flat[0], probs.reshape(-1, 5)) and torch.equal(flat[1], sel.reshape(-1, 5))
+
+
 def test_equal_probabilities_select_the_lowest_partitions():
     logits = torch.zeros(1, 3, 6, device=dev())
     logits[0, 1, 4] = 1.0  # one clear winner, then ties
