@@ -51,5 +51,6 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str = "auto") 
     if fused_kernel(backend, q.device, "RoPE", rope_unsupported(q, k, cos, sin)):
         from .triton_rope import Rope
 
-        return run_function(Rope, q, k, cos.detach(), sin.detach())
+        cos, sin = (t.detach() if t.requires_grad else t for t in (cos, sin))
+        return run_function(Rope, q, k, cos, sin)
     return rope_reference(q, k, cos, sin)

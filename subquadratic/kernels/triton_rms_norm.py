@@ -9,7 +9,7 @@ import torch
 
 from .triton_launch import jit
 from .triton_utils import block_size, cdiv, rows_per_program
-from .utils import import_triton, new_output
+from .utils import import_triton, new_output, promoted
 
 triton, tl = import_triton()
 
@@ -80,7 +80,7 @@ class RMSNormFn(torch.autograd.Function):
         hc = h.contiguous() if add else xc
         n_rows = xc.numel() // D
         dev = x.device
-        y = new_output(x.shape, dev, torch.promote_types(weight.dtype, x.dtype))
+        y = new_output(x.shape, dev, promoted(weight.dtype, x.dtype))
         s = new_output(x.shape, dev, x.dtype) if add else y
         BD = block_size(D, 1)
         BR = rows_per_program(BD, 4096, 16)

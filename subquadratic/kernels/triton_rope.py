@@ -14,7 +14,7 @@ import torch
 
 from .triton_launch import jit
 from .triton_utils import block_size, cdiv, read_in_place, token_stride
-from .utils import import_triton, new_output
+from .utils import import_triton, new_output, promoted
 
 triton, tl = import_triton()
 
@@ -112,7 +112,7 @@ class Rope(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, cos, sin):
-        out_dtype = torch.promote_types(q.dtype, cos.dtype)
+        out_dtype = promoted(q.dtype, cos.dtype)
         q, k = (read_in_place(t)[0] for t in (q, k))  # column slices of a packed projection: no copy
         cos, sin = cos.contiguous(), sin.contiguous()
         yq = new_output(q.shape, q.device, out_dtype)

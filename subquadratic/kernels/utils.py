@@ -142,6 +142,11 @@ def acc_dtype(x: torch.Tensor | torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """`torch.promote_types(a, b)` without its dispatch where the two are one dtype (a kernel's usual case)."""
+    return a if a == b else torch.promote_types(a, b)
+
+
 def new_output(shape, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialised kernel output; NaN (or -1 for integer outputs) when POISON_OUTPUTS is set."""
     if POISON_OUTPUTS:
