@@ -271,7 +271,7 @@ class SSEAttention(WindowBranch, AttentionBase):
                 q1, k1, q2, k2, v = self.project_sse(x, p, offsets)
                 xs, mode = (q1, k1, q2, k2, v, z1, z2, self.g1_bias, self.g2_bias), "full"
                 kernel = self.features_take_kernel(xs, mode)
-            # a prefill without gradients, every token real: the features computed inside the SSE kernels
+            # a chunk of real tokens (no padding to zero): the features computed inside the SSE kernels
             from_projections = (kernel and not packed and seq.padding_unread
                                 and sse_from_projections_takes(q1, v, cfg.sse_chunk_size, cfg.kernel_backend))
             if from_projections:

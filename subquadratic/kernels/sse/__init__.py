@@ -13,7 +13,6 @@ partitions read and written). Model code calls one dispatch function, `sse_atten
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..triton_utils import TRITON_DTYPES
@@ -65,9 +64,9 @@ def sse_attention(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1:
 
 def sse_from_projections_takes(q1: Tensor, v: Tensor, chunk_size: int, backend: str = "auto") -> bool:
     """Whether `sse_from_projections` runs on these inputs (q1 [B, T, H, D], v [B, T, HK, D], the
-    projections): a chunk of tokens (T > 1) without gradients on the SSE Triton kernels (`sse_attention`'s
-    choice for the GLA base with this `backend`)."""
-    if q1.shape[1] < 2 or torch.is_grad_enabled():
+    projections): a chunk of tokens (T > 1) on the SSE Triton kernels (`sse_attention`'s choice for the GLA
+    base with this `backend`)."""
+    if q1.shape[1] < 2:
         return False
     why = triton_unsupported(q1, v, "gla", chunk_size)
     return resolve_backend(backend, q1.device, op="SSE", has_triton=True, has_naive=True, unsupported=why) == "triton"
@@ -77,10 +76,11 @@ def sse_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: Tensor |
                          z2: Tensor, bias1: Tensor, bias2: Tensor, normalizer: float, probs: Tensor, sel: Tensor,
                          state: SSEState | None = None, *, q2_mode: str = "full", chunk_size: int = 64,
                          topk: int | None = None, precision: str = "auto") -> tuple[Tensor, SSEState]:
-    """The GLA base's SSE of a chunk of tokens without gradients, from the projections: `sse_attention` on
+    """The GLA base's SSE of a chunk of tokens from the projections: `sse_attention` on
     `features.sse_gla_features(q1, k1, q2, k2, v, z1, z2, bias1, bias2, normalizer, q2_mode=q2_mode)`, with
-    the features computed inside the SSE kernels (`triton_sse.sse_triton_from_projections`). Only where
-    `sse_from_projections_takes`; every token real (padding is not zeroed)."""
+    the features computed inside the SSE kernels, forward and backward
+    (`triton_sse.sse_triton_from_projections`). Only where `sse_from_projections_takes`; every token real
+    (padding is not zeroed)."""
     from .triton_sse import sse_triton_from_projections
 
     return sse_triton_from_projections(q1, k1, q2, k2, v, z1, z2, bias1, bias2, normalizer, probs, sel, state,

@@ -36,7 +36,7 @@ from ..triton_launch import jit
 from ..triton_utils import block_size, cdiv, next_power_of_2, read_in_place, rows_per_program
 from ..utils import import_triton, new_output, run_function
 from .recurrent import SSEState, setup
-from .triton_features import _ld, _logsigmoid, _second_at, _softmax
+from .triton_features import _ld, _logsigmoid, _second_at, _silu_grad, _softmax, _softmax_grad
 
 triton, tl = import_triton()
 
@@ -198,22 +198,18 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
                                 chunk_size: int = 64, topk: int | None = None,
                                 precision: str = "ieee") -> tuple[Tensor, SSEState]:
     """`sse_triton` on the GLA base's feature maps and decays of the projections, `sse_gla_features(q1, k1,
-    q2, k2, v, z1, z2, bias1, bias2, normalizer, q2_mode=q2_mode)`, with the same values, for a prefill
-    without gradients: the features are computed where the merged rows are written (`_pack_features`, one
-    kernel in place of the feature kernel and `PackRows`), so that the seven feature tensors are never
-    written out and read back. Inputs as `sse_gla_features` takes them (k1 and v at HK heads, column
-    slices of a packed projection read in place); probs, sel, state, chunk_size, topk, precision as
-    `sse_triton`'s. Returns (o [B, T, H, D] in q1's dtype, new SSEState (fp32))."""
+    q2, k2, v, z1, z2, bias1, bias2, normalizer, q2_mode=q2_mode)`, with the same values and gradients: the
+    features are computed where the merged rows are written (`PackFeatures`: one kernel in place of the
+    feature kernel and `PackRows` each way), so that the seven feature tensors are never written out and read
+    back. Inputs as `sse_gla_features` takes them (k1 and v at HK heads, column slices of a packed projection
+    read in place); probs, sel, state, chunk_size, topk, precision as `sse_triton`'s. Differentiable in every
+    tensor but sel. Returns (o [B, T, H, D] in q1's dtype, new SSEState (fp32))."""
     from .features import MAX_DIM, Q2_MODES
-    from .triton_features import ELEMENTS, MODES
 
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q1, k1, q2, k2, v, z1, z2, probs)):
-        raise ValueError("sse_triton_from_projections computes no gradients; with gradients run sse_gla_features "
-                         "and sse_triton")
     if q2_mode not in Q2_MODES:
         raise ValueError(f"q2_mode must be one of {Q2_MODES}; got {q2_mode!r}")
     B, T, H, D = q1.shape
-    HK, N = k1.shape[2], probs.shape[-1]
+    N = probs.shape[-1]
     if D > MAX_DIM or probs.shape != (B, T, N) or sel.shape != probs.shape or sel.dtype != torch.bool:
         raise ValueError(f"head dim {D} (at most {MAX_DIM}), probs {list(probs.shape)} and sel {list(sel.shape)} "
                          f"{sel.dtype} (both [B={B}, T={T}, N], sel bool)")
@@ -225,20 +221,72 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
         raise ValueError(f"topk must be in [1, N={N}]; got {topk}")
     src, cu, inv = group_rows(sel, K)
     if q2_mode == "same":
-        q2 = k2 = q1  # placeholders the kernel does not read
-    xs, strides = zip(*(read_in_place(t) for t in (q1, k1, q2, k2, v, z1, z2)), strict=True)
-    BT, R, dev = B * T, src.shape[0], q1.device
-    qa, ka, va = (new_output((BT + R, H, D), dev, q1.dtype) for _ in range(3))
-    ga = new_output((BT + R, H, D), dev)  # fp32
-    BD = block_size(D, 1)
-    BR = rows_per_program(BD, ELEMENTS)
-    n = (BT + R) * H
-    if n:
-        _pack_features[(cdiv(n, BR),)](*xs, bias1.contiguous(), bias2.contiguous(), probs.reshape(-1).contiguous(),
-                                       src, cu, qa, ka, va, ga, n, BT, B, 1.0 / normalizer, *strides, H, HK, N, D,
-                                       BD, BR, MODES[q2_mode], num_warps=4)
+        q2 = k2 = q1  # placeholders the kernels do not read
+    grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs))
+    qa, ka, va, ga = run_function(PackFeatures, q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs, src, cu, inv,
+                                  float(normalizer), q2_mode, grad)
     return _merged_gla(qa, ka, va, ga, src, cu, inv, state, B, T, N, q1.dtype, chunk_size, precision)
 
+
+class PackFeatures(torch.autograd.Function):
+    """`sse_gla_features` then `PackRows`, one kernel each way (`_pack_features`, `_pack_features_bwd`):
+    the merged rows [B T + R, H, D] (q, k in q1's dtype, v in v's, g fp32) of the projections q1, k1 (and
+    v at HK heads), q2, k2 (as q2_mode reads them), z1, z2, the decay biases, the router probabilities and
+    `group_rows`' src, cu, inv. The inputs are read in place where their tokens are rows of one stride and
+    saved so (views); nothing is saved when `grad` is False."""
+
+    @staticmethod
+    def forward(ctx, q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs, src, cu, inv, normalizer, q2_mode, grad):
+        from .triton_features import ELEMENTS, MODES
+
+        B, T, H, D = q1.shape
+        HK, N = k1.shape[2], probs.shape[-1]
+        xs, strides = zip(*(read_in_place(t) for t in (q1, k1, q2, k2, v, z1, z2)), strict=True)
+        biases, pf = (bias1.contiguous(), bias2.contiguous()), probs.reshape(-1).contiguous()
+        BT, R, dev, mode = B * T, src.shape[0], q1.device, MODES[q2_mode]
+        qa, ka, va = (new_output((BT + R, H, D), dev, q1.dtype) for _ in range(3))
+        ga = new_output((BT + R, H, D), dev)  # fp32
+        BD = block_size(D, 1)
+        BR = rows_per_program(BD, ELEMENTS)
+        n = (BT + R) * H
+        if n:
+            _pack_features[(cdiv(n, BR),)](*xs, *biases, pf, src, cu, qa, ka, va, ga, n, BT, B, 1.0 / normalizer,
+                                           *strides, H, HK, N, D, BD, BR, mode, num_warps=4)
+        if grad:
+            ctx.save_for_backward(*xs, *biases, pf, inv)
+        ctx.meta = (B, T, H, HK, N, D, mode, 1.0 / normalizer, strides, probs.shape, probs.dtype)
+        return qa, ka, va, ga
+
+    @staticmethod
+    def backward(ctx, dqa, dka, dva, dga):
+        q1, k1, q2, k2, v, z1, z2, bias1, bias2, pf, inv = ctx.saved_tensors
+        B, T, H, HK, N, D, mode, inv_norm, strides, probs_shape, probs_dtype = ctx.meta
+        BT, dev, dt = B * T, q1.device, q1.dtype
+        dqa, dka, dva, dga = (x.contiguous() for x in (dqa, dka, dva, dga))
+        # a KV head's gradient sums its query heads': per query head in fp32 first where they are several
+        kv_dtype = dt if HK == H else torch.float32
+        dq1 = new_output((BT, H, D), dev, dt)
+        dq2, dk2 = (new_output((BT, H, D), dev, dt) if mode else dq1 for _ in range(2))  # mode 0: unwritten
+        dk1, dv = (new_output((BT, H, D), dev, kv_dtype) for _ in range(2))
+        dz1, dz2 = (new_output((BT, H * D), dev) for _ in range(2))  # fp32: the biases' gradients sum them
+        dp = new_output((BT * N,), dev)
+        BD = block_size(D)
+        BH = rows_per_program(BD, 2048, block_size(H, 1))
+        if BT:
+            _pack_features_bwd[(BT,)](q1, k1, q2, k2, v, z1, z2, bias1, bias2, pf, inv, dqa, dka, dva, dga,
+                                      dq1, dk1, dq2, dk2, dv, dz1, dz2, dp, BT, inv_norm, *strides, H, HK, N,
+                                      block_size(N, 2), D, BH, BD, mode, num_warps=4)
+        shape = (B, T, H, D)
+        if HK != H:
+            dk1, dv = (t.view(B, T, HK, H // HK, D).sum(3).to(dt) for t in (dk1, dv))
+        dk1, dv = dk1.view(B, T, HK, D), dv.view(B, T, HK, D)
+        dbs = [dz.sum(0).to(b.dtype) if ctx.needs_input_grad[7 + i] else None
+               for i, (dz, b) in enumerate(((dz1, bias1), (dz2, bias2)))]
+        dzs = [dz.view(B, T, H * D).to(z.dtype) for dz, z in ((dz1, z1), (dz2, z2))]
+        dq2, dk2 = (dq2.view(shape), dk2.view(shape)) if mode else (None, None)
+        return (dq1.view(shape), dk1, dq2, dk2, dv, *dzs, *dbs, dp.view(probs_shape).to(probs_dtype),
+                None, None, None, None, None, None)
 
 @jit
 def _merged_rows(SRC, CU, PROBS, n, BT, B, H: tl.constexpr, N: tl.constexpr, BR: tl.constexpr):
@@ -367,6 +415,78 @@ def _pack_rows_bwd(Q2, K2, PROBS, INV, DQA, DKA, DVA, DGA, DV_, DQ2, DK2, DG2, D
         tl.store(DK2 + off_k, b_dk.to(DK2.dtype.element_ty), mask=mk)
         tl.store(DG2 + off_k, b_dg.to(DG2.dtype.element_ty), mask=mk)
         tl.store(DV_ + off_v, b_dv.to(DV_.dtype.element_ty), mask=mv)
+    tl.store(DP + tok * N + on, dp, mask=on < N)
+
+
+@jit
+def _pack_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, PROBS, INV, DQA, DKA, DVA, DGA,
+                       DQ1, DK1, DQ2, DK2, DV, DZ1, DZ2, DP, BT, inv_norm, S_Q1, S_K1, S_Q2, S_K2, S_V, S_Z1, S_Z2,
+                       H: tl.constexpr, HK: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                       BH: tl.constexpr, BD: tl.constexpr, MODE: tl.constexpr):
+    """`_pack_rows_bwd` and `sse_features_bwd` in one, one program per token: the merged rows' gradients
+    gathered as `_pack_rows_bwd` gathers them (through INV) and rounded where its outputs are, the feature
+    maps recomputed from the projections, then the projections' gradients as `sse_features_bwd` gives them
+    (DK1 and DV per query head, DQ2 / DK2 for MODE 1 and 2), the decays' pre-activation gradients (fp32) and
+    the router probabilities' (fp32)."""
+    tok = tl.program_id(0).to(tl.int64)
+    on = tl.arange(0, BN)
+    dp = tl.zeros([BN], dtype=tl.float32)
+    cols = tl.arange(0, BD)
+    m_d = cols < D
+    dt = DQ1.dtype.element_ty
+    for h0 in range(0, H, BH):
+        hh = h0 + tl.arange(0, BH)
+        mh = hh < H
+        mk = mh[:, None] & m_d[None, :]
+        col = hh[:, None] * D + cols[None, :]
+        col_kv = (hh // (H // HK))[:, None] * D + cols[None, :]
+        own = (tok * H + hh)[:, None] * D + cols[None, :]  # the token's shared row; its outputs' offsets
+        x1 = _ld(Q1, tok * S_Q1 + col, mk)
+        x2 = _second_at(x1, Q2, tok * S_Q2 + col, mk, MODE)
+        y1 = _ld(K1, tok * S_K1 + col_kv, mk)
+        y2 = _second_at(y1, K2, tok * S_K2 + col, mk, MODE)
+        f_q2 = (x2 * tl.sigmoid(x2)).to(dt).to(tl.float32)
+        f_k2 = _softmax(y2, m_d).to(dt).to(tl.float32)
+        b_dv = _ld(DVA, own, mk)
+        b_dq = tl.zeros([BH, BD], dtype=tl.float32)
+        b_dk = tl.zeros([BH, BD], dtype=tl.float32)
+        b_dg = tl.zeros([BH, BD], dtype=tl.float32)
+        for i in tl.static_range(N):
+            row = tl.load(INV + tok * N + i + tl.zeros([BH], dtype=tl.int64))  # the same row for every head
+            on_i = mk & (row >= 0)[:, None]
+            p = tl.where(row >= 0, tl.load(PROBS + tok * N + i + tl.zeros([BH], dtype=tl.int64)), 0.0)
+            p = p.to(tl.float32)[:, None]
+            off = ((BT + tl.maximum(row, 0)) * H + hh)[:, None] * D + cols[None, :]
+            a = _ld(DQA, off, on_i)
+            c = _ld(DKA, off, on_i)
+            b_dq += p * a
+            b_dk += p * c
+            b_dg += _ld(DGA, off, on_i)
+            b_dv += _ld(DVA, off, on_i)
+            dp += tl.where(on == i, tl.sum(tl.sum(a * f_q2 + c * f_k2, 1), 0), 0.0)
+        # the merged rows' gradients as PackRows hands them on (its outputs' dtypes), then the features'
+        dq = _silu_grad(x2, b_dq.to(dt).to(tl.float32))
+        if MODE != 0:
+            tl.store(DQ2 + own, dq.to(dt), mask=mk)
+        if MODE != 2:
+            dq += _silu_grad(x1, _ld(DQA, own, mk).to(dt).to(tl.float32))
+        else:
+            dq = _silu_grad(x1, _ld(DQA, own, mk).to(dt).to(tl.float32))
+        tl.store(DQ1 + own, dq.to(dt), mask=mk)
+        dk = _softmax_grad(y2, b_dk.to(dt).to(tl.float32), m_d)
+        if MODE != 0:
+            tl.store(DK2 + own, dk.to(dt), mask=mk)
+        if MODE != 2:
+            dk += _softmax_grad(y1, _ld(DKA, own, mk).to(dt).to(tl.float32), m_d)
+        else:
+            dk = _softmax_grad(y1, _ld(DKA, own, mk).to(dt).to(tl.float32), m_d)
+        tl.store(DK1 + own, dk.to(DK1.dtype.element_ty), mask=mk)
+        xv = _ld(V, tok * S_V + col_kv, mk)
+        tl.store(DV + own, _silu_grad(xv, b_dv.to(dt).to(tl.float32)).to(DV.dtype.element_ty), mask=mk)
+        z = _ld(Z1, tok * S_Z1 + col, mk) + _ld(B1, col, mk)
+        tl.store(DZ1 + own, _ld(DGA, own, mk) * inv_norm * tl.sigmoid(-z), mask=mk)
+        z = _ld(Z2, tok * S_Z2 + col, mk) + _ld(B2, col, mk)
+        tl.store(DZ2 + own, b_dg * inv_norm * tl.sigmoid(-z), mask=mk)
     tl.store(DP + tok * N + on, dp, mask=on < N)
 
 
