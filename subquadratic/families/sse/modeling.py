@@ -271,9 +271,8 @@ class SSEAttention(WindowBranch, AttentionBase):
                 q1, k1, q2, k2, v = self.project_sse(x, p, offsets)
                 xs, mode = (q1, k1, q2, k2, v, z1, z2, self.g1_bias, self.g2_bias), "full"
                 kernel = self.features_take_kernel(xs, mode)
-            # a chunk of real tokens (no padding to zero): the features computed inside the SSE kernels
-            from_projections = (kernel and not packed and seq.padding_unread
-                                and sse_from_projections_takes(q1, v, cfg.sse_chunk_size, cfg.kernel_backend))
+            # the features computed inside the SSE kernels (padding's zeroed there)
+            from_projections = kernel and sse_from_projections_takes(q1, v, cfg.sse_chunk_size, cfg.kernel_backend)
             if from_projections:
                 pass
             elif kernel:
@@ -289,7 +288,10 @@ class SSEAttention(WindowBranch, AttentionBase):
             v = F.silu(v)
             g1, g2, beta = self.decays(x)
         logits = p["router"]
-        if packed:  # the recurrence runs one document per right-padded row
+        if packed and from_projections:  # the recurrence runs one document per right-padded row
+            xs = (*(None if t is None else seq.documents.unpack(t) for t in xs[:7]), *xs[7:])  # not the biases
+            logits = seq.documents.unpack(logits)
+        elif packed:
             q1, k1, q2, k2, v, g1, g2, logits = (seq.documents.unpack(t) for t in (q1, k1, q2, k2, v, g1, g2, logits))
             beta = None if beta is None else seq.documents.unpack(beta)
         # [B, T, N], sel False at padding
@@ -301,7 +303,7 @@ class SSEAttention(WindowBranch, AttentionBase):
         # padding: no read, no write, no decay (nothing to mask where no real token reads the padding)
         valid = seq.valid
         tok = valid[:, :, None, None]
-        if not seq.padding_unread:
+        if not seq.padding_unread and not from_projections:
             q1, k1, q2, k2, v = (torch.where(tok, t, 0.0) for t in (q1, k1, q2, k2, v))
             gmask = tok if g1.dim() == 4 else valid[:, :, None]
             g1, g2 = torch.where(gmask, g1, 0.0), torch.where(gmask, g2, 0.0)
@@ -310,9 +312,11 @@ class SSEAttention(WindowBranch, AttentionBase):
 
         state = cache_layer.read() if cache_layer is not None else None
         if from_projections:
+            # padding zeroed in the kernels: a packed batch's too (unread, but zero keeps the two-step values)
             o, state = sse_from_projections(*xs, cfg.sse_gate_normalizer, probs, sel, state, q2_mode=mode,
                                             chunk_size=cfg.sse_chunk_size, topk=cfg.sse_top_k,
-                                            precision=cfg.kernel_precision)
+                                            precision=cfg.kernel_precision,
+                                            valid=None if seq.causal or seq.new_real else valid)
         else:
             o, state = sse_attention(
                 q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=cfg.sse_base, beta=beta,

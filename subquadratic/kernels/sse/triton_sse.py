@@ -195,15 +195,17 @@ def _merged_gla(qa: Tensor, ka: Tensor, va: Tensor, ga: Tensor, src: Tensor, cu:
 def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: Tensor | None, v: Tensor, z1: Tensor,
                                 z2: Tensor, bias1: Tensor, bias2: Tensor, normalizer: float, probs: Tensor,
                                 sel: Tensor, state: SSEState | None = None, *, q2_mode: str = "full",
-                                chunk_size: int = 64, topk: int | None = None,
-                                precision: str = "ieee") -> tuple[Tensor, SSEState]:
+                                chunk_size: int = 64, topk: int | None = None, precision: str = "ieee",
+                                valid: Tensor | None = None) -> tuple[Tensor, SSEState]:
     """`sse_triton` on the GLA base's feature maps and decays of the projections, `sse_gla_features(q1, k1,
     q2, k2, v, z1, z2, bias1, bias2, normalizer, q2_mode=q2_mode)`, with the same values and gradients: the
     features are computed where the merged rows are written (`PackFeatures`: one kernel in place of the
     feature kernel and `PackRows` each way), so that the seven feature tensors are never written out and read
     back. Inputs as `sse_gla_features` takes them (k1 and v at HK heads, column slices of a packed projection
-    read in place); probs, sel, state, chunk_size, topk, precision as `sse_triton`'s. Differentiable in every
-    tensor but sel. Returns (o [B, T, H, D] in q1's dtype, new SSEState (fp32))."""
+    read in place); probs, sel, state, chunk_size, topk, precision as `sse_triton`'s; `valid` [B, T] bool
+    (None: every token real): a padding token's features are 0, as the model zeroes them for the two steps
+    (it neither reads, writes nor decays a state; sel must be False there). Differentiable in every tensor but
+    sel. Returns (o [B, T, H, D] in q1's dtype, new SSEState (fp32))."""
     from .features import MAX_DIM, Q2_MODES
 
     if q2_mode not in Q2_MODES:
@@ -213,6 +215,8 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
     if D > MAX_DIM or probs.shape != (B, T, N) or sel.shape != probs.shape or sel.dtype != torch.bool:
         raise ValueError(f"head dim {D} (at most {MAX_DIM}), probs {list(probs.shape)} and sel {list(sel.shape)} "
                          f"{sel.dtype} (both [B={B}, T={T}, N], sel bool)")
+    if valid is not None and (valid.shape != (B, T) or valid.dtype != torch.bool):
+        raise ValueError(f"valid must be a [B={B}, T={T}] bool mask; got {list(valid.shape)} {valid.dtype}")
     if state is not None and (state.shared.shape != (B, H, D, D) or state.parts.shape != (B, N, H, D, D)):
         raise ValueError(f"state must have shared [B, H, Dk, Dv] = {[B, H, D, D]} and parts [B, N, H, Dk, Dv] = "
                          f"{[B, N, H, D, D]}; got {list(state.shared.shape)} and {list(state.parts.shape)}")
@@ -225,7 +229,7 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
     grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs))
     qa, ka, va, ga = run_function(PackFeatures, q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs, src, cu, inv,
-                                  float(normalizer), q2_mode, grad)
+                                  valid, float(normalizer), q2_mode, grad)
     return _merged_gla(qa, ka, va, ga, src, cu, inv, state, B, T, N, q1.dtype, chunk_size, precision)
 
 
@@ -233,17 +237,20 @@ class PackFeatures(torch.autograd.Function):
     """`sse_gla_features` then `PackRows`, one kernel each way (`_pack_features`, `_pack_features_bwd`):
     the merged rows [B T + R, H, D] (q, k in q1's dtype, v in v's, g fp32) of the projections q1, k1 (and
     v at HK heads), q2, k2 (as q2_mode reads them), z1, z2, the decay biases, the router probabilities and
-    `group_rows`' src, cu, inv. The inputs are read in place where their tokens are rows of one stride and
-    saved so (views); nothing is saved when `grad` is False."""
+    `group_rows`' src, cu, inv; a padding token's (valid False; None: none) features are 0. The inputs are
+    read in place where their tokens are rows of one stride and saved so (views); nothing is saved when
+    `grad` is False."""
 
     @staticmethod
-    def forward(ctx, q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs, src, cu, inv, normalizer, q2_mode, grad):
+    def forward(ctx, q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs, src, cu, inv, valid, normalizer, q2_mode,
+                grad):
         from .triton_features import ELEMENTS, MODES
 
         B, T, H, D = q1.shape
         HK, N = k1.shape[2], probs.shape[-1]
         xs, strides = zip(*(read_in_place(t) for t in (q1, k1, q2, k2, v, z1, z2)), strict=True)
         biases, pf = (bias1.contiguous(), bias2.contiguous()), probs.reshape(-1).contiguous()
+        vi = valid.contiguous().view(torch.int8) if valid is not None else pf  # (not read without valid)
         BT, R, dev, mode = B * T, src.shape[0], q1.device, MODES[q2_mode]
         qa, ka, va = (new_output((BT + R, H, D), dev, q1.dtype) for _ in range(3))
         ga = new_output((BT + R, H, D), dev)  # fp32
@@ -251,16 +258,18 @@ class PackFeatures(torch.autograd.Function):
         BR = rows_per_program(BD, ELEMENTS)
         n = (BT + R) * H
         if n:
-            _pack_features[(cdiv(n, BR),)](*xs, *biases, pf, src, cu, qa, ka, va, ga, n, BT, B, 1.0 / normalizer,
-                                           *strides, H, HK, N, D, BD, BR, mode, num_warps=4)
+            _pack_features[(cdiv(n, BR),)](*xs, *biases, pf, src, cu, vi, qa, ka, va, ga, n, BT, B,
+                                           1.0 / normalizer, *strides, H, HK, N, D, BD, BR, mode, valid is not None,
+                                           num_warps=4)
         if grad:
-            ctx.save_for_backward(*xs, *biases, pf, inv)
+            ctx.save_for_backward(*xs, *biases, pf, inv, vi)
+        ctx.has_valid = valid is not None
         ctx.meta = (B, T, H, HK, N, D, mode, 1.0 / normalizer, strides, probs.shape, probs.dtype)
         return qa, ka, va, ga
 
     @staticmethod
     def backward(ctx, dqa, dka, dva, dga):
-        q1, k1, q2, k2, v, z1, z2, bias1, bias2, pf, inv = ctx.saved_tensors
+        q1, k1, q2, k2, v, z1, z2, bias1, bias2, pf, inv, vi = ctx.saved_tensors
         B, T, H, HK, N, D, mode, inv_norm, strides, probs_shape, probs_dtype = ctx.meta
         BT, dev, dt = B * T, q1.device, q1.dtype
         dqa, dka, dva, dga = (x.contiguous() for x in (dqa, dka, dva, dga))
@@ -274,9 +283,9 @@ class PackFeatures(torch.autograd.Function):
         BD = block_size(D)
         BH = rows_per_program(BD, 2048, block_size(H, 1))
         if BT:
-            _pack_features_bwd[(BT,)](q1, k1, q2, k2, v, z1, z2, bias1, bias2, pf, inv, dqa, dka, dva, dga,
+            _pack_features_bwd[(BT,)](q1, k1, q2, k2, v, z1, z2, bias1, bias2, pf, inv, vi, dqa, dka, dva, dga,
                                       dq1, dk1, dq2, dk2, dv, dz1, dz2, dp, BT, inv_norm, *strides, H, HK, N,
-                                      block_size(N, 2), D, BH, BD, mode, num_warps=4)
+                                      block_size(N, 2), D, BH, BD, mode, ctx.has_valid, num_warps=4)
         shape = (B, T, H, D)
         if HK != H:
             dk1, dv = (t.view(B, T, HK, H // HK, D).sum(3).to(dt) for t in (dk1, dv))
@@ -286,7 +295,7 @@ class PackFeatures(torch.autograd.Function):
         dzs = [dz.view(B, T, H * D).to(z.dtype) for dz, z in ((dz1, z1), (dz2, z2))]
         dq2, dk2 = (dq2.view(shape), dk2.view(shape)) if mode else (None, None)
         return (dq1.view(shape), dk1, dq2, dk2, dv, *dzs, *dbs, dp.view(probs_shape).to(probs_dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 @jit
 def _merged_rows(SRC, CU, PROBS, n, BT, B, H: tl.constexpr, N: tl.constexpr, BR: tl.constexpr):
@@ -336,20 +345,24 @@ def _pack_rows(Q1, K1, V, G1, Q2, K2, G2, PROBS, SRC, CU, QA, KA, VA, GA, n, BT,
 
 
 @jit
-def _pack_features(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, PROBS, SRC, CU, QA, KA, VA, GA, n, BT, B, inv_norm,
+def _pack_features(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, PROBS, SRC, CU, VALID, QA, KA, VA, GA, n, BT, B, inv_norm,
                    S_Q1, S_K1, S_Q2, S_K2, S_V, S_Z1, S_Z2, H: tl.constexpr, HK: tl.constexpr, N: tl.constexpr,
-                   D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, MODE: tl.constexpr):
+                   D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, MODE: tl.constexpr, HAS_VALID: tl.constexpr):
     """`sse_features_fwd` and `_pack_rows` in one: the merged rows' (row, head) pairs m = r * H + h as
     `_pack_rows` takes them, each computing its token's feature maps from the projections (read as
     `sse_features_fwd` reads them: tokens S_* elements apart, K1 and V at HK heads, MODE its `_second`)
     and rounding them where the two kernels round: a feature to q1's dtype, then p q2 / p k2 in fp32 rounded
-    once, the decays in fp32."""
+    once, the decays in fp32. With HAS_VALID the features of a token VALID marks 0 (padding) are 0, as the
+    model zeroes them before the two kernels."""
     m_idx, m_r, hd, shared, valid, p, tok = _merged_rows(SRC, CU, PROBS, n, BT, B, H, N, BR)
     p, tok = p[:, None], tok[:, None]
     cols = tl.arange(0, BD)
     m_d = cols < D
     mk = m_r[:, None] & m_d[None, :]
-    ms, mp = mk & shared[:, None], mk & ~shared[:, None]
+    real = mk
+    if HAS_VALID:
+        real = mk & (tl.load(VALID + tok, mask=mk, other=0) != 0)
+    ms, mp = real & shared[:, None], mk & ~shared[:, None]
     col = hd[:, None] * D + cols[None, :]  # the head's columns of a token's [H, D] row (and of the biases)
     col_kv = (hd // (H // HK))[:, None] * D + cols[None, :]
     dst = m_idx.to(tl.int64)[:, None] * D + cols[None, :]
@@ -365,7 +378,7 @@ def _pack_features(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, PROBS, SRC, CU, QA, KA, VA
     f2 = _softmax(x2, m_d).to(dt).to(tl.float32)
     tl.store(KA + dst, (tl.where(ms, f1, 0.0) + tl.where(mp, f2, 0.0) * p).to(dt), mask=mk)
     x1 = _ld(V, tok * S_V + col_kv, mk)
-    tl.store(VA + dst, (x1 * tl.sigmoid(x1)).to(dt).to(VA.dtype.element_ty), mask=mk)
+    tl.store(VA + dst, tl.where(real, (x1 * tl.sigmoid(x1)).to(dt), 0.0).to(VA.dtype.element_ty), mask=mk)
     g = tl.where(ms, _logsigmoid(_ld(Z1, tok * S_Z1 + col, ms) + _ld(B1, col, ms)) * inv_norm, 0.0)
     z = _ld(Z2, tok * S_Z2 + col, mp) + _ld(B2, col, mp)
     tl.store(GA + dst, g + tl.where(mp & valid[:, None], _logsigmoid(z) * inv_norm, 0.0), mask=mk)
@@ -419,16 +432,19 @@ def _pack_rows_bwd(Q2, K2, PROBS, INV, DQA, DKA, DVA, DGA, DV_, DQ2, DK2, DG2, D
 
 
 @jit
-def _pack_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, PROBS, INV, DQA, DKA, DVA, DGA,
+def _pack_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, PROBS, INV, VALID, DQA, DKA, DVA, DGA,
                        DQ1, DK1, DQ2, DK2, DV, DZ1, DZ2, DP, BT, inv_norm, S_Q1, S_K1, S_Q2, S_K2, S_V, S_Z1, S_Z2,
                        H: tl.constexpr, HK: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                       BH: tl.constexpr, BD: tl.constexpr, MODE: tl.constexpr):
+                       BH: tl.constexpr, BD: tl.constexpr, MODE: tl.constexpr, HAS_VALID: tl.constexpr):
     """`_pack_rows_bwd` and `sse_features_bwd` in one, one program per token: the merged rows' gradients
     gathered as `_pack_rows_bwd` gathers them (through INV) and rounded where its outputs are, the feature
     maps recomputed from the projections, then the projections' gradients as `sse_features_bwd` gives them
     (DK1 and DV per query head, DQ2 / DK2 for MODE 1 and 2), the decays' pre-activation gradients (fp32) and
-    the router probabilities' (fp32)."""
+    the router probabilities' (fp32). With HAS_VALID a padding token's gradients are 0 (its features were)."""
     tok = tl.program_id(0).to(tl.int64)
+    keep = 1.0
+    if HAS_VALID:
+        keep = (tl.load(VALID + tok) != 0).to(tl.float32)
     on = tl.arange(0, BN)
     dp = tl.zeros([BN], dtype=tl.float32)
     cols = tl.arange(0, BD)
@@ -467,26 +483,26 @@ def _pack_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, PROBS, INV, DQA, DKA, 
         # the merged rows' gradients as PackRows hands them on (its outputs' dtypes), then the features'
         dq = _silu_grad(x2, b_dq.to(dt).to(tl.float32))
         if MODE != 0:
-            tl.store(DQ2 + own, dq.to(dt), mask=mk)
+            tl.store(DQ2 + own, (dq * keep).to(dt), mask=mk)
         if MODE != 2:
             dq += _silu_grad(x1, _ld(DQA, own, mk).to(dt).to(tl.float32))
         else:
             dq = _silu_grad(x1, _ld(DQA, own, mk).to(dt).to(tl.float32))
-        tl.store(DQ1 + own, dq.to(dt), mask=mk)
+        tl.store(DQ1 + own, (dq * keep).to(dt), mask=mk)
         dk = _softmax_grad(y2, b_dk.to(dt).to(tl.float32), m_d)
         if MODE != 0:
-            tl.store(DK2 + own, dk.to(dt), mask=mk)
+            tl.store(DK2 + own, (dk * keep).to(dt), mask=mk)
         if MODE != 2:
             dk += _softmax_grad(y1, _ld(DKA, own, mk).to(dt).to(tl.float32), m_d)
         else:
             dk = _softmax_grad(y1, _ld(DKA, own, mk).to(dt).to(tl.float32), m_d)
-        tl.store(DK1 + own, dk.to(DK1.dtype.element_ty), mask=mk)
+        tl.store(DK1 + own, (dk * keep).to(DK1.dtype.element_ty), mask=mk)
         xv = _ld(V, tok * S_V + col_kv, mk)
-        tl.store(DV + own, _silu_grad(xv, b_dv.to(dt).to(tl.float32)).to(DV.dtype.element_ty), mask=mk)
+        tl.store(DV + own, (_silu_grad(xv, b_dv.to(dt).to(tl.float32)) * keep).to(DV.dtype.element_ty), mask=mk)
         z = _ld(Z1, tok * S_Z1 + col, mk) + _ld(B1, col, mk)
-        tl.store(DZ1 + own, _ld(DGA, own, mk) * inv_norm * tl.sigmoid(-z), mask=mk)
+        tl.store(DZ1 + own, _ld(DGA, own, mk) * inv_norm * tl.sigmoid(-z) * keep, mask=mk)
         z = _ld(Z2, tok * S_Z2 + col, mk) + _ld(B2, col, mk)
-        tl.store(DZ2 + own, b_dg * inv_norm * tl.sigmoid(-z), mask=mk)
+        tl.store(DZ2 + own, b_dg * inv_norm * tl.sigmoid(-z) * keep, mask=mk)
     tl.store(DP + tok * N + on, dp, mask=on < N)
 
 

@@ -50,8 +50,11 @@ def projections(B, T, H, HK, D, N, seed, dtype, mode, pad=0):
     return cut, (packed.to(DEV, dtype), *biases), logits, valid
 
 
-def two_steps(xs, normalizer, probs, sel, state, mode, topk, chunk):
+def two_steps(xs, normalizer, probs, sel, state, mode, topk, chunk, valid=None):
+    """The feature kernel, a padding token's features zeroed (as the model does), then `sse_triton`."""
     feats = sse_gla_features(*xs, normalizer, backend="triton", q2_mode=mode)
+    if valid is not None:
+        feats = [torch.where(valid[:, :, None, None], t, 0.0) for t in feats]
     return sse_triton(*feats, probs, sel, state, chunk_size=chunk, topk=topk)
 
 
@@ -83,10 +86,12 @@ def test_equals_features_then_sse_triton(dtype, mode, H, HK, N, topk, pad, chunk
     if carried:
         state = SSEState(torch.randn(B, H, D, D, generator=g).to(DEV), torch.randn(B, N, H, D, D, generator=g).to(DEV))
     logits = logits.to(dtype)
-    want, want_g = outputs_and_grads(lambda x, p, s, st: two_steps(x, 16.0, p, s, st, mode, topk, chunk),
+    mask = valid if pad else None  # padding: its features zeroed on both paths
+    want, want_g = outputs_and_grads(lambda x, p, s, st: two_steps(x, 16.0, p, s, st, mode, topk, chunk, mask),
                                      cut, leaves, logits, valid, state, topk)
     got, got_g = outputs_and_grads(lambda x, p, s, st: sse_triton_from_projections(
-        *x, 16.0, p, s, st, q2_mode=mode, chunk_size=chunk, topk=topk), cut, leaves, logits, valid, state, topk)
+        *x, 16.0, p, s, st, q2_mode=mode, chunk_size=chunk, topk=topk, valid=mask), cut, leaves, logits, valid,
+        state, topk)
     assert got[0].dtype == dtype and got[0].shape == (B, T, H, D)
     assert torch.isfinite(got[0]).all()
     for name, a, b in zip(("o", "shared", "parts"), got, want, strict=True):
@@ -101,7 +106,7 @@ def test_equals_features_then_sse_triton(dtype, mode, H, HK, N, topk, pad, chunk
             torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"gradient {i}")
     with torch.no_grad():  # without gradients: the same values, nothing kept for a backward
         o, new = sse_triton_from_projections(*cut(*leaves), 16.0, *router_topk(logits, topk, valid), state,
-                                             q2_mode=mode, chunk_size=chunk, topk=topk)
+                                             q2_mode=mode, chunk_size=chunk, topk=topk, valid=mask)
     assert torch.equal(o, want[0]) and torch.equal(new.parts, want[2])
 
 
@@ -140,6 +145,8 @@ def test_refuses_bad_input():
     with pytest.raises(ValueError, match="state"):
         bad = SSEState(torch.zeros(1, 2, 16, 16), torch.zeros(1, 3, 2, 16, 16))
         sse_triton_from_projections(*xs, 16.0, probs, sel, bad, q2_mode="offset", topk=1)
+    with pytest.raises(ValueError, match="valid"):
+        sse_triton_from_projections(*xs, 16.0, probs, sel, q2_mode="offset", topk=1, valid=valid.int())
 
 
 @pytest.mark.gpu
@@ -165,12 +172,21 @@ def test_gpu_bf16_layer_shape():
         assert err < 1e-2, (i, err)
 
 
-@pytest.mark.parametrize("preset,kv_heads", [("tiny-h", "source"), ("tiny-swa", "query")])
-def test_the_model_takes_it_with_the_two_step_values(preset, kv_heads, monkeypatch, one_thread):
+#: SSE-H's layout (K / V at the source's heads, a window branch on the SSE layer's q / k / v, a softmax layer)
+#: in three layers; and a window branch of its own q / k / v with K / V at the query heads
+MODELS = [("tiny-swa", dict(sse_kv_heads="source", sse_window_qkv="shared", sse_window_sinks=2, num_hidden_layers=3,
+                            mixer_types=["sse", "full_attention", "sse"]), True),
+          ("tiny-swa", dict(sse_kv_heads="query"), False)]
+
+
+@pytest.mark.parametrize("preset,overrides,full", MODELS)
+def test_the_model_takes_it_with_the_two_step_values(preset, overrides, full, monkeypatch, one_thread):
     """Every token real (as on CUDA; here the kernels forced under the interpreter): the SSE layers take
     `sse_from_projections`, and a prefill's logits and cached states, the greedy continuation from that
-    cache, and a training step's loss and every parameter's gradient equal the two-step kernels' (the
-    feature kernel, then `sse_triton`) bit for bit; a call with padding keeps the two-step path."""
+    cache, a left-padded prefill's logits, and a training step's loss and every parameter's gradient, of a
+    plain batch and a packed one (documents one per right-padded row inside the layer), equal the two-step
+    kernels' (the feature kernel, then `sse_triton`) bit for bit (the second case, a
+    window branch with K / V at the query heads: the plain prefill and training step only)."""
     from subquadratic.families.sse import modeling as sse_modeling
     from subquadratic.kernels import sse as sse_kernels
     from subquadratic.kernels.sse import features
@@ -193,36 +209,47 @@ def test_the_model_takes_it_with_the_two_step_values(preset, kv_heads, monkeypat
                         lambda *xs, **kw: features.sse_gla_features_unsupported(*xs, **kw) is None)
     monkeypatch.setattr(sse_modeling, "sse_attention", two_step)
     monkeypatch.setattr(sse_modeling, "sse_from_projections", lambda *a, **kw: calls.append(1) or real_from(*a, **kw))
-    m = lively(preset, 0, sse_kv_heads=kv_heads).to(DEV)
+    m = lively(preset, 0, **overrides).to(DEV)
     n_sse = m.config.mixer_types.count("sse")
-    ids = torch.randint(3, 128, (2, 21), generator=torch.Generator().manual_seed(1)).to(DEV)
+    ids = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(1)).to(DEV)
+    # two documents packed into one row, position ids restarting at each (DataCollatorWithFlattening's layout)
+    packed = {"input_ids": torch.cat([ids[0, :11], ids[1, :15]])[None],
+              "position_ids": torch.cat([torch.arange(11), torch.arange(15)])[None].to(DEV)}
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    padded = {"input_ids": ids, "attention_mask": mask}
     results = []
     for fused in (True, False):
         monkeypatch.setattr(sse_modeling, "sse_from_projections_takes", takes if fused else lambda *a: False)
         with torch.no_grad():
             out = m(ids, use_cache=True)
+            padded_logits = m(**padded, use_cache=True).logits if full else None
         states = [layer.tensors[k].clone() for layer in out.past_key_values.layers if "shared" in layer.tensors
                   for k in ("shared", "parts")]
-        gen = m.generate(ids, max_new_tokens=3, do_sample=False, **GEN)
-        m.zero_grad()
-        loss = m(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-        results.append((out.logits, states, gen, loss.detach(), grads))
-    assert len(calls) == 3 * n_sse > 0  # the prefill, generate()'s prefill (none of its steps), the training call
-    (a_logits, a_states, a_gen, a_loss, a_grads), (b_logits, b_states, b_gen, b_loss, b_grads) = results
+        gen = m.generate(ids, max_new_tokens=2, do_sample=False, **GEN) if full else None
+        trained = []
+        for batch in ({"input_ids": ids}, packed)[:2 if full else 1]:
+            m.zero_grad()
+            loss = m(**batch, labels=batch["input_ids"], use_cache=False).loss
+            loss.backward()
+            trained.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+        results.append((out.logits, padded_logits, states, gen, trained))
+    # the two prefills, generate()'s prefill (none of its steps), the two training calls
+    assert len(calls) == (5 if full else 2) * n_sse > 0
+    (a_logits, a_padded, a_states, a_gen, a_trained), (b_logits, b_padded, b_states, b_gen, b_trained) = results
     assert torch.equal(a_logits, b_logits)
     assert len(a_states) == 2 * n_sse and all(torch.equal(x, y) for x, y in zip(a_states, b_states, strict=True))
-    assert torch.equal(a_gen, b_gen) and torch.equal(a_loss, b_loss)
-    assert a_grads.keys() == b_grads.keys() and any("g1_bias" in n for n in a_grads)
-    for n, g in a_grads.items():
-        if DEV == "cpu":
-            assert torch.equal(g, b_grads[n]), n
-        else:  # the backward's row sums may be ordered otherwise than the feature kernel's on a GPU
-            torch.testing.assert_close(g, b_grads[n], rtol=1e-4, atol=1e-6, msg=n)
-    monkeypatch.setattr(sse_modeling, "sse_from_projections_takes", takes)
-    monkeypatch.setattr(sse_modeling, "sse_from_projections", lambda *a, **kw: pytest.fail("taken"))
-    with torch.no_grad():
-        mask = torch.ones_like(ids)
-        mask[1, :3] = 0
-        m(ids, attention_mask=mask, use_cache=True)  # padding
+    if full:
+        assert torch.equal(a_padded, b_padded) and torch.equal(a_gen, b_gen)
+    names = ("plain", "packed")[:len(a_trained)]
+    for batch, (a_loss, a_grads), (b_loss, b_grads) in zip(names, a_trained, b_trained, strict=True):
+        assert torch.equal(a_loss, b_loss), batch
+        assert a_grads.keys() == b_grads.keys() and any("g1_bias" in n for n in a_grads)
+        for n, g in a_grads.items():
+            # on a GPU the backward's row sums may be ordered otherwise than the feature kernel's; a packed
+            # batch's decay biases sum their tokens' gradients in the documents' layout here, in the packed one
+            # there
+            if DEV == "cpu" and not (batch == "packed" and n.endswith("_bias")):
+                assert torch.equal(g, b_grads[n]), (batch, n)
+            else:
+                torch.testing.assert_close(g, b_grads[n], rtol=1e-4, atol=1e-6, msg=f"{batch} {n}")
