@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 from transformers import PreTrainedConfig
 
 from ..kernels.utils import BACKENDS as KERNEL_BACKENDS
@@ -22,6 +23,8 @@ _LEGACY_BACKENDS = {"reference": "torch", "varlen": "torch", "masked": "torch", 
 #: Softmax-attention mixers of the shared decoder; families register theirs (`registry.register_family`).
 SOFTMAX_MIXERS = ("full_attention", "sliding_attention")
 
+
+_compiling = torch.compiler.is_compiling
 
 #: Per config class: the names a read must resolve through the class (data descriptors such as properties,
 #: `attribute_map`'s aliases), filled on a class's first read (`SubquadraticConfig.__getattribute__`).
@@ -128,13 +131,14 @@ class SubquadraticConfig(PreTrainedConfig):
         """A field's value read from the instance's dict directly. Transformers' own read (an alias lookup,
         and in later versions a per-layer check, each a Python-level `__getattribute__`) costs about a
         microsecond, and a forward reads the config some hundreds of times. Names the class resolves itself
-        (properties, aliases) and configs with per-layer values take Transformers' path; a read returns
-        what that path would."""
-        d = object.__getattribute__(self, "__dict__")
-        if key in d and "_heterogeneity_spec" not in d:
-            names = _CLASS_NAMES.get(type(self))
-            if key not in (_class_names(type(self)) if names is None else names):
-                return d[key]
+        (properties, aliases), configs with per-layer values and reads inside a torch.compile trace take
+        Transformers' path; a read returns what that path would."""
+        if not _compiling():  # (a trace takes Transformers' path, which torch.compile knows how to follow)
+            d = object.__getattribute__(self, "__dict__")
+            if key in d and "_heterogeneity_spec" not in d:
+                names = _CLASS_NAMES.get(type(self))
+                if key not in (_class_names(type(self)) if names is None else names):
+                    return d[key]
         return super().__getattribute__(key)
 
     def __post_init__(self, **kwargs):
