@@ -273,12 +273,10 @@ class SSEAttention(WindowBranch, AttentionBase):
                 kernel = self.features_take_kernel(xs, mode)
             # the features computed inside the SSE kernels (padding's zeroed there)
             from_projections = kernel and sse_from_projections_takes(q1, v, cfg.sse_chunk_size, cfg.kernel_backend)
-            if from_projections:
-                pass
-            elif kernel:
+            if kernel and not from_projections:
                 q1, k1, q2, k2, v, g1, g2 = sse_gla_features(*xs, cfg.sse_gate_normalizer, backend="triton",
                                                              q2_mode=mode)
-            else:
+            elif not kernel:
                 q1, q2, k1, k2, v = F.silu(q1), F.silu(q2), self.key_map(k1), self.key_map(k2), F.silu(v)
                 g1, g2, _ = self.decays(x, (z1, z2))
             beta = None

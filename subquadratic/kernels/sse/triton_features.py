@@ -199,23 +199,41 @@ class SSEFeatures(torch.autograd.Function):
         B, T, H, D = q1.shape
         HK, mode = k1.shape[2], ctx.mode
         n_rows = B * T * H
-        # a KV head's gradient sums its query heads': per query head in fp32 first where they are several
-        kv_dtype = q1.dtype if HK == H else torch.float32
-        dq1 = new_output(q1.shape, q1.device, q1.dtype)
-        dq2, dk2 = (new_output(q1.shape, q1.device, q1.dtype) if mode else dq1 for _ in range(2))  # mode 0: unwritten
-        dk1, dv = (new_output(q1.shape, q1.device, kv_dtype) for _ in range(2))
-        dzs = [new_output(q1.shape, q1.device) for _ in range(2)]  # fp32: the biases' gradients sum them
+        outs = feature_grad_outputs(q1, HK, mode)
         BD = block_size(D, 1)
         BR = rows_per_program(BD, ELEMENTS)
         if n_rows:
-            sse_features_bwd[(cdiv(n_rows, BR),)](*xs, *(g.contiguous() for g in grads), dq1, dk1, dq2, dk2, dv,
-                                                         *dzs, n_rows, 1.0 / ctx.normalizer,
-                                                         *ctx.strides, H, HK, D, BD, BR, mode, num_warps=4)
-        if HK != H:
-            dk1, dv = (t.view(B, T, HK, H // HK, D).sum(3).to(q1.dtype) for t in (dk1, dv))
-        if mode == 0:
-            dq2 = dk2 = None
-        dbs = [dz.view(-1, H * D).sum(0).to(bias1.dtype) if ctx.needs_input_grad[7 + i] else None
-               for i, dz in enumerate(dzs)]
-        dzs = [dz.view(B, T, H * D).to(z1.dtype) for dz in dzs]
-        return (dq1, dk1, dq2, dk2, dv, *dzs, *dbs, None, None, None)
+            sse_features_bwd[(cdiv(n_rows, BR),)](*xs, *(g.contiguous() for g in grads), *outs, n_rows,
+                                                  1.0 / ctx.normalizer, *ctx.strides, H, HK, D, BD, BR, mode,
+                                                  num_warps=4)
+        return (*feature_grads(outs, HK, mode, (z1, xs[6]), (bias1, xs[8]), ctx.needs_input_grad[7:9]),
+                None, None, None)
+
+
+def feature_grad_outputs(q1: torch.Tensor, HK: int, mode: int) -> tuple[torch.Tensor, ...]:
+    """The feature backward kernels' outputs for q1 [B, T, H, D]: dq1, dk1, dq2, dk2, dv, dz1, dz2, each of
+    q1's shape; dk1 and dv per query head (fp32 where HK < H: a KV head's gradient sums its query heads' in
+    fp32 first); dq2 / dk2 dq1 itself (unwritten) for mode 0; dz1 / dz2 fp32 (the biases' gradients sum them)."""
+    dt, dev = q1.dtype, q1.device
+    kv_dtype = dt if HK == q1.shape[2] else torch.float32
+    dq1 = new_output(q1.shape, dev, dt)
+    dq2, dk2 = (new_output(q1.shape, dev, dt) if mode else dq1 for _ in range(2))
+    dk1, dv = (new_output(q1.shape, dev, kv_dtype) for _ in range(2))
+    return (dq1, dk1, dq2, dk2, dv, *(new_output(q1.shape, dev) for _ in range(2)))
+
+
+def feature_grads(outs: tuple[torch.Tensor, ...], HK: int, mode: int, zs: tuple[torch.Tensor, torch.Tensor],
+                  biases: tuple[torch.Tensor, torch.Tensor], need_bias: tuple[bool, bool]) -> tuple:
+    """`sse_gla_features`' input gradients (dq1, dk1, dq2, dk2, dv, dz1, dz2, dbias1, dbias2) from the written
+    `feature_grad_outputs`: a KV head's dk1 / dv summed over its query heads, dq2 / dk2 None for mode 0, the
+    decays' in z's dtype and the biases' their sum over the tokens (None where not needed)."""
+    dq1, dk1, dq2, dk2, dv, dz1, dz2 = outs
+    B, T, H, D = dq1.shape
+    if HK != H:
+        dk1, dv = (t.view(B, T, HK, H // HK, D).sum(3).to(dq1.dtype) for t in (dk1, dv))
+    if mode == 0:
+        dq2 = dk2 = None
+    dbs = [dz.view(-1, H * D).sum(0).to(b.dtype) if need else None
+           for dz, b, need in zip((dz1, dz2), biases, need_bias, strict=True)]
+    dzs = [dz.view(B, T, H * D).to(z.dtype) for dz, z in zip((dz1, dz2), zs, strict=True)]
+    return (dq1, dk1, dq2, dk2, dv, *dzs, *dbs)

@@ -36,7 +36,16 @@ from ..triton_launch import jit
 from ..triton_utils import block_size, cdiv, next_power_of_2, read_in_place, rows_per_program
 from ..utils import import_triton, new_output, run_function
 from .recurrent import SSEState, setup
-from .triton_features import _ld, _logsigmoid, _second_at, _silu_grad, _softmax, _softmax_grad
+from .triton_features import (
+    _ld,
+    _logsigmoid,
+    _second_at,
+    _silu_grad,
+    _softmax,
+    _softmax_grad,
+    feature_grad_outputs,
+    feature_grads,
+)
 
 triton, tl = import_triton()
 
@@ -271,31 +280,20 @@ class PackFeatures(torch.autograd.Function):
     def backward(ctx, dqa, dka, dva, dga):
         q1, k1, q2, k2, v, z1, z2, bias1, bias2, pf, inv, vi = ctx.saved_tensors
         B, T, H, HK, N, D, mode, inv_norm, strides, probs_shape, probs_dtype = ctx.meta
-        BT, dev, dt = B * T, q1.device, q1.dtype
+        BT = B * T
         dqa, dka, dva, dga = (x.contiguous() for x in (dqa, dka, dva, dga))
-        # a KV head's gradient sums its query heads': per query head in fp32 first where they are several
-        kv_dtype = dt if HK == H else torch.float32
-        dq1 = new_output((BT, H, D), dev, dt)
-        dq2, dk2 = (new_output((BT, H, D), dev, dt) if mode else dq1 for _ in range(2))  # mode 0: unwritten
-        dk1, dv = (new_output((BT, H, D), dev, kv_dtype) for _ in range(2))
-        dz1, dz2 = (new_output((BT, H * D), dev) for _ in range(2))  # fp32: the biases' gradients sum them
-        dp = new_output((BT * N,), dev)
+        outs = feature_grad_outputs(q1, HK, mode)
+        dp = new_output((BT * N,), q1.device)
         BD = block_size(D)
         BH = rows_per_program(BD, 2048, block_size(H, 1))
         if BT:
             _pack_features_bwd[(BT,)](q1, k1, q2, k2, v, z1, z2, bias1, bias2, pf, inv, vi, dqa, dka, dva, dga,
-                                      dq1, dk1, dq2, dk2, dv, dz1, dz2, dp, BT, inv_norm, *strides, H, HK, N,
-                                      block_size(N, 2), D, BH, BD, mode, ctx.has_valid, num_warps=4)
-        shape = (B, T, H, D)
-        if HK != H:
-            dk1, dv = (t.view(B, T, HK, H // HK, D).sum(3).to(dt) for t in (dk1, dv))
-        dk1, dv = dk1.view(B, T, HK, D), dv.view(B, T, HK, D)
-        dbs = [dz.sum(0).to(b.dtype) if ctx.needs_input_grad[7 + i] else None
-               for i, (dz, b) in enumerate(((dz1, bias1), (dz2, bias2)))]
-        dzs = [dz.view(B, T, H * D).to(z.dtype) for dz, z in ((dz1, z1), (dz2, z2))]
-        dq2, dk2 = (dq2.view(shape), dk2.view(shape)) if mode else (None, None)
-        return (dq1.view(shape), dk1, dq2, dk2, dv, *dzs, *dbs, dp.view(probs_shape).to(probs_dtype),
+                                      *outs, dp, BT, inv_norm, *strides, H, HK, N, block_size(N, 2), D, BH, BD,
+                                      mode, ctx.has_valid, num_warps=4)
+        return (*feature_grads(outs, HK, mode, (z1, z2), (bias1, bias2), ctx.needs_input_grad[7:9]),
+                dp.view(probs_shape).to(probs_dtype),
                 None, None, None, None, None, None, None)
+
 
 @jit
 def _merged_rows(SRC, CU, PROBS, n, BT, B, H: tl.constexpr, N: tl.constexpr, BR: tl.constexpr):
