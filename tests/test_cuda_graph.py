@@ -100,6 +100,23 @@ def test_generate_static_captured_equals_default_generate(family):
     assert torch.equal(model.generate(ids, cache_implementation="static", **kw), model.generate(ids, **kw))
 
 
+@pytest.mark.parametrize("family", ["hla", "sse-h"])
+def test_a_step_that_fills_the_static_cache_is_not_recorded(family):
+    """A static cache with room for one step: that step runs (eagerly) with the eager cache's logits and
+    nothing is recorded; a step past it raises the cache's error; generate() for one new token after
+    the prompt's (a cache of prompt + 1) gives the default generate()'s tokens."""
+    model = FAMILIES[family]().cuda()
+    ids, mask = inputs()
+    eager = decode(model, model.new_cache(max_length=ids.shape[1] + 1, cuda_graph=False), ids, mask, 1)
+    cache = model.new_cache(max_length=ids.shape[1] + 1)
+    torch.testing.assert_close(decode(model, cache, ids, mask, 1), eager, rtol=0, atol=1e-5)
+    assert cache.decode_graph is not None and cache.decode_graph.graph is None
+    with pytest.raises(ValueError, match="static cache holds"), torch.no_grad():
+        model(torch.full((2, 1), 5, device="cuda"), **{CACHE_FIELD: cache})
+    kw = dict(attention_mask=mask, max_new_tokens=2, do_sample=False, **GEN)
+    assert torch.equal(model.generate(ids, cache_implementation="static", **kw), model.generate(ids, **kw))
+
+
 def _generate_caches(monkeypatch, model) -> list:
     """The caches generate() builds for `model` (`_prepare_cache_for_generation`), in order."""
     built = []

@@ -9,13 +9,13 @@ on CUDA, built with `cuda_graph=True`, already holds tokens, and the call is a p
 without gradients (no embeddings, labels, hidden states or attention weights asked for). Anything
 else, and every call on CPU, runs eagerly.
 
-The first such step runs eagerly on a side stream (a real step: it compiles every kernel it needs),
-then the next one is recorded; recording runs no kernel, so the Python-side counts it advanced are
-put back. Each replay then advances them by what the recorded step did. `position_ids` and the
-attention mask of a replayed step are not read: the new token is taken as real (generate() feeds
-real tokens, padding only on the left of the prompt), at the position the cache counts. A capture
-that fails raises, except on the cache generate() builds by default (`eager_fallback`): there the
-warm-up step's logits are returned and the later steps run eagerly.
+The first such step runs eagerly on a side stream (a real step: it compiles every kernel it needs), then
+the next one is recorded (unless that step filled the cache: then nothing is recorded); recording runs
+no kernel, so the Python-side counts it advanced are put back. Each replay then advances them by what
+the recorded step did. `position_ids` and the attention mask of a replayed step are not read: the new
+token is taken as real (generate() feeds real tokens, padding only on the left of the prompt), at the
+position the cache counts. A capture that fails raises, except on the cache generate() builds by default
+(`eager_fallback`): there the warm-up step's logits are returned and the later steps run eagerly.
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ class DecodeGraph:
             logits = self.model.decode_logits(self.ids, self.cache)
         torch.cuda.current_stream().wait_stream(side)
         logits.record_stream(torch.cuda.current_stream())
+        if self.cache.length + self.ids.shape[1] > self.cache.static.max_length:
+            return logits  # the cache is full: no step follows to replay (another call raises the cache's error)
         before = self.cache.host_counters()
         graph = torch.cuda.CUDAGraph()
         try:
