@@ -207,6 +207,8 @@ def test_the_mixer_takes_the_kernel_with_the_values_and_gradients_of_its_pytorch
     perturb(model)
     takes = lambda *xs, **kw: features.sse_gla_features_unsupported(*xs, **kw) is None  # noqa: E731
     gate = (sse_modeling, "sse_gla_features_takes_kernel", takes)
+    # the feature kernel itself, not its copy inside the SSE kernels (`sse_from_projections`, on CUDA)
+    monkeypatch.setattr(sse_modeling, "sse_from_projections_takes", lambda *a: False)
     calls = forced_kernel_matches(model, monkeypatch, [gate], triton_features.SSEFeatures, "apply")
     assert calls == model.config.mixer_types.count("sse") > 0
     assert any("g1_bias" in n for n, p in model.named_parameters() if p.grad is not None)

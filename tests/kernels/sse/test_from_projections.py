@@ -190,6 +190,7 @@ def test_the_model_takes_it_with_the_two_step_values(preset, overrides, full, mo
     from subquadratic.families.sse import modeling as sse_modeling
     from subquadratic.kernels import sse as sse_kernels
     from subquadratic.kernels.sse import features
+    from subquadratic.kernels.utils import resolve_precision
 
     from ...models.common import GEN
     from ...models.sse.test_modeling_sse import lively
@@ -199,7 +200,8 @@ def test_the_model_takes_it_with_the_two_step_values(preset, overrides, full, mo
     def two_step(q1, k1, q2, k2, v, g1, g2, probs, sel, state, **kw):  # the SSE kernels for a chunk, as on CUDA
         if q1.shape[1] == 1:
             return real_attention(q1, k1, q2, k2, v, g1, g2, probs, sel, state, **kw)
-        return sse_triton(q1, k1, q2, k2, v, g1, g2, probs, sel, state, chunk_size=kw["chunk_size"], topk=kw["topk"])
+        return sse_triton(q1, k1, q2, k2, v, g1, g2, probs, sel, state, chunk_size=kw["chunk_size"], topk=kw["topk"],
+                          precision=resolve_precision(kw["precision"], q1.device, q1.dtype))  # TF32 on a GPU
 
     def takes(q1, v, chunk_size, backend):
         return q1.shape[1] > 1 and sse_kernels.triton_unsupported(q1, v, "gla", chunk_size) is None
@@ -246,10 +248,13 @@ def test_the_model_takes_it_with_the_two_step_values(preset, overrides, full, mo
         assert torch.equal(a_loss, b_loss), batch
         assert a_grads.keys() == b_grads.keys() and any("g1_bias" in n for n in a_grads)
         for n, g in a_grads.items():
-            # on a GPU the backward's row sums may be ordered otherwise than the feature kernel's; a packed
-            # batch's decay biases sum their tokens' gradients in the documents' layout here, in the packed one
-            # there
+            # a packed batch's decay biases sum their tokens' gradients in the documents' layout here, in the
+            # packed one there; on a GPU the backward's row sums may be ordered otherwise than the feature kernel's,
+            # and the TF32 dots of the layers below carry that rounding on
             if DEV == "cpu" and not (batch == "packed" and n.endswith("_bias")):
                 assert torch.equal(g, b_grads[n]), (batch, n)
-            else:
+            elif DEV == "cpu":
                 torch.testing.assert_close(g, b_grads[n], rtol=1e-4, atol=1e-6, msg=f"{batch} {n}")
+            else:
+                err = ((g.double() - b_grads[n].double()).norm() / b_grads[n].double().norm()).item()
+                assert err < 1e-3, (batch, n, err)
