@@ -96,17 +96,22 @@ def autotune(configs: Sequence[tuple[int | None, int | None, int, int]], key: li
 def launch(kernel, grid, args: tuple, fixed: dict, warps: int, stages: int = 2, **kwargs) -> None:
     """kernel[grid](*args, **kwargs) for a kernel made with `autotune`: autotuned on the GPU (once a
     key's setting is picked, straight to the kernel with it: `triton_launch.tuned`), with the `fixed`
-    block sizes, `warps` and `stages` under the interpreter (AUTOTUNE off)."""
+    block sizes, `warps` and `stages` under the interpreter (AUTOTUNE off). A callable grid is called
+    here with the arguments and the setting, as Triton calls it: the kernel gets a tuple, which takes the
+    cheaper launch (`triton_launch.FastRun`)."""
     if AUTOTUNE:
         from .triton_launch import tuned
 
         config = tuned(kernel, args, kwargs)
         if config is None:
             kernel[grid](*args, **kwargs)  # the autotuner (benchmarks the settings on a key's first call)
-        else:
-            kernel.fn.run(*args, grid=grid, warmup=False, **kwargs, **config.all_kwargs())
+            return
+        options = config.all_kwargs()
     else:
-        kernel.fn[grid](*args, **kwargs, **fixed, num_warps=warps, num_stages=stages)
+        options = {**fixed, "num_warps": warps, "num_stages": stages}
+    if callable(grid):
+        grid = grid({**dict(zip(kernel.fn.arg_names, args, strict=False)), **kwargs, **options})
+    kernel.fn.run(*args, grid=grid, warmup=False, **kwargs, **options)
 
 
 def token_stride(t: torch.Tensor) -> int | None:

@@ -71,3 +71,58 @@ def test_token_stride_of_a_contiguous_tensor_is_its_row_length(shape):
     part = wide[..., n:2 * n].view(shape)
     assert not part.is_contiguous() or shape[:2] == (1, 1)
     assert triton_utils.token_stride(part) == (n if shape[:2] == (1, 1) else 3 * n)
+
+
+class _Fn:
+    """What `launch` reads of a kernel's JITFunction; records the calls."""
+
+    arg_names = ["X", "n", "K", "BK"]
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.calls.append((args, grid, warmup, kwargs))
+
+
+class _Tuner:
+    def __init__(self):
+        self.fn, self.tuner_calls = _Fn(), []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.tuner_calls.append((grid, args, kwargs))
+
+
+@pytest.mark.parametrize("autotune", [True, False])
+def test_launch_hands_the_kernel_a_tuple_grid(autotune, monkeypatch):
+    """A callable grid is called with the arguments by name, the keywords and the setting (the picked one,
+    or the fixed block sizes, warps and stages), and the kernel gets the tuple it returns, which takes the
+    cheaper launch; a key with nothing picked yet goes to the autotuner with the grid as given."""
+    import triton
+
+    from subquadratic.kernels import triton_launch
+
+    config = triton.Config({"BK": 32}, num_warps=8, num_stages=3)
+    monkeypatch.setattr(triton_utils, "AUTOTUNE", autotune)
+    monkeypatch.setattr(triton_launch, "tuned", lambda kernel, args, kwargs: config)
+    seen = []
+
+    def grid(meta):
+        seen.append(meta)
+        return (meta["K"] // meta["BK"], meta["n"])
+
+    kernel, x = _Tuner(), torch.zeros(4)
+    triton_utils.launch(kernel, grid, (x, 5), {"BK": 16}, 4, K=64)
+    (args, got, warmup, kwargs), = kernel.fn.calls
+    assert args == (x, 5) and not warmup and kwargs["K"] == 64
+    if autotune:
+        assert got == (2, 5) and kwargs["BK"] == 32 and kwargs["num_warps"] == 8 and kwargs["num_stages"] == 3
+    else:
+        assert got == (4, 5) and kwargs["BK"] == 16 and kwargs["num_warps"] == 4 and kwargs["num_stages"] == 2
+    assert seen[0]["X"] is x and seen[0]["n"] == 5
+    triton_utils.launch(kernel, (7,), (x, 5), {"BK": 16}, 4, K=64)
+    assert kernel.fn.calls[-1][1] == (7,)
+    if autotune:
+        monkeypatch.setattr(triton_launch, "tuned", lambda kernel, args, kwargs: None)
+        triton_utils.launch(kernel, grid, (x, 5), {"BK": 16}, 4, K=64)
+        assert kernel.tuner_calls == [(grid, (x, 5), {"K": 64})] and len(kernel.fn.calls) == 2
