@@ -379,6 +379,7 @@ class WindowAttention(torch.autograd.Function):
                 q, k, v, do, lse, delta, dks, dvs, T, scale, *strides, HQ, G, D, BD, W, sinks, SP, BM, SINK_TILES,
                 ieee, num_warps=_warps(BD))
             n = min(sinks, T)
-            dk[:, :, :n] += dks.sum(0).view(B, H, G, SP, D).sum(2)[:, :, :n]
-            dv[:, :, :n] += dvs.sum(0).view(B, H, G, SP, D).sum(2)[:, :, :n]
+            # the chunks' and a KV head's query heads' sums in one reduction each
+            dk[:, :, :n] += dks.view(chunks, B, H, G, SP, D).sum((0, 3))[:, :, :n]
+            dv[:, :, :n] += dvs.view(chunks, B, H, G, SP, D).sum((0, 3))[:, :, :n]
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

@@ -103,6 +103,7 @@ class Router(torch.autograd.Function):
         elif aux:
             part.zero_()
         ctx.mark_non_differentiable(sel)
+        ctx.set_materialize_grads(False)  # no zeros made for sel's (or an unused output's) gradient
         ctx.dtype, ctx.aux = logits.dtype, aux
         if not aux:
             ctx.save_for_backward(probs)
@@ -123,4 +124,6 @@ class Router(torch.autograd.Function):
             dp = extra if dp is None else dp + extra
         if dp is None:
             return None, None, None, None
+        if dp.dtype == p.dtype:  # p (dp - sum(dp p)), the softmax's backward, as one kernel
+            return torch._softmax_backward_data(dp, p, -1, p.dtype).to(ctx.dtype), None, None, None
         return (p * (dp - (dp * p).sum(-1, keepdim=True))).to(ctx.dtype), None, None, None
