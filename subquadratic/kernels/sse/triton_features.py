@@ -132,10 +132,11 @@ def sse_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, DOQ1, DOK1, DOQ2, DOK2, 
                      DQ1, DK1, DQ2, DK2, DV, DZ1, DZ2, n_rows, inv_norm,
                      S_Q1, S_K1, S_Q2, S_K2, S_V, S_Z1, S_Z2,
                      H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                     MODE: tl.constexpr):
+                     MODE: tl.constexpr, G: tl.constexpr):
     """The inputs read as the forward reads them, the output gradients contiguous; DK1 and DV per query
-    head (the caller sums a KV head's); DQ2 / DK2 written for MODE 1 and 2 only (MODE 0 and 1 add the
-    second branch's gradient to the first's)."""
+    head (the caller sums a KV head's), or with G > 1 per KV head, the sums of its G query heads' (fp32,
+    then rounded; `group_sums`); DQ2 / DK2 written for MODE 1 and 2 only (MODE 0 and 1 add the second
+    branch's gradient to the first's)."""
     off, m, off_b, m_d = _tile(n_rows, H, D, BD, BR)
     dt = DQ1.dtype.element_ty
     q1 = _ld(Q1, _strided(off, S_Q1, H, D), m)
@@ -153,9 +154,18 @@ def sse_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, DOQ1, DOK1, DOQ2, DOK2, 
         tl.store(DK2 + off, dk2.to(dt), mask=m)
     if MODE != 2:
         dk1 += dk2
-    tl.store(DK1 + off, dk1.to(DK1.dtype.element_ty), mask=m)
     v = _ld(V, _strided_kv(off, S_V, H, HK, D), m)
-    tl.store(DV + off, _silu_grad(v, _ld(DOV, off, m)).to(DV.dtype.element_ty), mask=m)
+    dv = _silu_grad(v, _ld(DOV, off, m))
+    if G > 1:  # rows r * G .. r * G + G - 1 are KV head row r's query heads (r a [tokens, HK] row)
+        kv = tl.program_id(0) * (BR // G) + tl.arange(0, BR // G)
+        cols = tl.arange(0, BD)
+        off_kv = kv.to(tl.int64)[:, None] * D + cols[None, :]
+        m_kv = (kv < n_rows // G)[:, None] & m_d[None, :]
+        tl.store(DK1 + off_kv, tl.sum(tl.reshape(dk1, [BR // G, G, BD]), 1).to(DK1.dtype.element_ty), mask=m_kv)
+        tl.store(DV + off_kv, tl.sum(tl.reshape(dv, [BR // G, G, BD]), 1).to(DV.dtype.element_ty), mask=m_kv)
+    else:
+        tl.store(DK1 + off, dk1.to(DK1.dtype.element_ty), mask=m)
+        tl.store(DV + off, dv.to(DV.dtype.element_ty), mask=m)
     _decay_bwd(Z1, S_Z1, B1, DG1, DZ1, off, m, off_b, inv_norm, H, D)
     _decay_bwd(Z2, S_Z2, B2, DG2, DZ2, off, m, off_b, inv_norm, H, D)
 
@@ -199,26 +209,36 @@ class SSEFeatures(torch.autograd.Function):
         B, T, H, D = q1.shape
         HK, mode = k1.shape[2], ctx.mode
         n_rows = B * T * H
-        outs = feature_grad_outputs(q1, HK, mode)
         BD = block_size(D, 1)
         BR = rows_per_program(BD, ELEMENTS)
+        G = group_sums(H, HK, BR)
+        outs = feature_grad_outputs(q1, HK, mode, G > 1)
         if n_rows:
             sse_features_bwd[(cdiv(n_rows, BR),)](*xs, *(g.contiguous() for g in grads), *outs, n_rows,
-                                                  1.0 / ctx.normalizer, *ctx.strides, H, HK, D, BD, BR, mode,
+                                                  1.0 / ctx.normalizer, *ctx.strides, H, HK, D, BD, BR, mode, G,
                                                   num_warps=4)
         return (*feature_grads(outs, HK, mode, (z1, xs[6]), (bias1, xs[8]), ctx.needs_input_grad[7:9]),
                 None, None, None)
 
 
-def feature_grad_outputs(q1: torch.Tensor, HK: int, mode: int) -> tuple[torch.Tensor, ...]:
+def group_sums(H: int, HK: int, block: int) -> int:
+    """G, the query heads per KV head, where a feature backward kernel sums a KV head's gradients itself
+    (blocks of `block` query heads or rows hold whole groups: G a power of two dividing it), else 1."""
+    G = H // HK
+    return G if G > 1 and G & (G - 1) == 0 and block % G == 0 else 1
+
+
+def feature_grad_outputs(q1: torch.Tensor, HK: int, mode: int, summed: bool = False) -> tuple[torch.Tensor, ...]:
     """The feature backward kernels' outputs for q1 [B, T, H, D]: dq1, dk1, dq2, dk2, dv, dz1, dz2, each of
     q1's shape; dk1 and dv per query head (fp32 where HK < H: a KV head's gradient sums its query heads' in
-    fp32 first); dq2 / dk2 dq1 itself (unwritten) for mode 0; dz1 / dz2 fp32 (the biases' gradients sum them)."""
+    fp32 first), or at the HK heads in q1's dtype where the kernel sums them (`summed`); dq2 / dk2 dq1 itself
+    (unwritten) for mode 0; dz1 / dz2 fp32 (the biases' gradients sum them)."""
     dt, dev = q1.dtype, q1.device
-    kv_dtype = dt if HK == q1.shape[2] else torch.float32
+    B, T, H, D = q1.shape
+    kv_shape, kv_dtype = ((B, T, HK, D), dt) if summed else (q1.shape, dt if HK == H else torch.float32)
     dq1 = new_output(q1.shape, dev, dt)
     dq2, dk2 = (new_output(q1.shape, dev, dt) if mode else dq1 for _ in range(2))
-    dk1, dv = (new_output(q1.shape, dev, kv_dtype) for _ in range(2))
+    dk1, dv = (new_output(kv_shape, dev, kv_dtype) for _ in range(2))
     return (dq1, dk1, dq2, dk2, dv, *(new_output(q1.shape, dev) for _ in range(2)))
 
 
@@ -229,7 +249,7 @@ def feature_grads(outs: tuple[torch.Tensor, ...], HK: int, mode: int, zs: tuple[
     decays' in z's dtype and the biases' their sum over the tokens (None where not needed)."""
     dq1, dk1, dq2, dk2, dv, dz1, dz2 = outs
     B, T, H, D = dq1.shape
-    if HK != H:
+    if dk1.shape[2] != HK:  # per query head: a KV head's sum
         dk1, dv = (t.view(B, T, HK, H // HK, D).sum(3).to(dq1.dtype) for t in (dk1, dv))
     if mode == 0:
         dq2 = dk2 = None

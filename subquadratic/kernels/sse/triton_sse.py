@@ -45,6 +45,7 @@ from .triton_features import (
     _softmax_grad,
     feature_grad_outputs,
     feature_grads,
+    group_sums,
 )
 
 triton, tl = import_triton()
@@ -282,14 +283,15 @@ class PackFeatures(torch.autograd.Function):
         B, T, H, HK, N, D, mode, inv_norm, strides, probs_shape, probs_dtype = ctx.meta
         BT = B * T
         dqa, dka, dva, dga = (x.contiguous() for x in (dqa, dka, dva, dga))
-        outs = feature_grad_outputs(q1, HK, mode)
         dp = new_output((BT * N,), q1.device)
         BD = block_size(D)
         BH = rows_per_program(BD, 2048, block_size(H, 1))
+        G = group_sums(H, HK, BH)
+        outs = feature_grad_outputs(q1, HK, mode, G > 1)
         if BT:
             _pack_features_bwd[(BT,)](q1, k1, q2, k2, v, z1, z2, bias1, bias2, pf, inv, vi, dqa, dka, dva, dga,
                                       *outs, dp, BT, inv_norm, *strides, H, HK, N, block_size(N, 2), D, BH, BD,
-                                      mode, ctx.has_valid, num_warps=4)
+                                      mode, ctx.has_valid, G, num_warps=4)
         return (*feature_grads(outs, HK, mode, (z1, z2), (bias1, bias2), ctx.needs_input_grad[7:9]),
                 dp.view(probs_shape).to(probs_dtype),
                 None, None, None, None, None, None, None)
@@ -433,12 +435,14 @@ def _pack_rows_bwd(Q2, K2, PROBS, INV, DQA, DKA, DVA, DGA, DV_, DQ2, DK2, DG2, D
 def _pack_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, PROBS, INV, VALID, DQA, DKA, DVA, DGA,
                        DQ1, DK1, DQ2, DK2, DV, DZ1, DZ2, DP, BT, inv_norm, S_Q1, S_K1, S_Q2, S_K2, S_V, S_Z1, S_Z2,
                        H: tl.constexpr, HK: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                       BH: tl.constexpr, BD: tl.constexpr, MODE: tl.constexpr, HAS_VALID: tl.constexpr):
+                       BH: tl.constexpr, BD: tl.constexpr, MODE: tl.constexpr, HAS_VALID: tl.constexpr,
+                       G: tl.constexpr):
     """`_pack_rows_bwd` and `sse_features_bwd` in one, one program per token: the merged rows' gradients
     gathered as `_pack_rows_bwd` gathers them (through INV) and rounded where its outputs are, the feature
     maps recomputed from the projections, then the projections' gradients as `sse_features_bwd` gives them
-    (DK1 and DV per query head, DQ2 / DK2 for MODE 1 and 2), the decays' pre-activation gradients (fp32) and
-    the router probabilities' (fp32). With HAS_VALID a padding token's gradients are 0 (its features were)."""
+    (DK1 and DV per query head, or with G > 1 per KV head as `sse_features_bwd` sums them; DQ2 / DK2 for
+    MODE 1 and 2), the decays' pre-activation gradients (fp32) and the router probabilities' (fp32). With
+    HAS_VALID a padding token's gradients are 0 (its features were)."""
     tok = tl.program_id(0).to(tl.int64)
     keep = 1.0
     if HAS_VALID:
@@ -494,9 +498,17 @@ def _pack_features_bwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, PROBS, INV, VALID, DQA
             dk += _softmax_grad(y1, _ld(DKA, own, mk).to(dt).to(tl.float32), m_d)
         else:
             dk = _softmax_grad(y1, _ld(DKA, own, mk).to(dt).to(tl.float32), m_d)
-        tl.store(DK1 + own, (dk * keep).to(DK1.dtype.element_ty), mask=mk)
-        xv = _ld(V, tok * S_V + col_kv, mk)
-        tl.store(DV + own, (_silu_grad(xv, b_dv.to(dt).to(tl.float32)) * keep).to(DV.dtype.element_ty), mask=mk)
+        dk = dk * keep
+        dv = _silu_grad(_ld(V, tok * S_V + col_kv, mk), b_dv.to(dt).to(tl.float32)) * keep
+        if G > 1:  # heads h0 + r * G .. h0 + r * G + G - 1 are KV head h0 / G + r's
+            kv = h0 // G + tl.arange(0, BH // G)
+            off_kv = (tok * HK + kv)[:, None] * D + cols[None, :]
+            m_kv = (kv < HK)[:, None] & m_d[None, :]
+            tl.store(DK1 + off_kv, tl.sum(tl.reshape(dk, [BH // G, G, BD]), 1).to(DK1.dtype.element_ty), mask=m_kv)
+            tl.store(DV + off_kv, tl.sum(tl.reshape(dv, [BH // G, G, BD]), 1).to(DV.dtype.element_ty), mask=m_kv)
+        else:
+            tl.store(DK1 + own, dk.to(DK1.dtype.element_ty), mask=mk)
+            tl.store(DV + own, dv.to(DV.dtype.element_ty), mask=mk)
         z = _ld(Z1, tok * S_Z1 + col, mk) + _ld(B1, col, mk)
         tl.store(DZ1 + own, _ld(DGA, own, mk) * inv_norm * tl.sigmoid(-z) * keep, mask=mk)
         z = _ld(Z2, tok * S_Z2 + col, mk) + _ld(B2, col, mk)
