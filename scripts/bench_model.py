@@ -26,7 +26,8 @@ call that fails (out of memory, say) is recorded with its error and the run goes
 printed at the end as Markdown and, with --out, written as JSON after every row. `--profile T[,T..]`
 adds, for each model and each measure at those lengths, a torch.profiler table of one warm call (the
 kernels by device time beside the call's wall time: `_profile.kernel_table`), to --profile-out (else
-stderr).
+stderr). `--split-train` also times each training step cut in two by a synchronisation after the
+forward: each half's host time (to return) and wall time, a second table (`split_train`).
 """
 
 from __future__ import annotations
@@ -91,11 +92,37 @@ def measure(fn, device: torch.device, repeats: int) -> dict:
     return dict(s=statistics.median(times), runs=times, host_s=statistics.median(host), peak_bytes=peak)
 
 
+def split_train(model, ids: torch.Tensor, device: torch.device, repeats: int) -> dict:
+    """A training step cut in two by a synchronisation after the forward (after one untimed step): the
+    medians (ms) of the time the forward and the backward each take to return (host) and of their time to
+    the synchronisation after them (wall). Host near wall: the host bounds that half; well below: the GPU."""
+    times = []
+    for i in range(repeats + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        loss = model(ids, labels=ids, use_cache=False).loss
+        t1 = time.perf_counter()
+        sync(device)
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        sync(device)
+        t4 = time.perf_counter()
+        for p in model.parameters():
+            p.grad = None
+        if i:
+            times.append((t1 - t0, t2 - t0, t3 - t2, t4 - t2))
+    names = ("forward_host_ms", "forward_wall_ms", "backward_host_ms", "backward_wall_ms")
+    return {n: 1e3 * statistics.median(col) for n, col in zip(names, zip(*times, strict=True), strict=True)}
+
+
 def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: int, results: dict, emit,
-              profile: tuple = (), report=None, host: int = 0, python: int = 0, gaps: int = 0) -> None:
+              profile: tuple = (), report=None, host: int = 0, python: int = 0, gaps: int = 0,
+              split: bool = False) -> None:
     """Every (measure, length) of `measures` on one model, into results[name, measure, length]; at the
     lengths of `profile`, a profiler table of one more call (and with `gaps`, its GPU idle gaps by the
-    op launching after them: `_profile.idle_gaps`), given to `report`."""
+    op launching after them: `_profile.idle_gaps`), given to `report`; with `split`, each training step
+    also cut in two (`split_train`)."""
     for what, lengths in measures.items():
         if what == "train":
             model.train()
@@ -104,6 +131,8 @@ def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: 
             fn = (train_call if what == "train" else ttft_call)(model, prompts[T])
             try:
                 res = measure(fn, device, repeats)
+                if split and what == "train":
+                    res["split"] = split_train(model, prompts[T], device, repeats)
                 if T in profile:
                     table, busy = kernel_table(fn, calls=1, rows=30, title=f"{name} {what} T={T}", host=host)
                     res["profiled_device_ms"] = busy
@@ -151,6 +180,7 @@ def rows_of(results: dict, families: list[str], measures: dict) -> list[dict]:
                                  dense_peak=dense.get("peak_bytes"), ours_peak=ours.get("peak_bytes"),
                                  **{f"{who}_host_ms": r["host_s"] * 1000 if what == "ttft" and "host_s" in r else None
                                     for who, r in (("dense", dense), ("ours", ours))},
+                                 **{f"{who}_split": r.get("split") for who, r in (("dense", dense), ("ours", ours))},
                                  error=ours.get("error") or dense.get("error")))
     return rows
 
@@ -168,6 +198,21 @@ def markdown(rows: list[dict], batch: int) -> str:
                      f"{r['ratio']:.2f}x | {target} | {fmt_bytes(r['dense_peak'])} / {fmt_bytes(r['ours_peak'])} | "
                      f"{fmt_ms(r['dense_host_ms'])} / {fmt_ms(r['ours_host_ms'])} |")
     return "\n".join(lines)
+
+
+def split_markdown(rows: list[dict]) -> str:
+    """The training rows' halves (`split_train`), dense's once per length, as a Markdown table ("" without)."""
+    lines, seen = [], set()
+    for r in rows:
+        for fam, half in (("dense", r.get("dense_split")), (r["family"], r.get("ours_split"))):
+            if half and (fam, r["T"]) not in seen:
+                seen.add((fam, r["T"]))
+                lines.append(f"| {r['T']} | {fam} | {half['forward_host_ms']:.1f} / {half['forward_wall_ms']:.1f} | "
+                             f"{half['backward_host_ms']:.1f} / {half['backward_wall_ms']:.1f} |")
+    if not lines:
+        return ""
+    return "\n".join(["| T | model | forward host / wall ms | backward host / wall ms |", "| --- | --- | --- | --- |",
+                      *lines])
 
 
 def text_ids(checkpoint: str, text: str, n: int) -> torch.Tensor:
@@ -226,6 +271,9 @@ def main() -> None:
                     help="with --profile, also list this many ops by the GPU idle time before the kernels they "
                          "launched (where a host-bound call makes the GPU wait, forward and backward apart)")
     ap.add_argument("--profile-out", default=None, help="append the profiler tables here (default: stderr)")
+    ap.add_argument("--split-train", action="store_true",
+                    help="also time each training step cut in two by a synchronisation after the forward: each "
+                         "half's host time (to return) and wall time, where a host-bound step waits")
     args = ap.parse_args()
     profile = tuple(int(x) for x in args.profile.split(",") if x)
 
@@ -286,18 +334,20 @@ def main() -> None:
         dense = dense_and_conversions(work, shape, max_pos, device, dtype, families, options,
                                       source=Path(args.checkpoint) if args.checkpoint else None)
         run_model("dense", dense, measures, prompts, device, args.repeats, results, emit, profile, report,
-                  args.profile_host, args.profile_python, args.profile_gaps)
+                  args.profile_host, args.profile_python, args.profile_gaps, args.split_train)
         del dense
         free(device)
         for fam in families:
             model = load_converted(work / fam, device, dtype)
             run_model(fam, model, measures, prompts, device, args.repeats, results, emit, profile, report,
-                      args.profile_host, args.profile_python, args.profile_gaps)
+                      args.profile_host, args.profile_python, args.profile_gaps, args.split_train)
             del model
             free(device)
     rows = rows_of(results, families, measures)
     emit()
     print(markdown(rows, args.batch), flush=True)
+    if args.split_train:
+        print("\n" + split_markdown(rows), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ def test_bench_model_quick_smoke(tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_model.py"), "--quick", "--repeats", "1", "--out", str(out),
            "--profile", "128", "--profile-host", "5", "--profile-gaps", "5",
-           "--profile-out", str(tmp_path / "prof.txt")]
+           "--profile-out", str(tmp_path / "prof.txt"), "--split-train"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -30,6 +30,15 @@ def test_bench_model_quick_smoke(tmp_path):
             assert 0 < r["ours_host_ms"] <= r["ours_ms"] * 1.001 and 0 < r["dense_host_ms"] <= r["dense_ms"] * 1.001
         else:
             assert r["ours_host_ms"] is None and r["dense_host_ms"] is None
+    for r in rows:  # --split-train: a training step's halves, each host time at most its wall time
+        if r["measure"] != "train":
+            assert r["ours_split"] is None and r["dense_split"] is None
+            continue
+        for h in (r["ours_split"], r["dense_split"]):
+            assert 0 < h["forward_host_ms"] <= h["forward_wall_ms"]
+            assert 0 < h["backward_host_ms"] <= h["backward_wall_ms"]
+    assert "| T | model | forward host / wall ms | backward host / wall ms |" in res.stdout
+    assert "| 128 | dense |" in res.stdout and "| 128 | sse-h |" in res.stdout
     tables = (tmp_path / "prof.txt").read_text()  # one profiler table per model and measure at 128 tokens
     for name in ("dense", *families):
         for what in ("ttft", "train"):
