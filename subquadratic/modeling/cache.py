@@ -380,6 +380,10 @@ class SubquadraticCache(Cache):
         return self._key_positions.view() if self._key_positions.data is not None else None
 
     # --- positions ---------------------------------------------------------------------------
+    def has_room(self, T: int) -> bool:
+        """Whether T more tokens fit (always in a growing cache; a static one holds `max_length`)."""
+        return self.static is None or self.length + T <= self.static.max_length
+
     def advance(self, new_valid: torch.Tensor, known_real: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Register T new tokens (new_valid [B, T] bool; `known_real`: the caller knows them all real,
         e.g. no attention mask was given). Returns (their positions [B, T], key positions [B, S]).
@@ -400,7 +404,7 @@ class SubquadraticCache(Cache):
             self.length += T
             kp = self._key_positions.append(pos) if self.track_key_positions else pos
             return pos, kp
-        if self.length + T > self.static.max_length:
+        if not self.has_room(T):
             raise ValueError(f"the static cache holds {self.static.max_length} tokens; {self.length} are cached and "
                              f"{T} more were given: build it with a larger max_length")
         self.first_real = self.length == 0 and T > 1 and (known_real or all_real(new_valid, sync=True))

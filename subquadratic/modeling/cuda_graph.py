@@ -75,7 +75,7 @@ class DecodeGraph:
             logits = self.model.decode_logits(self.ids, self.cache)
         torch.cuda.current_stream().wait_stream(side)
         logits.record_stream(torch.cuda.current_stream())
-        if self.cache.length + self.ids.shape[1] > self.cache.static.max_length:
+        if not self.cache.has_room(self.ids.shape[1]):
             return logits  # the cache is full: no step follows to replay (another call raises the cache's error)
         before = self.cache.host_counters()
         graph = torch.cuda.CUDAGraph()
