@@ -124,6 +124,5 @@ class Router(torch.autograd.Function):
             dp = extra if dp is None else dp + extra
         if dp is None:
             return None, None, None, None
-        if dp.dtype == p.dtype:  # p (dp - sum(dp p)), the softmax's backward, as one kernel
-            return torch._softmax_backward_data(dp, p, -1, p.dtype).to(ctx.dtype), None, None, None
-        return (p * (dp - (dp * p).sum(-1, keepdim=True))).to(ctx.dtype), None, None, None
+        # p (dp - sum(dp p)), the softmax's backward, as one kernel (dp is probs' fp32 already)
+        return torch._softmax_backward_data(dp.to(p.dtype), p, -1, p.dtype).to(ctx.dtype), None, None, None
