@@ -56,8 +56,9 @@ def group_rows_reference(sel: Tensor, topk: int):
     partition rows sorted by (b, partition, t), R of them, after the B * T rows of the shared branch.
 
     src: each partition row's token and partition as (b * T + t) * N + i (0 past the selected rows);
-    cu: the bounds of the merged segments: the B shared rows [b T, (b + 1) T), then the B * N
-    partition segments from B T on, then one trailing segment of the rows left over (up to B T + R);
+    cu (int32, as the chunked GLA kernels read it: no cast before their call): the bounds of the merged
+    segments: the B shared rows [b T, (b + 1) T), then the B * N partition segments from B T on, then
+    one trailing segment of the rows left over (up to B T + R);
     inv: for each (token, partition) (b * T + t) * N + i its partition row (0-based, not offset by
     B T), -1 where not selected (or dropped: past topk selections).
 
@@ -72,7 +73,7 @@ def group_rows_reference(sel: Tensor, topk: int):
     s = picked.to(torch.int64)
     dest = s.cumsum(0) - s                                                        # rows before
     shared = torch.arange(B + 1, device=dev, dtype=torch.int64) * T
-    cu = torch.cat([shared, BT + s.view(B * N, T).sum(-1).cumsum(0), s.new_full((1,), BT + R)])
+    cu = torch.cat([shared, BT + s.view(B * N, T).sum(-1).cumsum(0), s.new_full((1,), BT + R)]).to(torch.int32)
     kept = picked & (dest < R)
     dest = torch.where(kept, dest, R)                                             # R: dropped
     code = torch.arange(B * T * N, device=dev).view(B, T, N).transpose(1, 2).reshape(-1)  # (b * T + t) * N + i
@@ -122,7 +123,7 @@ def group_rows_kernel(SEL, COUNT, SRC, CU, INV, B, T, N, NCH, NB, R, BLOCK: tl.c
     tl.store(SRC + incl - 1, code, mask=m & kept)
     tl.store(INV + code, tl.where(kept, incl - 1, -1), mask=m)
     BT = B * T
-    tl.store(CU + B + 1 + seg, BT + before + tl.sum(s, 0), mask=c == NCH - 1)
+    tl.store(CU + B + 1 + seg, (BT + before + tl.sum(s, 0)).to(tl.int32), mask=c == NCH - 1)
     stride = NB * BLOCK
     for r0 in range(total + blk * BLOCK, R, stride):
         r = r0 + tl.arange(0, BLOCK).to(tl.int64)
@@ -130,8 +131,8 @@ def group_rows_kernel(SEL, COUNT, SRC, CU, INV, B, T, N, NCH, NB, R, BLOCK: tl.c
     if blk == 0:
         for b0 in range(0, B + 1, BLOCK):
             b = b0 + tl.arange(0, BLOCK)
-            tl.store(CU + b, b.to(tl.int64) * T, mask=b <= B)
-        tl.store(CU + B + 1 + (NB // NCH), BT + R)
+            tl.store(CU + b, (b * T).to(tl.int32), mask=b <= B)
+        tl.store(CU + B + 1 + (NB // NCH), (BT + R).to(tl.int32))
 
 
 def group_rows(sel: Tensor, topk: int):
@@ -147,7 +148,7 @@ def group_rows(sel: Tensor, topk: int):
     sel8 = sel.contiguous().view(torch.uint8)
     count = new_output((nb,), dev, torch.int32)
     src = new_output((R,), dev, torch.int64)
-    cu = new_output((B + B * N + 2,), dev, torch.int64)
+    cu = new_output((B + B * N + 2,), dev, torch.int32)
     inv = new_output((B * T * N,), dev, torch.int64)
     group_count_kernel[(nb,)](sel8, count, T, N, nch, GROUP_BLOCK, num_warps=4)
     group_rows_kernel[(nb,)](sel8, count, src, cu, inv, B, T, N, nch, nb, R, GROUP_BLOCK, num_warps=4)
