@@ -117,7 +117,8 @@ def cuda_paths():
     import subquadratic.kernels.sse.features as sse_features
     import subquadratic.kernels.sse.router as router
 
-    patched = [(m, "fused_kernel", fused) for m in (hla_features, sse_features, norm_gate, rope, rms_norm, router)]
+    patched = [(m, "fused_kernel", fused)
+               for m in (hla_features, sse_features, norm_gate, rope, rms_norm, router, window_attention)]
     from subquadratic.modeling import base as model_base
 
     patched += [(model_base, "resolve_backend", resolve)]  # the softmax layers' and window branches' kernels

@@ -13,7 +13,10 @@ window counts the rest), and the window [m0 - W + 1, m0 + BM). Kernels:
                   summed over chunks and heads by the caller;
   `window_step_fwd`  a static cache's one-token step (`window_attention.window_step`): the new key /
                   value written into the window's ring (and the sinks), the G query heads of a KV head
-                  attending over both in one program.
+                  attending over both in one program;
+  `fresh_ring_fill`  a first call's ring and sinks (`window_attention.fresh_ring`): the last W keys /
+                  values into their slots, the first ones into the sinks, the slots' positions, one
+                  program a (row, KV head).
 fp32 accumulation everywhere (the dots are `spla.triton_common.mm`); 16-bit operands on the tensor cores,
 fp32 ones exact ("ieee") or TF32.
 """
@@ -324,6 +327,69 @@ def window_step_triton(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_p
         o.stride(0), o.stride(1), H, G, block_size(G), D, BD, window, BW, sinks, _sink_pad(sinks), ieee,
         num_warps=_warps(BD))
     return o
+
+
+@jit
+def _copy_rows(Kp, Vp, s_kt, s_vt, src, real, OK, OV, dst, keep, cols, D: tl.constexpr):
+    """Rows src of a head's keys / values (zeros where not `real`) into rows dst of OK / OV (D wide, where
+    `keep`)."""
+    load = real[:, None] & (cols < D)[None, :]
+    k = tl.load(Kp + src[:, None] * s_kt + cols[None, :], mask=load, other=0.0)
+    v = tl.load(Vp + src[:, None] * s_vt + cols[None, :], mask=load, other=0.0)
+    out = dst[:, None] * D + cols[None, :]
+    store = keep[:, None] & (cols < D)[None, :]
+    tl.store(OK + out, k.to(OK.dtype.element_ty), mask=store)
+    tl.store(OV + out, v.to(OV.dtype.element_ty), mask=store)
+
+
+@jit
+def fresh_ring_fill(K, V, RK, RV, RP, SK, SV, SPOS, T, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
+                    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
+                    SINKS: tl.constexpr, SP: tl.constexpr):
+    """Row b, KV head h of `fresh_ring`: ring slot s takes the position p in [T - W, T) with p % W = s
+    (T >= W), else token s while s < T (zeros and position -1 after); sink slot j takes token j while
+    j < T. The positions are written by the programs of head 0."""
+    i_bh = tl.program_id(0)
+    b, h = i_bh // H, i_bh % H
+    cols = tl.arange(0, BD)
+    Kp = K + b.to(tl.int64) * s_kb + h * s_kh
+    Vp = V + b.to(tl.int64) * s_vb + h * s_vh
+    full = T >= W
+    for s0 in range(0, W, BW):
+        s = s0 + tl.arange(0, BW)
+        src = tl.where(full, T - W + (s + W - T % W) % W, s).to(tl.int64)
+        real = (s < W) & (src < T)
+        _copy_rows(Kp, Vp, s_kt, s_vt, src, real, RK, RV, i_bh.to(tl.int64) * W + s, s < W, cols, D)
+        if h == 0:
+            tl.store(RP + b.to(tl.int64) * W + s, tl.where(real, src, -1), mask=s < W)
+    if SINKS > 0:
+        j = tl.arange(0, SP)
+        real = (j < SINKS) & (j < T)
+        _copy_rows(Kp, Vp, s_kt, s_vt, j.to(tl.int64), real, SK, SV, i_bh.to(tl.int64) * SINKS + j, j < SINKS,
+                   cols, D)
+        if h == 0:
+            tl.store(SPOS + b.to(tl.int64) * SINKS + j, tl.where(real, j, -1).to(tl.int64), mask=j < SINKS)
+
+
+def fresh_ring_triton(k: torch.Tensor, v: torch.Tensor, window: int, sinks: int) -> tuple:
+    """`window_attention.fresh_ring` on the kernel (its checks done by the caller): one launch."""
+    B, H, T, D = k.shape
+    dev = k.device
+    ring_k, ring_v = new_output((B, H, window, D), dev, k.dtype), new_output((B, H, window, D), dev, v.dtype)
+    ring_pos = new_output((B, window), dev, torch.int64)
+    if sinks:
+        sink_k, sink_v = new_output((B, H, sinks, D), dev, k.dtype), new_output((B, H, sinks, D), dev, v.dtype)
+        sink_pos = new_output((B, sinks), dev, torch.int64)
+    else:  # the kernel writes no sinks: the ring's tensors stand in
+        sink_k, sink_v, sink_pos = ring_k, ring_v, ring_pos
+    BD = block_size(D)
+    BW = min(block_size(window), max(16, 8192 // BD))
+    fresh_ring_fill[(B * H,)](k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, T, k.stride(0), k.stride(1),
+                              k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, D, BD, window, BW, sinks,
+                              _sink_pad(sinks), num_warps=4)
+    if not sinks:
+        return ring_k, ring_v, ring_pos, None, None, None
+    return ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:

@@ -4,7 +4,8 @@ row's index being the position (every token real, or padding only after the real
 the caller drops). That is the attention of a window branch (`modeling/window.py`) and of the sliding
 layers of converted Mistral / Qwen models at prefill and in training: O(T W) work and memory, no mask
 tensor, forward and backward. `window_step` is a static cache's one-token step of a window branch (the
-new key written into the window's ring, the query over the ring and the sinks) as one kernel.
+new key written into the window's ring, the query over the ring and the sinks) as one kernel, and
+`fresh_ring` a first call's ring and sinks, filled from its keys / values in one kernel.
 `modeling.base.banded_window_attention` is the PyTorch form the model
 runs where the kernels do not apply (the CPU, padding before real tokens, a window ring holding earlier
 keys, attention dropout).
@@ -12,11 +13,13 @@ keys, attention dropout).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from .triton_utils import TRITON_DTYPES
-from .utils import resolve_backend, resolve_precision, run_function
+from .utils import fused_kernel, resolve_backend, resolve_precision, run_function
 
 #: The largest head dim the kernels take.
 MAX_DIM = 256
@@ -126,3 +129,71 @@ def window_step(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, pos
 
     return window_step_triton(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window,
                               float(scaling), exact_decode_dots(q.dtype, precision))
+
+
+@functools.lru_cache(maxsize=32)
+def _fresh_layout(T: int, W: int, sinks: int, device: torch.device) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """`fresh_ring_reference`'s index tensors for T new tokens, a ring of W slots and `sinks` sink slots,
+    made once per shape and device (read only; what a cache keeps is copied from them): the token each
+    ring slot takes (None when T < W: slots 0..T-1 take the tokens), the ring's positions [W] (-1:
+    empty) and the sinks' positions [sinks] (None without sinks)."""
+    slots = torch.arange(W, device=device)
+    if T >= W:  # slot s holds the position p in [T - W, T) with p % W = s
+        src = T - W + (slots - T) % W
+        pos = src
+    else:  # slots 0..T-1 hold the tokens, the rest is empty
+        src, pos = None, torch.where(slots < T, slots, -1)
+    sink_pos = None
+    if sinks:
+        sink = torch.arange(sinks, device=device)
+        sink_pos = torch.where(sink < min(sinks, T), sink, -1)
+    return src, pos, sink_pos
+
+
+def fresh_ring_reference(k: Tensor, v: Tensor, window: int, sinks: int = 0) -> tuple:
+    """`fresh_ring` in PyTorch ops (the kernel's oracle, and the path off CUDA): six launches."""
+    import torch.nn.functional as F
+
+    B, H, T, D = k.shape
+    W = window
+    src, pos, sink_pos = _fresh_layout(T, W, sinks, k.device)
+    if src is not None:
+        ring_k, ring_v = k.index_select(2, src), v.index_select(2, src)
+    else:
+        pad = (0, 0, 0, W - T)
+        ring_k, ring_v = F.pad(k, pad), F.pad(v, pad)
+    ring_pos = pos.expand(B, W).clone(memory_format=torch.contiguous_format)  # a copy: the cache writes it in place
+    if not sinks:
+        return ring_k, ring_v, ring_pos, None, None, None
+    n = min(sinks, T)
+    pad = (0, 0, 0, sinks - n)
+    return (ring_k, ring_v, ring_pos, F.pad(k[:, :, :n], pad), F.pad(v[:, :, :n], pad),
+            sink_pos.expand(B, sinks).clone(memory_format=torch.contiguous_format))
+
+
+def fresh_ring_unsupported(k: Tensor, v: Tensor, window: int, sinks: int) -> str | None:
+    """Why the fill kernel cannot take these inputs, or None."""
+    if k.dtype not in TRITON_DTYPES or v.dtype != k.dtype:
+        return f"dtypes {k.dtype} / {v.dtype} (one of {TRITON_DTYPES}, alike)"
+    if k.dim() != 4 or v.shape != k.shape:
+        return f"shapes {list(k.shape)} / {list(v.shape)} ([B, H, T, D] twice)"
+    if k.shape[-1] > MAX_DIM or window < 1 or not 0 <= sinks <= MAX_SINKS:
+        return (f"head dim {k.shape[-1]} (at most {MAX_DIM}), window {window} (>= 1), sinks {sinks} "
+                f"(at most {MAX_SINKS})")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        return "a tensor without unit stride in the head dim"
+    return None
+
+
+def fresh_ring(k: Tensor, v: Tensor, window: int, sinks: int = 0, backend: str = "auto") -> tuple:
+    """The window ring and sinks after a first call of T real tokens in every row (positions 0..T-1):
+    k, v [B, H, T, D] -> (ring_k, ring_v [B, H, W, D], ring_pos [B, W] int64, sink_k, sink_v [B, H, sinks, D],
+    sink_pos [B, sinks] int64; the last three None without sinks), new tensors in the layout
+    `modeling.window.WindowRing` keeps: position p in ring slot p % W (the last W tokens), token j in sink
+    slot j, position -1 in a slot no token took (zeros there). `backend` as the fused ops' ("auto": the
+    Triton kernel on CUDA, one launch where the PyTorch ops take six; "triton"; "torch")."""
+    if fused_kernel(backend, k.device, "window ring fill", fresh_ring_unsupported(k, v, window, sinks)):
+        from .triton_window import fresh_ring_triton
+
+        return fresh_ring_triton(k, v, window, sinks)
+    return fresh_ring_reference(k, v, window, sinks)

@@ -10,12 +10,10 @@ is the conversion's half: the source's attention tensors of a converted layer, c
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from ..kernels.window_attention import window_step
+from ..kernels.window_attention import fresh_ring, window_step
 from .base import SequenceInfo, SoftmaxAttention
 
 #: The cache layer's tensors of the window branch.
@@ -125,56 +123,26 @@ class WindowRing:
                 torch.where(has, self.pos.gather(1, src), buf_pos))
 
 
-@functools.lru_cache(maxsize=32)
-def _fresh_layout(T: int, W: int, sinks: int, device: torch.device
-                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """`FreshRing.update`'s index tensors for T new tokens, a ring of W slots and `sinks` sink slots,
-    made once per shape and device (read only; what a cache keeps is copied from them): the token each
-    ring slot takes (None when T < W: slots 0..T-1 take the tokens), the ring's positions [W] (-1:
-    empty) and the sinks' positions [sinks] (None without sinks)."""
-    slots = torch.arange(W, device=device)
-    if T >= W:  # slot s holds the position p in [T - W, T) with p % W = s
-        src = T - W + (slots - T) % W
-        pos = src
-    else:  # slots 0..T-1 hold the tokens, the rest is empty
-        src, pos = None, torch.where(slots < T, slots, -1)
-    sink_pos = None
-    if sinks:
-        sink = torch.arange(sinks, device=device)
-        sink_pos = torch.where(sink < min(sinks, T), sink, -1)
-    return src, pos, sink_pos
-
-
 class FreshRing:
     """The window ring of a call whose new tokens are each row's first T, all real (positions 0..T-1 in
     every row, an empty ring): the queries attend over the new tokens themselves as causal rows (the
     window kernels, the banded form, or causal SDPA when T <= W), and `update` fills the ring with the
-    last W tokens and the sink buffer with the first `sinks` by slicing, in the layout `WindowRing`
+    last W tokens and the sink buffer with the first `sinks` (`fresh_ring`), in the layout `WindowRing`
     keeps (position p in ring slot p % W, -1 for an empty slot) for the steps that follow."""
 
     sink_slots = 0  # the keys `update` returns are the new tokens alone
 
-    def __init__(self, layer, window: int, sinks: int = 0) -> None:
-        self.layer, self.window, self.sinks = layer, window, sinks
+    def __init__(self, layer, window: int, sinks: int = 0, backend: str = "auto") -> None:
+        self.layer, self.window, self.sinks, self.backend = layer, window, sinks, backend
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [B, H, T, D] (post-RoPE) -> themselves, after writing the ring and the sinks."""
-        B, H, T, D = k.shape
-        W = self.window
-        src, pos, sink_pos = _fresh_layout(T, W, self.sinks, k.device)
-        if src is not None:
-            ring_k, ring_v = k.index_select(2, src), v.index_select(2, src)
-        else:
-            pad = (0, 0, 0, W - T)
-            ring_k, ring_v = F.pad(k, pad), F.pad(v, pad)
+        """k, v [B, H, T, D] (post-RoPE) -> themselves, after writing the ring and the sinks
+        (`kernels.window_attention.fresh_ring`: on CUDA one kernel)."""
+        ring_k, ring_v, pos, sink_k, sink_v, sink_pos = fresh_ring(k, v, self.window, self.sinks, self.backend)
         t = self.layer.tensors
-        # copies: the cache writes them in place
-        t.update(swa_k=ring_k, swa_v=ring_v, swa_pos=pos.expand(B, W).clone(memory_format=torch.contiguous_format))
+        t.update(swa_k=ring_k, swa_v=ring_v, swa_pos=pos)
         if self.sinks:
-            n = min(self.sinks, T)
-            pad = (0, 0, 0, self.sinks - n)
-            t.update(swa_sink_k=F.pad(k[:, :, :n], pad), swa_sink_v=F.pad(v[:, :, :n], pad),
-                     swa_sink_pos=sink_pos.expand(B, self.sinks).clone(memory_format=torch.contiguous_format))
+            t.update(swa_sink_k=sink_k, swa_sink_v=sink_v, swa_sink_pos=sink_pos)
         return k, v
 
 
@@ -209,7 +177,8 @@ class WindowBranch:
         if self._fresh_prefill(x, seq, cache_layer):
             # a first call of real tokens (a prefill): causal rows over the new tokens, the ring filled by slicing
             fresh = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=True)
-            return self.swa(x, position_embeddings, fresh, FreshRing(cache_layer, self.window, self.swa.sinks),
+            backend = "auto" if self.config.kernel_backend in ("auto", "triton") else "torch"
+            return self.swa(x, position_embeddings, fresh, FreshRing(cache_layer, self.window, self.swa.sinks, backend),
                             inputs=inputs)[0]
         ring = WindowRing(cache_layer, seq.positions, self.window, no_padding=seq.causal, consecutive=seq.consecutive,
                           sinks=self.swa.sinks)
@@ -261,7 +230,6 @@ class WindowBranch:
         ring with no mask (every slot holds one of the last W tokens, the sinks are W or more back and
         the ring holds none of them). The values of the masked path (`WindowRing`) with far fewer
         operations, as a step on the CPU or an uncaptured one on a GPU needs."""
-        import torch.nn.functional as F
 
         attn, t = self.swa, cache_layer.tensors
         q, k, v = attn.project(x, position_embeddings, inputs=inputs)  # [B, heads, 1, D]
