@@ -218,7 +218,8 @@ def _concat_outputs(linears: Sequence[nn.Linear], x: torch.Tensor) -> tuple[torc
 
 class PackedInputs:
     """Mixin of a module whose `input_projection_names` run through `input_projections`: a device or
-    dtype change (`model.to`, `.half()`) drops the pack, whose tensors the members no longer use.
+    dtype change (`model.to`, `.half()`) drops the pack (and the `stacked_linears` stacks), whose tensors
+    the members no longer use.
     `concat_with_grad`: where a call with gradients does not take the pack, one matmul over the
     members' concatenated weights."""
 
@@ -227,6 +228,7 @@ class PackedInputs:
 
     def _apply(self, fn, recurse=True):
         self.__dict__.pop("_input_pack", None)
+        self.__dict__.pop("_stacks", None)
         return super()._apply(fn, recurse)
 
 
@@ -286,3 +288,86 @@ def packed_output(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | None
     if grad and names is not None and set(names) != set(pack.names):
         return None
     return pack.output(x)
+
+
+def linear_plus(lin: nn.Module, x: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+    """lin(x) + addend as one GEMM that adds `addend` in its epilogue (`torch.addmm`: one launch where the
+    two ops take two, and no intermediate [..., out] tensor), where `lin` is a plain nn.Linear without a
+    bias (`_plain`: no PEFT adapter, hooks or sharded parameters, whose forward must run) and addend has
+    lin(x)'s shape and x's dtype; else the two ops. The same values up to the sum's rounding (the GEMM's
+    fp32 result plus addend, rounded once)."""
+    n = lin.out_features if isinstance(lin, nn.Linear) else None
+    if (n is not None and lin.bias is None and _plain(lin) and addend.shape == (*x.shape[:-1], n)
+            and addend.dtype == x.dtype == lin.weight.dtype and x.device == lin.weight.device):
+        return torch.addmm(addend.reshape(-1, n), x.reshape(-1, x.shape[-1]), lin.weight.t()).view(addend.shape)
+    return lin(x) + addend
+
+
+class _Stack:
+    """The weights of members of one shape [out, in] (plain bias-free nn.Linear) in one tensor [n, out, in],
+    each member's parameter a view of its slice (as a `_Pack`'s rows: the live weights, no second copy)."""
+
+    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+        self.members = list(linears)
+        with torch.inference_mode(False), torch.no_grad():
+            self.weight = torch.stack([lin.weight.detach() for lin in linears])
+            for i, lin in enumerate(linears):
+                lin.weight.data = self.weight[i]
+        self.sig = _signature(linears)
+
+    def live(self, owner: nn.Module, names: Sequence[str], x: torch.Tensor) -> bool:
+        return (all(_member(owner, n) is m and _unhooked(m) for n, m in zip(names, self.members, strict=True))
+                and _signature(self.members) == self.sig and x.device == self.weight.device)
+
+
+def _batched_view(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """xs (n tensors [..., r] of one shape, dtype and strides, views of one tensor whose rows are one stride
+    apart: column slices of one packed projection's output) as one [n, rows, r] view where their first
+    elements lie one constant step apart (adjacent slots of the pack), else None. (Read from shapes and
+    strides: this runs at every call.)"""
+    x0 = xs[0]
+    base, shape, strides = x0._base, x0.shape, x0.stride()
+    if base is None or len(shape) < 2 or strides[-1] != 1:
+        return None
+    lead = [(n, st) for n, st in zip(shape[:-1], strides[:-1], strict=True) if n != 1]
+    for (_, outer), (n, inner) in zip(lead, lead[1:], strict=False):  # the leading dims as one stride
+        if outer != inner * n:
+            return None
+    row_stride = lead[-1][1] if lead else shape[-1]
+    off0 = x0.storage_offset()
+    step = xs[1].storage_offset() - off0
+    for i, x in enumerate(xs):
+        if (x._base is not base or x.shape != shape or x.stride() != strides or x.dtype != x0.dtype
+                or x.storage_offset() - off0 != i * step):
+            return None
+    return x0.as_strided((len(xs), x0.numel() // shape[-1], shape[-1]), (step, row_stride, 1))
+
+
+def stacked_linears(owner: nn.Module, names: Sequence[str], xs: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """[member(x) for each member `names[i]` of owner and x = xs[i]] as one batched matmul (`torch.bmm`: one
+    launch where the members take one each) without gradients, for members of one weight shape (plain
+    bias-free nn.Linear: no PEFT adapter, hooks or sharded parameters) on inputs that are adjacent
+    equal-width column slices of one tensor (a packed projection's output: `_batched_view`); the members'
+    weights are stacked on first use (`_Stack`, rebuilt when a member's tensor was replaced). None where this
+    does not apply, the call with gradients included: then the caller runs each member. The same values as
+    the members (each output column the same dot product)."""
+    if torch.is_grad_enabled() or len(names) < 2 or not _may_use_pack(owner):
+        return None
+    stacks = owner.__dict__.setdefault("_stacks", {})
+    key = tuple(names)
+    stack = stacks.get(key)
+    if stack is None or not stack.live(owner, names, xs[0]):
+        linears = [_member(owner, n) for n in names]
+        if not all(lin is not None and _plain(lin) and lin.bias is None for lin in linears) or _capturing():
+            return None
+        w0 = linears[0].weight
+        if any(lin.weight.shape != w0.shape or lin.weight.dtype != w0.dtype or lin.weight.device != w0.device
+               for lin in linears):
+            return None
+        stack = stacks[key] = _Stack(linears)
+    batch = _batched_view(xs)
+    if batch is None or batch.dtype != stack.weight.dtype:
+        return None
+    out = torch.bmm(batch, stack.weight.transpose(1, 2))  # [n, rows, out]
+    lead = xs[0].shape[:-1]
+    return [y.view(*lead, y.shape[-1]) for y in out]

@@ -91,3 +91,100 @@ def test_packed_members_with_gradients_are_the_separate_ones():
     for a, b in zip(g, g_ref, strict=True):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_linear_plus_is_one_gemm_with_the_sum_and_falls_back_where_the_layer_must_run():
+    """`linear_plus(lin, x, addend)`: lin(x) + addend's values and gradients (x, the weight and the
+    addend), as one addmm for a plain bias-free nn.Linear; the two ops for a biased layer, one with a
+    hook (which must run) and an addend of another shape."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    lin = nn.Linear(24, 10, bias=False).double()
+    x = torch.randn(2, 7, 24, dtype=torch.float64, requires_grad=True)
+    add = torch.randn(2, 7, 10, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 7, 10, dtype=torch.float64)
+    with Ops() as ops:
+        out = projections.linear_plus(lin, x, add)
+    assert ops.names.count("addmm") == 1 and "add" not in ops.names and "mm" not in ops.names
+    ref = lin(x) + add
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    g = torch.autograd.grad((out * w).sum(), (x, add, lin.weight))
+    g_ref = torch.autograd.grad((ref * w).sum(), (x, add, lin.weight))
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert g[2].is_contiguous()
+
+    biased = nn.Linear(24, 10).double()
+    hooked = nn.Linear(24, 10, bias=False).double()
+    calls = []
+    hooked.register_forward_hook(lambda *a: calls.append(1))
+    for layer, addend in ((biased, add), (hooked, add), (lin, add[:, :1])):
+        with Ops() as ops:
+            out = projections.linear_plus(layer, x, addend)
+        assert "addmm" not in ops.names or layer is biased  # a biased F.linear may run as addmm itself
+        assert "add" in ops.names
+        torch.testing.assert_close(out, layer(x) + addend, rtol=1e-12, atol=1e-12)
+    assert calls == [1, 1]  # the hooked layer's forward ran (in linear_plus and in the reference)
+
+
+def test_stacked_linears_are_the_members_without_gradients():
+    """`stacked_linears`: members of one weight shape on adjacent equal-width column slices of one tensor
+    as one bmm over their stacked weights (the members' parameters views of the stack), the members'
+    values; None (the caller runs each member) with gradients, for inputs that are not adjacent slices,
+    members of other shapes or with a hook; an in-place weight update is seen, a dtype change restacks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    class Owner(projections.PackedInputs, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"fuse_projections": True})()
+            self.a, self.b, self.c = (nn.Linear(8, 12, bias=False) for _ in range(3))
+            self.d = nn.Linear(4, 12, bias=False)
+
+    torch.manual_seed(0)
+    m = Owner().double()
+    y = torch.randn(2, 5, 30, dtype=torch.float64)  # a packed result: slots of 8 at 3, 11, 19
+    xs = [y[..., 3 + 8 * i: 11 + 8 * i] for i in range(3)]
+    names = ("a", "b", "c")
+    with torch.no_grad():
+        with Ops() as ops:
+            out = projections.stacked_linears(m, names, xs)
+        assert ops.names.count("bmm") == 1 and "mm" not in ops.names
+        for o, n, x in zip(out, names, xs, strict=True):
+            assert o.shape == (2, 5, 12)
+            torch.testing.assert_close(o, getattr(m, n)(x), rtol=1e-12, atol=1e-12)
+        stack = m.__dict__["_stacks"][names]
+        assert m.b.weight.untyped_storage().data_ptr() == stack.weight.untyped_storage().data_ptr()
+        m.b.weight.mul_(0.5)  # in place, as an optimizer step: the stack sees it
+        torch.testing.assert_close(projections.stacked_linears(m, names, xs)[1], m.b(xs[1]), rtol=1e-12, atol=1e-12)
+        assert projections.stacked_linears(m, names, [xs[0], xs[2], xs[1]]) is None  # not one step apart
+        assert projections.stacked_linears(m, ("a", "d"), [xs[0], y[..., :4]]) is None  # another shape
+        m.float()  # new tensors: the stacks are dropped, then rebuilt in fp32
+        assert "_stacks" not in m.__dict__
+        yf = y.float()
+        xs = [yf[..., 3 + 8 * i: 11 + 8 * i] for i in range(3)]
+        out = projections.stacked_linears(m, names, xs)
+        assert m.__dict__["_stacks"][names].weight.dtype == torch.float32
+        torch.testing.assert_close(out[2], m.c(xs[2]))
+        m.c.register_forward_hook(lambda *a: None)
+        assert projections.stacked_linears(m, names, xs) is None  # a hook must run
+    assert projections.stacked_linears(m, ("a", "b"), xs[:2]) is None  # with gradients

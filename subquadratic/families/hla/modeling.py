@@ -32,7 +32,7 @@ from ...modeling.base import (
 )
 from ...modeling.cache import RecurrentLayer
 from ...modeling.fused import HeadNorm
-from ...modeling.projections import QKV, input_projections
+from ...modeling.projections import QKV, input_projections, linear_plus
 from ...modeling.window import WINDOW_FIELDS, WindowBranch
 from .configuration import HLAConfig
 
@@ -166,10 +166,11 @@ class HLAAttention(WindowBranch, AttentionBase):
                 o = o * Fn.silu(gate)
         if not seq.padding_unread:
             o = o * valid[..., None]
-        out = self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
-        if self.window:
-            out = out + self.window_attention(hidden_states, position_embeddings, seq, cache_layer)
-        return out, None
+        o = o.reshape(B, T, self.num_heads * self.head_dim)
+        if not self.window:
+            return self.o_proj(o), None
+        o_swa = self.window_attention(hidden_states, position_embeddings, seq, cache_layer)
+        return linear_plus(self.o_proj, o, o_swa), None  # o_proj(o) + o_swa in one GEMM
 
 
 class HLAModel(SubquadraticModel):

@@ -40,7 +40,7 @@ from ...modeling.base import (
     decay_spread,
 )
 from ...modeling.cache import RecurrentLayer
-from ...modeling.projections import QKV, input_projections
+from ...modeling.projections import QKV, input_projections, linear_plus, stacked_linears
 from ...modeling.window import WINDOW_FIELDS, WindowBranch
 from .configuration import SSEConfig
 
@@ -99,7 +99,8 @@ class SSEAttention(WindowBranch, AttentionBase):
 
     cache_layer_cls = SSELayer
     needs_key_positions = False
-    input_projection_names = (*QKV, *LORA_DOWN, "g1_down", "g2_down", "g_proj.0", "router")
+    # the offsets' down projections and the gate's adjacent (one width: their up projections stack), then the decays'
+    input_projection_names = (*QKV, *LORA_DOWN, "g_proj.0", "g1_down", "g2_down", "router")
     concat_with_grad = True  # a call with gradients off the pack: the members as one matmul (`modeling.projections`)
     #: a packed batch's hidden states come packed: every per-token step (projections, feature maps, decays,
     #: router, gate, output) runs on the real tokens, the state recurrence one document per row
@@ -257,13 +258,23 @@ class SSEAttention(WindowBranch, AttentionBase):
         p = input_projections(self, x)  # without gradients one matmul
         packed = seq.is_packed(x)
         from_projections = False
+        gate = None
         if cfg.sse_base == "gla":
-            z1, z2 = self.g1_up(p["g1_down"]), self.g2_up(p["g2_down"])
+            # without gradients the low-rank up projections of one width run as one batched matmul each
+            z = stacked_linears(self, ("g1_up", "g2_up"), (p["g1_down"], p["g2_down"]))
+            z1, z2 = z or (self.g1_up(p["g1_down"]), self.g2_up(p["g2_down"]))
             # CUDA: one kernel forward, one backward, reading q1 / k1 / v where the projection wrote them, K / V
             # at their own heads and q2 / k2 as q1 / k1 plus their low-rank offsets (no repeat, no add); with
             # qk-norm (applied to q2 / k2 after the offsets) on `project_sse`'s outputs
             q1, k1, v = self.qkv(x, p)
-            offsets = self.lora_offsets(x, p) if cfg.lora_rank else None
+            offsets = None
+            if cfg.lora_rank:
+                downs = (p["q2_down"], p["k2_down"], p["g_proj.0"])
+                ups = (stacked_linears(self, ("q2_up", "k2_up", "g_proj.1"), downs)
+                       or stacked_linears(self, ("q2_up", "k2_up"), downs[:2]))
+                shape = (B, T, self.num_heads, self.head_dim)
+                offsets = (ups[0].view(shape), ups[1].view(shape)) if ups else self.lora_offsets(x, p)
+                gate = ups[2] if ups and len(ups) == 3 else None
             mode = "offset" if offsets else "same"
             xs = (q1, k1, *(offsets or (None, None)), v, z1, z2, self.g1_bias, self.g2_bias)
             kernel = not cfg.qk_norm and self.features_take_kernel(xs, mode)
@@ -326,20 +337,21 @@ class SSEAttention(WindowBranch, AttentionBase):
         if packed:
             o = seq.documents.pack(o)
 
-        gate = self.g_proj[1](p["g_proj.0"]).view(B, T, self.num_heads, self.head_dim)
+        gate = (self.g_proj[1](p["g_proj.0"]) if gate is None else gate).view(B, T, self.num_heads, self.head_dim)
         w, eps = self.o_norm.weight, self.o_norm.variance_epsilon
         if cfg.kernel_backend in ("auto", "triton") and norm_gate_takes_kernel(o, w, gate):
             o = norm_gate(o, w, gate, eps, backend="triton")  # on CUDA: one kernel (a decode step's too), same values
         else:
             o = self.o_norm(o) * F.silu(gate)
-        out = self.o_proj((o if seq.padding_unread else o * tok).reshape(B, T, -1))
-        if self.window:
-            o_swa = self.window_attention(x, position_embeddings, seq, cache_layer,
-                                          inputs=None if cfg.sse_window_qkv == "own" else p)
-            if cfg.sse_window_merge == "sum":
-                out = o_swa + out
-            else:
-                out = (self.sse_merge_norm(out) + self.swa_merge_norm(o_swa)) / 2
+        o = (o if seq.padding_unread else o * tok).reshape(B, T, -1)
+        if not self.window:
+            return self.o_proj(o), aux[0] if aux else None
+        o_swa = self.window_attention(x, position_embeddings, seq, cache_layer,
+                                      inputs=None if cfg.sse_window_qkv == "own" else p)
+        if cfg.sse_window_merge == "sum":
+            out = linear_plus(self.o_proj, o, o_swa)  # o_proj(o) + o_swa in one GEMM
+        else:
+            out = (self.sse_merge_norm(self.o_proj(o)) + self.swa_merge_norm(o_swa)) / 2
         return out, aux[0] if aux else None
 
 
