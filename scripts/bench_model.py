@@ -21,7 +21,10 @@ The time of a call is the median of --repeats synchronised wall-clock runs; the 
 ours (above 1: ours is faster). A first token's row also gives the host time: the median time the
 call took to return before its synchronisation, what the host spends enqueueing it (near the wall
 time: the host bounds the call; well below it: the GPU does). Peak memory is
-torch.cuda.max_memory_allocated over the timed runs. A
+torch.cuda.max_memory_allocated over the timed runs. Each row also keeps (in the JSON, and in the log)
+the caching allocator's device allocations, frees and retries during the timed runs (cudaMalloc /
+cudaFree inside a call: host time that is not enqueueing), the time Python's garbage collector ran in
+them, and the synchronising operations of one more call (`torch.cuda.set_sync_debug_mode`). A
 call that fails (out of memory, say) is recorded with its error and the run goes on. The table is
 printed at the end as Markdown and, with --out, written as JSON after every row. `--profile T[,T..]`
 adds, for each model and each measure at those lengths, a torch.profiler table of one warm call (the
@@ -33,6 +36,7 @@ forward: each half's host time (to return) and wall time, a second table (`split
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -72,24 +76,79 @@ def train_call(model, ids: torch.Tensor):
     return run
 
 
+#: The caching allocator's counters `measure` reports over its timed calls: a device allocation or free
+#: inside a timed call (cudaMalloc / cudaFree, the latter synchronising the device) or an allocation
+#: retried after freeing the cache shows in the host time of a call that should only enqueue work.
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_counts(device: torch.device) -> dict:
+    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
+    return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTERS}
+
+
+def synchronising_ops(fn, device: torch.device) -> int | None:
+    """The synchronising CUDA operations one call of fn makes (`torch.cuda.set_sync_debug_mode`'s warnings:
+    a device-to-host copy, an item(), a blocking copy...), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync(device)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+class GCTime:
+    """The time Python's garbage collector ran (ms) and its collections while in the `with` block."""
+
+    def __enter__(self):
+        self.ms, self.collections, self._t0 = 0.0, 0, None
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += 1e3 * (time.perf_counter() - self._t0)
+            self.collections += 1
+
+
 def measure(fn, device: torch.device, repeats: int) -> dict:
     """Median seconds of `repeats` timed calls after one untimed call, the median seconds each took to
     return before its synchronisation (`host_s`: the time the host takes to enqueue a call that does
-    not wait on the device, a first token's; a training step's waits for its loss), and the peak memory
-    of the timed calls."""
+    not wait on the device, a first token's; a training step's waits for its loss), the peak memory
+    of the timed calls, the allocator's counters over them (`allocator`: `ALLOCATOR_COUNTERS`, their
+    increase), the garbage collector's time and collections during them (`gc`) and the synchronising
+    operations of one more call (`syncs`)."""
     fn()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    before = allocator_counts(device)
     times, host = [], []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        host.append(time.perf_counter() - t0)
-        sync(device)
-        times.append(time.perf_counter() - t0)
+    with GCTime() as collector:
+        for _ in range(repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t0)
+            sync(device)
+            times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return dict(s=statistics.median(times), runs=times, host_s=statistics.median(host), peak_bytes=peak)
+    after = allocator_counts(device)
+    return dict(s=statistics.median(times), runs=times, host_s=statistics.median(host), host_runs=host,
+                peak_bytes=peak, allocator={k: after[k] - before[k] for k in ALLOCATOR_COUNTERS},
+                gc=dict(ms=collector.ms, collections=collector.collections), syncs=synchronising_ops(fn, device))
 
 
 def split_train(model, ids: torch.Tensor, device: torch.device, repeats: int) -> dict:
@@ -150,7 +209,9 @@ def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: 
                 free(device)
             results[name, what, T] = res
             if "s" in res:
-                log(f"  {res['s'] * 1000:.1f} ms, peak {fmt_bytes(res['peak_bytes'])}")
+                log(f"  {res['s'] * 1000:.1f} ms (host {res['host_s'] * 1000:.1f}), peak "
+                    f"{fmt_bytes(res['peak_bytes'])}, allocator {res['allocator']}, gc {res['gc']}, "
+                    f"synchronising ops {res['syncs']}")
             emit()
         model.eval()
 
@@ -181,6 +242,8 @@ def rows_of(results: dict, families: list[str], measures: dict) -> list[dict]:
                                  **{f"{who}_host_ms": r["host_s"] * 1000 if what == "ttft" and "host_s" in r else None
                                     for who, r in (("dense", dense), ("ours", ours))},
                                  **{f"{who}_split": r.get("split") for who, r in (("dense", dense), ("ours", ours))},
+                                 **{f"{who}_{k}": r.get(k) for who, r in (("dense", dense), ("ours", ours))
+                                    for k in ("allocator", "gc", "syncs")},
                                  error=ours.get("error") or dense.get("error")))
     return rows
 

@@ -37,6 +37,12 @@ def test_bench_model_quick_smoke(tmp_path):
         for h in (r["ours_split"], r["dense_split"]):
             assert 0 < h["forward_host_ms"] <= h["forward_wall_ms"]
             assert 0 < h["backward_host_ms"] <= h["backward_wall_ms"]
+    for r in rows:  # the allocator's counters over the timed calls (zeros on the CPU) and no sync count off CUDA
+        for who in ("ours", "dense"):
+            assert r[f"{who}_allocator"] == {k: 0 for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                                                            "num_sync_all_streams")}
+            assert r[f"{who}_syncs"] is None
+            assert r[f"{who}_gc"]["ms"] >= 0 and r[f"{who}_gc"]["collections"] >= 0
     assert "| T | model | forward host / wall ms | backward host / wall ms |" in res.stdout
     assert "| 128 | dense |" in res.stdout and "| 128 | sse-h |" in res.stdout
     tables = (tmp_path / "prof.txt").read_text()  # one profiler table per model and measure at 128 tokens
