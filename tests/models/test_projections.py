@@ -4,8 +4,21 @@ gradients, one matmul whose weight rows (and every slot) are aligned to ALIGN.""
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from subquadratic.modeling import projections
+
+
+class Ops(TorchDispatchMode):
+    """The names of the aten ops dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
 
 
 def test_concatenated_members_are_the_separate_ones(monkeypatch):
@@ -97,17 +110,6 @@ def test_linear_plus_is_one_gemm_with_the_sum_and_falls_back_where_the_layer_mus
     """`linear_plus(lin, x, addend)`: lin(x) + addend's values and gradients (x, the weight and the
     addend), as one addmm for a plain bias-free nn.Linear; the two ops for a biased layer, one with a
     hook (which must run) and an addend of another shape."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     lin = nn.Linear(24, 10, bias=False).double()
     x = torch.randn(2, 7, 24, dtype=torch.float64, requires_grad=True)
@@ -142,17 +144,6 @@ def test_stacked_linears_are_the_members_without_gradients():
     as one bmm over their stacked weights (the members' parameters views of the stack), the members'
     values; None (the caller runs each member) with gradients, for inputs that are not adjacent slices,
     members of other shapes or with a hook; an in-place weight update is seen, a dtype change restacks."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
     class Owner(projections.PackedInputs, nn.Module):
         def __init__(self):
             super().__init__()
