@@ -117,8 +117,8 @@ TABLE_SLOTS = 64
 
 
 @jit
-def chunk_table_kernel(CU, CCU, BOS, CNT, SEQ, N, NC, C: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr):
-    """The chunk table in one program: the chunks per sequence and their exclusive cumulative count
+def _chunk_table(CU, CCU, BOS, CNT, SEQ, N, NC, C, BN: tl.constexpr, BJ: tl.constexpr):
+    """One chunk table of C-token chunks: the chunks per sequence and their exclusive cumulative count
     ccu [N + 1] in registers, then per block of slots j: the sequence seg = #{s: ccu[s + 1] <= j}
     (clamped to N - 1), bos = cu[seg] + (j - ccu[seg]) C and the valid tokens n (0 past the last
     chunk), as `chunk_table_reference` computes them."""
@@ -144,24 +144,41 @@ def chunk_table_kernel(CU, CCU, BOS, CNT, SEQ, N, NC, C: tl.constexpr, BN: tl.co
         tl.store(SEQ + j, seg, mask=j < NC)
 
 
-def chunk_table(cu: Tensor, M: int, C: int) -> Chunks:
+@jit
+def chunk_table_kernel(CU, CCU, BOS, CNT, SEQ, NC, C, CCU2, BOS2, CNT2, SEQ2, NC2, C2, N, BN: tl.constexpr,
+                       BJ: tl.constexpr):
+    """Program 0: the chunk table of C-token chunks (`_chunk_table`); program 1 (a grid of two) that of
+    C2-token chunks over the same sequences, the split walk's pieces."""
+    if tl.program_id(0) == 0:
+        _chunk_table(CU, CCU, BOS, CNT, SEQ, N, NC, C, BN, BJ)
+    else:
+        _chunk_table(CU, CCU2, BOS2, CNT2, SEQ2, N, NC2, C2, BN, BJ)
+
+
+def chunk_table(cu: Tensor, M: int, C: int, piece: int = 0) -> Chunks:
     """The chunk table of packed sequences cut by cu [N + 1] (int32, on the device) over M tokens,
     with no host synchronisation: NC = M // C + N chunk slots (an upper bound of sum_s
     ceil(len_s / C)); slot j holds chunk j of the sequence-major chunk list, or nothing (0 valid
-    tokens). One launch (`chunk_table_kernel`) for up to TABLE_SEQS sequences, else the PyTorch ops
-    of `chunk_table_reference`."""
+    tokens). With `piece` > 0 and M past one piece of `piece` chunks, also the split walk's pieces (the
+    table of piece * C-token chunks, `with_pieces`'s) from the same launch. One launch (`chunk_table_kernel`)
+    for up to TABLE_SEQS sequences, else the PyTorch ops of `chunk_table_reference`."""
     N = cu.numel() - 1
     if not 1 <= N <= TABLE_SEQS:
-        return chunk_table_reference(cu, M, C)
-    NC = M // C + N
-    ccu = new_output((N + 1,), cu.device, torch.int32)
-    bos = new_output((NC,), cu.device, torch.int32)
-    n = new_output((NC,), cu.device, torch.int32)
-    seq = new_output((NC,), cu.device, torch.int32)
+        ch = chunk_table_reference(cu, M, C)
+        return with_pieces(ch, M, piece) if piece else ch
+    split = piece and M > C * piece
+    tables = [(C, M // C + N)] + ([(C * piece, M // (C * piece) + N)] if split else [])
+    made = []
+    for size, NC in tables:
+        made.append([size, NC, *(new_output((n,), cu.device, torch.int32) for n in (N + 1, NC, NC, NC))])
+    first = made[0]
+    second = made[1] if split else first  # one program without pieces: any tensors stand in
     BN = block_size(N)
     # a [slots, sequences] tile of comparisons per block of slots: at most 16k elements
-    chunk_table_kernel[(1,)](cu, ccu, bos, n, seq, N, NC, C, BN, max(4, min(TABLE_SLOTS, 16384 // BN)), num_warps=4)
-    return Chunks(C, N, NC, cu=cu, ccu=ccu, bos=bos, n=n, seq=seq)
+    chunk_table_kernel[(len(tables),)](cu, *first[2:], first[1], first[0], *second[2:], second[1], second[0], N, BN,
+                                       max(4, min(TABLE_SLOTS, 16384 // BN)), num_warps=4)
+    chunks = [Chunks(size, N, NC, cu=cu, ccu=ccu, bos=bos, n=n, seq=seq) for size, NC, ccu, bos, n, seq in made]
+    return replace(chunks[0], pieces=Pieces(chunks[1].NC, chunks[1])) if split else chunks[0]
 
 
 def chunk_table_reference(cu: Tensor, M: int, C: int) -> Chunks:
@@ -181,14 +198,15 @@ def chunk_table_reference(cu: Tensor, M: int, C: int) -> Chunks:
                   seq=seg.to(i32).contiguous())
 
 
-def with_pieces(ch: Chunks, M: int) -> Chunks:
-    """`ch` with the split walk's pieces when its M tokens are more than one piece of PIECE chunks
-    (varlen inputs: one launch, the piece table), else `ch`."""
-    if M <= ch.C * PIECE:
+def with_pieces(ch: Chunks, M: int, piece: int | None = None) -> Chunks:
+    """`ch` with the split walk's pieces when its M tokens are more than one piece of `piece` chunks (None:
+    PIECE) (varlen inputs: one launch, the piece table; `chunk_table` makes both tables in one), else `ch`."""
+    piece = PIECE if piece is None else piece
+    if M <= ch.C * piece:
         return ch
     if not ch.varlen:
-        return replace(ch, pieces=Pieces(ch.N * cdiv(ch.NT, PIECE)))
-    table = chunk_table(ch.cu, M, ch.C * PIECE)
+        return replace(ch, pieces=Pieces(ch.N * cdiv(ch.NT, piece)))
+    table = chunk_table(ch.cu, M, ch.C * piece)
     return replace(ch, pieces=Pieces(table.NC, table))
 
 
@@ -349,8 +367,9 @@ def chunk_linear_attention(
         B, T = lead
         ch = Chunks(chunk_size, B, B * cdiv(T, chunk_size), T=T, NT=cdiv(T, chunk_size))
     else:
-        ch = chunk_table(cu_seqlens.to(torch.int32).contiguous(), M, chunk_size)
-    if kind in SPLIT_DECAYS:
+        # with the split walk's pieces in the same launch
+        ch = chunk_table(cu_seqlens.to(torch.int32).contiguous(), M, chunk_size, PIECE if kind in SPLIT_DECAYS else 0)
+    if kind in SPLIT_DECAYS and ch.pieces is None:
         ch = with_pieces(ch, M)
     if initial_state is not None:
         if initial_state.shape != (ch.N, H, K, V):

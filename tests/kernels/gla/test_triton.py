@@ -354,11 +354,22 @@ def test_gpu_fp32_precision_reaches_the_dots():
 def test_chunk_table_kernel_matches_the_torch_ops(lens, chunk, spare):
     """The chunk table in one launch: the PyTorch ops' table exactly, with empty sequences, a
     sequence of one token, many sequences (a tile of several slots per block), and packed tokens
-    past the last sequence (M > cu[-1])."""
+    past the last sequence (M > cu[-1]); with the split walk's piece table from the same launch."""
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEV)
     M = int(cu[-1]) + spare
     got, want = tc.chunk_table(cu, M, chunk), tc.chunk_table_reference(cu, M, chunk)
-    assert (got.C, got.N, got.NC) == (want.C, want.N, want.NC)
-    for name in ("ccu", "bos", "n", "seq"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), name
+    assert got.pieces is None
+    tables = [(got, want)]
+    # with the split walk's pieces of 4 chunks from the same launch: the table of 4 C-token chunks
+    with_pieces = tc.chunk_table(cu, M, chunk, 4)
+    if M > 4 * chunk:
+        piece = with_pieces.pieces.table
+        tables += [(with_pieces, want), (piece, tc.chunk_table_reference(cu, M, 4 * chunk))]
+        assert with_pieces.pieces.NP == piece.NC
+    else:
+        assert with_pieces.pieces is None
+    for a_table, b_table in tables:
+        assert (a_table.C, a_table.N, a_table.NC) == (b_table.C, b_table.N, b_table.NC)
+        for name in ("ccu", "bos", "n", "seq"):
+            a, b = getattr(a_table, name), getattr(b_table, name)
+            assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), name
