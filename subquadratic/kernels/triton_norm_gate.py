@@ -32,12 +32,20 @@ def _rows(X, W, GATE, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.cons
 
 
 @jit
+def norm_gate_rows(x, g, w, eps, D: tl.constexpr, dtype: tl.constexpr):
+    """RMSNorm_w(x) * SiLU(g) of rows x, g, w [rows, BD] (fp32, zeros past D) in `dtype`, rounded as the
+    PyTorch form rounds (the normalised x and the gate's SiLU each in `dtype` before their product)."""
+    r = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
+    n = (x * r[:, None] * w).to(dtype).to(tl.float32)
+    s = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
+    return (n * s).to(dtype)
+
+
+@jit
 def norm_gate_fwd(X, W, GATE, Y, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                   BR: tl.constexpr):
     off, m, x, g, w, r = _rows(X, W, GATE, n_rows, eps, H, D, BD, BR)
-    n = (x * r[:, None] * w).to(Y.dtype.element_ty).to(tl.float32)  # rounded as the PyTorch form rounds
-    s = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32)
-    tl.store(Y + off, (n * s).to(Y.dtype.element_ty), mask=m)
+    tl.store(Y + off, norm_gate_rows(x, g, w, eps, D, Y.dtype.element_ty), mask=m)
 
 
 @jit

@@ -27,7 +27,7 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel
+from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel, norm_gate_unsupported
 from ...kernels.sse import SSEState, router_topk, sse_attention, sse_from_projections, sse_from_projections_takes
 from ...kernels.sse.features import sse_gla_features, sse_gla_features_takes_kernel
 from ...kernels.utils import acc_dtype
@@ -320,12 +320,18 @@ class SSEAttention(WindowBranch, AttentionBase):
                 beta = torch.where(valid[:, :, None], beta, 0.0)
 
         state = cache_layer.read() if cache_layer is not None else None
+        gate = (self.g_proj[1](p["g_proj.0"]) if gate is None else gate).view(B, T, self.num_heads, self.head_dim)
+        w, eps = self.o_norm.weight, self.o_norm.variance_epsilon
+        # without gradients the output norm and gate run in the kernel that combines each token's rows
+        gated = (w, gate, eps) if (from_projections and not packed and not torch.is_grad_enabled()
+                                   and gate.is_contiguous() and gate.dtype == q1.dtype
+                                   and norm_gate_unsupported(gate, w, gate) is None) else None
         if from_projections:
             # padding zeroed in the kernels: a packed batch's too (unread, but zero keeps the two-step values)
             o, state = sse_from_projections(*xs, cfg.sse_gate_normalizer, probs, sel, state, q2_mode=mode,
                                             chunk_size=cfg.sse_chunk_size, topk=cfg.sse_top_k,
                                             precision=cfg.kernel_precision,
-                                            valid=None if seq.causal or seq.new_real else valid)
+                                            valid=None if seq.causal or seq.new_real else valid, norm_gate=gated)
         else:
             o, state = sse_attention(
                 q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=cfg.sse_base, beta=beta,
@@ -337,11 +343,9 @@ class SSEAttention(WindowBranch, AttentionBase):
         if packed:
             o = seq.documents.pack(o)
 
-        gate = (self.g_proj[1](p["g_proj.0"]) if gate is None else gate).view(B, T, self.num_heads, self.head_dim)
-        w, eps = self.o_norm.weight, self.o_norm.variance_epsilon
-        if cfg.kernel_backend in ("auto", "triton") and norm_gate_takes_kernel(o, w, gate):
+        if gated is None and cfg.kernel_backend in ("auto", "triton") and norm_gate_takes_kernel(o, w, gate):
             o = norm_gate(o, w, gate, eps, backend="triton")  # on CUDA: one kernel (a decode step's too), same values
-        else:
+        elif gated is None:
             o = self.o_norm(o) * F.silu(gate)
         o = (o if seq.padding_unread else o * tok).reshape(B, T, -1)
         if not self.window:

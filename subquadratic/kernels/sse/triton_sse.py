@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..gla.triton_chunk import chunk_linear_attention
 from ..triton_launch import jit
+from ..triton_norm_gate import norm_gate_rows
 from ..triton_utils import block_size, cdiv, next_power_of_2, read_in_place, rows_per_program
 from ..utils import import_triton, new_output, run_function
 from .recurrent import SSEState, setup
@@ -189,9 +190,10 @@ def sse_triton(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, g1: Te
 
 def _merged_gla(qa: Tensor, ka: Tensor, va: Tensor, ga: Tensor, src: Tensor, cu: Tensor, inv: Tensor,
                 state: SSEState | None, B: int, T: int, N: int, dtype: torch.dtype, chunk_size: int,
-                precision: str) -> tuple[Tensor, SSEState]:
+                precision: str, norm_gate: tuple | None = None) -> tuple[Tensor, SSEState]:
     """Steps 2 and 3 of the module docstring on the merged rows [B T + R, H, D] (`PackRows`' layout): the
-    chunked GLA call from the SSE states (None: zeros) and each token's output summed from its rows."""
+    chunked GLA call from the SSE states (None: zeros) and each token's output summed from its rows (with
+    `norm_gate` = (weight, gate, eps), no gradients: then its norm and gate, `combine_rows_gated`)."""
     H, Dk, Dv = qa.shape[1], qa.shape[2], va.shape[2]
     h0 = None
     if state is not None:
@@ -199,7 +201,11 @@ def _merged_gla(qa: Tensor, ka: Tensor, va: Tensor, ga: Tensor, src: Tensor, cu:
                         state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
     o_all, h = chunk_linear_attention(qa, ka, va, ga, cu_seqlens=cu, initial_state=h0, chunk_size=chunk_size,
                                       out_dtype=torch.float32, precision=precision)
-    o = run_function(CombineRows, o_all, src, cu, inv, B * T, dtype)
+    if norm_gate is not None:
+        weight, gate, eps = norm_gate
+        o = combine_rows_gated(o_all, inv, B * T, dtype, weight, gate, eps)
+    else:
+        o = run_function(CombineRows, o_all, src, cu, inv, B * T, dtype)
     return o.view(B, T, H, Dv), SSEState(h[:B], h[B:B + B * N].reshape(B, N, H, Dk, Dv))
 
 
@@ -207,7 +213,7 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
                                 z2: Tensor, bias1: Tensor, bias2: Tensor, normalizer: float, probs: Tensor,
                                 sel: Tensor, state: SSEState | None = None, *, q2_mode: str = "full",
                                 chunk_size: int = 64, topk: int | None = None, precision: str = "ieee",
-                                valid: Tensor | None = None) -> tuple[Tensor, SSEState]:
+                                valid: Tensor | None = None, norm_gate: tuple | None = None) -> tuple[Tensor, SSEState]:
     """`sse_triton` on the GLA base's feature maps and decays of the projections, `sse_gla_features(q1, k1,
     q2, k2, v, z1, z2, bias1, bias2, normalizer, q2_mode=q2_mode)`, with the same values and gradients: the
     features are computed where the merged rows are written (`PackFeatures`: one kernel in place of the
@@ -216,7 +222,9 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
     read in place); probs, sel, state, chunk_size, topk, precision as `sse_triton`'s; `valid` [B, T] bool
     (None: every token real): a padding token's features are 0, as the model zeroes them for the two steps
     (it neither reads, writes nor decays a state; sel must be False there). Differentiable in every tensor but
-    sel. Returns (o [B, T, H, D] in q1's dtype, new SSEState (fp32))."""
+    sel. `norm_gate` = (weight [D] or [H, D], gate [B, T, H, D] contiguous in q1's dtype, eps), without
+    gradients only: o is `norm_gate(o, weight, gate, eps)`'s, computed in the kernel that sums each token's
+    rows. Returns (o [B, T, H, D] in q1's dtype, new SSEState (fp32))."""
     from .features import MAX_DIM, Q2_MODES
 
     if q2_mode not in Q2_MODES:
@@ -241,7 +249,9 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
         t.requires_grad for t in (q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs))
     qa, ka, va, ga = run_function(PackFeatures, q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs, src, cu, inv,
                                   valid, float(normalizer), q2_mode, grad)
-    return _merged_gla(qa, ka, va, ga, src, cu, inv, state, B, T, N, q1.dtype, chunk_size, precision)
+    if norm_gate is not None and grad:
+        raise ValueError("norm_gate (the output norm and gate in the combining kernel) takes no gradients")
+    return _merged_gla(qa, ka, va, ga, src, cu, inv, state, B, T, N, q1.dtype, chunk_size, precision, norm_gate)
 
 
 class PackFeatures(torch.autograd.Function):
@@ -573,10 +583,11 @@ class PackRows(torch.autograd.Function):
 
 
 @jit
-def _combine_rows(OA, INV, OUT, n, BT, H: tl.constexpr, N: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                  BR: tl.constexpr):
+def _combine_rows(OA, INV, OUT, W, GATE, eps, n, BT, H: tl.constexpr, N: tl.constexpr, DV: tl.constexpr,
+                  BV: tl.constexpr, BR: tl.constexpr, GATED: tl.constexpr, WH: tl.constexpr):
     """(token, head) pairs m = tok * H + h: o = the shared row's output + its partition rows' (fp32),
-    in OUT's dtype."""
+    in OUT's dtype; with GATED, then RMSNorm_W(o) * SiLU(GATE) of it (`norm_gate`'s values; W [WH, DV],
+    GATE [n, DV])."""
     m_idx = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = m_idx < n
     tok = (m_idx // H).to(tl.int64)
@@ -588,7 +599,14 @@ def _combine_rows(OA, INV, OUT, n, BT, H: tl.constexpr, N: tl.constexpr, DV: tl.
         row = tl.load(INV + tok * N + i, mask=m_r, other=-1)
         base = (BT + tl.maximum(row, 0)) * H + hd
         b += tl.load(OA + base[:, None] * DV + ov[None, :], mask=mv & (row >= 0)[:, None], other=0.0).to(tl.float32)
-    tl.store(OUT + m_idx.to(tl.int64)[:, None] * DV + ov[None, :], b.to(OUT.dtype.element_ty), mask=mv)
+    out = m_idx.to(tl.int64)[:, None] * DV + ov[None, :]
+    if GATED:  # the combined output rounded as CombineRows writes it, then the norm and gate
+        x = b.to(OUT.dtype.element_ty).to(tl.float32)
+        g = tl.load(GATE + out, mask=mv, other=0.0).to(tl.float32)
+        w = tl.load(W + (hd % WH)[:, None] * DV + ov[None, :], mask=mv, other=0.0).to(tl.float32)
+        tl.store(OUT + out, norm_gate_rows(x, g, w, eps, DV, OUT.dtype.element_ty), mask=mv)
+    else:
+        tl.store(OUT + out, b.to(OUT.dtype.element_ty), mask=mv)
 
 
 @jit
@@ -612,6 +630,22 @@ def _combine_rows_bwd(DO, SRC, CU, DOA, n, BT, B, H: tl.constexpr, N: tl.constex
     tl.store(DOA + m_idx.to(tl.int64)[:, None] * DV + ov[None, :], b.to(DOA.dtype.element_ty), mask=mv)
 
 
+def combine_rows_gated(o_all: Tensor, inv: Tensor, BT: int, dtype: torch.dtype, weight: Tensor, gate: Tensor,
+                       eps: float) -> Tensor:
+    """`CombineRows`' o followed by `norm_gate(o, weight, gate, eps)` in the same kernel, without gradients:
+    o_all [B T + R, H, V] fp32, gate [B T, H, V] contiguous in `dtype`, weight [V] or [H, V]. The values of
+    the two ops (o rounded to `dtype` before the norm), one launch and no o written in between."""
+    M, H, Dv = o_all.shape
+    N = inv.numel() // max(BT, 1)
+    o = new_output((BT, H, Dv), o_all.device, dtype)
+    BV = block_size(Dv)
+    BR = rows_per_program(BV, 2048)
+    if BT:
+        _combine_rows[(cdiv(BT * H, BR),)](o_all, inv, o, weight, gate, eps, BT * H, BT, H, N, Dv, BV, BR, True,
+                                           weight.shape[0] if weight.dim() == 2 else 1, num_warps=4)
+    return o
+
+
 class CombineRows(torch.autograd.Function):
     """o [B T, H, V] in `dtype` = each token's shared row of the merged output o_all [B T + R, H, V]
     (fp32) plus its partition rows (found through `inv`), summed in fp32. One kernel each way."""
@@ -624,7 +658,9 @@ class CombineRows(torch.autograd.Function):
         BV = block_size(Dv)
         BR = rows_per_program(BV, 2048)
         if BT:
-            _combine_rows[(cdiv(BT * H, BR),)](o_all, inv, o, BT * H, BT, H, N, Dv, BV, BR, num_warps=4)
+            # not gated: the weight and gate pointers stand in (never read)
+            _combine_rows[(cdiv(BT * H, BR),)](o_all, inv, o, o, o, 0.0, BT * H, BT, H, N, Dv, BV, BR, False, 1,
+                                               num_warps=4)
         ctx.save_for_backward(src, cu)
         ctx.meta = (M, N, BT, o_all.dtype)
         return o

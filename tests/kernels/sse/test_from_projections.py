@@ -2,7 +2,8 @@
 are written and their gradients where the merged rows' are gathered) against the two-step path it replaces:
 `sse_gla_features` on the kernels, then `sse_triton`. Same outputs, states and gradients of every input bit
 for bit in fp32 and bf16, every q2 mode, K / V at fewer heads, column slices of one packed projection, K < N
-(the trailing rows), padding, a carried state; values and gradients against the fp64 oracle (`sse_recurrent`
+(the trailing rows), padding, a carried state; without gradients the output norm and gate in the combining
+kernel as `norm_gate` gives them; values and gradients against the fp64 oracle (`sse_recurrent`
 on the PyTorch features). Under TRITON_INTERPRET=1 on the CPU; the `gpu` test runs bf16 at a real layer's
 shape."""
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+from subquadratic.kernels.norm_gate import norm_gate, norm_gate_unsupported  # noqa: E402
 from subquadratic.kernels.sse import SSEState, router_topk, sse_recurrent  # noqa: E402
 from subquadratic.kernels.sse.features import sse_gla_features  # noqa: E402
 from subquadratic.kernels.sse.triton_sse import sse_triton, sse_triton_from_projections  # noqa: E402
@@ -110,6 +112,21 @@ def test_equals_features_then_sse_triton(dtype, mode, H, HK, N, topk, pad, chunk
         o, new = sse_triton_from_projections(*cut(*leaves), 16.0, *router_topk(logits, topk, valid), state,
                                              q2_mode=mode, chunk_size=chunk, topk=topk, valid=mask)
     assert torch.equal(o, want[0]) and torch.equal(new.parts, want[2])
+    # the output norm and gate in the combining kernel: `norm_gate` of that output, bit for bit, with a
+    # weight per head dim and one per head
+    gate = torch.randn(B, T, H, D, generator=g).to(DEV, dtype)
+    for weight in (torch.rand(D, generator=g) + 0.5, torch.rand(H, D, generator=g) + 0.5):
+        weight = weight.to(DEV)
+        with torch.no_grad():
+            o, new = sse_triton_from_projections(*cut(*leaves), 16.0, *router_topk(logits, topk, valid), state,
+                                                 q2_mode=mode, chunk_size=chunk, topk=topk, valid=mask,
+                                                 norm_gate=(weight, gate, 1e-5))
+        assert torch.equal(o, norm_gate(want[0], weight, gate, 1e-5, backend="triton"))
+        assert torch.equal(new.parts, want[2])
+    with pytest.raises(ValueError, match="takes no gradients"):
+        x = [t.detach().clone().requires_grad_() for t in leaves]
+        sse_triton_from_projections(*cut(*x), 16.0, *router_topk(logits, topk, valid), state, q2_mode=mode,
+                                    chunk_size=chunk, topk=topk, valid=mask, norm_gate=(weight, gate, 1e-5))
 
 
 def test_values_and_gradients_against_the_fp64_recurrence():
@@ -211,7 +228,13 @@ def test_the_model_takes_it_with_the_two_step_values(preset, overrides, full, mo
     monkeypatch.setattr(sse_modeling, "sse_gla_features_takes_kernel",
                         lambda *xs, **kw: features.sse_gla_features_unsupported(*xs, **kw) is None)
     monkeypatch.setattr(sse_modeling, "sse_attention", two_step)
+    # the output norm and gate on the kernel, as on CUDA (the fused path computes them in its combining kernel)
+    monkeypatch.setattr(sse_modeling, "norm_gate_takes_kernel", lambda x, w, g: norm_gate_unsupported(x, w, g) is None)
     monkeypatch.setattr(sse_modeling, "sse_from_projections", lambda *a, **kw: calls.append(1) or real_from(*a, **kw))
+    from subquadratic.kernels.sse import triton_sse
+
+    gated, real_gated = [], triton_sse.combine_rows_gated
+    monkeypatch.setattr(triton_sse, "combine_rows_gated", lambda *a: gated.append(1) or real_gated(*a))
     m = lively(preset, 0, **overrides).to(DEV)
     n_sse = m.config.mixer_types.count("sse")
     ids = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -239,6 +262,7 @@ def test_the_model_takes_it_with_the_two_step_values(preset, overrides, full, mo
         results.append((out.logits, padded_logits, states, gen, trained))
     # the two prefills, generate()'s prefill (none of its steps), the two training calls
     assert len(calls) == (5 if full else 2) * n_sse > 0
+    assert len(gated) == (3 if full else 1) * n_sse  # without gradients: the norm and gate in the combining kernel
     (a_logits, a_padded, a_states, a_gen, a_trained), (b_logits, b_padded, b_states, b_gen, b_trained) = results
     assert torch.equal(a_logits, b_logits)
     assert len(a_states) == 2 * n_sse and all(torch.equal(x, y) for x, y in zip(a_states, b_states, strict=True))
