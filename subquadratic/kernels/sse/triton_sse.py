@@ -630,19 +630,22 @@ def _combine_rows_bwd(DO, SRC, CU, DOA, n, BT, B, H: tl.constexpr, N: tl.constex
     tl.store(DOA + m_idx.to(tl.int64)[:, None] * DV + ov[None, :], b.to(DOA.dtype.element_ty), mask=mv)
 
 
-def combine_rows_gated(o_all: Tensor, inv: Tensor, BT: int, dtype: torch.dtype, weight: Tensor, gate: Tensor,
-                       eps: float) -> Tensor:
-    """`CombineRows`' o followed by `norm_gate(o, weight, gate, eps)` in the same kernel, without gradients:
-    o_all [B T + R, H, V] fp32, gate [B T, H, V] contiguous in `dtype`, weight [V] or [H, V]. The values of
-    the two ops (o rounded to `dtype` before the norm), one launch and no o written in between."""
-    M, H, Dv = o_all.shape
+def combine_rows_gated(o_all: Tensor, inv: Tensor, BT: int, dtype: torch.dtype, weight: Tensor | None = None,
+                       gate: Tensor | None = None, eps: float = 0.0) -> Tensor:
+    """`CombineRows`' o (without gradients; the forward's kernel), followed, where `weight` is given, by
+    `norm_gate(o, weight, gate, eps)` in the same kernel: o_all [B T + R, H, V] fp32, gate [B T, H, V]
+    contiguous in `dtype`, weight [V] or [H, V]. The values of the two ops (o rounded to `dtype` before the
+    norm), one launch and no o written in between."""
+    _, H, Dv = o_all.shape
     N = inv.numel() // max(BT, 1)
     o = new_output((BT, H, Dv), o_all.device, dtype)
     BV = block_size(Dv)
     BR = rows_per_program(BV, 2048)
-    if BT:
-        _combine_rows[(cdiv(BT * H, BR),)](o_all, inv, o, weight, gate, eps, BT * H, BT, H, N, Dv, BV, BR, True,
-                                           weight.shape[0] if weight.dim() == 2 else 1, num_warps=4)
+    gated = weight is not None
+    if BT:  # not gated: the weight and gate pointers are stand-ins (never read)
+        _combine_rows[(cdiv(BT * H, BR),)](o_all, inv, o, weight if gated else o, gate if gated else o, eps, BT * H,
+                                           BT, H, N, Dv, BV, BR, gated,
+                                           weight.shape[0] if gated and weight.dim() == 2 else 1, num_warps=4)
     return o
 
 
@@ -652,15 +655,8 @@ class CombineRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, o_all, src, cu, inv, BT, dtype):
-        M, H, Dv = o_all.shape
-        N = inv.numel() // max(BT, 1)
-        o = new_output((BT, H, Dv), o_all.device, dtype)
-        BV = block_size(Dv)
-        BR = rows_per_program(BV, 2048)
-        if BT:
-            # not gated: the weight and gate pointers stand in (never read)
-            _combine_rows[(cdiv(BT * H, BR),)](o_all, inv, o, o, o, 0.0, BT * H, BT, H, N, Dv, BV, BR, False, 1,
-                                               num_warps=4)
+        o = combine_rows_gated(o_all, inv, BT, dtype)
+        M, N = o_all.shape[0], inv.numel() // max(BT, 1)
         ctx.save_for_backward(src, cu)
         ctx.meta = (M, N, BT, o_all.dtype)
         return o
