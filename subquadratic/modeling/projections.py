@@ -336,6 +336,8 @@ def _batched_view(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     row_stride = lead[-1][1] if lead else shape[-1]
     off0 = x0.storage_offset()
     step = xs[1].storage_offset() - off0
+    if step < shape[-1]:  # overlapping or in reverse order: not a pack's slots
+        return None
     for i, x in enumerate(xs):
         if (x._base is not base or x.shape != shape or x.stride() != strides or x.dtype != x0.dtype
                 or x.storage_offset() - off0 != i * step):
@@ -353,6 +355,9 @@ def stacked_linears(owner: nn.Module, names: Sequence[str], xs: Sequence[torch.T
     the members (each output column the same dot product)."""
     if torch.is_grad_enabled() or len(names) < 2 or not _may_use_pack(owner):
         return None
+    batch = _batched_view(xs)  # first: a stack is built (its members' weights rebound) only where it serves
+    if batch is None:
+        return None
     stacks = owner.__dict__.setdefault("_stacks", {})
     key = tuple(names)
     stack = stacks.get(key)
@@ -365,8 +370,7 @@ def stacked_linears(owner: nn.Module, names: Sequence[str], xs: Sequence[torch.T
                for lin in linears):
             return None
         stack = stacks[key] = _Stack(linears)
-    batch = _batched_view(xs)
-    if batch is None or batch.dtype != stack.weight.dtype:
+    if batch.dtype != stack.weight.dtype:
         return None
     out = torch.bmm(batch, stack.weight.transpose(1, 2))  # [n, rows, out]
     lead = xs[0].shape[:-1]

@@ -167,7 +167,10 @@ def test_stacked_linears_are_the_members_without_gradients():
         assert m.b.weight.untyped_storage().data_ptr() == stack.weight.untyped_storage().data_ptr()
         m.b.weight.mul_(0.5)  # in place, as an optimizer step: the stack sees it
         torch.testing.assert_close(projections.stacked_linears(m, names, xs)[1], m.b(xs[1]), rtol=1e-12, atol=1e-12)
+        stack = m.__dict__["_stacks"][names]
         assert projections.stacked_linears(m, names, [xs[0], xs[2], xs[1]]) is None  # not one step apart
+        assert projections.stacked_linears(m, names[:2], [xs[1], xs[0]]) is None  # in reverse order
+        assert m.__dict__["_stacks"][names] is stack and names[:2] not in m.__dict__["_stacks"]  # nothing rebound
         assert projections.stacked_linears(m, ("a", "d"), [xs[0], y[..., :4]]) is None  # another shape
         m.float()  # new tensors: the stacks are dropped, then rebuilt in fp32
         assert "_stacks" not in m.__dict__
