@@ -326,9 +326,15 @@ def _batched_view(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     elements lie one constant step apart (adjacent slots of the pack), else None. (Read from shapes and
     strides: this runs at every call.)"""
     x0 = xs[0]
-    base, shape, strides = x0._base, x0.shape, x0.stride()
-    if base is None or len(shape) < 2 or strides[-1] != 1:
+    shape, strides = x0.shape, x0.stride()
+    if len(shape) < 2 or strides[-1] != 1:
         return None
+    # one base tensor (under torch.inference_mode views keep no `_base`: then one storage)
+    base = x0._base
+    if base is None:
+        base = x0.untyped_storage().data_ptr()
+        if any(x.untyped_storage().data_ptr() != base for x in xs):
+            return None
     lead = [(n, st) for n, st in zip(shape[:-1], strides[:-1], strict=True) if n != 1]
     for (_, outer), (n, inner) in zip(lead, lead[1:], strict=False):  # the leading dims as one stride
         if outer != inner * n:
@@ -339,8 +345,8 @@ def _batched_view(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if step < shape[-1]:  # overlapping or in reverse order: not a pack's slots
         return None
     for i, x in enumerate(xs):
-        if (x._base is not base or x.shape != shape or x.stride() != strides or x.dtype != x0.dtype
-                or x.storage_offset() - off0 != i * step):
+        if ((x0._base is not None and x._base is not base) or x.shape != shape or x.stride() != strides
+                or x.dtype != x0.dtype or x.storage_offset() - off0 != i * step):
             return None
     return x0.as_strided((len(xs), x0.numel() // shape[-1], shape[-1]), (step, row_stride, 1))
 

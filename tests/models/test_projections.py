@@ -172,6 +172,12 @@ def test_stacked_linears_are_the_members_without_gradients():
         assert projections.stacked_linears(m, names[:2], [xs[1], xs[0]]) is None  # in reverse order
         assert m.__dict__["_stacks"][names] is stack and names[:2] not in m.__dict__["_stacks"]  # nothing rebound
         assert projections.stacked_linears(m, ("a", "d"), [xs[0], y[..., :4]]) is None  # another shape
+        with torch.inference_mode():  # views of inference tensors keep no `_base`: the same storage serves
+            yi = y * 1.0
+            out = projections.stacked_linears(m, names, [yi[..., 3 + 8 * i: 11 + 8 * i] for i in range(3)])
+            torch.testing.assert_close(out[0], m.a(yi[..., 3:11]), rtol=1e-12, atol=1e-12)
+            apart = [torch.randn(2, 5, 8, dtype=torch.float64) for _ in range(3)]  # separate tensors
+            assert projections.stacked_linears(m, names, apart) is None
         m.float()  # new tensors: the stacks are dropped, then rebuilt in fp32
         assert "_stacks" not in m.__dict__
         yf = y.float()
