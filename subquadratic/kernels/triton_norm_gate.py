@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .triton_launch import jit
+from .triton_rms_norm import rms_inverse
 from .triton_utils import block_size, cdiv
 from .utils import import_triton, new_output
 
@@ -27,15 +28,14 @@ def _rows(X, W, GATE, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.cons
     x = tl.load(X + off, mask=m, other=0.0).to(tl.float32)
     g = tl.load(GATE + off, mask=m, other=0.0).to(tl.float32)
     w = tl.load(W + (rows % H)[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)  # [BR]
-    return off, m, x, g, w, r
+    return off, m, x, g, w, rms_inverse(x, eps, D)
 
 
 @jit
-def norm_gate_rows(x, g, w, eps, D: tl.constexpr, dtype: tl.constexpr):
-    """RMSNorm_w(x) * SiLU(g) of rows x, g, w [rows, BD] (fp32, zeros past D) in `dtype`, rounded as the
-    PyTorch form rounds (the normalised x and the gate's SiLU each in `dtype` before their product)."""
-    r = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
+def norm_gate_rows(x, g, w, r, dtype: tl.constexpr):
+    """RMSNorm_w(x) * SiLU(g) of rows x, g, w [rows, BD] (fp32) with r = `rms_inverse(x)`, in `dtype`,
+    rounded as the PyTorch form rounds (the normalised x and the gate's SiLU each in `dtype` before their
+    product)."""
     n = (x * r[:, None] * w).to(dtype).to(tl.float32)
     s = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
     return (n * s).to(dtype)
@@ -45,7 +45,7 @@ def norm_gate_rows(x, g, w, eps, D: tl.constexpr, dtype: tl.constexpr):
 def norm_gate_fwd(X, W, GATE, Y, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                   BR: tl.constexpr):
     off, m, x, g, w, r = _rows(X, W, GATE, n_rows, eps, H, D, BD, BR)
-    tl.store(Y + off, norm_gate_rows(x, g, w, eps, D, Y.dtype.element_ty), mask=m)
+    tl.store(Y + off, norm_gate_rows(x, g, w, r, Y.dtype.element_ty), mask=m)
 
 
 @jit

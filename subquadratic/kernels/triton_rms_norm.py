@@ -22,6 +22,12 @@ def _warps(BD: int) -> int:
 
 
 @jit
+def rms_inverse(x, eps, D: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row of x [rows, BD] (fp32, zeros past D)."""
+    return 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
+
+
+@jit
 def rms_norm_fwd(X, H, W, S, Y, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
                  ADD: tl.constexpr):
     """y = w * round_x(x r), r = rsqrt(mean(x^2) + eps), rounded to y's dtype; with ADD, x is first the
@@ -35,7 +41,7 @@ def rms_norm_fwd(X, H, W, S, Y, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, 
         x = (x.to(tl.float32) + tl.load(H + off, mask=m, other=0.0).to(tl.float32)).to(S.dtype.element_ty)
         tl.store(S + off, x, mask=m)
     xf = x.to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / D + eps)
+    r = rms_inverse(xf, eps, D)
     n = (xf * r[:, None]).to(X.dtype.element_ty).to(tl.float32)  # h.to(input_dtype)
     w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
     tl.store(Y + off, (w[None, :] * n).to(Y.dtype.element_ty), mask=m)

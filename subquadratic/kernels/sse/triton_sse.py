@@ -34,6 +34,7 @@ from torch import Tensor
 from ..gla.triton_chunk import chunk_linear_attention
 from ..triton_launch import jit
 from ..triton_norm_gate import norm_gate_rows
+from ..triton_rms_norm import rms_inverse
 from ..triton_utils import block_size, cdiv, next_power_of_2, read_in_place, rows_per_program
 from ..utils import import_triton, new_output, run_function
 from .recurrent import SSEState, setup
@@ -604,7 +605,7 @@ def _combine_rows(OA, INV, OUT, W, GATE, eps, n, BT, H: tl.constexpr, N: tl.cons
         x = b.to(OUT.dtype.element_ty).to(tl.float32)
         g = tl.load(GATE + out, mask=mv, other=0.0).to(tl.float32)
         w = tl.load(W + (hd % WH)[:, None] * DV + ov[None, :], mask=mv, other=0.0).to(tl.float32)
-        tl.store(OUT + out, norm_gate_rows(x, g, w, eps, DV, OUT.dtype.element_ty), mask=mv)
+        tl.store(OUT + out, norm_gate_rows(x, g, w, rms_inverse(x, eps, DV), OUT.dtype.element_ty), mask=mv)
     else:
         tl.store(OUT + out, b.to(OUT.dtype.element_ty), mask=mv)
 
