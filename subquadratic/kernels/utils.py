@@ -88,6 +88,12 @@ def run_function(fn: type[torch.autograd.Function], *args):
 FUSED_BACKENDS = ("auto", "triton", "torch")
 
 
+def fused_backend(kernel_backend: str) -> str:
+    """The backend a fused op takes under a model's `kernel_backend`: "auto" (its kernel on CUDA for inputs
+    it takes) for "auto" and "triton", else "torch" (the PyTorch form)."""
+    return "auto" if kernel_backend in ("auto", "triton") else "torch"
+
+
 def fused_kernel(backend: str, device: torch.device, op: str, unsupported: str | None) -> bool:
     """Whether a fused elementwise op runs its Triton kernel: "auto" on CUDA with Triton installed for
     inputs the kernel takes (`unsupported` None, else the reason it refuses them), "triton" on any

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.utils import fused_backend
 from ..kernels.window_attention import fresh_ring, window_step
 from .base import SequenceInfo, SoftmaxAttention
 
@@ -175,11 +176,10 @@ class WindowBranch:
         if self._static_step(x, seq, cache_layer):
             return self.static_window_step(x, position_embeddings, seq.positions[:, 0], cache_layer, inputs)
         if self._fresh_prefill(x, seq, cache_layer):
-            # a first call of real tokens (a prefill): causal rows over the new tokens, the ring filled by slicing
+            # a first call of real tokens (a prefill): causal rows over the new tokens, the ring filled from them
             fresh = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=True)
-            backend = "auto" if self.config.kernel_backend in ("auto", "triton") else "torch"
-            return self.swa(x, position_embeddings, fresh, FreshRing(cache_layer, self.window, self.swa.sinks, backend),
-                            inputs=inputs)[0]
+            ring = FreshRing(cache_layer, self.window, self.swa.sinks, fused_backend(self.config.kernel_backend))
+            return self.swa(x, position_embeddings, fresh, ring, inputs=inputs)[0]
         ring = WindowRing(cache_layer, seq.positions, self.window, no_padding=seq.causal, consecutive=seq.consecutive,
                           sinks=self.swa.sinks)
         out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, ring.key_positions()), ring,
@@ -230,7 +230,6 @@ class WindowBranch:
         ring with no mask (every slot holds one of the last W tokens, the sinks are W or more back and
         the ring holds none of them). The values of the masked path (`WindowRing`) with far fewer
         operations, as a step on the CPU or an uncaptured one on a GPU needs."""
-
         attn, t = self.swa, cache_layer.tensors
         q, k, v = attn.project(x, position_embeddings, inputs=inputs)  # [B, heads, 1, D]
         slot = position % self.window

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel, norm_gate_unsupported
 from ...kernels.sse import SSEState, router_topk, sse_attention, sse_from_projections, sse_from_projections_takes
 from ...kernels.sse.features import sse_gla_features, sse_gla_features_takes_kernel
-from ...kernels.utils import acc_dtype
+from ...kernels.utils import acc_dtype, fused_backend
 from ...modeling.base import (
     AttentionBase,
     SequenceInfo,
@@ -306,7 +306,7 @@ class SSEAttention(WindowBranch, AttentionBase):
         # [B, T, N], sel False at padding
         # in training also the load-balancing loss over the valid tokens (all of them where seq.causal)
         probs, sel, *aux = router_topk(logits, cfg.sse_top_k, None if seq.causal else seq.valid,
-                                       backend="auto" if cfg.kernel_backend in ("auto", "triton") else "torch",
+                                       backend=fused_backend(cfg.kernel_backend),
                                        aux=self.training)
 
         # padding: no read, no write, no decay (nothing to mask where no real token reads the padding)
