@@ -86,7 +86,24 @@ def _slot_split(sizes: Sequence[int]) -> tuple[list[int], list[int]]:
     return split, index
 
 
-class _Pack:
+class _Members:
+    """Members (`names`, the module objects `members`) whose weights were moved into one tensor (`weight`),
+    with the data pointers and shapes their parameters must keep (`sig`) for it to be the live weights."""
+
+    names: list[str]
+    members: list[nn.Module]
+    sig: list
+    weight: torch.Tensor
+
+    def live(self, owner: nn.Module, x: torch.Tensor) -> bool:
+        """Whether the tensor still is `owner`'s members' (the same modules, plain, without hooks, their
+        parameters views of it) for an input on its device: the checks of its every use, kept cheap (no
+        `nn.Module.__getattr__`)."""
+        return (all(_member(owner, n) is m and _unhooked(m) for n, m in zip(self.names, self.members, strict=True))
+                and _signature(self.members) == self.sig and x.device == self.weight.device)
+
+
+class _Pack(_Members):
     """The packed weight [rows, in] (and bias, or None) of a mixer's members (`names`, the module objects
     `members`): member i's rows at offsets[i] (a multiple of ALIGN; zero rows between slots), and the
     data pointers and shapes their parameters must have for the pack to be the live weights."""
@@ -134,12 +151,6 @@ class _Pack:
         return [p for lin in self.members for p in (lin._parameters["weight"], lin._parameters.get("bias"))
                 if p is not None]
 
-    def live(self, owner: nn.Module, x: torch.Tensor) -> bool:
-        """Whether the pack still is `owner`'s members (the same modules, plain, without hooks, their
-        parameters views of the pack) for an input on its device: the checks of a pack's every use, kept
-        cheap (no `nn.Module.__getattr__`)."""
-        return (all(_member(owner, n) is m and _unhooked(m) for n, m in zip(self.names, self.members, strict=True))
-                and _signature(self.members) == self.sig and x.device == self.weight.device)
 
 
 class _PackedLinear(torch.autograd.Function):
@@ -296,28 +307,24 @@ def linear_plus(lin: nn.Module, x: torch.Tensor, addend: torch.Tensor) -> torch.
     bias (`_plain`: no PEFT adapter, hooks or sharded parameters, whose forward must run) and addend has
     lin(x)'s shape and x's dtype; else the two ops. The same values up to the sum's rounding (the GEMM's
     fp32 result plus addend, rounded once)."""
-    n = lin.out_features if isinstance(lin, nn.Linear) else None
-    if (n is not None and lin.bias is None and _plain(lin) and addend.shape == (*x.shape[:-1], n)
+    if (_plain(lin) and lin.bias is None and addend.shape == (*x.shape[:-1], lin.out_features)
             and addend.dtype == x.dtype == lin.weight.dtype and x.device == lin.weight.device):
-        return torch.addmm(addend.reshape(-1, n), x.reshape(-1, x.shape[-1]), lin.weight.t()).view(addend.shape)
+        return torch.addmm(addend.reshape(-1, lin.out_features), x.reshape(-1, x.shape[-1]),
+                           lin.weight.t()).view(addend.shape)
     return lin(x) + addend
 
 
-class _Stack:
+class _Stack(_Members):
     """The weights of members of one shape [out, in] (plain bias-free nn.Linear) in one tensor [n, out, in],
     each member's parameter a view of its slice (as a `_Pack`'s rows: the live weights, no second copy)."""
 
-    def __init__(self, linears: Sequence[nn.Linear]) -> None:
-        self.members = list(linears)
+    def __init__(self, names: Sequence[str], linears: Sequence[nn.Linear]) -> None:
+        self.names, self.members = list(names), list(linears)
         with torch.inference_mode(False), torch.no_grad():
             self.weight = torch.stack([lin.weight.detach() for lin in linears])
             for i, lin in enumerate(linears):
                 lin.weight.data = self.weight[i]
         self.sig = _signature(linears)
-
-    def live(self, owner: nn.Module, names: Sequence[str], x: torch.Tensor) -> bool:
-        return (all(_member(owner, n) is m and _unhooked(m) for n, m in zip(names, self.members, strict=True))
-                and _signature(self.members) == self.sig and x.device == self.weight.device)
 
 
 def _batched_view(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -367,15 +374,13 @@ def stacked_linears(owner: nn.Module, names: Sequence[str], xs: Sequence[torch.T
     stacks = owner.__dict__.setdefault("_stacks", {})
     key = tuple(names)
     stack = stacks.get(key)
-    if stack is None or not stack.live(owner, names, xs[0]):
+    if stack is None or not stack.live(owner, xs[0]):
         linears = [_member(owner, n) for n in names]
-        if not all(lin is not None and _plain(lin) and lin.bias is None for lin in linears) or _capturing():
+        # `_may_pack`'s conditions (plain members of one input width, dtype and device), one output width too
+        if (not _may_pack(owner, linears, xs[0]) or _capturing()
+                or any(lin.bias is not None or lin.out_features != linears[0].out_features for lin in linears)):
             return None
-        w0 = linears[0].weight
-        if any(lin.weight.shape != w0.shape or lin.weight.dtype != w0.dtype or lin.weight.device != w0.device
-               for lin in linears):
-            return None
-        stack = stacks[key] = _Stack(linears)
+        stack = stacks[key] = _Stack(names, linears)
     if batch.dtype != stack.weight.dtype:
         return None
     out = torch.bmm(batch, stack.weight.transpose(1, 2))  # [n, rows, out]
