@@ -241,9 +241,8 @@ def rows_of(results: dict, families: list[str], measures: dict) -> list[dict]:
                                  dense_peak=dense.get("peak_bytes"), ours_peak=ours.get("peak_bytes"),
                                  **{f"{who}_host_ms": r["host_s"] * 1000 if what == "ttft" and "host_s" in r else None
                                     for who, r in (("dense", dense), ("ours", ours))},
-                                 **{f"{who}_split": r.get("split") for who, r in (("dense", dense), ("ours", ours))},
                                  **{f"{who}_{k}": r.get(k) for who, r in (("dense", dense), ("ours", ours))
-                                    for k in ("allocator", "gc", "syncs")},
+                                    for k in ("split", "allocator", "gc", "syncs")},
                                  error=ours.get("error") or dense.get("error")))
     return rows
 
