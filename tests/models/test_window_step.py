@@ -106,14 +106,15 @@ def test_a_fresh_prefill_fills_the_ring_as_the_masked_path_does(make, sinks, pre
     sinks as the masked path (`WindowRing`), for prompts shorter than the sinks, around the window and
     past it."""
     m = make(sinks)
-    if fill == "triton":
+    if fill == "triton":  # under the interpreter on the CPU, on the GPU where there is one (fp32 dots in full)
         pytest.importorskip("triton")
-        m = m.float()
+        m = m.float().to("cuda" if torch.cuda.is_available() else "cpu")
+        m.config.kernel_precision = "ieee"
         real_fill = window_module.fresh_ring
         monkeypatch.setattr(window_module, "fresh_ring", lambda k, v, w, s, backend: real_fill(k, v, w, s, "triton"))
     W = m.model.layers[0].self_attn.window
     n = prefill(W)
-    ids = torch.randint(3, 128, (2, n + 4), generator=torch.Generator().manual_seed(n))
+    ids = torch.randint(3, 128, (2, n + 4), generator=torch.Generator().manual_seed(n)).to(m.device)
     fills = []
     real = window_module.FreshRing.update
     monkeypatch.setattr(window_module.FreshRing, "update", lambda self, *a: fills.append(1) or real(self, *a))
@@ -171,10 +172,11 @@ def test_static_steps_on_the_kernel_equal_the_masked_path(make, sinks, monkeypat
     from subquadratic.kernels import triton_window
     from subquadratic.kernels import window_attention as wa
 
-    m = make(sinks).float()
+    m = make(sinks).float().to("cuda" if torch.cuda.is_available() else "cpu")
+    m.config.kernel_precision = "ieee"  # fp32 dots in full on a GPU too
     W = m.model.layers[0].self_attn.window
     T = 2 + W + sinks + 6
-    ids = torch.randint(3, 128, (2, T), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 128, (2, T), generator=torch.Generator().manual_seed(1)).to(m.device)
     mask = torch.ones_like(ids)
     mask[1, :1] = 0
     launches = []

@@ -62,6 +62,16 @@ def two_steps(xs, normalizer, probs, sel, state, mode, topk, chunk, valid=None):
     return sse_triton(*feats, probs, sel, state, chunk_size=chunk, topk=topk)
 
 
+def same_or_rounding(a, b):
+    """Bit for bit under the interpreter; on a GPU two kernels of other tile shapes may sum a row's squares in
+    another order (the norm's 1 / rms an ulp apart, which can move a rounding of the output)."""
+    if DEV == "cpu":
+        assert torch.equal(a, b), f"max diff {(a.double() - b.double()).abs().max().item():.3e}"
+    else:
+        tol = 1e-6 if a.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
 def outputs_and_grads(fn, cut, leaves, logits, valid, state, topk):
     """fn's (o, shared, parts) on the projections `cut(*leaves)` and the gradients of a fixed random loss of
     them with respect to the leaves (the packed projections, the biases), the router logits and the state."""
@@ -121,7 +131,7 @@ def test_equals_features_then_sse_triton(dtype, mode, H, HK, N, topk, pad, chunk
             o, new = sse_triton_from_projections(*cut(*leaves), 16.0, *router_topk(logits, topk, valid), state,
                                                  q2_mode=mode, chunk_size=chunk, topk=topk, valid=mask,
                                                  norm_gate=(weight, gate, 1e-5))
-        assert torch.equal(o, norm_gate(want[0], weight, gate, 1e-5, backend="triton"))
+        same_or_rounding(o, norm_gate(want[0], weight, gate, 1e-5, backend="triton"))
         assert torch.equal(new.parts, want[2])
     with pytest.raises(ValueError, match="takes no gradients"):
         x = [t.detach().clone().requires_grad_() for t in leaves]
@@ -203,7 +213,8 @@ def test_the_model_takes_it_with_the_two_step_values(preset, overrides, full, mo
     `sse_from_projections`, and a prefill's logits and cached states, the greedy continuation from that
     cache, a left-padded prefill's logits, and a training step's loss and every parameter's gradient, of a
     plain batch and a packed one (documents one per right-padded row inside the layer), equal the two-step
-    kernels' (the feature kernel, then `sse_triton`) bit for bit (the second case, a
+    kernels' (the feature kernel, then `sse_triton`) bit for bit (on a GPU: within rounding without gradients,
+    where the norm and gate run in the combining kernel) (the second case, a
     window branch with K / V at the query heads: the plain prefill and training step only)."""
     from subquadratic.families.sse import modeling as sse_modeling
     from subquadratic.kernels import sse as sse_kernels
@@ -269,10 +280,13 @@ def test_the_model_takes_it_with_the_two_step_values(preset, overrides, full, mo
     assert len(calls) == (5 if full else 2) * n_sse > 0
     assert len(gated) == (3 if full else 1) * n_sse  # without gradients: the norm and gate in the combining kernel
     (a_logits, a_padded, a_states, a_gen, a_trained), (b_logits, b_padded, b_states, b_gen, b_trained) = results
-    assert torch.equal(a_logits, b_logits)
-    assert len(a_states) == 2 * n_sse and all(torch.equal(x, y) for x, y in zip(a_states, b_states, strict=True))
+    # without gradients the norm and gate of the combining kernel: on a GPU within rounding of the norm-gate
+    # kernel's (its sum of squares may run in another order), which the TF32 dots of the layers above carry on
+    close = torch.equal if DEV == "cpu" else lambda x, y: rel(x, y) < 1e-3
+    assert close(a_logits, b_logits)
+    assert len(a_states) == 2 * n_sse and all(close(x, y) for x, y in zip(a_states, b_states, strict=True))
     if full:
-        assert torch.equal(a_padded, b_padded) and torch.equal(a_gen, b_gen)
+        assert close(a_padded, b_padded) and torch.equal(a_gen, b_gen)
     names = ("plain", "packed")[:len(a_trained)]
     for batch, (a_loss, a_grads), (b_loss, b_grads) in zip(names, a_trained, b_trained, strict=True):
         assert torch.equal(a_loss, b_loss), batch
