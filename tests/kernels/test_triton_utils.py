@@ -126,3 +126,25 @@ def test_launch_hands_the_kernel_a_tuple_grid(autotune, monkeypatch):
         monkeypatch.setattr(triton_launch, "tuned", lambda kernel, args, kwargs: None)
         triton_utils.launch(kernel, grid, (x, 5), {"BK": 16}, 4, K=64)
         assert kernel.tuner_calls == [(grid, (x, 5), {"K": 64})] and len(kernel.fn.calls) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.int64])
+def test_new_outputs_carves_aligned_contiguous_views_of_one_allocation(dtype):
+    """`new_outputs`: each shape, contiguous, in the dtype, at a CARVE_ALIGN-byte offset of one shared
+    allocation, disjoint from the others (a write to one leaves the rest), poisoned as `new_output` is under
+    the kernel tests; empty and scalar shapes too."""
+    from subquadratic.kernels.utils import CARVE_ALIGN, new_outputs
+
+    shapes = [(3,), (2, 5), (0,), (4, 1, 7), (), (64,)]
+    out = new_outputs(shapes, "cpu", dtype)
+    assert [t.shape for t in out] == [torch.Size(s) for s in shapes]
+    assert all(t.dtype == dtype and t.is_contiguous() for t in out)
+    base = out[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in out)
+    starts = [t.data_ptr() - base for t in out if t.numel()]
+    assert all(s % CARVE_ALIGN == 0 for s in starts) and starts == sorted(set(starts))
+    poison = -1 if not dtype.is_floating_point else float("nan")
+    assert all((t.isnan() if dtype.is_floating_point else t == poison).all() for t in out)
+    for i, t in enumerate(out):  # disjoint: each view written with its index, read back intact
+        t.fill_(i)
+    assert all((t == i).all() for i, t in enumerate(out))

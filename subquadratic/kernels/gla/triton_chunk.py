@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..triton_launch import jit
 from ..triton_utils import TRITON_DTYPES, block_size, cdiv, dot_precision, launch
-from ..utils import import_triton, new_output, run_function
+from ..utils import import_triton, new_output, new_outputs, run_function
 from .triton_chunk_h import chunk_bwd_dh, chunk_fwd_h, piece_carry, piece_fix, piece_fwd_h
 from .triton_chunk_o import BC, chunk_bwd_dqk, chunk_bwd_dv, chunk_fwd_o, intra_bwd, intra_bwd_dA, intra_fwd
 
@@ -168,9 +168,9 @@ def chunk_table(cu: Tensor, M: int, C: int, piece: int = 0) -> Chunks:
         return with_pieces(ch, M, piece) if piece else ch
     split = piece and M > C * piece
     tables = [(C, M // C + N)] + ([(C * piece, M // (C * piece) + N)] if split else [])
-    made = []
-    for size, NC in tables:
-        made.append([size, NC, *(new_output((n,), cu.device, torch.int32) for n in (N + 1, NC, NC, NC))])
+    # every table's ccu, bos, n and seq from one allocation
+    bufs = new_outputs([(n,) for _, NC in tables for n in (N + 1, NC, NC, NC)], cu.device, torch.int32)
+    made = [[size, NC, *bufs[4 * i : 4 * i + 4]] for i, (size, NC) in enumerate(tables)]
     first = made[0]
     second = made[1] if split else first  # one program without pieces: any tensors stand in
     BN = block_size(N)
@@ -229,13 +229,12 @@ def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final, g=None):
                 want_final, prec, g is not None), blocks, WARPS)
         return h, ht
     NP = pc.NP
-    S = new_output((NP, H, K, V), dev)
-    D = new_output((NP, H, K), dev) if decay else None
-    E = new_output((ch.NC, H, K), dev) if decay else None
+    # the pieces' states and decays, the carried states (the walk's scratch): one allocation
+    S, X, D, E = new_outputs([(NP, H, K, V), (NP, H, K, V)] + ([(NP, H, K), (ch.NC, H, K)] if decay else []),
+                             dev) + ([] if decay else [None, None])
     launch(piece_fwd_h, lambda m: (cdiv(K, m["BK"]), cdiv(V, m["BV"]), NP * H),
            (k, v, g, gc, h, h0, S, D, E, ch.cu, ch.ccu, *pc.args(), ch.T, ch.NT, H, G, K, V, ch.C, PIECE, decay,
             ch.varlen, h0 is not None, prec, g is not None), blocks, WARPS)
-    X = new_output((NP, H, K, V), dev)
     BK, BV = blocks["BK"], blocks["BV"]
     kv = (cdiv(K, BK), cdiv(V, BV))
     # not autotuned: piece_fix adds into h (an autotuner's repeated runs would add again)
@@ -259,11 +258,13 @@ class ChunkLinearAttention(torch.autograd.Function):
         decay = 0 if g is None else (1 if g.dim() == 2 else 2)
         C, BK = ch.C, block_size(K)
         # the walk writes the in-chunk cumulative log decays gc as it goes (no launch of its own)
-        gc = new_output(g.shape, g.device) if decay else None
+        gc, A = None, None
+        if decay == 2:  # gc and the diagonal blocks' scores A from one allocation (saved together)
+            gc, A = new_outputs([g.shape, (ch.NC, H, C, C)], g.device)
+        elif decay:
+            gc = new_output(g.shape, g.device)
         h, ht = _walk(k, v, gc, h0, ch, G, decay, prec, want_final, g)
-        A = None
         if decay == 2:
-            A = new_output((ch.NC, H, C, C), q.device)
             launch(intra_fwd, (ch.NC, C // BC, H), (q, k, gc, A, *ch.chunk_args(), H, K, C, BC, BK, ch.varlen, prec),
                    {}, WARPS)
         o = new_output((M, HQ, V), q.device, out_dtype)

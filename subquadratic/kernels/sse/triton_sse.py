@@ -36,7 +36,7 @@ from ..triton_launch import jit
 from ..triton_norm_gate import norm_gate_rows
 from ..triton_rms_norm import rms_inverse
 from ..triton_utils import block_size, cdiv, next_power_of_2, read_in_place, rows_per_program
-from ..utils import import_triton, new_output, run_function
+from ..utils import import_triton, new_output, new_outputs, run_function
 from .recurrent import SSEState, setup
 from .triton_features import (
     _ld,
@@ -148,10 +148,8 @@ def group_rows(sel: Tensor, topk: int):
     nch = cdiv(T, GROUP_BLOCK)
     nb = B * N * nch
     sel8 = sel.contiguous().view(torch.uint8)
-    count = new_output((nb,), dev, torch.int32)
-    src = new_output((R,), dev, torch.int64)
-    cu = new_output((B + B * N + 2,), dev, torch.int32)
-    inv = new_output((B * T * N,), dev, torch.int64)
+    count, cu = new_outputs([(nb,), (B + B * N + 2,)], dev, torch.int32)
+    src, inv = new_outputs([(R,), (B * T * N,)], dev, torch.int64)
     group_count_kernel[(nb,)](sel8, count, T, N, nch, GROUP_BLOCK, num_warps=4)
     group_rows_kernel[(nb,)](sel8, count, src, cu, inv, B, T, N, nch, nb, R, GROUP_BLOCK, num_warps=4)
     return src, cu, inv
@@ -274,7 +272,7 @@ class PackFeatures(torch.autograd.Function):
         biases, pf = (bias1.contiguous(), bias2.contiguous()), probs.reshape(-1).contiguous()
         vi = valid.contiguous().view(torch.int8) if valid is not None else pf  # (not read without valid)
         BT, R, dev, mode = B * T, src.shape[0], q1.device, MODES[q2_mode]
-        qa, ka, va = (new_output((BT + R, H, D), dev, q1.dtype) for _ in range(3))
+        qa, ka, va = new_outputs([(BT + R, H, D)] * 3, dev, q1.dtype)
         ga = new_output((BT + R, H, D), dev)  # fp32
         BD = block_size(D, 1)
         BR = rows_per_program(BD, ELEMENTS)
