@@ -16,7 +16,7 @@ Backends, the same for every op:
 from __future__ import annotations
 
 import functools
-import operator
+import math
 
 import torch
 
@@ -173,7 +173,7 @@ def new_outputs(shapes, device, dtype: torch.dtype = torch.float32) -> list[torc
     each on a GPU; for a kernel's scratch and its outputs that live and die together (the views keep the
     whole allocation alive, and an in-place write bumps the version counter all of them share)."""
     step = max(CARVE_ALIGN // dtype.itemsize, 1)
-    sizes = [functools.reduce(operator.mul, shape, 1) for shape in shapes]
+    sizes = [math.prod(shape) for shape in shapes]
     padded = [-(-n // step) * step for n in sizes]
     out = []
     for t, n, room, shape in zip(new_output((sum(padded),), device, dtype).split(padded), sizes, padded, shapes,

@@ -152,7 +152,6 @@ class _Pack(_Members):
                 if p is not None]
 
 
-
 class _PackedLinear(torch.autograd.Function):
     """x [..., in] -> x W^T + b over a `_Pack`'s weight W [rows, in] (bias b or none), differentiable in x
     and in the members' parameters (`_Pack.params`, views of W's and b's rows): the weights' gradient is

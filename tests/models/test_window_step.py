@@ -33,6 +33,14 @@ def hla_window_sinks(sinks: int):
     return m
 
 
+def on_kernel_device(m):
+    """m in fp32 where a forced Triton kernel runs: the GPU where there is one (its dots in full fp32), else the
+    CPU (the interpreter)."""
+    m = m.float().to("cuda" if torch.cuda.is_available() else "cpu")
+    m.config.kernel_precision = "ieee"
+    return m
+
+
 #: (model maker, sinks) of the step tests: SSE's window with and without sinks, on its own projections and
 #: on the layer's (shared), and HLA's
 STEP_CASES = [(sse_window, 0), (sse_window, 3), (sse_window_shared, 3), (hla_window_sinks, 2)]
@@ -106,10 +114,9 @@ def test_a_fresh_prefill_fills_the_ring_as_the_masked_path_does(make, sinks, pre
     sinks as the masked path (`WindowRing`), for prompts shorter than the sinks, around the window and
     past it."""
     m = make(sinks)
-    if fill == "triton":  # under the interpreter on the CPU, on the GPU where there is one (fp32 dots in full)
+    if fill == "triton":
         pytest.importorskip("triton")
-        m = m.float().to("cuda" if torch.cuda.is_available() else "cpu")
-        m.config.kernel_precision = "ieee"
+        m = on_kernel_device(m)
         real_fill = window_module.fresh_ring
         monkeypatch.setattr(window_module, "fresh_ring", lambda k, v, w, s, backend: real_fill(k, v, w, s, "triton"))
     W = m.model.layers[0].self_attn.window
@@ -172,8 +179,7 @@ def test_static_steps_on_the_kernel_equal_the_masked_path(make, sinks, monkeypat
     from subquadratic.kernels import triton_window
     from subquadratic.kernels import window_attention as wa
 
-    m = make(sinks).float().to("cuda" if torch.cuda.is_available() else "cpu")
-    m.config.kernel_precision = "ieee"  # fp32 dots in full on a GPU too
+    m = on_kernel_device(make(sinks))
     W = m.model.layers[0].self_attn.window
     T = 2 + W + sinks + 6
     ids = torch.randint(3, 128, (2, T), generator=torch.Generator().manual_seed(1)).to(m.device)
