@@ -9,8 +9,8 @@ import torch
 
 from .triton_launch import jit
 from .triton_rms_norm import rms_inverse
-from .triton_utils import block_size, cdiv
-from .utils import import_triton, new_output
+from .triton_utils import block_size, cdiv, read_in_place
+from .utils import import_triton, new_output, records
 
 triton, tl = import_triton()
 
@@ -19,16 +19,25 @@ ROWS = 16
 
 
 @jit
-def _rows(X, W, GATE, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    """This program's rows: offsets, mask, x, gate and weight in fp32, and rsqrt(mean(x^2) + eps)."""
+def _xw(X, W, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """This program's rows: their indices, the columns, offsets, mask, x and weight in fp32, and
+    rsqrt(mean(x^2) + eps)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     m = (rows < n_rows)[:, None] & (cols < D)[None, :]
     off = rows.to(tl.int64)[:, None] * D + cols[None, :]
     x = tl.load(X + off, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(GATE + off, mask=m, other=0.0).to(tl.float32)
     w = tl.load(W + (rows % H)[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    return off, m, x, g, w, rms_inverse(x, eps, D)
+    return rows, cols, off, m, x, w, rms_inverse(x, eps, D)
+
+
+@jit
+def _rows(X, W, GATE, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """This program's rows: offsets, mask, x, gate (contiguous, as x) and weight in fp32, and
+    rsqrt(mean(x^2) + eps)."""
+    rows, cols, off, m, x, w, r = _xw(X, W, n_rows, eps, H, D, BD, BR)
+    g = tl.load(GATE + off, mask=m, other=0.0).to(tl.float32)
+    return off, m, x, g, w, r
 
 
 @jit
@@ -42,10 +51,14 @@ def norm_gate_rows(x, g, w, r, dtype: tl.constexpr):
 
 
 @jit
-def norm_gate_fwd(X, W, GATE, Y, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+def norm_gate_fwd(X, W, GATE, Y, n_rows, eps, S_G, NH, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                   BR: tl.constexpr):
-    off, m, x, g, w, r = _rows(X, W, GATE, n_rows, eps, H, D, BD, BR)
-    tl.store(Y + off, norm_gate_rows(x, g, w, r, Y.dtype.element_ty), mask=m)
+    """The gate's tokens (NH rows each, contiguous) S_G elements apart: a column slice of a packed
+    projection read where it is (S_G = NH * D: contiguous)."""
+    rows, cols, off, m, x, w, r = _xw(X, W, n_rows, eps, H, D, BD, BR)
+    r64 = rows.to(tl.int64)
+    g = tl.load(GATE + ((r64 // NH) * S_G + (r64 % NH) * D)[:, None] + cols[None, :], mask=m, other=0.0)
+    tl.store(Y + off, norm_gate_rows(x, g.to(tl.float32), w, r, Y.dtype.element_ty), mask=m)
 
 
 @jit
@@ -85,9 +98,17 @@ class NormGate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, gate, eps):
-        xc, gc, wc = x.contiguous(), gate.contiguous(), weight.contiguous()
+        xc, wc = x.contiguous(), weight.contiguous()
+        NH, D = x.shape[-2], x.shape[-1]
+        # without gradients a [B, T, H, D] gate whose tokens are rows of one stride (a column slice of a
+        # packed projection) is read where it is; the backward reads a contiguous one
+        gc, S_G = read_in_place(gate) if not records(ctx) and gate.dim() == 4 else (gate.contiguous(), NH * D)
         y = new_output(x.shape, x.device, x.dtype)
-        ctx.H = _launch(norm_gate_fwd, xc, wc, eps, xc, wc, gc, y)
+        H = weight.shape[0] if weight.dim() == 2 else 1
+        n_rows = x.numel() // D
+        norm_gate_fwd[(cdiv(n_rows, ROWS),)](xc, wc, gc, y, n_rows, eps, S_G, NH, H, D, block_size(D, 1), ROWS,
+                                             num_warps=4)
+        ctx.H = H
         ctx.save_for_backward(xc, wc, gc)
         ctx.eps, ctx.weight_shape, ctx.weight_dtype = eps, weight.shape, weight.dtype
         return y

@@ -76,6 +76,13 @@ class _RecordlessCtx:
         pass
 
 
+def records(ctx) -> bool:
+    """Whether a Function's forward runs for a backward that may follow (`apply`), not on `run_function`'s
+    context that keeps nothing (grad mode off): where the forward may read its inputs in place instead of
+    saving copies the backward can read."""
+    return not isinstance(ctx, _RecordlessCtx)
+
+
 def run_function(fn: type[torch.autograd.Function], *args):
     """fn.apply(*args); with grad mode off (generation, evaluation, a first-token call) fn's forward
     called directly on a context that keeps nothing: the same outputs without `apply`'s cost a call

@@ -38,6 +38,24 @@ def test_values_match_the_pytorch_form(case, dtype):
                         (x, w, gate), dtype)
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gate_sliced_from_a_packed_projection_is_read_in_place(case, dtype):
+    """Without gradients a gate whose tokens are rows of one stride (a column slice of a packed projection's
+    output, as HLA's is) is read where it is: the values of its contiguous copy, bit for bit."""
+    B, T, H, D, per_head = case
+    x, w, _ = make(*case, dtype, seed=sum(case[:4]) + 2)
+    packed = torch.randn(B, T, 3 * H * D + 5, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
+    gate = packed[..., H * D + 5:2 * H * D + 5].view(B, T, H, D)
+    assert not gate.is_contiguous()
+    with torch.no_grad():
+        got = norm_gate(x, w, gate, 1e-6, backend="triton")
+    want = norm_gate(x, w, gate.contiguous(), 1e-6, backend="triton")
+    assert torch.equal(got, want)
+    assert_values_match(lambda *a: norm_gate(*a, 1e-6, backend="triton"), lambda *a: norm_gate_reference(*a, 1e-6),
+                        (x, w, gate), dtype)
+
+
 def assert_values_match(fn, reference, inputs, dtype):
     """fn's values against reference's on the same inputs (the same roundings) and in fp64."""
     got, want = fn(*inputs), reference(*inputs)
