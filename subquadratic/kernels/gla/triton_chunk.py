@@ -210,10 +210,10 @@ def with_pieces(ch: Chunks, M: int, piece: int | None = None) -> Chunks:
     return replace(ch, pieces=Pieces(table.NC, table))
 
 
-def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final, g=None):
+def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final, g=None, gs=1.0):
     """The state before every chunk h [NC, H, K, V] (input dtype, fp32 for fp32) and the final
     states [N, H, K, V] fp32 (None unless `want_final`). With the raw log decays `g`, the walk also
-    writes their in-chunk cumulative sum into `gc` (the forward); without, it reads `gc`. One walk
+    writes the in-chunk cumulative sum of gs g into `gc` (the forward); without, it reads `gc`. One walk
     per sequence, or with `ch.pieces` the split walk: its pieces side by side, their joins, the
     states' fix (three launches)."""
     M, H, K = k.shape
@@ -225,7 +225,7 @@ def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final, g=None):
     pc = ch.pieces
     if pc is None:
         launch(chunk_fwd_h, lambda m: (cdiv(K, m["BK"]), cdiv(V, m["BV"]), ch.N * H),
-               (k, v, g, gc, h, h0, ht, *ch.seq_args(), H, G, K, V, ch.C, decay, ch.varlen, h0 is not None,
+               (k, v, g, gc, h, h0, ht, *ch.seq_args(), gs, H, G, K, V, ch.C, decay, ch.varlen, h0 is not None,
                 want_final, prec, g is not None), blocks, WARPS)
         return h, ht
     NP = pc.NP
@@ -233,7 +233,7 @@ def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final, g=None):
     S, X, D, E = new_outputs([(NP, H, K, V), (NP, H, K, V)] + ([(NP, H, K), (ch.NC, H, K)] if decay else []),
                              dev) + ([] if decay else [None, None])
     launch(piece_fwd_h, lambda m: (cdiv(K, m["BK"]), cdiv(V, m["BV"]), NP * H),
-           (k, v, g, gc, h, h0, S, D, E, ch.cu, ch.ccu, *pc.args(), ch.T, ch.NT, H, G, K, V, ch.C, PIECE, decay,
+           (k, v, g, gc, h, h0, S, D, E, ch.cu, ch.ccu, *pc.args(), ch.T, ch.NT, gs, H, G, K, V, ch.C, PIECE, decay,
             ch.varlen, h0 is not None, prec, g is not None), blocks, WARPS)
     BK, BV = blocks["BK"], blocks["BV"]
     kv = (cdiv(K, BK), cdiv(V, BV))
@@ -247,11 +247,11 @@ def _walk(k, v, gc, h0, ch: Chunks, G, decay, prec, want_final, g=None):
 
 class ChunkLinearAttention(torch.autograd.Function):
     """o, S_T = the op on packed tokens: q [M, HQ, K], k [M, H, K], v [M, H, V] of one dtype, g
-    None / [M, H] / [M, H, K] fp32 log decays, h0 [N, H, K, V] fp32 or None; o in `out_dtype`,
-    S_T [N, H, K, V] fp32 (None unless `want_final`)."""
+    None / [M, H] / [M, H, K] fp32 log decays (the op decays by gs g), h0 [N, H, K, V] fp32 or None; o in
+    `out_dtype`, S_T [N, H, K, V] fp32 (None unless `want_final`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, ch: Chunks, prec, out_dtype, want_final):
+    def forward(ctx, q, k, v, g, h0, ch: Chunks, prec, out_dtype, want_final, gs):
         M, HQ, K = q.shape
         H, V = k.shape[1], v.shape[-1]
         G = HQ // H
@@ -263,7 +263,7 @@ class ChunkLinearAttention(torch.autograd.Function):
             gc, A = new_outputs([g.shape, (ch.NC, H, C, C)], g.device)
         elif decay:
             gc = new_output(g.shape, g.device)
-        h, ht = _walk(k, v, gc, h0, ch, G, decay, prec, want_final, g)
+        h, ht = _walk(k, v, gc, h0, ch, G, decay, prec, want_final, g, gs)
         if decay == 2:
             launch(intra_fwd, (ch.NC, C // BC, H), (q, k, gc, A, *ch.chunk_args(), H, K, C, BC, BK, ch.varlen, prec),
                    {}, WARPS)
@@ -272,7 +272,7 @@ class ChunkLinearAttention(torch.autograd.Function):
                (q, k, v, gc, h, A, o, *ch.chunk_args(), H, G, K, V, C, decay, ch.varlen, prec, BK),
                {"BV": min(BV_O, block_size(V))}, WARPS_WIDE)
         ctx.save_for_backward(q, k, v, gc, h0, A)
-        ctx.ch, ctx.prec, ctx.decay = ch, prec, decay
+        ctx.ch, ctx.prec, ctx.decay, ctx.gs = ch, prec, decay, gs
         ctx.set_materialize_grads(False)
         return o, ht
 
@@ -307,9 +307,9 @@ class ChunkLinearAttention(torch.autograd.Function):
         dq, dk = new_output(q.shape, dev, q.dtype), new_output(k.shape, dev, k.dtype)
         dg = new_output(gc.shape, dev) if decay else None
         launch(chunk_bwd_dqk, (ch.NC, H),
-               (q, k, v, gc, h, do, dh, dq_in, dk_in, dq, dk, dg, *ch.chunk_args(), H, G, K, V, C, decay,
+               (q, k, v, gc, h, do, dh, dq_in, dk_in, dq, dk, dg, *ch.chunk_args(), ctx.gs, H, G, K, V, C, decay,
                 ch.varlen, prec, BK), {"BV": min(BV_DQK, block_size(V))}, WARPS_WIDE)
-        return dq, dk, dv, dg, dh0, None, None, None, None
+        return dq, dk, dv, dg, dh0, None, None, None, None, None
 
 
 def chunk_linear_attention(
@@ -324,6 +324,7 @@ def chunk_linear_attention(
     precision: str | None = None,
     out_dtype: torch.dtype | None = None,
     output_final_state: bool = True,
+    g_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor | None]:
     """Chunked linear attention S_t = decay_t S_{t-1} + k_t^T v_t, o_t = q_t S_t on the Triton
     kernels (module docstring); differentiable in q, k, v, g and the initial state; no host
@@ -336,8 +337,9 @@ def chunk_linear_attention(
     key dim; G = 1). initial_state: [N, H, K, V] (N = B or the number of sequences), None = 0.
     q's dtype (fp32 / bf16 / fp16) is the compute dtype (k, v are cast to it); `precision`: the
     dots' input precision for fp32 ("ieee" or "tf32"; None: "ieee"). chunk_size: a power of two
-    >= 16 (<= 64 with per-key decay). Returns (o [.., HQ, V] in `out_dtype` (default q's dtype),
-    final states [N, H, K, V] fp32, or None without `output_final_state`)."""
+    >= 16 (<= 64 with per-key decay). `g_scale`: the log decays are g_scale * g (HLA's second stage decays
+    by 2 log alpha: its g without a launch to double it; the gradient is g's). Returns (o [.., HQ, V] in
+    `out_dtype` (default q's dtype), final states [N, H, K, V] fp32, or None without `output_final_state`)."""
     dense = cu_seqlens is None
     if q.dim() != (4 if dense else 3) or k.dim() != q.dim() or v.dim() != q.dim():
         raise ValueError(f"q, k, v must be [B, T, heads, dim] (or [M, heads, dim] with cu_seqlens); got "
@@ -383,7 +385,7 @@ def chunk_linear_attention(
         return o, st if output_final_state else None
     flat = (lambda x: x.reshape(M, *x.shape[2:])) if dense else (lambda x: x)  # noqa: E731
     o, st = run_function(ChunkLinearAttention, flat(q), flat(k), flat(v), None if g is None else flat(g),
-                         initial_state, ch, prec, out_dtype or dt, output_final_state)
+                         initial_state, ch, prec, out_dtype or dt, output_final_state, float(g_scale))
     return o.view(*lead, HQ, V), st
 
 

@@ -147,11 +147,12 @@ def walk_chunk(gc, bos, eos, i_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr, BT
 
 
 @jit
-def cumsum_chunk(g, gc, bos, eos, i_t, i_h, o_k, who, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+def cumsum_chunk(g, gc, bos, eos, i_t, i_h, o_k, who, gs, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                  DECAY: tl.constexpr):
     """`walk_chunk` from the raw log decays g: their in-chunk cumulative sum, computed here (and
     stored into gc by the programs whose `who` is 0, for the kernels after the walk) instead of read from gc; the last
-    valid row's value is picked from the same sum, so the walk decays by exactly what gc holds."""
+    valid row's value is picked from the same sum, so the walk decays by exactly what gc holds. The decays are
+    gs g (`gs`: the op's `g_scale`, 1.0 but for a caller that decays by a multiple of its g)."""
     o_t = tl.arange(0, BT)
     tok = (bos + i_t * BT + o_t).to(tl.int64)
     m_t = tok < eos
@@ -159,26 +160,26 @@ def cumsum_chunk(g, gc, bos, eos, i_t, i_h, o_k, who, H: tl.constexpr, K: tl.con
     is_last = o_t == tl.minimum(eos - bos - i_t * BT, BT) - 1
     store = o_t * 0 + who == 0  # [BT] (a scalar condition as a tensor: the interpreter's masks are tensors)
     if DECAY == 1:
-        b_g = tl.cumsum(tl.load(g + row, mask=m_t, other=0.0), 0)
+        b_g = tl.cumsum(tl.load(g + row, mask=m_t, other=0.0) * gs, 0)
         b_gl = tl.sum(tl.where(is_last, b_g, 0.0), 0)
         tl.store(gc + row, b_g, mask=m_t & store)
     else:
         m = m_t[:, None] & (o_k < K)[None, :]
         off = row[:, None] * K + o_k[None, :]
-        b_g = tl.cumsum(tl.load(g + off, mask=m, other=0.0), 0)
+        b_g = tl.cumsum(tl.load(g + off, mask=m, other=0.0) * gs, 0)
         b_gl = tl.sum(tl.where(is_last[:, None], b_g, 0.0), 0)
         tl.store(gc + off, b_g, mask=m & store[:, None])
     return row, m_t, b_g, b_gl
 
 
 @jit
-def walk_step(k, v, g, gc, b_h, bos, eos, i_t, i_h, o_k, o_v, who, H: tl.constexpr, K: tl.constexpr,
+def walk_step(k, v, g, gc, b_h, bos, eos, i_t, i_h, o_k, o_v, who, gs, H: tl.constexpr, K: tl.constexpr,
               V: tl.constexpr, BT: tl.constexpr, DECAY: tl.constexpr, PREC: tl.constexpr, CUMSUM: tl.constexpr):
     """One chunk of a forward walk: the state after chunk i_t of the walk's tokens [bos, eos) from the
     state b_h [BK, BV] before it, and the chunk's last cumulative log decay (`cumsum_chunk` with
     CUMSUM, else `walk_chunk`)."""
     if CUMSUM and DECAY != 0:
-        row, m_t, b_g, b_gl = cumsum_chunk(g, gc, bos, eos, i_t, i_h, o_k, who, H, K, BT, DECAY)
+        row, m_t, b_g, b_gl = cumsum_chunk(g, gc, bos, eos, i_t, i_h, o_k, who, gs, H, K, BT, DECAY)
     else:
         row, m_t, b_g, b_gl = walk_chunk(gc, bos, eos, i_t, i_h, o_k, H, K, BT, DECAY)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
@@ -197,7 +198,7 @@ def walk_step(k, v, g, gc, b_h, bos, eos, i_t, i_h, o_k, o_v, who, H: tl.constex
 @autotune(CONFIGS, KEY)
 @jit
 def chunk_fwd_h(
-    k, v, g, gc, h, h0, ht, cu, ccu, T, NT,
+    k, v, g, gc, h, h0, ht, cu, ccu, T, NT, gs,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
     PREC: tl.constexpr, CUMSUM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -214,7 +215,7 @@ def chunk_fwd_h(
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0)
     for i_t in range(0, nt):
         tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + off_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
-        b_h, _ = walk_step(k, v, g, gc, b_h, bos, eos, i_t, i_h, o_k, o_v, who, H, K, V, BT, DECAY, PREC, CUMSUM)
+        b_h, _ = walk_step(k, v, g, gc, b_h, bos, eos, i_t, i_h, o_k, o_v, who, gs, H, K, V, BT, DECAY, PREC, CUMSUM)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + off_kv, b_h, mask=m_kv)
 
@@ -298,7 +299,7 @@ def piece_bounds(cu, ccu, p_bos, p_n, p_seq, i_p, T, NT, P: tl.constexpr, BT: tl
 @autotune(CONFIGS, KEY)
 @jit
 def piece_fwd_h(
-    k, v, g, gc, h, h0, S, D, E, cu, ccu, p_bos, p_n, p_seq, T, NT,
+    k, v, g, gc, h, h0, S, D, E, cu, ccu, p_bos, p_n, p_seq, T, NT, gs,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, P: tl.constexpr,
     DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, PREC: tl.constexpr,
     CUMSUM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -320,7 +321,7 @@ def piece_fwd_h(
         tl.store(h + c.to(tl.int64) * K * V + off_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
         if DECAY != 0:
             tl.store(E + c.to(tl.int64) * K + o_k, b_e, mask=m_e)
-        b_h, b_gl = walk_step(k, v, g, gc, b_h, bos, eos, i_t, i_h, o_k, o_v, who, H, K, V, BT, DECAY, PREC,
+        b_h, b_gl = walk_step(k, v, g, gc, b_h, bos, eos, i_t, i_h, o_k, o_v, who, gs, H, K, V, BT, DECAY, PREC,
                               CUMSUM)
         if DECAY != 0:
             b_e += b_gl

@@ -137,10 +137,12 @@ def chunk_bwd_dv(
 @autotune(CONFIGS_DQK, KEY)
 @jit
 def chunk_bwd_dqk(
-    q, k, v, gc, h, do, dh, dq_in, dk_in, dq, dk, dg, s_bos, s_n, T, NT,
+    q, k, v, gc, h, do, dh, dq_in, dk_in, dq, dk, dg, s_bos, s_n, T, NT, gs,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
+    """dq, dk and the gradient of the raw log decays g (whose gs multiple the walk summed into gc: the
+    gradient is gs times gc's reverse cumulative sum)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n, row, m_t, row_last = chunk_rows(s_bos, s_n, i_c, i_h, T, NT, H, BT, IS_VARLEN)
     o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
@@ -215,13 +217,13 @@ def chunk_bwd_dqk(
         kf = b_k.to(tl.float32)
         b_dgt = tl.where(m_t, b_qdq_t - tl.sum(kf * b_dk, 1), 0.0)
         b_x = tl.sum(b_hdh, 0) * tl.exp(b_gl) + tl.sum(tl.sum(kf * b_dkh, 1), 0)
-        b_dg = tl.sum(b_dgt, 0) - tl.cumsum(b_dgt, 0) + b_dgt + b_x
+        b_dg = (tl.sum(b_dgt, 0) - tl.cumsum(b_dgt, 0) + b_dgt + b_x) * gs
         tl.store(dg + row, b_dg, mask=m_t)
     elif DECAY == 2:
         kf = b_k.to(tl.float32)
         b_dgam = tl.where(m_tk, b_qdq - kf * b_dk, 0.0)
         b_x = b_hdh * tl.exp(b_gl) + tl.sum(kf * b_dkh, 0)
-        b_dg = tl.sum(b_dgam, 0)[None, :] - tl.cumsum(b_dgam, 0) + b_dgam + b_x[None, :]
+        b_dg = (tl.sum(b_dgam, 0)[None, :] - tl.cumsum(b_dgam, 0) + b_dgam + b_x[None, :]) * gs
         tl.store(dg + off, b_dg, mask=m_tk)
 
 

@@ -10,7 +10,7 @@ backward). Since S_t = alpha_t S_{t-1} + k_t k_t^T, the data-dependent key of hl
 ktilde_t = S_t q_t, is itself LA_{log alpha}(q, k, k; S_0) (the value is k), and F is LA with decay
 alpha^2 on (q, ktilde, v):
 
-    hla2:  ktilde, S_T = LA_{la}(q, k, k; S_0);   o, F_T = LA_{2 la}(q, ktilde, v; F_0)
+    hla2:  ktilde, S_T = LA_{la}(q, k, k; S_0);   o, F_T = LA_{2 la}(q, ktilde, v; F_0)   (g_scale 2)
     ahla:  u, S_T = LA_{la}(q, k, v; S_0);        o, F_T = LA_{la}(q, k, u; F_0)
 
 The normalised forms run the second stage (ahla: both stages) on [v, 1], whose last column carries
@@ -78,7 +78,8 @@ def hla_chunked_triton(
         # the initial state is not; the transposes keep the contract for any S_0)
         kt, S = chunk_linear_attention(q, k, k, la, initial_state=init("S", transpose=True), **kw)
         S = S.transpose(-1, -2)
-        o, F = chunk_linear_attention(q, kt, vv, 2 * la, initial_state=init("F", "eta"), out_dtype=out_dt, **kw)
+        o, F = chunk_linear_attention(q, kt, vv, la, initial_state=init("F", "eta"), out_dtype=out_dt, g_scale=2.0,
+                                      **kw)
         z = None
     else:
         u, S = chunk_linear_attention(q, k, vv, la, initial_state=init("S", "z"), **kw)

@@ -169,6 +169,28 @@ def test_split_walk_values_and_grads(monkeypatch, piece, kind, G, lens, chunk, w
     check(run(fn, inputs, torch.float32, with_state), want, 1e-4)
 
 
+@pytest.mark.parametrize("scale", [2.0, 0.5])
+@pytest.mark.parametrize("kind,G,lens", [("head", 2, None), ("key", 1, None), ("head", 1, [70, 0, 33]),
+                                          ("key", 1, [0, 150, 5])])
+def test_g_scale_decays_by_a_multiple_of_g(monkeypatch, scale, kind, G, lens):
+    """`g_scale` s: the op on the decays s g (HLA's second stage: 2 log alpha), values, final states and
+    gradients (g's: s times the decays') as the oracle's on s g; the single walk (dense, one decay per head)
+    and the split walk (pieces of 2 chunks: the rest)."""
+    monkeypatch.setattr(tc, "PIECE", 2)
+    if lens is not None:
+        monkeypatch.setattr(tc, "SPLIT_DECAYS", ("none", "head", "key"))
+    H, chunk = 2, 16
+    lead = (2, 45) if lens is None else (sum(lens),)
+    inputs = make(lead, H * G, H, 16, 32, kind, 2 if lens is None else len(lens), seed=int(scale * 10) + G)
+    cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    want = run(lambda q, k, v, g, h0: oracle(q, k, v, g * scale, h0, cu), inputs, torch.float64, True)
+    cud = None if cu is None else cu.to(DEV)
+    got = run(lambda q, k, v, g, h0: chunk_linear_attention(q, k, v, g, initial_state=h0, cu_seqlens=cud,
+                                                            chunk_size=chunk, g_scale=scale),
+              inputs, torch.float32, True)
+    check(got, want, 1e-4)
+
+
 def test_which_walks_split(monkeypatch):
     """Only per-key decay takes the split walk, and only past one piece."""
     seen, with_pieces = [], tc.with_pieces
