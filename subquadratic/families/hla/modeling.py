@@ -21,7 +21,7 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ...kernels.hla import HLAState, hla_attention
-from ...kernels.hla.features import hla_features, hla_features_takes_kernel
+from ...kernels.hla.features import decay_unsupported, hla_features, hla_features_and_decay, hla_features_takes_kernel
 from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel
 from ...modeling.base import (
     AttentionBase,
@@ -109,9 +109,18 @@ class HLAAttention(WindowBranch, AttentionBase):
         if cfg.output_norm:
             init.ones_(self.o_norm.weight)
 
+    def decay_logits(self, x: torch.Tensor, projected: dict | None = None) -> torch.Tensor | None:
+        """decay_proj(x) [B, T, HQ] (from the input projections `projected` where they hold it), or None for
+        a constant decay."""
+        if self.config.decay_mode != "data":
+            return None
+        out = None if projected is None else projected.get("decay_proj")
+        return self.decay_proj(x) if out is None else out
+
     def log_alpha(self, x: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, hidden] -> log alpha [B, T, HQ] (<= 0; fp32, or fp64 for an fp64 model);
-        `projected`: decay_proj(x) when already computed."""
+        `projected`: decay_proj(x) when already computed (`decay_logits`). The model's forward takes it
+        from the feature kernel where that runs (`hla_features_and_decay`, the same values)."""
         dtype = torch.promote_types(x.dtype, torch.float32)
         logit = self.decay_bias.to(dtype).expand(*x.shape[:2], -1)
         if self.config.decay_mode == "data":
@@ -132,8 +141,14 @@ class HLAAttention(WindowBranch, AttentionBase):
         # kernel forward and one backward (`kernels.hla.features`).
         kernel = (cfg.qk_norm_l2 and cfg.kernel_backend in FEATURE_KERNEL_BACKENDS
                   and hla_features_takes_kernel(q, k, v))
-        q, k, v = hla_features(q, k, v, cfg.qk_scale, cfg.qk_norm_l2, backend="triton" if kernel else "torch")
-        log_alpha = self.log_alpha(hidden_states, p.get("decay_proj"))  # [B, T, HQ]
+        proj = self.decay_logits(hidden_states, p)
+        if kernel and decay_unsupported(q, self.decay_bias, proj) is None:
+            # log alpha [B, T, HQ] from the same kernel (read from the packed projection in place)
+            q, k, v, log_alpha = hla_features_and_decay(q, k, v, cfg.qk_scale, self.decay_bias, proj,
+                                                        backend="triton")
+        else:
+            q, k, v = hla_features(q, k, v, cfg.qk_scale, cfg.qk_norm_l2, backend="triton" if kernel else "torch")
+            log_alpha = self.log_alpha(hidden_states, proj)  # [B, T, HQ]
         if packed:  # the recurrence runs one document per right-padded row
             q, k, v, log_alpha = (seq.documents.unpack(t) for t in (q, k, v, log_alpha))
 

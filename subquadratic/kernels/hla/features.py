@@ -65,5 +65,41 @@ def hla_features(q: Tensor, k: Tensor, v: Tensor, scale: float, normalize: bool 
         from .triton_features import HLAFeatures
 
         grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-        return run_function(HLAFeatures, q, k, v, float(scale), grad)
+        return run_function(HLAFeatures, q, k, v, None, None, float(scale), grad)[:3]
     return hla_features_reference(q, k, v, scale, normalize)
+
+
+def log_alpha_reference(bias: Tensor, proj: Tensor | None, shape: tuple) -> Tensor:
+    """HLA's log decays in PyTorch: logsigmoid(bias [+ proj]) in fp32 (fp64 for fp64 inputs), bias [HQ]
+    broadcast to `shape` [B, T, HQ], proj [B, T, HQ] or None (a constant decay)."""
+    dtype = torch.promote_types(bias.dtype if proj is None else proj.dtype, torch.float32)
+    logit = bias.to(dtype).expand(*shape)
+    if proj is not None:
+        logit = logit + proj.to(dtype)
+    return F.logsigmoid(logit)
+
+
+def decay_unsupported(q: Tensor, bias: Tensor, proj: Tensor | None) -> str | None:
+    """Why the feature kernel cannot also take these decay inputs, or None."""
+    B, T, HQ = q.shape[:3]
+    if bias.shape != (HQ,) or bias.dtype not in TRITON_DTYPES:
+        return f"decay bias {list(bias.shape)} {bias.dtype} ([HQ={HQ}] of one of {TRITON_DTYPES})"
+    if proj is not None and (proj.shape != (B, T, HQ) or proj.dtype not in TRITON_DTYPES):
+        return f"decay projection {list(proj.shape)} {proj.dtype} ([B, T, HQ] = {[B, T, HQ]} of one of {TRITON_DTYPES})"
+    return None
+
+
+def hla_features_and_decay(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor, proj: Tensor | None,
+                           backend: str = "auto") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`hla_features(q, k, v, scale)` (normalised) and the log decays `log_alpha_reference(bias, proj)`
+    [B, T, HQ] fp32: on the kernel one launch forward and one backward for both (the PyTorch form's
+    logsigmoid, cast and add were three launches more a layer); backends as `hla_features`'. proj may be
+    a column slice of a packed projection's output (read in place without gradients). Differentiable in
+    q, k, v, bias and proj."""
+    why = hla_features_unsupported(q, k, v) or decay_unsupported(q, bias, proj)
+    if fused_kernel(backend, q.device, "HLA feature", why):
+        from .triton_features import HLAFeatures
+
+        grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, bias, proj))
+        return run_function(HLAFeatures, q, k, v, bias, proj, float(scale), grad)
+    return (*hla_features_reference(q, k, v, scale), log_alpha_reference(bias, proj, q.shape[:3]))

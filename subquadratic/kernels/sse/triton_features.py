@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..triton_launch import jit
+from ..triton_math import logsigmoid as _logsigmoid
 from ..triton_utils import block_size, cdiv, read_in_place, rows_per_program
 from ..utils import import_triton, new_output
 
@@ -29,16 +30,6 @@ def _softmax(k, m_d):
     k = tl.where(m_d[None, :], k, float("-inf"))
     e = tl.exp(k - tl.max(k, 1)[:, None])
     return e / tl.sum(e, 1)[:, None]
-
-
-@jit
-def _logsigmoid(z):
-    """min(z, 0) - log1p(exp(-|z|)), log1p(u) as log(1 + u) * u / ((1 + u) - 1) (exact to rounding for
-    the small u of strongly positive z, where log(1 + u) alone loses the digits)."""
-    u = tl.exp(-tl.abs(z))
-    w = 1.0 + u
-    lp = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
-    return tl.minimum(z, 0.0) - lp
 
 
 @jit

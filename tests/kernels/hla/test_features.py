@@ -1,6 +1,7 @@
 """HLA's fused inputs (`kernels.hla.features`: the L2-normalised, scaled q and k, and the GQA repeat
-of k and v) against their PyTorch form: values (fp32, bf16, GQA groups 1..4, head dims that are not
-powers of two, a zero row under F.normalize's eps) and the gradients of q, k and v against fp64
+of k and v, with the log decays logsigmoid(bias + projection) in the same kernel) against their PyTorch
+form: values (fp32, bf16, GQA groups 1..4, head dims that are not powers of two, a zero row under
+F.normalize's eps) and the gradients of q, k, v and the decay's bias and projection against fp64
 autograd, with poisoned outputs (tests/kernels/conftest.py). On CPU the kernels run under
 TRITON_INTERPRET=1."""
 
@@ -10,7 +11,12 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from subquadratic.kernels.hla.features import hla_features, hla_features_reference  # noqa: E402
+from subquadratic.kernels.hla.features import (  # noqa: E402
+    hla_features,
+    hla_features_and_decay,
+    hla_features_reference,
+    log_alpha_reference,
+)
 
 from ..fused_models import CopyCounter, forced_kernel_matches, perturb, rel  # noqa: E402
 
@@ -125,3 +131,84 @@ def test_strided_inputs_without_gradients(B, T):
         assert copies.n == 3
         for a, b in zip(got, hla_features_reference(*(t.contiguous() for t in xs), 0.7), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def make_decay(B, T, HQ, dtype, data=True, seed=0):
+    """A decay bias [HQ] and projection [B, T, HQ] (None for a constant decay), logits from strongly
+    negative to strongly positive (log alpha from about -9 to -1e-4)."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.linspace(-4.0, 6.0, HQ) + 0.1 * torch.randn(HQ, generator=g)
+    proj = 3.0 * torch.randn(B, T, HQ, generator=g) if data else None
+    return [None if t is None else t.to(DEV, dtype) for t in (bias, proj)]
+
+
+@pytest.mark.parametrize("data", [True, False])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decay_values_match_the_pytorch_form(case, dtype, data):
+    """log alpha from the feature kernel: fp32, the PyTorch form's values (logsigmoid of the fp32 sum) to
+    fp32 rounding, the features unchanged."""
+    xs = make(*case, dtype, seed=sum(case) + 2)
+    bias, proj = make_decay(*case[:3], dtype, data, seed=sum(case))
+    *feats, la = hla_features_and_decay(*xs, 0.7, bias, proj, backend="triton")
+    want = log_alpha_reference(bias, proj, case[:3])
+    assert la.dtype == want.dtype == torch.float32 and la.shape == want.shape == case[:3]
+    torch.testing.assert_close(la, want, rtol=1e-5, atol=1e-7)
+    exact = log_alpha_reference(bias.double(), None if proj is None else proj.double(), case[:3])
+    assert rel(la, exact) < 1e-6 and (la <= 0).all()
+    for a, b in zip(feats, hla_features(*xs, 0.7, backend="triton"), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("data", [True, False])
+@pytest.mark.parametrize("case", CASES)
+def test_decay_gradients_match_fp64_autograd(case, data):
+    """The gradients of q, k, v, the bias and the projection through features and log alpha, against fp64
+    autograd of the PyTorch forms."""
+    B, T, HQ, H, D, Dv = case
+    xs = make(*case, torch.float32, seed=sum(case) + 3) + make_decay(B, T, HQ, torch.float32, data, seed=5)
+    gen = torch.Generator().manual_seed(4)
+    dys = [torch.randn(s, generator=gen).to(DEV) for s in ((B, T, HQ, D), (B, T, HQ, D), (B, T, HQ, Dv), (B, T, HQ))]
+
+    def grads(fn, dtype):
+        args = [None if t is None else t.detach().to(dtype).requires_grad_() for t in xs]
+        sum((o * dy.to(dtype)).sum() for o, dy in zip(fn(*args), dys, strict=True)).backward()
+        return [a.grad for a in args if a is not None]
+
+    got = grads(lambda q, k, v, b, p: hla_features_and_decay(q, k, v, 0.7, b, p, backend="triton"), torch.float32)
+    want = grads(lambda q, k, v, b, p: (*hla_features_reference(q, k, v, 0.7), log_alpha_reference(b, p, (B, T, HQ))),
+                 torch.float64)
+    assert len(got) == (5 if data else 4)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all(), i
+        assert rel(a, b) < 1e-5, (i, rel(a, b))
+
+
+def test_a_decay_projection_sliced_from_the_pack_is_read_in_place():
+    """Without gradients the decay projection (a column slice of the packed projection's output, as the
+    HLA layer's is) is read where it is: no copy, the values of a contiguous copy bit for bit."""
+    B, T, HQ, H, D, Dv = 2, 9, 4, 2, 16, 8
+    q, k, v = make(B, T, HQ, H, D, Dv, torch.bfloat16, seed=8)
+    bias, _ = make_decay(B, T, HQ, torch.bfloat16, seed=9)
+    packed = torch.randn(B, T, HQ + 37, generator=torch.Generator().manual_seed(1)).to(DEV, torch.bfloat16)
+    proj = packed[..., 30:30 + HQ]
+    with torch.no_grad(), CopyCounter() as copies:
+        got = hla_features_and_decay(q, k, v, 0.7, bias, proj, backend="triton")[3]
+    assert copies.n == 0
+    assert torch.equal(got, hla_features_and_decay(q, k, v, 0.7, bias, proj.contiguous(), backend="triton")[3])
+
+
+def test_decay_dispatch():
+    """"auto" keeps the PyTorch forms off CUDA (and for fp64); "triton" names decay inputs it cannot take."""
+    xs = make(1, 3, 2, 1, 8, 8, torch.float64)
+    bias, proj = make_decay(1, 3, 2, torch.float64)
+    got = hla_features_and_decay(*xs, 1.0, bias, proj)
+    want = (*hla_features_reference(*xs, 1.0), log_alpha_reference(bias, proj, (1, 3, 2)))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    xs = make(1, 3, 2, 1, 8, 8, torch.float32)
+    bias, proj = make_decay(1, 3, 2, torch.float32)
+    with pytest.raises(ValueError, match="decay bias"):
+        hla_features_and_decay(*xs, 1.0, bias[:1], proj, backend="triton")
+    with pytest.raises(ValueError, match="decay projection"):
+        hla_features_and_decay(*xs, 1.0, bias, proj[:, :2], backend="triton")
