@@ -23,12 +23,15 @@ def test_count_ops_hla_and_sse(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {" ".join(line.split()[:3]): line for line in res.stdout.splitlines() if "ops" in line}
-    # HLA: 4 chunked-kernel launches (two calls of walk and output; the walk does the decays' cumsum) +
-    # the feature maps + the norm-gate, no torch.where; SSE: 3 (one call of walk, intra-chunk, output over
-    # the shared and partition rows) + the grouping by partition (2) + the chunk table + the rows' packing with
-    # the feature maps computed inside it + their sum per token with the norm-gate (without gradients) + the
-    # router (softmax and top-K in one kernel), none of the padding masks' torch.where
-    for fam, launches, where in (("hla", 6, None), ("sse", 9, None)):
+    # HLA: 4 chunked-kernel launches (two calls of walk and output; the walk does the decays' cumsum, the second
+    # call's of 2 log alpha) + the feature maps with the log decays + the norm-gate (reading the gate in place),
+    # no torch.where; SSE: 3 (one call of walk, intra-chunk, output over the shared and partition rows) + the
+    # grouping by partition (1: its counts come from the router's launch) + the chunk table + the rows' packing
+    # with the feature maps computed inside it + their sum per token with the norm-gate (without gradients) +
+    # the router (softmax and top-K in one kernel), none of the padding masks' torch.where
+    hla = rows["hla model forward"]
+    assert "log_sigmoid" not in hla and " mul " not in hla and "clone" not in hla and "_to_copy" not in hla, hla
+    for fam, launches, where in (("hla", 6, None), ("sse", 8, None)):
         line = rows[f"{fam} model forward"]
         assert f"<triton> x{launches}" in line, line
         assert "topk" not in line and "softmax" not in line and "scatter" not in line, line

@@ -305,9 +305,11 @@ class SSEAttention(WindowBranch, AttentionBase):
             beta = None if beta is None else seq.documents.unpack(beta)
         # [B, T, N], sel False at padding
         # in training also the load-balancing loss over the valid tokens (all of them where seq.causal)
+        # with the SSE kernels also the grouping's selection counts (its first launch, in the router's)
         probs, sel, *aux = router_topk(logits, cfg.sse_top_k, None if seq.causal else seq.valid,
                                        backend=fused_backend(cfg.kernel_backend),
-                                       aux=self.training)
+                                       aux=self.training, counts=from_projections)
+        counts = aux.pop() if from_projections else None
 
         # padding: no read, no write, no decay (nothing to mask where no real token reads the padding)
         valid = seq.valid
@@ -331,7 +333,8 @@ class SSEAttention(WindowBranch, AttentionBase):
             o, state = sse_from_projections(*xs, cfg.sse_gate_normalizer, probs, sel, state, q2_mode=mode,
                                             chunk_size=cfg.sse_chunk_size, topk=cfg.sse_top_k,
                                             precision=cfg.kernel_precision,
-                                            valid=None if seq.causal or seq.new_real else valid, norm_gate=gated)
+                                            valid=None if seq.causal or seq.new_real else valid, norm_gate=gated,
+                                            counts=counts)
         else:
             o, state = sse_attention(
                 q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=cfg.sse_base, beta=beta,

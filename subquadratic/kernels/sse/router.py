@@ -24,7 +24,7 @@ def router_unsupported(logits: Tensor, valid: Tensor | None = None) -> str | Non
 
 
 def router_topk(logits: Tensor, k: int, valid: Tensor | None = None, backend: str = "torch",
-                aux: bool = False) -> tuple[Tensor, ...]:
+                aux: bool = False, counts: bool = False) -> tuple[Tensor, ...]:
     """Router: softmax over the N partitions in float32 (float64 stays float64),
     then the top-k mask. logits: [B, T, N], valid: [B, T] bool (False at
     padding). Returns (probs [B, T, N], sel [B, T, N] bool; all False where invalid), and with `aux`
@@ -33,22 +33,23 @@ def router_topk(logits: Tensor, k: int, valid: Tensor | None = None, backend: st
     probabilities the lowest partitions are selected; with `aux` the loss's sums in the same launch and
     the loss in a second), "triton" it on any device Triton runs on (the CPU interpreter in tests) or a
     ValueError, "torch" (the default) the PyTorch ops. Differentiable in the logits through probs (and
-    the loss)."""
+    the loss). With `counts` the last element is what SSE's grouping would count first
+    (`triton_sse.group_rows(..., counts=)`: one launch less there), from the kernel's launch; None from the
+    PyTorch ops."""
     N = logits.shape[-1]
     if not 1 <= k <= N:
         raise ValueError(f"top-k must be in [1, N={N}]; got {k}")
     if fused_kernel(backend, logits.device, "router", router_unsupported(logits, valid)):
         from .triton_router import Router
 
-        return run_function(Router, logits, k, valid, aux)
+        probs, sel, loss, count = run_function(Router, logits, k, valid, aux, counts and logits.dim() == 3)
+        return (probs, sel) + ((loss,) if aux else ()) + ((count,) if counts else ())
     probs = torch.softmax(logits, dim=-1, dtype=acc_dtype(logits))  # the cast inside the softmax
     top = probs.topk(k, dim=-1).indices
     sel = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top, True)
     if valid is not None:
         sel = sel & valid[..., None].bool()
-    if aux:
-        return probs, sel, sse_aux_loss(probs, sel, valid)
-    return probs, sel
+    return (probs, sel) + ((sse_aux_loss(probs, sel, valid),) if aux else ()) + ((None,) if counts else ())
 
 
 def sse_aux_loss(probs: Tensor, sel: Tensor, valid: Tensor | None = None) -> Tensor:

@@ -101,21 +101,24 @@ def group_count_kernel(SEL, COUNT, T, N, NCH, BLOCK: tl.constexpr):
 
 
 @jit
-def group_rows_kernel(SEL, COUNT, SRC, CU, INV, B, T, N, NCH, NB, R, BLOCK: tl.constexpr):
+def group_rows_kernel(SEL, COUNT, SRC, CU, INV, B, T, N, NCH, NB, R, NSUB, BLOCK: tl.constexpr, SUB: tl.constexpr):
     """`group_rows_reference` over the blocks of `group_count_kernel`, one program a block: the rows
     before it (the counts of the blocks before), then an inclusive scan of its entries gives each
     selected entry its row (src = its code (b T + t) N + i, inv[code] = the row), the last block of a
     segment its end in cu; every program fills its share of the rows past the selected ones (src 0),
-    the first one the shared rows' bounds and the end."""
+    the first one the shared rows' bounds and the end. COUNT holds NSUB counts a segment, SUB a block
+    (`group_count_kernel`'s: NSUB = NCH, SUB = 1; the router kernel's: blocks of BLOCK / SUB tokens)."""
     blk = tl.program_id(0)
+    seg, c = blk // NCH, blk % NCH
+    first = seg * NSUB + c * SUB  # this block's first count
+    n_count = NB // NCH * NSUB
     before = tl.zeros([], dtype=tl.int64)
     total = tl.zeros([], dtype=tl.int64)
-    for j0 in range(0, NB, BLOCK):
+    for j0 in range(0, n_count, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
-        cnt = tl.load(COUNT + j, mask=j < NB, other=0).to(tl.int64)
-        before += tl.sum(tl.where(j < blk, cnt, 0), 0)
+        cnt = tl.load(COUNT + j, mask=j < n_count, other=0).to(tl.int64)
+        before += tl.sum(tl.where(j < first, cnt, 0), 0)
         total += tl.sum(cnt, 0)
-    seg, c = blk // NCH, blk % NCH
     t = c * BLOCK + tl.arange(0, BLOCK)
     m = t < T
     code = ((seg // N) * T + t).to(tl.int64) * N + seg % N
@@ -137,9 +140,13 @@ def group_rows_kernel(SEL, COUNT, SRC, CU, INV, B, T, N, NCH, NB, R, BLOCK: tl.c
         tl.store(CU + B + 1 + (NB // NCH), (BT + R).to(tl.int32))
 
 
-def group_rows(sel: Tensor, topk: int):
+def group_rows(sel: Tensor, topk: int, counts: Tensor | None = None):
     """`group_rows_reference`'s (src, cu, inv) in two launches over blocks of the selection
-    (`group_count_kernel`, `group_rows_kernel`); the PyTorch ops for an empty selection (T = 0)."""
+    (`group_count_kernel`, `group_rows_kernel`), or one given the router kernel's `counts` [B, N, blocks]
+    (`router_topk(..., counts=True)`: the selections of each block of `triton_router.ROWS` tokens); the
+    PyTorch ops for an empty selection (T = 0)."""
+    from .triton_router import ROWS
+
     B, T, N = sel.shape
     if T == 0 or B == 0:
         return group_rows_reference(sel, topk)
@@ -148,10 +155,18 @@ def group_rows(sel: Tensor, topk: int):
     nch = cdiv(T, GROUP_BLOCK)
     nb = B * N * nch
     sel8 = sel.contiguous().view(torch.uint8)
-    count, cu = new_outputs([(nb,), (B + B * N + 2,)], dev, torch.int32)
+    if counts is not None and (counts.shape != (B, N, cdiv(T, ROWS)) or counts.dtype != torch.int32):
+        raise ValueError(f"counts must be the router kernel's int32 [B, N, blocks of {ROWS} tokens] = "
+                         f"{[B, N, cdiv(T, ROWS)]}; got {list(counts.shape)} {counts.dtype}")
+    if counts is None:
+        count, cu = new_outputs([(nb,), (B + B * N + 2,)], dev, torch.int32)
+        group_count_kernel[(nb,)](sel8, count, T, N, nch, GROUP_BLOCK, num_warps=4)
+        nsub, sub = nch, 1
+    else:
+        count, cu = counts, new_output((B + B * N + 2,), dev, torch.int32)
+        nsub, sub = counts.shape[2], GROUP_BLOCK // ROWS
     src, inv = new_outputs([(R,), (B * T * N,)], dev, torch.int64)
-    group_count_kernel[(nb,)](sel8, count, T, N, nch, GROUP_BLOCK, num_warps=4)
-    group_rows_kernel[(nb,)](sel8, count, src, cu, inv, B, T, N, nch, nb, R, GROUP_BLOCK, num_warps=4)
+    group_rows_kernel[(nb,)](sel8, count, src, cu, inv, B, T, N, nch, nb, R, nsub, GROUP_BLOCK, sub, num_warps=4)
     return src, cu, inv
 
 
@@ -212,7 +227,8 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
                                 z2: Tensor, bias1: Tensor, bias2: Tensor, normalizer: float, probs: Tensor,
                                 sel: Tensor, state: SSEState | None = None, *, q2_mode: str = "full",
                                 chunk_size: int = 64, topk: int | None = None, precision: str = "ieee",
-                                valid: Tensor | None = None, norm_gate: tuple | None = None) -> tuple[Tensor, SSEState]:
+                                valid: Tensor | None = None, norm_gate: tuple | None = None,
+                                counts: Tensor | None = None) -> tuple[Tensor, SSEState]:
     """`sse_triton` on the GLA base's feature maps and decays of the projections, `sse_gla_features(q1, k1,
     q2, k2, v, z1, z2, bias1, bias2, normalizer, q2_mode=q2_mode)`, with the same values and gradients: the
     features are computed where the merged rows are written (`PackFeatures`: one kernel in place of the
@@ -223,7 +239,8 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
     (it neither reads, writes nor decays a state; sel must be False there). Differentiable in every tensor but
     sel. `norm_gate` = (weight [D] or [H, D], gate [B, T, H, D] contiguous in q1's dtype, eps), without
     gradients only: o is `norm_gate(o, weight, gate, eps)`'s, computed in the kernel that sums each token's
-    rows. Returns (o [B, T, H, D] in q1's dtype, new SSEState (fp32))."""
+    rows. `counts`: the router kernel's selection counts of `sel` (`group_rows`). Returns (o [B, T, H, D] in
+    q1's dtype, new SSEState (fp32))."""
     from .features import MAX_DIM, Q2_MODES
 
     if q2_mode not in Q2_MODES:
@@ -241,7 +258,7 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
     K = N if topk is None else topk
     if not 1 <= K <= N:
         raise ValueError(f"topk must be in [1, N={N}]; got {topk}")
-    src, cu, inv = group_rows(sel, K)
+    src, cu, inv = group_rows(sel, K, counts)
     if q2_mode == "same":
         q2 = k2 = q1  # placeholders the kernels do not read
     grad = torch.is_grad_enabled() and any(

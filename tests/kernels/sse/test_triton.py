@@ -190,3 +190,33 @@ def test_group_rows_kernel_equals_the_pytorch_ops(B, T, N, topk, p):
     for name, a, b in zip(("src", "cu", "inv"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("B,T,N,k", [(2, 37, 4, 1), (1, 2100, 4, 2), (3, 70, 8, 3), (1, 1, 3, 3)])
+@pytest.mark.parametrize("with_valid", [False, True])
+def test_group_rows_from_the_router_kernels_counts(B, T, N, k, with_valid):
+    """The router kernel's selection counts (`router_topk(..., counts=True)`: per sample, partition and block of
+    `triton_router.ROWS` tokens, blocks that never straddle two samples) are the selection's, and `group_rows`
+    given them (one launch) returns the two-launch grouping's rows and bounds exactly (padding unselected,
+    segments over several of the grouping's blocks: 2100 tokens)."""
+    from subquadratic.kernels.sse.router import router_topk
+    from subquadratic.kernels.sse.triton_router import ROWS
+    from subquadratic.kernels.sse.triton_sse import group_rows, group_rows_reference
+
+    g = torch.Generator().manual_seed(B * 100 + T + N)
+    logits = torch.randn(B, T, N, generator=g).to(DEV)
+    valid = (torch.rand(B, T, generator=g) > 0.3).to(DEV) if with_valid else None
+    probs, sel, counts = router_topk(logits, k, valid, backend="triton", counts=True)
+    nb = -(-T // ROWS)
+    pad = torch.zeros(B, nb * ROWS, N, dtype=torch.int32, device=DEV)
+    pad[:, :T] = sel.int()
+    want_counts = pad.view(B, nb, ROWS, N).sum(2).transpose(1, 2)
+    assert counts.dtype == torch.int32 and torch.equal(counts, want_counts)
+    got, want = group_rows(sel, k, counts), group_rows_reference(sel, k)
+    for name, a, b in zip(("src", "cu", "inv"), got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="counts"):
+        group_rows(sel, k, counts[:, :, :0])
+    # the PyTorch router has no counts: the grouping counts itself
+    assert router_topk(logits, k, valid, counts=True)[-1] is None
