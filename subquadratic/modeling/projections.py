@@ -357,15 +357,55 @@ def _batched_view(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return x0.as_strided((len(xs), x0.numel() // shape[-1], shape[-1]), (step, row_stride, 1))
 
 
+class _StackedLinear(torch.autograd.Function):
+    """The members' outputs of `stacked_linears` with gradients: forward one bmm over the stack's weight
+    [n, out, in] and the inputs' [n, rows, in] view (step, row stride: `_batched_view`'s), backward one bmm
+    for the inputs' gradients (each input's the view of its slice, which autograd adds into the packed
+    output's gradient as it adds the members') and one for the weights' (each member's the view of its
+    slice), where the members took two GEMMs each. Under autocast the operands are cast as autocast casts
+    F.linear's (as `_PackedLinear`)."""
+
+    @staticmethod
+    def forward(ctx, stack, step, row_stride, *tensors):
+        n = len(stack.members)
+        x0 = tensors[0]
+        r = x0.shape[-1]
+        batch = x0.as_strided((n, x0.numel() // r, r), (step, row_stride, 1))
+        w = stack.weight
+        device = x0.device.type
+        if torch.is_autocast_enabled(device):
+            dt = torch.get_autocast_dtype(device)
+            batch, w = (t if t.dtype == torch.float64 else t.to(dt) for t in (batch, w))
+        ctx.save_for_backward(batch, w)
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None
+        ctx.lead = x0.shape[:-1]
+        out = torch.bmm(batch, w.transpose(1, 2))  # [n, rows, out]
+        return tuple(y.view(*ctx.lead, y.shape[-1]) for y in out)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        batch, w = ctx.saved_tensors
+        n, rows, out = batch.shape[0], batch.shape[1], w.shape[1]
+        dy = torch.stack([batch.new_zeros(rows, out) if d is None else d.reshape(rows, out) for d in dys])
+        # a member whose output was not used gets no gradients (as its own graph gives it none)
+        used = [d is not None for d in dys]
+        need_x = [a and u for a, u in zip(ctx.needs_input_grad[3:3 + n], used, strict=True)]
+        need_w = [a and u for a, u in zip(ctx.needs_input_grad[3 + n:], used, strict=True)]
+        dx = torch.bmm(dy, w) if any(need_x) else None
+        dw = torch.bmm(dy.transpose(1, 2), batch) if any(need_w) else None
+        return (None, None, None, *(dx[i].view(*ctx.lead, dx.shape[-1]) if need_x[i] else None for i in range(n)),
+                *(dw[i] if need_w[i] else None for i in range(n)))
+
+
 def stacked_linears(owner: nn.Module, names: Sequence[str], xs: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
     """[member(x) for each member `names[i]` of owner and x = xs[i]] as one batched matmul (`torch.bmm`: one
-    launch where the members take one each) without gradients, for members of one weight shape (plain
-    bias-free nn.Linear: no PEFT adapter, hooks or sharded parameters) on inputs that are adjacent
-    equal-width column slices of one tensor (a packed projection's output: `_batched_view`); the members'
-    weights are stacked on first use (`_Stack`, rebuilt when a member's tensor was replaced). None where this
-    does not apply, the call with gradients included: then the caller runs each member. The same values as
-    the members (each output column the same dot product)."""
-    if torch.is_grad_enabled() or len(names) < 2 or not _may_use_pack(owner):
+    launch where the members take one each; with gradients `_StackedLinear`: two backward where they take two
+    each), for members of one weight shape (plain bias-free nn.Linear: no PEFT adapter, hooks or sharded
+    parameters) on inputs that are adjacent equal-width column slices of one tensor (a packed projection's
+    output: `_batched_view`); the members' weights are stacked on first use (`_Stack`, rebuilt when a
+    member's tensor was replaced). None where this does not apply: then the caller runs each member. The
+    same values and gradients as the members (each output column the same dot product)."""
+    if len(names) < 2 or not _may_use_pack(owner):
         return None
     batch = _batched_view(xs)  # first: a stack is built (its members' weights rebound) only where it serves
     if batch is None:
@@ -382,6 +422,9 @@ def stacked_linears(owner: nn.Module, names: Sequence[str], xs: Sequence[torch.T
         stack = stacks[key] = _Stack(names, linears)
     if batch.dtype != stack.weight.dtype:
         return None
+    if torch.is_grad_enabled():
+        params = [lin._parameters["weight"] for lin in stack.members]
+        return list(_StackedLinear.apply(stack, batch.stride(0), batch.stride(1), *xs, *params))
     out = torch.bmm(batch, stack.weight.transpose(1, 2))  # [n, rows, out]
     lead = xs[0].shape[:-1]
     return [y.view(*lead, y.shape[-1]) for y in out]

@@ -142,7 +142,7 @@ def test_linear_plus_is_one_gemm_with_the_sum_and_falls_back_where_the_layer_mus
 def test_stacked_linears_are_the_members_without_gradients():
     """`stacked_linears`: members of one weight shape on adjacent equal-width column slices of one tensor
     as one bmm over their stacked weights (the members' parameters views of the stack), the members'
-    values; None (the caller runs each member) with gradients, for inputs that are not adjacent slices,
+    values; None (the caller runs each member) for inputs that are not adjacent slices,
     members of other shapes or with a hook; an in-place weight update is seen, a dtype change restacks."""
     class Owner(projections.PackedInputs, nn.Module):
         def __init__(self):
@@ -187,4 +187,50 @@ def test_stacked_linears_are_the_members_without_gradients():
         torch.testing.assert_close(out[2], m.c(xs[2]))
         m.c.register_forward_hook(lambda *a: None)
         assert projections.stacked_linears(m, names, xs) is None  # a hook must run
-    assert projections.stacked_linears(m, ("a", "b"), xs[:2]) is None  # with gradients
+
+
+def test_stacked_linears_with_gradients_are_the_members():
+    """With gradients `stacked_linears` is one bmm forward and two backward (`_StackedLinear`), with the
+    members' values and the gradients of the packed input and of every member's weight (an unused output
+    gives its member none, as the members' graph does); under autocast the members' dtype and values."""
+    class Owner(projections.PackedInputs, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"fuse_projections": True})()
+            self.a, self.b, self.c = (nn.Linear(8, 12, bias=False) for _ in range(3))
+
+    torch.manual_seed(1)
+    m, ref = Owner().double(), Owner().double()
+    ref.load_state_dict(m.state_dict())
+    names = ("a", "b", "c")
+    y0 = torch.randn(2, 5, 30, dtype=torch.float64)
+    dys = [torch.randn(2, 5, 12, dtype=torch.float64) for _ in names]
+    for used in ((0, 1, 2), (0, 2)):
+        y, yr = y0.clone().requires_grad_(), y0.clone().requires_grad_()
+        with Ops() as ops:
+            out = projections.stacked_linears(m, names, [y[..., 3 + 8 * i: 11 + 8 * i] for i in range(3)])
+            sum((out[i] * dys[i]).sum() for i in used).backward()
+        assert ops.names.count("bmm") == 3 and "mm" not in ops.names and "addmm" not in ops.names
+        want = [getattr(ref, n)(yr[..., 3 + 8 * i: 11 + 8 * i]) for i, n in enumerate(names)]
+        sum((want[i] * dys[i]).sum() for i in used).backward()
+        for o, w in zip(out, want, strict=True):
+            torch.testing.assert_close(o, w, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(y.grad, yr.grad, rtol=1e-12, atol=1e-12)
+        for n in names:
+            got, want = getattr(m, n).weight.grad, getattr(ref, n).weight.grad
+            assert (got is None) == (want is None) == (n == "b" and len(used) == 2), n
+            if want is not None:
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        m.zero_grad()
+        ref.zero_grad()
+    m.float()
+    ref.float()
+    y = y0.float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = projections.stacked_linears(m, names, [y[..., 3 + 8 * i: 11 + 8 * i] for i in range(3)])
+        want = [getattr(ref, n)(y[..., 3 + 8 * i: 11 + 8 * i]) for i, n in enumerate(names)]
+    for o, w in zip(out, want, strict=True):
+        assert o.dtype == w.dtype == torch.bfloat16
+        torch.testing.assert_close(o, w)
+    sum(o.float().sum() for o in out).backward()
+    assert m.a.weight.grad.dtype == torch.float32 and y.grad.dtype == torch.float32

@@ -260,7 +260,7 @@ class SSEAttention(WindowBranch, AttentionBase):
         from_projections = False
         gate = None
         if cfg.sse_base == "gla":
-            # without gradients the low-rank up projections of one width run as one batched matmul each
+            # the low-rank up projections of one width run as one batched matmul each (with gradients too)
             z = stacked_linears(self, ("g1_up", "g2_up"), (p["g1_down"], p["g2_down"]))
             z1, z2 = z or (self.g1_up(p["g1_down"]), self.g2_up(p["g2_down"]))
             # CUDA: one kernel forward, one backward, reading q1 / k1 / v where the projection wrote them, K / V
