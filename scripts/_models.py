@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -129,6 +130,20 @@ def load_converted(folder: Path, device: torch.device, dtype: torch.dtype):
     return as_variant(model, folder.name)
 
 
+def host_info() -> dict:
+    """The host a run's calls are enqueued from: its CPU model, the CPUs this process may run on and the load
+    average at the start (a slow host makes a host-bound call slow)."""
+    model = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return dict(cpu=model, cpus=cpus, loadavg=load)
+
+
 def versions(device: torch.device) -> dict:
     """Date, device and library versions of a run (and the commit when run inside a git checkout)."""
     import datetime
@@ -137,7 +152,7 @@ def versions(device: torch.device) -> dict:
     import transformers
 
     out = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, transformers=transformers.__version__,
-               device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+               device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", host=host_info())
     try:
         import triton
 

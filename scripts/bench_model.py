@@ -24,7 +24,8 @@ time: the host bounds the call; well below it: the GPU does). Peak memory is
 torch.cuda.max_memory_allocated over the timed runs. Each row also keeps (in the JSON, and in the log)
 the caching allocator's device allocations, frees and retries during the timed runs (cudaMalloc /
 cudaFree inside a call: host time that is not enqueueing), the time Python's garbage collector ran in
-them, and the synchronising operations of one more call (`torch.cuda.set_sync_debug_mode`). A
+them, the synchronising operations of one more call (`torch.cuda.set_sync_debug_mode`) and a probe of
+the host's speed just before the timed calls (`host_probe`: a fixed piece of host work, microseconds). A
 call that fails (out of memory, say) is recorded with its error and the run goes on. The table is
 printed at the end as Markdown and, with --out, written as JSON after every row. `--profile T[,T..]`
 adds, for each model and each measure at those lengths, a torch.profiler table of one warm call (the
@@ -124,14 +125,33 @@ class GCTime:
             self.collections += 1
 
 
+def host_probe(device: torch.device, calls: int = 2000) -> float:
+    """Microseconds per step of a fixed piece of host work (an allocation on the device, a view, a Python
+    call), the median of five rounds, measured before each row's timed calls: the host's speed at that
+    moment. Beside it a row's host time reads as the code's cost (the probe as fast as elsewhere) or the
+    host's (the probe slow too)."""
+    def step(x):
+        return x.view(-1)
+
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step(torch.empty(256, device=device))
+        rounds.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(rounds) / calls
+
+
 def measure(fn, device: torch.device, repeats: int) -> dict:
     """Median seconds of `repeats` timed calls after one untimed call, the median seconds each took to
     return before its synchronisation (`host_s`: the time the host takes to enqueue a call that does
     not wait on the device, a first token's; a training step's waits for its loss), the peak memory
     of the timed calls, the allocator's counters over them (`allocator`: `ALLOCATOR_COUNTERS`, their
     increase), the garbage collector's time and collections during them (`gc`) and the synchronising
-    operations of one more call (`syncs`)."""
+    operations of one more call (`syncs`), and `host_probe`'s microseconds just before the timed calls
+    (`probe_us`)."""
     fn()
+    probe = host_probe(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     before = allocator_counts(device)
@@ -148,7 +168,8 @@ def measure(fn, device: torch.device, repeats: int) -> dict:
     after = allocator_counts(device)
     return dict(s=statistics.median(times), runs=times, host_s=statistics.median(host), host_runs=host,
                 peak_bytes=peak, allocator={k: after[k] - before[k] for k in ALLOCATOR_COUNTERS},
-                gc=dict(ms=collector.ms, collections=collector.collections), syncs=synchronising_ops(fn, device))
+                gc=dict(ms=collector.ms, collections=collector.collections), syncs=synchronising_ops(fn, device),
+                probe_us=probe)
 
 
 def split_train(model, ids: torch.Tensor, device: torch.device, repeats: int) -> dict:
@@ -211,7 +232,7 @@ def run_model(name: str, model, measures: dict, prompts: dict, device, repeats: 
             if "s" in res:
                 log(f"  {res['s'] * 1000:.1f} ms (host {res['host_s'] * 1000:.1f}), peak "
                     f"{fmt_bytes(res['peak_bytes'])}, allocator {res['allocator']}, gc {res['gc']}, "
-                    f"synchronising ops {res['syncs']}")
+                    f"synchronising ops {res['syncs']}, host probe {res['probe_us']:.2f} us")
             emit()
         model.eval()
 
@@ -242,7 +263,7 @@ def rows_of(results: dict, families: list[str], measures: dict) -> list[dict]:
                                  **{f"{who}_host_ms": r["host_s"] * 1000 if what == "ttft" and "host_s" in r else None
                                     for who, r in (("dense", dense), ("ours", ours))},
                                  **{f"{who}_{k}": r.get(k) for who, r in (("dense", dense), ("ours", ours))
-                                    for k in ("split", "allocator", "gc", "syncs")},
+                                    for k in ("split", "allocator", "gc", "syncs", "probe_us")},
                                  error=ours.get("error") or dense.get("error")))
     return rows
 

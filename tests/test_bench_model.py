@@ -43,6 +43,9 @@ def test_bench_model_quick_smoke(tmp_path):
                                                             "num_sync_all_streams")}
             assert r[f"{who}_syncs"] is None
             assert r[f"{who}_gc"]["ms"] >= 0 and r[f"{who}_gc"]["collections"] >= 0
+            assert 0 < r[f"{who}_probe_us"] < 1e4  # the host's speed before the row (microseconds a step)
+    host = json.loads(out.read_text())["meta"]["host"]  # the host the calls were enqueued from
+    assert host["cpus"] >= 1 and "cpu" in host and "loadavg" in host
     assert "| T | model | forward host / wall ms | backward host / wall ms |" in res.stdout
     assert "| 128 | dense |" in res.stdout and "| 128 | sse-h |" in res.stdout
     tables = (tmp_path / "prof.txt").read_text()  # one profiler table per model and measure at 128 tokens
