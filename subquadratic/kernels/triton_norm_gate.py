@@ -77,13 +77,13 @@ def norm_gate_bwd(X, W, GATE, DY, DX, DG, DW, n_rows, eps, H: tl.constexpr, D: t
     tl.store(DW + off, dn * xhat, mask=m)  # each row's weight gradient, fp32
 
 
-def _launch(kernel, x, weight, eps, *tensors) -> int:
-    """One program per ROWS rows of x [..., D] (contiguous): kernel(*tensors, n_rows, eps, H, D, BD, ROWS);
-    returns H, the rows of the weight (1 for a weight [D])."""
+def _launch(kernel, x, weight, eps, *tensors, extra: tuple = ()) -> int:
+    """One program per ROWS rows of x [..., D] (contiguous): kernel(*tensors, n_rows, eps, *extra, H, D, BD,
+    ROWS); returns H, the rows of the weight (1 for a weight [D])."""
     D = x.shape[-1]
     H = weight.shape[0] if weight.dim() == 2 else 1
     n_rows = x.numel() // D
-    kernel[(cdiv(n_rows, ROWS),)](*tensors, n_rows, eps, H, D, block_size(D, 1), ROWS, num_warps=4)
+    kernel[(cdiv(n_rows, ROWS),)](*tensors, n_rows, eps, *extra, H, D, block_size(D, 1), ROWS, num_warps=4)
     return H
 
 
@@ -99,16 +99,12 @@ class NormGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, gate, eps):
         xc, wc = x.contiguous(), weight.contiguous()
-        NH, D = x.shape[-2], x.shape[-1]
+        NH = x.shape[-2]
         # without gradients a [B, T, H, D] gate whose tokens are rows of one stride (a column slice of a
         # packed projection) is read where it is; the backward reads a contiguous one
-        gc, S_G = read_in_place(gate) if not records(ctx) and gate.dim() == 4 else (gate.contiguous(), NH * D)
+        gc, S_G = read_in_place(gate) if not records(ctx) and gate.dim() == 4 else (gate.contiguous(), NH * x.shape[-1])
         y = new_output(x.shape, x.device, x.dtype)
-        H = weight.shape[0] if weight.dim() == 2 else 1
-        n_rows = x.numel() // D
-        norm_gate_fwd[(cdiv(n_rows, ROWS),)](xc, wc, gc, y, n_rows, eps, S_G, NH, H, D, block_size(D, 1), ROWS,
-                                             num_warps=4)
-        ctx.H = H
+        ctx.H = _launch(norm_gate_fwd, xc, wc, eps, xc, wc, gc, y, extra=(S_G, NH))
         ctx.save_for_backward(xc, wc, gc)
         ctx.eps, ctx.weight_shape, ctx.weight_dtype = eps, weight.shape, weight.dtype
         return y

@@ -152,6 +152,16 @@ class _Pack(_Members):
                 if p is not None]
 
 
+def _autocast_operands(x: torch.Tensor, *others: torch.Tensor | None) -> tuple:
+    """(x, *others) cast as autocast casts F.linear's operands where it is on for x's device (fp64 and None
+    kept), else as they are: what a Function that runs a linear layer's matmul itself computes in."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return (x, *others)
+    dt = torch.get_autocast_dtype(device)
+    return tuple(t if t is None or t.dtype == torch.float64 else t.to(dt) for t in (x, *others))
+
+
 class _PackedLinear(torch.autograd.Function):
     """x [..., in] -> x W^T + b over a `_Pack`'s weight W [rows, in] (bias b or none), differentiable in x
     and in the members' parameters (`_Pack.params`, views of W's and b's rows): the weights' gradient is
@@ -162,11 +172,7 @@ class _PackedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pack, *params):
         ctx.pack = pack
-        w, b = pack.weight, pack.bias
-        device = x.device.type
-        if torch.is_autocast_enabled(device):  # the casts autocast gives F.linear's operands
-            dt = torch.get_autocast_dtype(device)
-            x, w, b = (t if t is None or t.dtype == torch.float64 else t.to(dt) for t in (x, w, b))
+        x, w, b = _autocast_operands(x, pack.weight, pack.bias)
         ctx.save_for_backward(x, w)
         return F.linear(x, w, b)
 
@@ -370,12 +376,7 @@ class _StackedLinear(torch.autograd.Function):
         n = len(stack.members)
         x0 = tensors[0]
         r = x0.shape[-1]
-        batch = x0.as_strided((n, x0.numel() // r, r), (step, row_stride, 1))
-        w = stack.weight
-        device = x0.device.type
-        if torch.is_autocast_enabled(device):
-            dt = torch.get_autocast_dtype(device)
-            batch, w = (t if t.dtype == torch.float64 else t.to(dt) for t in (batch, w))
+        batch, w = _autocast_operands(x0.as_strided((n, x0.numel() // r, r), (step, row_stride, 1)), stack.weight)
         ctx.save_for_backward(batch, w)
         ctx.set_materialize_grads(False)  # an unused output's gradient comes as None
         ctx.lead = x0.shape[:-1]

@@ -21,7 +21,13 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ...kernels.hla import HLAState, hla_attention
-from ...kernels.hla.features import decay_unsupported, hla_features, hla_features_and_decay, hla_features_takes_kernel
+from ...kernels.hla.features import (
+    decay_unsupported,
+    hla_features,
+    hla_features_and_decay,
+    hla_features_takes_kernel,
+    log_alpha_reference,
+)
 from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel
 from ...modeling.base import (
     AttentionBase,
@@ -109,12 +115,12 @@ class HLAAttention(WindowBranch, AttentionBase):
         if cfg.output_norm:
             init.ones_(self.o_norm.weight)
 
-    def decay_logits(self, x: torch.Tensor, projected: dict | None = None) -> torch.Tensor | None:
-        """decay_proj(x) [B, T, HQ] (from the input projections `projected` where they hold it), or None for
-        a constant decay."""
+    def decay_logits(self, x: torch.Tensor, inputs: dict | None = None) -> torch.Tensor | None:
+        """decay_proj(x) [B, T, HQ] (from the input projections' outputs `inputs` where they hold it), or None
+        for a constant decay."""
         if self.config.decay_mode != "data":
             return None
-        out = None if projected is None else projected.get("decay_proj")
+        out = None if inputs is None else inputs.get("decay_proj")
         return self.decay_proj(x) if out is None else out
 
     def log_alpha(self, x: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,10 +128,10 @@ class HLAAttention(WindowBranch, AttentionBase):
         `projected`: decay_proj(x) when already computed (`decay_logits`). The model's forward takes it
         from the feature kernel where that runs (`hla_features_and_decay`, the same values)."""
         dtype = torch.promote_types(x.dtype, torch.float32)
-        logit = self.decay_bias.to(dtype).expand(*x.shape[:2], -1)
-        if self.config.decay_mode == "data":
-            logit = logit + (self.decay_proj(x) if projected is None else projected).to(dtype)
-        return Fn.logsigmoid(logit)
+        if projected is None:
+            projected = self.decay_logits(x)
+        proj = None if projected is None else projected.to(dtype)
+        return log_alpha_reference(self.decay_bias.to(dtype), proj, (*x.shape[:2], self.num_heads))
 
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer: HLALayer | None = None):
         cfg = self.config

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..triton_launch import jit
-from ..triton_math import logsigmoid as _logsigmoid
+from ..triton_math import logsigmoid
 from ..triton_utils import block_size, cdiv, read_in_place, rows_per_program
 from ..utils import import_triton, new_output
 
@@ -95,9 +95,9 @@ def sse_features_fwd(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, OQ1, OK1, OQ2, OK2, OV, 
     tl.store(OK1 + off, _softmax(k1, m_d).to(dt), mask=m)
     tl.store(OK2 + off, _softmax(_second(k1, K2, off, S_K2, m, H, D, MODE), m_d).to(dt), mask=m)
     z = _ld(Z1, _strided(off, S_Z1, H, D), m) + _ld(B1, off_b, m)
-    tl.store(G1 + off, _logsigmoid(z) * inv_norm, mask=m)
+    tl.store(G1 + off, logsigmoid(z) * inv_norm, mask=m)
     z = _ld(Z2, _strided(off, S_Z2, H, D), m) + _ld(B2, off_b, m)
-    tl.store(G2 + off, _logsigmoid(z) * inv_norm, mask=m)
+    tl.store(G2 + off, logsigmoid(z) * inv_norm, mask=m)
 
 
 @jit

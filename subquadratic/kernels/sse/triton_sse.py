@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..gla.triton_chunk import chunk_linear_attention
 from ..triton_launch import jit
+from ..triton_math import logsigmoid
 from ..triton_norm_gate import norm_gate_rows
 from ..triton_rms_norm import rms_inverse
 from ..triton_utils import block_size, cdiv, next_power_of_2, read_in_place, rows_per_program
@@ -40,7 +41,6 @@ from ..utils import import_triton, new_output, new_outputs, run_function
 from .recurrent import SSEState, setup
 from .triton_features import (
     _ld,
-    _logsigmoid,
     _second_at,
     _silu_grad,
     _softmax,
@@ -49,6 +49,7 @@ from .triton_features import (
     feature_grads,
     group_sums,
 )
+from .triton_router import ROWS
 
 triton, tl = import_triton()
 
@@ -145,8 +146,6 @@ def group_rows(sel: Tensor, topk: int, counts: Tensor | None = None):
     (`group_count_kernel`, `group_rows_kernel`), or one given the router kernel's `counts` [B, N, blocks]
     (`router_topk(..., counts=True)`: the selections of each block of `triton_router.ROWS` tokens); the
     PyTorch ops for an empty selection (T = 0)."""
-    from .triton_router import ROWS
-
     B, T, N = sel.shape
     if T == 0 or B == 0:
         return group_rows_reference(sel, topk)
@@ -406,9 +405,9 @@ def _pack_features(Q1, K1, Q2, K2, V, Z1, Z2, B1, B2, PROBS, SRC, CU, VALID, QA,
     tl.store(KA + dst, (tl.where(ms, f1, 0.0) + tl.where(mp, f2, 0.0) * p).to(dt), mask=mk)
     x1 = _ld(V, tok * S_V + col_kv, mk)
     tl.store(VA + dst, tl.where(real, (x1 * tl.sigmoid(x1)).to(dt), 0.0).to(VA.dtype.element_ty), mask=mk)
-    g = tl.where(ms, _logsigmoid(_ld(Z1, tok * S_Z1 + col, ms) + _ld(B1, col, ms)) * inv_norm, 0.0)
+    g = tl.where(ms, logsigmoid(_ld(Z1, tok * S_Z1 + col, ms) + _ld(B1, col, ms)) * inv_norm, 0.0)
     z = _ld(Z2, tok * S_Z2 + col, mp) + _ld(B2, col, mp)
-    tl.store(GA + dst, g + tl.where(mp & valid[:, None], _logsigmoid(z) * inv_norm, 0.0), mask=mk)
+    tl.store(GA + dst, g + tl.where(mp & valid[:, None], logsigmoid(z) * inv_norm, 0.0), mask=mk)
 
 
 @jit
