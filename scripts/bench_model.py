@@ -32,6 +32,10 @@ adds, for each model and each measure at those lengths, a torch.profiler table o
 kernels by device time beside the call's wall time: `_profile.kernel_table`), to --profile-out (else
 stderr). `--split-train` also times each training step cut in two by a synchronisation after the
 forward: each half's host time (to return) and wall time, a second table (`split_train`).
+`--checkpointing` runs the training steps of every model (dense too) with non-reentrant gradient
+checkpointing on each decoder layer (`subquadratic.adaptation.train.enable_checkpointing`, what `adapt
+--gradient-checkpointing` does): each layer's forward recomputed in the backward, what lets a long row's
+step fit a smaller GPU.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ from pathlib import Path
 import torch
 from _models import LLAMA_1B, TARGET_FAMILY, TINY, dense_and_conversions, free, load_converted, log, sync, versions
 from _profile import idle_gaps, kernel_table, python_table
+
+from subquadratic.adaptation.train import enable_checkpointing
 
 TARGETS = {  # (measure, family) -> {length: target ratio}, from BENCHMARKS.md M1 / M2 (variants: their family's)
     ("ttft", "spla"): {16384: 1.0, 32768: 1.3, 131072: 2.5},
@@ -245,7 +251,7 @@ def fmt_bytes(n) -> str:
     return "-" if n is None else f"{n / 2**30:.1f} GiB"
 
 
-def rows_of(results: dict, families: list[str], measures: dict) -> list[dict]:
+def rows_of(results: dict, families: list[str], measures: dict, checkpointing: bool = False) -> list[dict]:
     rows = []
     for what, lengths in measures.items():
         for T in lengths:
@@ -259,6 +265,7 @@ def rows_of(results: dict, families: list[str], measures: dict) -> list[dict]:
                 rows.append(dict(id="M1" if what == "ttft" else "M2", measure=what, T=T, family=fam,
                                  dense_ms=dense.get("s", math.nan) * 1000, ours_ms=ours.get("s", math.nan) * 1000,
                                  ratio=ratio, target=target, met=None if target is None else ratio >= target,
+                                 checkpointing=checkpointing and what == "train",
                                  dense_peak=dense.get("peak_bytes"), ours_peak=ours.get("peak_bytes"),
                                  **{f"{who}_host_ms": r["host_s"] * 1000 if what == "ttft" and "host_s" in r else None
                                     for who, r in (("dense", dense), ("ours", ours))},
@@ -275,6 +282,7 @@ def markdown(rows: list[dict], batch: int) -> str:
     for r in rows:
         target = "" if r["target"] is None else f">= {r['target']}x ({'met' if r['met'] else 'missed'})"
         what = {"ttft": "time to first token", "train": "training step"}[r["measure"]]
+        what += " (checkpointed)" if r.get("checkpointing") else ""
         if r["error"]:
             target = f"{target} error: {r['error']}".strip()
         lines.append(f"| {r['id']} | {what} | {r['T']} | {r['family']} | {r['dense_ms']:.1f} | {r['ours_ms']:.1f} | "
@@ -357,6 +365,9 @@ def main() -> None:
     ap.add_argument("--split-train", action="store_true",
                     help="also time each training step cut in two by a synchronisation after the forward: each "
                          "half's host time (to return) and wall time, where a host-bound step waits")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="training steps with gradient checkpointing on every decoder layer, dense and ours (what "
+                         "adapt --gradient-checkpointing does): long rows on a smaller GPU")
     args = ap.parse_args()
     profile = tuple(int(x) for x in args.profile.split(",") if x)
 
@@ -385,7 +396,7 @@ def main() -> None:
     max_pos = -(-max([*lengths, *train_lengths, 1024]) // 1024) * 1024
     meta = dict(versions(device), batch=args.batch, dtype=str(dtype), model=shape, families=families,
                 lengths=lengths, train_lengths=train_lengths, repeats=args.repeats, quick=args.quick,
-                options=options)
+                options=options, checkpointing=args.checkpointing)
     if args.text and not args.checkpoint:
         raise SystemExit("--text needs --checkpoint (its tokenizer)")
     if args.checkpoint:
@@ -409,24 +420,28 @@ def main() -> None:
 
     def emit() -> None:
         if args.out:
-            rows = rows_of(results, families, measures)
+            rows = rows_of(results, families, measures, args.checkpointing)
             Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str) + "\n")
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
         dense = dense_and_conversions(work, shape, max_pos, device, dtype, families, options,
                                       source=Path(args.checkpoint) if args.checkpoint else None)
+        if args.checkpointing:
+            enable_checkpointing(dense)
         run_model("dense", dense, measures, prompts, device, args.repeats, results, emit, profile, report,
                   args.profile_host, args.profile_python, args.profile_gaps, args.split_train)
         del dense
         free(device)
         for fam in families:
             model = load_converted(work / fam, device, dtype)
+            if args.checkpointing:
+                enable_checkpointing(model)
             run_model(fam, model, measures, prompts, device, args.repeats, results, emit, profile, report,
                       args.profile_host, args.profile_python, args.profile_gaps, args.split_train)
             del model
             free(device)
-    rows = rows_of(results, families, measures)
+    rows = rows_of(results, families, measures, args.checkpointing)
     emit()
     print(markdown(rows, args.batch), flush=True)
     if args.split_train:

@@ -57,7 +57,8 @@ def test_bench_model_quick_smoke(tmp_path):
 
 def test_bench_model_on_a_checkpoint_and_real_text(tmp_path):
     """--checkpoint measures a given dense model and its conversions; --text takes the prompts from
-    real text through the checkpoint's tokenizer (here this test folder's Python sources)."""
+    real text through the checkpoint's tokenizer (here this test folder's Python sources);
+    --checkpointing marks the training rows (their steps checkpoint every layer: test_gradients)."""
     from tests.conftest import make_dense
     from tests.evaluation.conftest import tiny_tokenizer
 
@@ -67,7 +68,7 @@ def test_bench_model_on_a_checkpoint_and_real_text(tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_model.py"), "--quick", "--repeats", "1", "--out", str(out),
            "--checkpoint", str(ckpt), "--text", str(ROOT / "tests" / "models"), "--families", "spla,hla",
-           "--lengths", "96", "--train-lengths", "64"]
+           "--lengths", "96", "--train-lengths", "64", "--checkpointing"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -76,6 +77,8 @@ def test_bench_model_on_a_checkpoint_and_real_text(tmp_path):
     keys = {(r["measure"], r["T"], r["family"]) for r in data["rows"]}
     assert keys == {("ttft", 96, f) for f in ("spla", "hla")} | {("train", 64, f) for f in ("spla", "hla")}
     assert all(r["error"] is None and r["ratio"] > 0 for r in data["rows"])
+    assert data["meta"]["checkpointing"] and all(r["checkpointing"] == (r["measure"] == "train") for r in data["rows"])
+    assert "| M2 | training step (checkpointed) | 64 | hla |" in res.stdout
     bad = subprocess.run([*cmd[:2], "--quick", "--text", "python"], capture_output=True, text=True, cwd=ROOT,
                          env=env, timeout=120)
     assert bad.returncode != 0 and "--text needs --checkpoint" in bad.stderr

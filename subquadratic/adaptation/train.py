@@ -197,6 +197,16 @@ def mixer_parameters(model: torch.nn.Module, layers: list[int]) -> set[int]:
     return {id(p) for name, p in model.named_parameters() if (m := pattern.search(name)) and int(m[1]) in layers}
 
 
+def enable_checkpointing(model) -> None:
+    """Non-reentrant gradient checkpointing on every decoder layer of a Transformers model (ours or a dense
+    one): each layer's activations recomputed in the backward instead of kept. Transformers >= 5.24 names
+    it activation checkpointing."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _lora(model, layers: list[int], rank: int, alpha: float):
     try:
         from peft import LoraConfig, get_peft_model
@@ -460,11 +470,8 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
     new = new_parameter_names(student.config)
     if cfg.train == "lora":
         student = _lora(student, layers, cfg.lora_rank, cfg.lora_alpha)
-    if cfg.gradient_checkpointing:  # Transformers >= 5.24 names it activation checkpointing
-        if hasattr(student, "activation_checkpointing_enable"):
-            student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(student)
     n_train = _select_trainable(student, cfg.train, layers, new)
     if n_train == 0:
         raise AdaptError(f"--train {cfg.train} leaves nothing to train in this model; choose another --train")

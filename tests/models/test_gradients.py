@@ -86,13 +86,31 @@ def test_every_trainable_parameter_gets_a_gradient(case, training):
 
 
 @pytest.mark.parametrize("case", ["spla-dense", "sse-h", "hla-hybrid"])
-def test_every_parameter_gets_a_gradient_under_gradient_checkpointing(case):
-    model = make(case).train()
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable()
-    model(**batch("plain")).loss.backward()
+def test_every_parameter_gets_a_gradient_under_gradient_checkpointing(case, monkeypatch):
+    """`enable_checkpointing` (adapt's and bench_model's) checkpoints every decoder layer, and the
+    recomputed forward gives the loss and gradients of the plain step (fp64)."""
+    from transformers import modeling_utils
+
+    from subquadratic.adaptation.train import enable_checkpointing
+
+    model = make(case).double().train()
+    b = batch("plain")
+    ref = model(**b).loss
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    calls = []
+    real = modeling_utils.checkpoint
+    monkeypatch.setattr(modeling_utils, "checkpoint", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    enable_checkpointing(model)
+    loss = model(**b).loss
+    loss.backward()
+    assert len(calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-12)
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, f"no gradient for {missing}"
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=n)
 
 
 @pytest.mark.parametrize("case", ["spla-dense", "spla-no-rla-sparse"])

@@ -189,11 +189,12 @@ def test_static_steps_on_the_kernel_equal_the_masked_path(make, sinks, monkeypat
     real = triton_window.window_step_triton
     monkeypatch.setattr(triton_window, "window_step_triton", lambda *a, **kw: launches.append(1) or real(*a, **kw))
     monkeypatch.setattr(wa, "resolve_backend", lambda *a, unsupported=None, **kw: "torch" if unsupported else "triton")
-    fast, fast_cache = decode(m, ids, 2, mask, cache=m.new_cache(max_length=T))
+    # eager steps: on a GPU a captured step would replay its launches without calling the wrapper again
+    fast, fast_cache = decode(m, ids, 2, mask, cache=m.new_cache(max_length=T, cuda_graph=False))
     window_layers = sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
     assert len(launches) == window_layers * (T - 2)
     monkeypatch.setattr(window_module.WindowBranch, "_static_step", lambda *a: False)
-    masked, masked_cache = decode(m, ids, 2, mask, cache=m.new_cache(max_length=T))
+    masked, masked_cache = decode(m, ids, 2, mask, cache=m.new_cache(max_length=T, cuda_graph=False))
     real_rows = mask[:, :, None].bool()
     torch.testing.assert_close(fast * real_rows, masked * real_rows, rtol=0, atol=2e-5)
     for a, b in zip(fast_cache.layers, masked_cache.layers, strict=True):  # a later layer's keys: rounding apart
