@@ -1,6 +1,7 @@
-"""The Triton kernels of `swiglu.silu_mul` and `swiglu.silu_mul_packed`: one program per (block of
-columns, token) of gate and up [tokens, W], each read at its own token stride, the product written
-contiguous; backward, the gradients of gate and up written into one gradient of the packed output."""
+"""The Triton kernels of `swiglu.silu_mul` and `swiglu.silu_mul_packed`: one program per (token, block of
+columns) of gate and up [tokens, W] (the tokens on the grid's first axis, the only one that takes more than
+65535 programs: a 128k prompt), each read at its own token stride, the product written contiguous;
+backward, the gradients of gate and up written into one gradient of the packed output."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ BLOCK = 1024
 @jit
 def silu_mul_fwd(G, U, Y, W, SG, SU, BC: tl.constexpr):
     """y = (SiLU(g) rounded to y's dtype) * u, in fp32, rounded once more."""
-    col = tl.program_id(0) * BC + tl.arange(0, BC)
-    tok = tl.program_id(1).to(tl.int64)
+    col = tl.program_id(1) * BC + tl.arange(0, BC)
+    tok = tl.program_id(0).to(tl.int64)
     m = col < W
     g = tl.load(G + tok * SG + col, mask=m, other=0.0).to(tl.float32)
     u = tl.load(U + tok * SU + col, mask=m, other=0.0).to(tl.float32)
@@ -34,7 +35,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = new_output((B, T, W), gate.device, gate.dtype)
     if B * T and W:
         with torch.no_grad():
-            silu_mul_fwd[(cdiv(W, BLOCK), B * T)](gate, up, y, W, token_stride(gate), token_stride(up), BLOCK,
+            silu_mul_fwd[(B * T, cdiv(W, BLOCK))](gate, up, y, W, token_stride(gate), token_stride(up), BLOCK,
                                                          num_warps=4)
     return y
 
@@ -44,8 +45,8 @@ def silu_mul_bwd(G, U, DY, DG, DU, W, SG, SU, SD, BC: tl.constexpr):
     """dg, du of y = (SiLU(g) rounded) * u from dy, rounded where PyTorch's SiLU and product backward
     round: du = dy * SiLU(g) rounded, dg = (dy * u rounded) * sigma(g) (1 + g (1 - sigma(g))); written at
     token stride SD (two column slices of one gradient tensor)."""
-    col = tl.program_id(0) * BC + tl.arange(0, BC)
-    tok = tl.program_id(1).to(tl.int64)
+    col = tl.program_id(1) * BC + tl.arange(0, BC)
+    tok = tl.program_id(0).to(tl.int64)
     m = col < W
     g = tl.load(G + tok * SG + col, mask=m, other=0.0).to(tl.float32)
     u = tl.load(U + tok * SU + col, mask=m, other=0.0).to(tl.float32)
@@ -79,6 +80,6 @@ class SiluMulPacked(torch.autograd.Function):
             y, memory_format=torch.contiguous_format)
         gate, up = y[..., g0:g0 + W], y[..., u0:u0 + W]
         if B * T and W:
-            silu_mul_bwd[(cdiv(W, BLOCK), B * T)](gate, up, dout.contiguous(), dy[..., g0:], dy[..., u0:], W,
+            silu_mul_bwd[(B * T, cdiv(W, BLOCK))](gate, up, dout.contiguous(), dy[..., g0:], dy[..., u0:], W,
                                                   token_stride(gate), token_stride(up), C, BLOCK, num_warps=4)
         return dy, None, None, None

@@ -154,3 +154,20 @@ def test_bf16_real_shapes_on_gpu():
     assert (got == want).float().mean().item() > 0.97
     assert (dy == dy_ref).float().mean().item() > 0.95
     torch.testing.assert_close(dy.float(), dy_ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+def test_more_tokens_than_a_grid_axis_takes_on_gpu():
+    """A 128k prompt's MLP: more tokens than the 65535 programs of a grid's second or third axis, forward and
+    backward (the tokens ride the first axis)."""
+    T, W = 70_000, 64
+    y = packed(1, T, W, torch.float32, pad=0)[0]._base.detach().requires_grad_()
+    got = silu_mul_packed(y, 0, W, W)
+    dout = torch.randn_like(got)
+    (dy,) = torch.autograd.grad(got, y, dout)
+    y2 = y.detach().clone().requires_grad_()
+    want = silu_mul_reference(y2[..., :W], y2[..., W:])
+    (dy_ref,) = torch.autograd.grad(want, y2, dout)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dy, dy_ref, rtol=1e-5, atol=1e-5)

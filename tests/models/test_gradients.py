@@ -113,6 +113,32 @@ def test_every_parameter_gets_a_gradient_under_gradient_checkpointing(case, monk
         torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=n)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["spla-sparse", "sse-h", "sse-window", "hla-window", "hla-hybrid"])
+def test_checkpointed_steps_on_the_kernels_on_gpu(case):
+    """On CUDA (the Triton kernels' Functions, recomputed under non-reentrant checkpointing, where a backward
+    that unpacks its saved tensors twice fails): the plain step's loss and gradients, within the rounding of
+    a recomputation."""
+    from subquadratic.adaptation.train import enable_checkpointing
+
+    model = make(case).cuda().train()
+    model.config.kernel_precision = "ieee"
+    b = {k: v.cuda() for k, v in batch("plain").items()}
+    ref = model(**b).loss
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    enable_checkpointing(model)
+    loss = model(**b).loss
+    loss.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        assert p.grad is not None, n
+        err = ((p.grad - want[n]).norm() / want[n].norm().clamp_min(1e-12)).item()
+        assert err < 1e-3, (n, err)
+
+
 @pytest.mark.parametrize("case", ["spla-dense", "spla-no-rla-sparse"])
 def test_the_exact_zero_changes_nothing(case):
     """SPLA's gain joins the graph through an exact zero where the residual term is zero: logits with

@@ -130,9 +130,11 @@ class Router(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dp, _dsel, dloss, _dcount):
-        p = ctx.saved_tensors[0]
+        # saved_tensors read once: each read unpacks again (under non-reentrant checkpointing, a second
+        # unpack of a recomputed tensor is an error)
+        p, *rest = ctx.saved_tensors
         if ctx.aux and dloss is not None:  # d loss / d p_ti = coef_i w_t (w = valid, 1 without)
-            _, coef, valid = ctx.saved_tensors
+            coef, valid = rest
             extra = dloss * coef
             extra = extra * valid[..., None] if valid is not None else extra.expand_as(p)
             dp = extra if dp is None else dp + extra

@@ -124,3 +124,26 @@ def test_the_load_balancing_loss_and_its_gradient_match_the_pytorch_form(N, k, v
     s = logits.double().clone().requires_grad_(True)
     router_topk(s, k, valid, aux=True)[2].backward()
     torch.testing.assert_close(b.grad.double(), s.grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("valid_kind", ["none", "some"])
+def test_under_gradient_checkpointing(valid_kind):
+    """Recomputed under non-reentrant checkpointing (adapt --gradient-checkpointing): the loss and the logits'
+    gradient of the plain call (a backward that reads its saved tensors twice fails there)."""
+    from torch.utils.checkpoint import checkpoint
+
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(2, 70, 8, generator=g) * 2).to(dev())
+    valid = (torch.rand(2, 70, generator=g) > 0.3).to(dev()) if valid_kind == "some" else None
+    dp = torch.randn(2, 70, 8, generator=g).to(dev())
+
+    def step(x):
+        probs, _, loss = router_topk(x, 2, valid, backend="triton", aux=True)
+        return (probs * dp).sum() + 3.0 * loss
+
+    a, b = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    want = step(a)
+    want.backward()
+    got = checkpoint(step, b, use_reentrant=False)
+    got.backward()
+    assert torch.equal(got, want) and torch.equal(b.grad, a.grad)
