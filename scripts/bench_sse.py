@@ -3,7 +3,7 @@ random data, triton.testing.do_bench medians). Prints one table (peer, ours, rat
 as JSON with --out.
 
 P5: SSE (N = 4, K = 1, GLA base) forward+backward vs fla chunk_gla forward+backward on the same
-heads, B1 H16 d128 T 32k (target <= 1.5x); also forward vs chunk_gla forward. P6: time(64k) /
+heads, B1 H16 d128, at every --T (target <= 1.5x from 2k to 64k); also forward vs chunk_gla forward. P6: time(64k) /
 time(32k) of ours (target <= 2.1). The crossover: SSE against SDPA flash causal attention on the
 same heads from 2k to 32k tokens, forward and forward+backward. Also the varlen GLA op alone on one
 dense segment per row (the like-for-like kernel comparison with chunk_gla), the PyTorch
@@ -113,19 +113,20 @@ def main() -> None:
             print(f"ours T={T:6} {what:8} SSE n{N_PARTS}k{TOPK} {ours[('sse', what, T)]:9.3f} ms   "
                   f"varlen GLA {ours[('gla', what, T)]:9.3f} ms", flush=True)
     T0 = args.T[0]
-    peer = {}
-    for what, bwd in (("fwd", False), ("fwd+bwd", True)):
-        peer[what] = measure(lambda bwd=bwd: gla_run(fla_gla, T0, bwd)) if chunk_gla else float("nan")
-        print(f"peer fla chunk_gla {what:8} T={T0:6} {peer[what]:9.3f} ms", flush=True)
     rows = []
-    for cid, what in (("P5", "fwd+bwd"), ("-", "fwd")):
-        o = ours[("sse", what, T0)]
-        rows.append(dict(id=cid, what=f"SSE n{N_PARTS}k{TOPK} {what}", T=T0, peer=f"fla chunk_gla {what}",
-                         peer_ms=peer[what], ours_ms=o, ratio=o / peer[what]))
-    for what in ("fwd", "fwd+bwd"):
-        o = ours[("gla", what, T0)]
-        rows.append(dict(id="-", what=f"varlen GLA (dense) {what}", T=T0, peer=f"fla chunk_gla {what}",
-                         peer_ms=peer[what], ours_ms=o, ratio=o / peer[what]))
+    for T in args.T:  # the peer at every length (P5's target holds at each)
+        peer = {}
+        for what, bwd in (("fwd", False), ("fwd+bwd", True)):
+            peer[what] = measure(lambda T=T, bwd=bwd: gla_run(fla_gla, T, bwd)) if chunk_gla else float("nan")
+            print(f"peer fla chunk_gla {what:8} T={T:6} {peer[what]:9.3f} ms", flush=True)
+        for cid, what in (("P5", "fwd+bwd"), ("-", "fwd")):
+            o = ours[("sse", what, T)]
+            rows.append(dict(id=cid, what=f"SSE n{N_PARTS}k{TOPK} {what}", T=T, peer=f"fla chunk_gla {what}",
+                             peer_ms=peer[what], ours_ms=o, ratio=o / peer[what]))
+        for what in ("fwd", "fwd+bwd"):
+            o = ours[("gla", what, T)]
+            rows.append(dict(id="-", what=f"varlen GLA (dense) {what}", T=T, peer=f"fla chunk_gla {what}",
+                             peer_ms=peer[what], ours_ms=o, ratio=o / peer[what]))
     for T in args.T[1:]:
         for kind in ("sse", "gla"):
             for what in ("fwd", "fwd+bwd"):
