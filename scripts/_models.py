@@ -98,14 +98,15 @@ def dense_and_conversions(work: Path, shape: dict, max_positions: int, device: t
 #: SSE-H / HLA-H presets without their window branch (the default before 2026-12-01); "sse-h-own-qkv" is
 #: SSE-H as converted before 2026-12-04: its SSE layers' k / v at the query heads (`--sse-kv-heads query`)
 #: and the window branch's own q / k / v (`--sse-window-qkv own`); "sse-h-kv-source" the source's K/V heads
-#: with the window's own q / k / v
+#: with the window's own q / k / v; "sse-kv-source" pure SSE with the source's K/V heads (`--sse-kv-heads source`)
 CONVERSIONS = {"spla-adapted": ("spla", {}), "sse-h-no-window": ("sse-h", {"sse_sliding_window": 0}),
                "hla-h-no-window": ("hla-h", {"hla_sliding_window": 0}),
                "sse-h-own-qkv": ("sse-h", {"sse_kv_heads": "query", "sse_window_qkv": "own"}),
-               "sse-h-kv-source": ("sse-h", {"sse_window_qkv": "own"})}
+               "sse-h-kv-source": ("sse-h", {"sse_window_qkv": "own"}),
+               "sse-kv-source": ("sse", {"sse_kv_heads": "source"})}
 #: the family whose targets (BENCHMARKS.md) a benchmark row is held to: a variant's, a hybrid's family
 TARGET_FAMILY = {"spla-adapted": "spla", "sse-h-no-window": "sse-h", "hla-h": "hla", "hla-h-no-window": "hla",
-                 "sse-h-own-qkv": "sse-h", "sse-h-kv-source": "sse-h"}
+                 "sse-h-own-qkv": "sse-h", "sse-h-kv-source": "sse-h", "sse-kv-source": "sse"}
 
 
 def as_variant(model, name: str):

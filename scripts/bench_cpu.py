@@ -3,9 +3,10 @@ settings against the dense source, measured in the same run (fp32, batch 1).
 
   python scripts/bench_cpu.py [--prompts 1024,4096] [--new-tokens 32] [--families spla,hla,sse,sse-h]
 
-`sse` is pure SSE (`--to sse`), `sse-h` the preset keeping softmax every 6th layer and adding the
-64-token window branch to the others (`sse-h-no-window`: the same without it), `hla` keeps no softmax
-layer, `hla-h` the HLA preset (softmax every 6th layer, the window branch).
+`sse` is pure SSE (`--to sse`; `sse-kv-source` the same with `--sse-kv-heads source`), `sse-h` the preset
+keeping softmax every 6th layer and adding the 64-token window branch to the others (`sse-h-no-window`: the
+same without it), `hla` keeps no softmax layer, `hla-h` the HLA preset (softmax every 6th layer, the window
+branch).
 For each prompt length it prints the prefill time, the decode tokens/s and both as ratios to the
 dense model (higher is faster). The checkpoints go to a temporary folder (about 0.6 GB each, fp32),
 the SmolLM2 folder to the demo's cache (`subquadratic.demo.assets`). Rounds alternate between the
@@ -24,7 +25,7 @@ import torch
 from _models import CONVERSIONS
 
 #: the rows it takes: convert targets with their defaults, or a conversion row of `_models.CONVERSIONS`
-FAMILIES = ("spla", "hla", "hla-h", "sse", "sse-h", "sse-h-no-window")
+FAMILIES = ("spla", "hla", "hla-h", "sse", "sse-kv-source", "sse-h", "sse-h-no-window")
 
 
 def prefill(model, ids):
