@@ -85,32 +85,39 @@ def test_every_trainable_parameter_gets_a_gradient(case, training):
         assert torch.isfinite(out.loss)
 
 
-@pytest.mark.parametrize("case", ["spla-dense", "sse-h", "hla-hybrid"])
-def test_every_parameter_gets_a_gradient_under_gradient_checkpointing(case, monkeypatch):
-    """`enable_checkpointing` (adapt's and bench_model's) checkpoints every decoder layer, and the
-    recomputed forward gives the loss and gradients of the plain step (fp64)."""
-    from transformers import modeling_utils
-
+def plain_then_checkpointed(model, b: dict) -> tuple:
+    """(loss, gradients) of a plain training step of `model` on batch b, then of the same step after
+    `enable_checkpointing` (adapt's and bench_model's): ((ref, want), (loss, got)), gradients by name."""
     from subquadratic.adaptation.train import enable_checkpointing
 
+    steps = []
+    for checkpointed in (False, True):
+        model.zero_grad(set_to_none=True)
+        if checkpointed:
+            enable_checkpointing(model)
+        loss = model(**b).loss
+        loss.backward()
+        steps.append((loss, {n: p.grad for n, p in model.named_parameters()}))
+    return steps
+
+
+@pytest.mark.parametrize("case", ["spla-dense", "sse-h", "hla-hybrid"])
+def test_every_parameter_gets_a_gradient_under_gradient_checkpointing(case, monkeypatch):
+    """`enable_checkpointing` checkpoints every decoder layer, and the recomputed forward gives the loss and
+    gradients of the plain step (fp64)."""
+    from transformers import modeling_utils
+
     model = make(case).double().train()
-    b = batch("plain")
-    ref = model(**b).loss
-    ref.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
     calls = []
     real = modeling_utils.checkpoint
     monkeypatch.setattr(modeling_utils, "checkpoint", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    enable_checkpointing(model)
-    loss = model(**b).loss
-    loss.backward()
+    (ref, want), (loss, got) = plain_then_checkpointed(model, batch("plain"))
     assert len(calls) == model.config.num_hidden_layers
     torch.testing.assert_close(loss, ref, rtol=0, atol=1e-12)
-    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    missing = [n for n, g in got.items() if g is None]
     assert not missing, f"no gradient for {missing}"
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=n)
+    for n, g in got.items():
+        torch.testing.assert_close(g, want[n], rtol=1e-9, atol=1e-12, msg=n)
 
 
 @pytest.mark.gpu
@@ -120,22 +127,13 @@ def test_checkpointed_steps_on_the_kernels_on_gpu(case):
     """On CUDA (the Triton kernels' Functions, recomputed under non-reentrant checkpointing, where a backward
     that unpacks its saved tensors twice fails): the plain step's loss and gradients, within the rounding of
     a recomputation."""
-    from subquadratic.adaptation.train import enable_checkpointing
-
     model = make(case).cuda().train()
     model.config.kernel_precision = "ieee"
-    b = {k: v.cuda() for k, v in batch("plain").items()}
-    ref = model(**b).loss
-    ref.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    enable_checkpointing(model)
-    loss = model(**b).loss
-    loss.backward()
+    (ref, want), (loss, got) = plain_then_checkpointed(model, {k: v.cuda() for k, v in batch("plain").items()})
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
-    for n, p in model.named_parameters():
-        assert p.grad is not None, n
-        err = ((p.grad - want[n]).norm() / want[n].norm().clamp_min(1e-12)).item()
+    for n, g in got.items():
+        assert g is not None, n
+        err = ((g - want[n]).norm() / want[n].norm().clamp_min(1e-12)).item()
         assert err < 1e-3, (n, err)
 
 
