@@ -75,12 +75,13 @@ layer_list.metavar = "I,J"
 
 
 def layer_list_or_auto(text: str) -> str:
-    """An argparse type: a comma list of layer indices (`layer_list`), or auto:K (the K layers whose
-    replacement costs the most, measured at conversion, which checks K against the layer count)."""
-    return text.strip() if text.strip().startswith("auto") else layer_list(text)
+    """An argparse type: a comma list of layer indices (`layer_list`), auto:K (the K layers whose
+    replacement costs the most) or retrieval:K (the K layers holding the source's strongest retrieval
+    heads), both measured at conversion, which checks K against the layer count."""
+    return text.strip() if text.strip().startswith(("auto", "retrieval")) else layer_list(text)
 
 
-layer_list_or_auto.metavar = "I,J|auto:K"
+layer_list_or_auto.metavar = "I,J|auto:K|retrieval:K"
 
 
 # --- paths, folders, names ----------------------------------------------------------------------

@@ -27,7 +27,7 @@ from .data import DTYPE_CHOICES
 from .families import convert_targets
 
 #: evaluation.suite.TASKS and DEFAULT_LENGTHS, readable without torch (a test keeps them equal)
-EVAL_TASKS = ("ppl", "passkey", "niah", "mqar", "kl")
+EVAL_TASKS = ("ppl", "passkey", "niah", "mv-niah", "vt", "copy", "mqar", "kl")
 EVAL_LENGTHS = (512, 1024, 2048)
 context_length = int_at_least(2, "L")
 
@@ -103,14 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
                 kw.setdefault("metavar", getattr(kw.get("type"), "metavar", "VALUE"))
             p.family_dests[name].append((flag, group.add_argument(flag, dest=f"{name}.{option}", **kw).dest, option))
     _adapt_parser(sub)
-    e = sub.add_parser("eval", help="perplexity, passkey, needle, MQAR and KL of one or more models",
+    e = sub.add_parser("eval", help="perplexity, passkey, needles, variable tracking, copying, MQAR and KL of "
+                                    "one or more models",
                        description="Evaluate checkpoint folders (dense or converted): one progress bar over the "
                                    "whole run, a table, and on request JSON (written after each task), one PNG "
                                    "per metric with a line per model, and the model cards' Evaluation section. "
                                    "The defaults take a few minutes for a 135M model on a 2-core CPU; a task "
                                    "is left out at the lengths too short for it, and one line says so.")
     e.add_argument("models", nargs="+", metavar="MODEL", help="checkpoint folder(s) with tokenizer files")
-    e.add_argument("--data", metavar="FILE", help="held-out .txt/.jsonl/.json/.parquet file (tasks ppl and kl)")
+    e.add_argument("--data", metavar="FILE", help="held-out .txt/.jsonl/.json/.parquet file (tasks ppl, kl, copy)")
     e.add_argument("--text-field", default="text", metavar="NAME",
                    help="column of --data holding the text (default text)")
     e.add_argument("--seq-len", type=context_length, nargs="+", default=list(EVAL_LENGTHS), metavar="L",
@@ -131,11 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=positive_int, default=1, metavar="B",
                    help="ppl / kl windows per forward (default 1)")
     e.add_argument("--trials", type=positive_int, default=2, metavar="N",
-                   help="passkey / niah: prompts per length and depth (3 depths; default 2)")
+                   help="passkey / niah / mv-niah / vt: prompts per length and depth (3 depths; default 2)")
     e.add_argument("--template", default="prose", choices=["prose", "code"],
-                   help="passkey / niah prompts: prose or code (for models trained on source code; default prose)")
+                   help="retrieval prompts: prose or code (for models trained on source code; default prose)")
     e.add_argument("--needles", type=int_at_least(1), default=4, metavar="N",
-                   help="niah: needles per prompt, 1 to 16 (default 4)")
+                   help="niah / mv-niah: needles (keys, or one key's values) per prompt, 1 to 16 (default 4)")
     e.add_argument("--mqar-examples", type=positive_int, default=8, metavar="N",
                    help="mqar: sequences per length (default 8)")
     e.add_argument("--seed", type=int, default=0, metavar="N",
@@ -305,8 +306,8 @@ def _eval_tasks(args) -> list[str]:
     bad = [t for t in tasks if t not in EVAL_TASKS]
     if bad or not tasks:
         raise InputProblem(f"unknown task(s) {', '.join(bad) or '(none)'}; choose from {','.join(EVAL_TASKS)}")
-    if {"ppl", "kl"} & set(tasks) and not args.data:
-        raise InputProblem("tasks ppl and kl need held-out text: pass --data FILE")
+    if {"ppl", "kl", "copy"} & set(tasks) and not args.data:
+        raise InputProblem("tasks ppl, kl and copy need held-out text: pass --data FILE")
     if "kl" in tasks and not args.reference:
         raise InputProblem("task kl needs a reference model: pass --reference DIR (the dense source)")
     if args.reference and "kl" not in tasks:

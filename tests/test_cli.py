@@ -114,7 +114,7 @@ def test_input_errors_are_refused_before_torch_is_imported(tmp_path):
         (["adapt", d, "-o", "o", "--data", t], "is a llama model, not a converted one; convert it first"),
         (["adapt", s, "-o", "o", "--data", t, "--teacher", f], "has no config.json"),
         (["adapt", s, "-o", "o", "--data", t, "--max-steps", "0"], "argument --max-steps: 0 is below 1"),
-        (["eval", s, "--tasks", "ppl"], "tasks ppl and kl need held-out text: pass --data FILE"),
+        (["eval", s, "--tasks", "ppl"], "tasks ppl, kl and copy need held-out text: pass --data FILE"),
         (["eval", s, "--tasks", "mqar,bleu"], "unknown task(s) bleu"),
         (["eval", f], "is not a checkpoint folder (no config.json)"),
         (["eval", s, "--device", "gpu0"], "unknown device 'gpu0'"),

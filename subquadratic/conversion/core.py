@@ -442,6 +442,8 @@ def convert(
     A layout option `softmax_layers="auto:K"` keeps softmax attention at the K layers whose
     replacement costs the most, measured first (`adaptation.layer_choice`, with `calibration`, a
     `layer_choice.Calibration`); the measurement is written to OUT/layer_costs.json.
+    `softmax_layers="retrieval:K"` keeps the K layers holding the source's strongest retrieval heads
+    (`_retrieval_layout`); the scores go to OUT/retrieval_heads.json.
     `command` is the command line the card records (default: the `subquadratic convert` command
     equivalent to this call, `convert_command`)."""
     src, out = str(src), str(out)  # a Path is as good as a string
@@ -477,8 +479,11 @@ def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: di
     fields = source_fields(src_cfg)
     check_shapes(shards, fields)
     measured = None
-    if str(options.get("softmax_layers", "")).startswith("auto"):
+    layout = str(options.get("softmax_layers", ""))
+    if layout.startswith("auto"):
         options, measured = _measured_layout(src_path, to, options, calibration, progress)
+    elif layout.startswith("retrieval"):
+        options, measured = _retrieval_layout(src_path, options, calibration, progress)
     try:
         config = keep_source_attention(conv.build_config(fields, options), source_layer_types(src_cfg))
     except ValueError as e:
@@ -533,7 +538,7 @@ def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: di
         (tmp / "README.md").write_text(render_card(fam.card, card_values(
             src, src_path, src_cfg, config, to, shown, command, gguf_meta, conv.card_notes(config))))
         if measured is not None:
-            (tmp / "layer_costs.json").write_text(json.dumps(measured["costs"], indent=1) + "\n")
+            (tmp / measured["file"]).write_text(json.dumps(measured["costs"], indent=1) + "\n")
         if before_finish is not None:
             before_finish(tmp, src_path)
         _finish(tmp, out_path)
@@ -562,7 +567,53 @@ def _measured_layout(src: Path, to: str, options: dict, calibration, progress: b
     layers = ",".join(map(str, chosen))
     note = (f"{layers} (auto:{k}: the {k} layers whose replacement costs the most after a short attention "
             "transfer; layer_costs.json)")
-    return {**options, "softmax_layers": layers}, {"costs": {**costs, "chosen": chosen},
+    return {**options, "softmax_layers": layers}, {"costs": {**costs, "chosen": chosen}, "file": "layer_costs.json",
+                                                   "card": {"softmax_layers": note}}
+
+
+#: "retrieval:K": the K layers holding the dense model's strongest retrieval heads
+RETRIEVAL_LAYOUT = re.compile(r"^retrieval:(\d+)$")
+#: the needle prompts' length when scoring retrieval heads (capped at the source's context)
+RETRIEVAL_SCORE_LENGTH = 2048
+
+
+def _retrieval_layout(src: Path, options: dict, calibration, progress: bool) -> tuple[dict, dict]:
+    """`softmax_layers="retrieval:K"` resolved on the dense source: the K layers whose strongest head
+    attends most to a needle while its value is read back (`evaluation.retrieval_heads`), scored at
+    RETRIEVAL_SCORE_LENGTH tokens on `calibration.device` with its seed; the options with the layer list, and the
+    scores for OUT/retrieval_heads.json and the card."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..adaptation.layer_choice import Calibration
+    from ..evaluation.retrieval_heads import choose_retrieval_layers, layer_scores, retrieval_head_scores
+    from ..evaluation.suite import resolve_device
+
+    calibration = calibration or Calibration()
+    n = read_source_config(src)["num_hidden_layers"]
+    m = RETRIEVAL_LAYOUT.match(str(options["softmax_layers"]).strip())
+    if m is None or not 0 < int(m.group(1)) < n:
+        raise ConversionError(f"invalid settings: softmax_layers {options['softmax_layers']!r}: write retrieval:K "
+                              f"with K in 1..{n - 1}, like retrieval:5")
+    k = int(m.group(1))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+    except Exception as e:  # no tokenizer files
+        raise ConversionError(f"retrieval:{k} scores the source on needle prompts and needs its tokenizer; {src} "
+                              f"has none loadable ({type(e).__name__}): add the tokenizer files or give a layer "
+                              "list") from None
+    device = resolve_device(calibration.device)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device)
+    length = min(RETRIEVAL_SCORE_LENGTH,
+                 read_source_config(src).get("max_position_embeddings") or RETRIEVAL_SCORE_LENGTH)
+    heads = retrieval_head_scores(model, tokenizer, length=length, seed=calibration.seed, progress=progress)
+    del model
+    scores = layer_scores(heads)
+    chosen = choose_retrieval_layers(scores, k)
+    layers = ",".join(map(str, chosen))
+    note = (f"{layers} (retrieval:{k}: the {k} layers whose strongest head attends most to a needle while its value "
+            f"is read back, scored on the dense source at {length} tokens; retrieval_heads.json)")
+    record = {"length": length, "layers": scores, "heads": heads.tolist(), "chosen": chosen}
+    return {**options, "softmax_layers": layers}, {"costs": record, "file": "retrieval_heads.json",
                                                    "card": {"softmax_layers": note}}
 
 

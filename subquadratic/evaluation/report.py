@@ -22,6 +22,10 @@ METRICS = (
     ("passkey", "logprob", "passkey log p"),
     ("niah", "accuracy", "NIAH acc"),
     ("niah", "logprob", "NIAH log p"),
+    ("mv-niah", "accuracy", "MV-NIAH acc"),
+    ("vt", "accuracy", "VT acc"),
+    ("copy", "ppl_second", "copy ppl (2nd)"),
+    ("copy", "ratio", "copy ratio"),
     ("mqar", "accuracy", "MQAR acc"),
 )
 CARD_HEADING = "## Evaluation"
@@ -31,6 +35,10 @@ DEFINITIONS = (
     ("kl", "KL: mean next-token KL(reference || model) in nats over the same windows"),
     ("passkey", "passkey: greedy exact-match accuracy and mean log-probability of the key's tokens"),
     ("niah", "NIAH: the same for the queried needle among several"),
+    ("mv-niah", "MV-NIAH: the share of a key's several values named (all asked for at once)"),
+    ("vt", "VT: the share of a variable-assignment chain's names given for its value"),
+    ("copy", "copy: perplexity of a passage's second occurrence (and its ratio to the first's), pooled over "
+             "the distances between them"),
     ("mqar", "MQAR: in-context associative recall accuracy at the query positions"),
 )
 
@@ -42,8 +50,8 @@ def _columns(results: list[dict]) -> list[tuple[str, str, str]]:
 def _fmt(metric: str, value) -> str:
     if value is None:
         return "-"
-    digits = {"ppl": 3, "logprob": 3, "accuracy": 2}.get(metric, 4)
-    return f"{value:.{digits}f}"
+    digits = {"ppl": 3, "ppl_second": 3, "ratio": 3, "logprob": 3, "accuracy": 2}.get(metric, 4)
+    return f"{value if round(value, digits) else 0.0:.{digits}f}"  # no "-0.0000" for a rounding-level KL
 
 
 def _lengths(result: dict) -> list[int]:
@@ -67,11 +75,14 @@ def basis(result: dict, L: int) -> str:
     windows = _value(result, "ppl", "windows", L) or _value(result, "kl", "windows", L)
     if windows:
         parts.append(_count(windows, "window"))
-    prompts = [(n, title) for task, title in (("passkey", "passkey"), ("niah", "NIAH"))
-               if (n := _value(result, task, "prompts", L))]
+    prompts = [(n, title) for task, title in (("passkey", "passkey"), ("niah", "NIAH"), ("mv-niah", "MV-NIAH"),
+                                              ("vt", "VT")) if (n := _value(result, task, "prompts", L))]
     if prompts:
         parts.append(" + ".join(f"{n} {title}" for n, title in prompts)
                      + (" prompt only" if len(prompts) == 1 and prompts[0][0] == 1 else " prompts"))
+    if copies := _value(result, "copy", "by_distance", L):
+        n = _value(result, "copy", "windows", L)
+        parts.append(f"{_count(n, 'copy window')} x {len(copies)} distances")
     if examples := _value(result, "mqar", "examples", L):
         parts.append(_count(examples, "MQAR sequence"))
     return ", ".join(parts) or "-"
@@ -173,6 +184,35 @@ def metric_figures(results: list[dict]) -> list[tuple[str, object]]:
     return figures
 
 
+def copy_figure(results: list[dict]):
+    """("copy_by_distance.png", Figure): the perplexity of the second occurrence against the distance
+    to the first, one line per model at its longest length with a copy measure (dashed: the first
+    occurrence's); None when no result has one."""
+    rows = []
+    for r, label in zip(results, _labels(results), strict=True):
+        for L in reversed(_lengths(r)):
+            if by := _value(r, "copy", "by_distance", L):
+                rows.append((label, L, sorted((int(d), v) for d, v in by.items())))
+                break
+    if not rows:
+        return None
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(5.0, 3.4))
+    for label, L, pts in rows:
+        line, = ax.plot([d for d, _ in pts], [v["ppl_second"] for _, v in pts], marker="o", label=f"{label} @ {L}")
+        ax.plot([d for d, _ in pts], [v["ppl_first"] for _, v in pts], linestyle="--", color=line.get_color(),
+                alpha=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title("copy: ppl of the 2nd occurrence (dashed: 1st)")
+    ax.set_xlabel("distance to the first occurrence (tokens)")
+    ax.set_ylabel("perplexity")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return "copy_by_distance.png", fig
+
+
 def plot_results(results: list[dict], folder: str | Path) -> list[Path]:
     """One PNG per metric into `folder` (`metric_figures`, named by `plot_name`): every model of
     `results` overlaid, so a converted model and its dense source are compared in one figure."""
@@ -180,7 +220,10 @@ def plot_results(results: list[dict], folder: str | Path) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, fig in metric_figures(results):
+    figures = metric_figures(results)
+    if (copy := copy_figure(results)) is not None:
+        figures.append(copy)
+    for name, fig in figures:
         fig.savefig(folder / name, dpi=100)
         plt.close(fig)
         paths.append(folder / name)

@@ -1,10 +1,18 @@
-"""Passkey retrieval and multi-key needle-in-a-haystack (NIAH) at chosen context lengths.
+"""Needle retrieval at chosen context lengths, RULER-style, written here from the tasks' definitions:
+passkey, multi-key needle-in-a-haystack (`niah`), multi-value needles (`mv-niah`) and variable
+tracking (`vt`).
 
 A prompt of exactly L tokens is the tokenizer's leading special tokens, an intro, filler (one filler
 passage repeated and cut to fit) with needles inserted between two filler passages, and a question.
 Passkey: one needle holding a random number of `digits` digits. NIAH: `num_needles` needles, each a
 key (a distinct word) -> value (a number); one of them is queried. The queried needle sits at the
 filler boundary nearest to `depth` x (filler length); the other needles at random boundaries.
+Multi-value (`mv-niah`): `num_needles` needles of ONE key, each with its own value; the question asks
+for all of them; the first needle sits at `depth`, the others at random boundaries. Variable tracking
+(`vt`): a chain of `num_needles` assignments, `VAR A = 48213.`, `VAR B = VAR A.`, ... in this order
+(the first at `depth`, the others at random boundaries after it; `num_needles` - 1 hops); the question
+asks for every variable that holds the value. Both score the share of the expected items (numbers or
+variable names, as whole words) that the greedy answer names: 1 when all are named, 0.5 for half.
 
 Two templates: "prose" (sentences) and "code" (`PASSKEY = 48213` ... Python filler ... `assert
 PASSKEY ==`), for small models pretrained on source code only. Each piece is tokenized on its own
@@ -75,7 +83,35 @@ TEMPLATES: dict[tuple[str, str], Template] = {
         intro="VALUES = {}\n", filler=_CODE_FILLER, needle='\nVALUES["{key}"] = {value}\n',
         question='\nassert VALUES["{key}"] ==',
     ),
+    ("mv-niah", "prose"): Template(
+        intro="Some special magic numbers are hidden inside the following text. Make sure to memorize them. "
+              "I will quiz you about them.",
+        filler=_PROSE_FILLER,
+        needle=" One of the special magic numbers for {key} is: {value}.",
+        question=" What are all the special magic numbers for {key}? The special magic numbers for {key} are",
+        answer=": {value}",  # value: the numbers in the order of the needles, ", "-separated
+    ),
+    ("mv-niah", "code"): Template(
+        intro="VALUES = {}\n", filler=_CODE_FILLER, needle='\nVALUES.setdefault("{key}", []).append({value})\n',
+        question='\nassert VALUES["{key}"] ==', answer=" [{value}]",
+    ),
+    ("vt", "prose"): Template(
+        intro="Memorize and track the chain(s) of variable assignment hidden in the following text.",
+        filler=_PROSE_FILLER,
+        needle=" VAR {key} = {value}.",  # the first link; the others are `link`
+        question=" Question: Find all variables that are assigned the value {value} in the text above. Answer: "
+                 "the variables that are assigned the value {value} are",
+        answer=": {key}",  # key: the variable names in chain order, ", "-separated
+    ),
+    ("vt", "code"): Template(
+        intro="# variables\n", filler=_CODE_FILLER, needle="\n{key} = {value}\n",
+        question="\n# every variable equal to {value}:\nassert [", answer="{key}]",
+    ),
 }
+#: the later links of a variable-tracking chain: (template name) -> text with {key} and {prev}
+VT_LINKS = {"prose": " VAR {key} = VAR {prev}.", "code": "\n{key} = {prev}\n"}
+#: tasks whose answer is several items (numbers or names), scored by the share named
+MULTI_ITEM = ("mv-niah", "vt")
 #: Needle keys of NIAH (distinct words; one prompt uses `num_needles` of them).
 KEYS = ("apple", "river", "garden", "silver", "window", "forest", "rocket", "pencil", "castle", "engine",
         "harbor", "violet", "marble", "canyon", "meadow", "lantern")
@@ -99,6 +135,52 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def assemble(
+    tokenizer,
+    template: Template,
+    length: int,
+    pieces: list[str],
+    question: str,
+    answer: str,
+    anchor: int,
+    depth: float,
+    rng: random.Random,
+    ordered: bool = False,
+    with_spans: bool = False,
+) -> tuple:
+    """(prompt ids of exactly `length` tokens, answer ids): the needle texts `pieces` inserted into the
+    filler, pieces[anchor] at `depth` in [0, 1] of it and the others at random filler boundaries
+    (`ordered`: after the anchor's and in the order given), then `question`; `answer` tokenized.
+    `with_spans`: a third item, each piece's (start, end) token positions in the prompt."""
+    head = tokenizer("", add_special_tokens=True)["input_ids"] + _encode(tokenizer, template.intro)
+    q_ids = _encode(tokenizer, question)
+    ids = [_encode(tokenizer, p) for p in pieces]
+    filler = _encode(tokenizer, template.filler)
+    n_fill = length - len(head) - len(q_ids) - sum(map(len, ids))
+    if n_fill < len(filler):
+        need = length - n_fill + len(filler)
+        raise EvaluationError(f"length {length} is too short for this prompt (at least {need} tokens); "
+                              "use a longer --seq-len or fewer needles")
+    fill = (filler * (n_fill // len(filler) + 1))[:n_fill]
+    bounds = list(range(0, n_fill + 1, len(filler)))  # between two filler passages (or at the start)
+    at = min(bounds, key=lambda b: abs(b - depth * n_fill))
+    if ordered:  # the anchor first, the others after it in order (equal boundaries keep the order)
+        later = sorted(rng.choice([b for b in bounds if b >= at]) for _ in range(len(pieces) - 1))
+        where = [at] + later
+    else:
+        where = [at if i == anchor else rng.choice(bounds) for i in range(len(pieces))]
+    for i in sorted(range(len(pieces)), key=lambda i: (where[i], i), reverse=True):
+        fill[where[i]:where[i]] = ids[i]
+    prompt = head + fill + q_ids
+    if not with_spans:
+        return prompt, _encode(tokenizer, answer)
+    spans, shift = [None] * len(pieces), len(head)
+    for i in sorted(range(len(pieces)), key=lambda i: (where[i], i)):  # earlier pieces shift the later ones
+        spans[i] = (where[i] + shift, where[i] + shift + len(ids[i]))
+        shift += len(ids[i])
+    return prompt, _encode(tokenizer, answer), spans
+
+
 def build_prompt(
     tokenizer,
     template: Template,
@@ -111,23 +193,49 @@ def build_prompt(
     """(prompt ids of exactly `length` tokens, answer ids) for `needles` [(key, value)], asking for
     needles[query], which is placed at `depth` in [0, 1] of the filler (see the module doc)."""
     key, value = needles[query]
-    head = tokenizer("", add_special_tokens=True)["input_ids"] + _encode(tokenizer, template.intro)
-    question = _encode(tokenizer, template.question.format(key=key, value=value))
-    pieces = [_encode(tokenizer, template.needle.format(key=k, value=v)) for k, v in needles]
-    filler = _encode(tokenizer, template.filler)
-    n_fill = length - len(head) - len(question) - sum(map(len, pieces))
-    if n_fill < len(filler):
-        need = length - n_fill + len(filler)
-        raise EvaluationError(f"length {length} is too short for this prompt (at least {need} tokens); "
-                              "use a longer --seq-len or fewer needles")
-    fill = (filler * (n_fill // len(filler) + 1))[:n_fill]
-    bounds = list(range(0, n_fill + 1, len(filler)))  # between two filler passages (or at the start)
-    where = [min(bounds, key=lambda b: abs(b - depth * n_fill)) if i == query else rng.choice(bounds)
-             for i in range(len(needles))]
-    for i in sorted(range(len(needles)), key=lambda i: (where[i], i), reverse=True):
-        fill[where[i]:where[i]] = pieces[i]
-    answer = _encode(tokenizer, template.answer.format(key=key, value=value))
-    return head + fill + question, answer
+    pieces = [template.needle.format(key=k, value=v) for k, v in needles]
+    return assemble(tokenizer, template, length, pieces, template.question.format(key=key, value=value),
+                    template.answer.format(key=key, value=value), query, depth, rng)
+
+
+#: letters of the variable names of `vt` (upper case, as RULER's)
+_NAME_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def draw_prompt(tokenizer, task: str, template: str, length: int, num_needles: int, depth: float, digits: int,
+                rng: random.Random) -> tuple[list[int], list[int], list[str]]:
+    """One random prompt of `task` (see the module doc): (prompt ids, answer ids, the expected items:
+    one value for passkey / niah, every value for mv-niah, every variable name for vt)."""
+    tpl = TEMPLATES[task, template]
+
+    def number() -> str:
+        return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+    if task in ("passkey", "niah"):
+        keys = rng.sample(KEYS, num_needles)
+        needles = [(k, number()) for k in keys]
+        query = rng.randrange(num_needles)
+        prompt, answer = build_prompt(tokenizer, tpl, length, needles, query, depth, rng)
+        return prompt, answer, [needles[query][1]]
+    if task == "mv-niah":
+        key = rng.choice(KEYS)
+        values = list(dict.fromkeys(number() for _ in range(4 * num_needles)))[:num_needles]
+        pieces = [tpl.needle.format(key=key, value=v) for v in values]
+        question = tpl.question.format(key=key, value="")
+        prompt, answer = assemble(tokenizer, tpl, length, pieces, question, tpl.answer.format(value=", ".join(values)),
+                                  0, depth, rng)
+        return prompt, answer, values
+    # vt: a chain of distinct five-letter names
+    names: list[str] = []
+    while len(names) < num_needles:
+        name = "".join(rng.choice(_NAME_LETTERS) for _ in range(5))
+        names += [name] if name not in names else []
+    value = number()
+    pieces = [tpl.needle.format(key=names[0], value=value)]
+    pieces += [VT_LINKS[template].format(key=k, prev=p) for p, k in zip(names, names[1:], strict=False)]
+    prompt, answer = assemble(tokenizer, tpl, length, pieces, tpl.question.format(value=value),
+                              tpl.answer.format(key=", ".join(names)), 0, depth, rng, ordered=True)
+    return prompt, answer, names
 
 
 def min_length(tokenizer, task: str = "passkey", template: str = "prose", num_needles: int = 1,
@@ -135,11 +243,18 @@ def min_length(tokenizer, task: str = "passkey", template: str = "prose", num_ne
     """A length that holds any prompt of this kind: the fixed pieces, the longest needles and question
     (the longest keys, a value of `digits` digits, 2 tokens of slack each) and one filler passage."""
     tpl = TEMPLATES[task, template]
-    keys = sorted(KEYS, key=lambda k: len(_encode(tokenizer, tpl.needle.format(key=k, value="9" * digits))))
-    longest = keys[-num_needles:]
     fixed = tokenizer("", add_special_tokens=True)["input_ids"] + _encode(tokenizer, tpl.intro + tpl.filler)
+    nines = "9" * digits
+    if task == "vt":  # names of five letters: "ZZZZZ" tokenises at least as long as most
+        name = "Z" * 5
+        question = len(_encode(tokenizer, tpl.question.format(value=nines)))
+        needles = (len(_encode(tokenizer, tpl.needle.format(key=name, value=nines)))
+                   + (num_needles - 1) * len(_encode(tokenizer, VT_LINKS[template].format(key=name, prev=name))))
+        return len(fixed) + question + needles + 4 * (num_needles + 1)
+    keys = sorted(KEYS, key=lambda k: len(_encode(tokenizer, tpl.needle.format(key=k, value=nines))))
+    longest = keys[-num_needles:] if task != "mv-niah" else [keys[-1]] * num_needles
     question = max(len(_encode(tokenizer, tpl.question.format(key=k, value=""))) for k in longest)
-    needles = sum(len(_encode(tokenizer, tpl.needle.format(key=k, value="9" * digits))) for k in longest)
+    needles = sum(len(_encode(tokenizer, tpl.needle.format(key=k, value=nines))) for k in longest)
     return len(fixed) + question + needles + 2 * (num_needles + 1)
 
 
@@ -148,9 +263,20 @@ def min_length(tokenizer, task: str = "passkey", template: str = "prose", num_ne
 FORWARDS_PER_PROMPT = 2
 
 
+def items_named(text: str, items: list[str]) -> float:
+    """The share of `items` (numbers or names) that `text` names as whole words: " 48213, 10577" names
+    both of ["48213", "10577"]; " 482130" names neither 48213 nor 4821."""
+    if not items:
+        return 0.0
+    return sum(re.search(rf"(?<![0-9A-Za-z_]){re.escape(i)}(?![0-9A-Za-z_])", text) is not None
+               for i in items) / len(items)
+
+
 @torch.no_grad()
-def score_answer(model, tokenizer, prompt: list[int], answer: list[int], value: str) -> dict:
-    """{"correct", "logprob", "generated"} of one prompt (see the module doc)."""
+def score_answer(model, tokenizer, prompt: list[int], answer: list[int], value: str | list[str]) -> dict:
+    """{"correct", "logprob", "generated"} of one prompt (see the module doc). `value`: the one
+    expected value (correct: `answer_matches`, 0 or 1), or a list of expected items (correct: the
+    share named, `items_named`)."""
     from transformers import GenerationConfig
 
     device = model_device(model)
@@ -164,7 +290,9 @@ def score_answer(model, tokenizer, prompt: list[int], answer: list[int], value: 
                               pad_token_id=pad if pad is not None else 0, eos_token_id=tokenizer.eos_token_id)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
     generated = tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
-    return {"correct": answer_matches(generated, value), "logprob": logprob, "generated": generated}
+    correct = (float(answer_matches(generated, value)) if isinstance(value, str)
+               else items_named(generated, list(value)))
+    return {"correct": correct, "logprob": logprob, "generated": generated}
 
 
 def retrieval(
@@ -181,12 +309,13 @@ def retrieval(
     seed: int = 0,
     progress=False,
 ) -> dict[int, dict]:
-    """Retrieval accuracy at each length: {L: {"accuracy", "logprob", "prompts", "by_depth": {depth: acc},
-    "samples": [{"depth", "value", "generated", "correct", "logprob"}, ...]}}.
+    """Retrieval accuracy at each length: {L: {"accuracy", "stderr", "logprob", "prompts", "by_depth":
+    {depth: acc}, "samples": [{"depth", "value", "generated", "correct", "logprob"}, ...]}}; `stderr` is
+    the standard error of the accuracy over the prompts (sample standard deviation / sqrt(prompts)).
 
     Lengths shorter than `min_length` (too short to hold the prompt) are left out; none left is an error.
-    `task` "passkey" or "niah" picks the templates; `trials` prompts per (length, depth), each with fresh
-    random values (and keys), from `seed`. `progress`: see `ppl.progress_meter` (it counts
+    `task` ("passkey", "niah", "mv-niah", "vt") picks the templates; `trials` prompts per (length,
+    depth), each with fresh random values (and keys), from `seed`. `progress`: see `ppl.progress_meter` (it counts
     `FORWARDS_PER_PROMPT` x L tokens per prompt)."""
     if (task, template) not in TEMPLATES:
         raise EvaluationError(f"no {task} template {template!r}; available: "
@@ -196,7 +325,6 @@ def retrieval(
     depths = tuple(depths)
     if not depths or not all(0.0 <= d <= 1.0 for d in depths):
         raise EvaluationError(f"depths must be fractions in [0, 1], got {depths}")
-    tpl = TEMPLATES[task, template]
     shortest = min_length(tokenizer, task, template, num_needles, digits)
     lengths = [L for L in lengths if L >= shortest]
     if not lengths:
@@ -212,16 +340,15 @@ def retrieval(
             rows = []
             for depth in depths:
                 for _ in range(trials):
-                    keys = rng.sample(KEYS, num_needles)
-                    needles = [(k, str(rng.randrange(10 ** (digits - 1), 10 ** digits))) for k in keys]
-                    query = rng.randrange(num_needles)
-                    prompt, answer = build_prompt(tokenizer, tpl, L, needles, query, depth, rng)
-                    value = needles[query][1]
+                    prompt, answer, items = draw_prompt(tokenizer, task, template, L, num_needles, depth, digits, rng)
+                    value = items[0] if task not in MULTI_ITEM else items
                     rows.append({"depth": depth, "value": value,
                                  **score_answer(model, tokenizer, prompt, answer, value)})
                     meter.update(FORWARDS_PER_PROMPT * L)
+            acc = sum(r["correct"] for r in rows) / len(rows)
             out[L] = {
-                "accuracy": sum(r["correct"] for r in rows) / len(rows),
+                "accuracy": acc,
+                "stderr": stderr([r["correct"] for r in rows]),
                 "logprob": sum(r["logprob"] for r in rows) / len(rows),
                 "prompts": len(rows),
                 "by_depth": {d: sum(r["correct"] for r in rows if r["depth"] == d) / trials for d in depths},
@@ -229,6 +356,15 @@ def retrieval(
             }
     model.train(was_training)
     return out
+
+
+def stderr(values: list[float]) -> float:
+    """The standard error of the mean of `values`: sample standard deviation / sqrt(n); 0 for one value."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5
 
 
 def passkey(model, tokenizer, lengths: Iterable[int], *, template: str = "prose", **kw) -> dict[int, dict]:
@@ -240,3 +376,15 @@ def niah(model, tokenizer, lengths: Iterable[int], *, template: str = "prose", n
          **kw) -> dict[int, dict]:
     """Multi-key needle in a haystack (`num_needles` key -> value needles, one queried); see `retrieval`."""
     return retrieval(model, tokenizer, lengths, task="niah", template=template, num_needles=num_needles, **kw)
+
+
+def mv_niah(model, tokenizer, lengths: Iterable[int], *, template: str = "prose", num_needles: int = 4,
+            **kw) -> dict[int, dict]:
+    """Multi-value needles (`num_needles` values of one key, all asked for); see `retrieval`."""
+    return retrieval(model, tokenizer, lengths, task="mv-niah", template=template, num_needles=num_needles, **kw)
+
+
+def variable_tracking(model, tokenizer, lengths: Iterable[int], *, template: str = "prose", num_needles: int = 3,
+                      **kw) -> dict[int, dict]:
+    """Variable tracking (a chain of `num_needles` assignments, every variable asked for); see `retrieval`."""
+    return retrieval(model, tokenizer, lengths, task="vt", template=template, num_needles=num_needles, **kw)

@@ -13,13 +13,21 @@ import torch
 
 from ..checks import device_problem
 from ..data import DTYPE_CHOICES, load_stream, torch_dtype
+from .copying import PASSAGE, copy_distances, copying, min_copy_length
 from .errors import EvaluationError
 from .kl import next_token_kl
 from .mqar import mqar_eval
 from .ppl import perplexity, progress_meter
-from .retrieval import DEPTHS, FORWARDS_PER_PROMPT, KEYS, min_length, niah, passkey
+from .retrieval import DEPTHS, FORWARDS_PER_PROMPT, KEYS, min_length, retrieval
 
-TASKS = ("ppl", "passkey", "niah", "mqar", "kl")
+TASKS = ("ppl", "passkey", "niah", "mv-niah", "vt", "copy", "mqar", "kl")
+#: the retrieval tasks (`retrieval.retrieval`) and their needles per prompt: `num_needles` of the run
+#: for niah and mv-niah, a chain of VT_CHAIN assignments for vt, one passkey
+RETRIEVAL_TASKS = ("passkey", "niah", "mv-niah", "vt")
+#: variables in a variable-tracking chain (two hops)
+VT_CHAIN = 3
+#: tasks that read the held-out text (--data)
+TEXT_TASKS = ("ppl", "kl", "copy")
 #: the tasks `evaluate` runs unless told; `subquadratic eval` runs ppl only with --data and adds kl
 #: with --reference. With the defaults below a 135M model takes a few minutes on a 2-core CPU.
 DEFAULT_TASKS = ("ppl", "passkey", "niah", "mqar")
@@ -121,8 +129,16 @@ def plan(
                 n = n if max_windows is None else min(n, max_windows)
                 why = f"the data holds {stream_tokens or 0} tokens"
                 job = Job(task, L, n, (2 if task == "kl" else 1) * n * L) if n else None
-            elif task in ("passkey", "niah"):
-                need = min_length(tokenizer, task, template, 1 if task == "passkey" else num_needles)
+            elif task == "copy":
+                n = (stream_tokens or 0) // L
+                n = n if max_windows is None else min(n, max_windows)
+                dists = copy_distances(L)
+                job = Job(task, L, n, n * len(dists) * L) if n and dists else None
+                if job is None:  # the reason of the shortest length left out
+                    why = why or (f"the data holds {stream_tokens or 0} tokens" if dists
+                                  else f"a passage and its copy need {min_copy_length()} tokens")
+            elif task in RETRIEVAL_TASKS:
+                need = min_length(tokenizer, task, template, needles_of(task, num_needles))
                 why = f"a prompt needs {need} tokens"
                 units = trials * len(DEPTHS)
                 job = Job(task, L, units, FORWARDS_PER_PROMPT * units * L) if L >= need else None
@@ -136,6 +152,11 @@ def plan(
         if short:
             skipped[task] = f"at {', '.join(map(str, short))} ({why})"
     return jobs, skipped
+
+
+def needles_of(task: str, num_needles: int) -> int:
+    """Needles per prompt of a retrieval task: one passkey, a VT_CHAIN-variable chain, else `num_needles`."""
+    return {"passkey": 1, "vt": VT_CHAIN}.get(task, num_needles)
 
 
 def skipped_line(skipped: dict[str, str]) -> str:
@@ -178,12 +199,12 @@ def evaluate(
         raise EvaluationError(f"context lengths must be >= 2 tokens, got {seq_lens}")
     if "kl" in tasks and reference is None:
         raise EvaluationError("task kl needs a reference model: pass --reference DIR (the dense source)")
-    if "niah" in tasks and not 1 <= num_needles <= len(KEYS):
+    if {"niah", "mv-niah"} & set(tasks) and not 1 <= num_needles <= len(KEYS):
         raise EvaluationError(f"--needles must be in 1..{len(KEYS)}, got {num_needles}")
     ids = None
-    if {"ppl", "kl"} & set(tasks):
+    if set(TEXT_TASKS) & set(tasks):
         if data is None:
-            raise EvaluationError("tasks ppl and kl need held-out text: pass --data FILE")
+            raise EvaluationError(f"tasks {', '.join(TEXT_TASKS)} need held-out text: pass --data FILE")
         ids = data if isinstance(data, torch.Tensor) else load_stream(data, tokenizer, text_field)
     jobs, skipped = plan(tokenizer, tasks, seq_lens, stream_tokens=None if ids is None else ids.numel(),
                          max_windows=max_windows, trials=trials, template=template, num_needles=num_needles,
@@ -192,11 +213,11 @@ def evaluate(
         raise EvaluationError(f"nothing to evaluate: {skipped_line(skipped)}; give a longer --seq-len")
     settings = {"data": None if data is None or isinstance(data, torch.Tensor) else str(data),
                 "seq_lens": seq_lens, "max_windows": max_windows, "trials": trials, "template": template,
-                "num_needles": num_needles, "mqar_examples": mqar_examples, "seed": seed}
+                "num_needles": num_needles, "mqar_examples": mqar_examples, "seed": seed, "copy_passage": PASSAGE}
     result = {"model": name, "tasks": {}, "skipped": skipped, "settings": settings}
     label = Path(str(name).rstrip("/")).name or str(name)
     windowed = dict(max_windows=max_windows, batch_size=batch_size)
-    retrieval = dict(template=template, trials=trials, seed=seed)
+    prompts = dict(template=template, trials=trials, seed=seed)
     with progress_meter(progress, sum(j.tokens for j in jobs), label) as meter:
         for job in jobs:
             if hasattr(meter, "set_description"):
@@ -206,10 +227,11 @@ def evaluate(
                 out = perplexity(model, ids, L, progress=meter, **windowed)
             elif job.task == "kl":
                 out = next_token_kl(model, reference, ids, L, progress=meter, **windowed)
-            elif job.task == "passkey":
-                out = passkey(model, tokenizer, L, progress=meter, **retrieval)
-            elif job.task == "niah":
-                out = niah(model, tokenizer, L, num_needles=num_needles, progress=meter, **retrieval)
+            elif job.task == "copy":
+                out = copying(model, ids, L, progress=meter, **windowed)
+            elif job.task in RETRIEVAL_TASKS:
+                out = retrieval(model, tokenizer, L, task=job.task, num_needles=needles_of(job.task, num_needles),
+                                progress=meter, **prompts)
             else:
                 vocab = min(model.config.vocab_size, len(tokenizer))
                 out = mqar_eval(model, L, vocab, examples=mqar_examples, seed=seed, progress=meter)

@@ -76,9 +76,9 @@ def test_eval_writes_table_json_plots_and_cards(checkpoints, corpus, tokenizer, 
 
 
 @pytest.mark.parametrize(("extra", "expect"), [
-    (["--tasks", "ppl"], "tasks ppl and kl need held-out text: pass --data FILE"),
+    (["--tasks", "ppl"], "tasks ppl, kl and copy need held-out text: pass --data FILE"),
     (["--tasks", "kl", "--data", "CORPUS"], "task kl needs a reference model: pass --reference DIR"),
-    (["--tasks", "ppl,bleu"], "unknown task(s) bleu; choose from ppl,passkey,niah,mqar,kl"),
+    (["--tasks", "ppl,bleu"], "unknown task(s) bleu; choose from ppl,passkey,niah,mv-niah,vt,copy,mqar,kl"),
     (["--tasks", "mqar", "--reference", "DENSE"], "--reference is used by task kl only"),
     (["--data", "nowhere.jsonl"], "--data nowhere.jsonl does not exist"),
     (["--tasks", "passkey", "--seq-len", "16"], "every length is too short for passkey: skipped: passkey at 16 "

@@ -30,7 +30,8 @@ OPTIONS: dict[str, dict] = {
     "softmax-layers": dict(
         type=layer_list_or_auto,
         help="comma list of the layers that keep softmax attention, or auto:K: the K layers whose replacement "
-             "costs the most, measured by a short attention transfer (--calibration-data)",
+             "costs the most, measured by a short attention transfer (--calibration-data), or retrieval:K: the K "
+             "layers holding the source's strongest retrieval heads (scored on needle prompts)",
     ),
     "sliding-window": dict(
         type=int_at_least(0, "W"), dest="sse_sliding_window",
