@@ -73,10 +73,12 @@ from subquadratic.checks import latest_checkpoint  # noqa: E402
 from subquadratic.conversion import convert  # noqa: E402
 from subquadratic.conversion.core import resolve_target  # noqa: E402
 from subquadratic.data import token_stream  # noqa: E402
-from subquadratic.evaluation import next_token_kl, perplexity, retrieval, write_card_evaluation  # noqa: E402
+from subquadratic.evaluation import copying, next_token_kl, perplexity, retrieval, write_card_evaluation  # noqa: E402
 
 #: the cap on the adaptation tokens of one model
 MAX_TOKENS = 20_000_000
+#: windows of each held-out set the copy measure reads at 4x the adaptation length
+COPY_WINDOWS = 4
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,8 @@ class Scale:
     lengths: tuple[int, int]  # perplexity / KL: the adaptation length and 4x it
     span: int  # tokens of each held-out set scored at every length
     retrieval_lengths: tuple[int, ...]
-    trials: int  # retrieval prompts per length and depth
+    trials: int  # passkey / 4-key NIAH prompts per length and depth
+    recall_trials: int  # multi-value needle and variable-tracking prompts per length and depth
     depths: tuple[float, ...]
     tokens_per_step: int  # adaptation tokens per optimizer step, every row
     steps: dict[str, int]  # adaptation steps of the SPLA / SPA rows ("spla") and of SSE-H / HLA ("linear")
@@ -104,7 +107,7 @@ class Scale:
 
 
 SCALES = {
-    "h200": Scale(lengths=(2048, 8192), span=98_304, retrieval_lengths=(2048, 4096, 8192), trials=2,
+    "h200": Scale(lengths=(2048, 8192), span=98_304, retrieval_lengths=(2048, 4096, 8192), trials=10, recall_trials=4,
                   depths=(0.1, 0.5, 0.9), tokens_per_step=16_384, steps={"spla": 120, "linear": 200},
                   spla_seq_len=8192, spla_options={}, window=512,
                   calibration=dict(steps=40, seq_len=2048, batch_size=4), min_train_bytes=8_192,
@@ -113,13 +116,15 @@ SCALES = {
                   # about 30 s of evaluation; SPLA's step at 8192 is the least known
                   prior_seconds=dict(dense=40, fresh=60, linear=200, spla=240, calibration=40)),
     # the real SmolLM2 at CPU-sized lengths: a smoke test of the real-model path, no measurement
-    "smoke": Scale(lengths=(128, 512), span=1024, retrieval_lengths=(256, 512), trials=1, depths=(0.5,),
+    "smoke": Scale(lengths=(128, 512), span=1024, retrieval_lengths=(256, 512), trials=1, recall_trials=1,
+                   depths=(0.5,),
                    tokens_per_step=512, steps={"spla": 1, "linear": 2}, spla_seq_len=512,
                    spla_options=dict(block_size=16, top_k_blocks=4), window=32,
                    calibration=dict(steps=1, seq_len=128, batch_size=1), min_train_bytes=4_096,
                    min_heldout_bytes=8_192, heldout_every=50, eval_batch=2, packages=("numpy",),
                    prior_seconds=dict(dense=30, fresh=60, linear=120, spla=120, calibration=60)),
-    "tiny": Scale(lengths=(128, 512), span=512, retrieval_lengths=(256, 512, 1024), trials=1, depths=(0.5,),
+    "tiny": Scale(lengths=(128, 512), span=512, retrieval_lengths=(256, 512, 1024), trials=1, recall_trials=1,
+                  depths=(0.5,),
                   tokens_per_step=512, steps={"spla": 2, "linear": 4}, spla_seq_len=256,
                   spla_options=dict(block_size=16, top_k_blocks=4), window=32,
                   calibration=dict(steps=2, seq_len=128, batch_size=2), min_train_bytes=4_096,
@@ -145,6 +150,7 @@ class Row:
     stage1: bool = True  # attention transfer for the recipe's share of the steps (False: none)
     autocast: bool = True  # bf16 autocast on the GPU (False: fp32, the kernels' fp32 operands)
     new_lr_scale: float = 1.0  # `adapt --new-lr-scale`: the parameters the dense model lacks at this x the rate
+    recall_share: float = 0.0  # `adapt --recall-share`: the share of rows made recall rows (copied passages)
     base: str | None = None
     change: str = ""
 
@@ -157,6 +163,18 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
     """Every row, by name: the main table, then the SSE-H and HLA ablations."""
     k = num_layers // 6  # the base layout's softmax layers (every 6th)
     k_blocks = scale.spla_options.get("top_k_blocks", 16)  # SPLA's selection budget, in blocks
+    block = scale.spla_options.get("block_size", 64)
+    k16, k32 = (max(4, 4 * scale.lengths[0] // (n * block)) for n in (16, 32))  # forced blocks: 1 sink, 2 local
+    # recall: softmax layers chosen by the dense model's retrieval heads, recall rows in the data, rows of 4x
+    recall_changes = [
+        ("recall", f"softmax at the {k} layers of the strongest retrieval heads (retrieval:{k}), a quarter of the "
+         "rows recall rows, rows of 4x the length", dict(softmax_layers=f"retrieval:{k}"),
+         dict(seq_len="4x", recall_share=0.25)),
+        ("recall-layers", f"softmax at the {k} layers of the strongest retrieval heads (retrieval:{k}), rows of 4x",
+         dict(softmax_layers=f"retrieval:{k}"), dict(seq_len="4x")),
+        ("recall-rows", "a quarter of the rows recall rows, rows of 4x the length", {},
+         dict(seq_len="4x", recall_share=0.25)),
+    ]
     rows = [
         Row("dense", "dense"),
         Row("spla-fresh", "SPLA, fresh", "spla", dict(scale.spla_options)),
@@ -187,15 +205,27 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
              "conversion before 2026-12-04)", dict(sse_kv_heads="query", sse_window_qkv="own"), {}),
             ("kv-source", "the window branch's own q / k / v (--sse-window-qkv own)", dict(sse_window_qkv="own"), {}),
             ("auto-layers", f"softmax at the {k} costliest layers (auto:{k})", dict(softmax_layers=f"auto:{k}"), {}),
+            *recall_changes,
             ("gdn", "gated delta rule base (L2-normalised feature maps)", dict(sse_base="gdn"), {}),
             ("fp32", "adapted in fp32 (no bf16 autocast: fp32 kernel operands, TF32 dots)", {}, dict(autocast=False)),
             ("no-stage1", "no attention transfer (every step KL)", {}, dict(stage1=False)),
         ],
         "spla": [
             ("budget-2x", f"twice the selection budget ({2 * k_blocks} blocks)", dict(top_k_blocks=2 * k_blocks), {}),
+            # the seed's regime: a budget far below the context, the gain free to move
+            ("budget-16th", f"a budget of 1/16 of the {4 * scale.lengths[0]}-token rows ({k16} blocks), the gain at "
+             "100x the learning rate", dict(top_k_blocks=k16), dict(new_lr_scale=100.0)),
+            ("budget-32nd", f"a budget of 1/32 of the {4 * scale.lengths[0]}-token rows ({k32} blocks), the gain at "
+             "100x the learning rate", dict(top_k_blocks=k32), dict(new_lr_scale=100.0)),
             # gamma starts at 0 and moves about lr a step: at 1e-4 for 120 steps it stays below ~0.01
             ("gamma-lr", "the residual gain gamma at 100x the learning rate (--new-lr-scale 100)", {},
              dict(new_lr_scale=100.0)),
+        ],
+        "spa": [  # the same budgets without the residual term: SPLA against SPA where the seed says it matters
+            ("budget-16th", f"a budget of 1/16 of the {4 * scale.lengths[0]}-token rows ({k16} blocks)",
+             dict(top_k_blocks=k16), dict(new_lr_scale=100.0)),
+            ("budget-32nd", f"a budget of 1/32 of the {4 * scale.lengths[0]}-token rows ({k32} blocks)",
+             dict(top_k_blocks=k32), dict(new_lr_scale=100.0)),
         ],
         "hla-hybrid": [
             ("rows-4x", "rows of 4x the length (same tokens per step)", {}, dict(seq_len="4x")),
@@ -207,6 +237,7 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
              {}),
             ("no-sinks", "the window branch without attention sinks", dict(hla_window_sinks=0), {}),
             ("auto-layers", f"softmax at the {k} costliest layers (auto:{k})", dict(softmax_layers=f"auto:{k}"), {}),
+            *recall_changes,
             ("normalize", "normalised form (divide by q^T eta)", dict(hla_normalize=True), {}),
             ("rope", "RoPE on q and k", dict(hla_rope=True), {}),
         ],
@@ -227,8 +258,12 @@ GROUPS = {
     "main": ["dense", "sse-h", "hla-hybrid", "spla-fresh", "spla", "spa"],
     "ablation-sse-h": ["sse-h", "sse-h/*"],
     "ablation-hla": ["hla-hybrid", "hla-hybrid/*"],
-    "ablation-spla": ["spla", "spla/*"],
-    "ablation": ["sse-h", "sse-h/*", "hla-hybrid", "hla-hybrid/*", "spla", "spla/*"],
+    "ablation-spla": ["spla", "spla/*", "spa/*"],
+    # recall (docs/results.md, "Recall"): the hybrids with retrieval layers and recall rows, each change
+    # alone, and SPLA against SPA at budgets of 1/16 and 1/32 of the context
+    "recall": ["dense", "sse-h/recall", "hla-hybrid/recall", "spla/budget-16th", "spa/budget-16th",
+               "sse-h/recall-layers", "sse-h/recall-rows", "spla/budget-32nd", "spa/budget-32nd"],
+    "ablation": ["sse-h", "sse-h/*", "hla-hybrid", "hla-hybrid/*", "spla", "spla/*", "spa/*"],
     # every row, the most informative first, for a run under --time-budget: the dense reference, the
     # adapted SSE-H and HLA hybrids (each measured at 1x and 4x), the changes aimed at length
     # generalisation (without the window branch that the ablation made the default; longer rows,
@@ -409,10 +444,18 @@ def evaluate_row(model, tokenizer, streams: dict[str, torch.Tensor], reference, 
             kl = out[part]["kl"].get(L)
             log(f"{name}: {part} ppl @ {L} {out[part]['ppl'][L]['ppl']:.3f}"
                 + ("" if kl is None else f", KL {kl['kl']:.4f}"))
-    for task, needles in (("passkey", 1), ("niah", 4)):
+        out[part]["copy"] = copying(model, ids, [scale.lengths[1]], max_windows=COPY_WINDOWS,
+                                    batch_size=max(1, scale.eval_batch * scale.lengths[0] // scale.lengths[1]))
+        c = out[part]["copy"][scale.lengths[1]]
+        log(f"{name}: {part} copy @ {scale.lengths[1]}: 2nd occurrence ppl {c['ppl_second']:.3f} (1st "
+            f"{c['ppl_first']:.3f}); by distance " + ", ".join(f"{d}: {v['ppl_second']:.2f}"
+                                                               for d, v in c["by_distance"].items()))
+    for task, needles, trials in (("passkey", 1, scale.trials), ("niah", 4, scale.trials),
+                                  ("mv-niah", 4, scale.recall_trials), ("vt", 3, scale.recall_trials)):
         out[task] = retrieval(model, tokenizer, scale.retrieval_lengths, task=task, template="prose",
-                              num_needles=needles, depths=scale.depths, trials=scale.trials, seed=0)
-        log(f"{name}: {task} " + ", ".join(f"@ {L} {v['accuracy']:.2f}" for L, v in out[task].items()))
+                              num_needles=needles, depths=scale.depths, trials=trials, seed=0)
+        log(f"{name}: {task} " + ", ".join(f"@ {L} {v['accuracy']:.2f} (+-{v['stderr']:.2f}, {v['prompts']})"
+                                           for L, v in out[task].items()))
     return out
 
 
@@ -452,8 +495,8 @@ def card_results(label: str, metrics: dict, dense: dict | None) -> list[dict]:
         for part, title in (("code", "held-out Python"), ("english", "English (pydoc topics)")):
             out.append({"model": f"{name}, {title}", "tasks": {t: v for t, v in m[part].items() if v},
                         "settings": {}})
-        out.append({"model": f"{name}, retrieval (prose)", "tasks": {t: m[t] for t in ("passkey", "niah")},
-                    "settings": {}})
+        out.append({"model": f"{name}, retrieval (prose)",
+                    "tasks": {t: m[t] for t in ("passkey", "niah", "mv-niah", "vt") if t in m}, "settings": {}})
     return out
 
 
@@ -482,7 +525,8 @@ def adapt_settings(row: Row, scale: Scale, args) -> dict:
                 seq_len=seq_len, batch_size=scale.tokens_per_step // seq_len,
                 stage1_seq_len=4 * base if row.stage1_4x else None, lr=recipe["lr"], stage1_lr=1e-3,
                 mixed_precision="bf16" if args.device_type == "cuda" and row.autocast else "no",
-                **({"new_lr_scale": row.new_lr_scale} if row.new_lr_scale != 1.0 else {}))
+                **({"new_lr_scale": row.new_lr_scale} if row.new_lr_scale != 1.0 else {}),
+                **({"recall_share": row.recall_share} if row.recall_share else {}))
 
 
 def row_kind(row: Row) -> str:
@@ -775,7 +819,7 @@ def convert_command(row: Row, dense: Path, out: Path, calibration: Calibration) 
 def adapt_command(cfg: AdaptConfig, settings: dict) -> str:
     parts = ["subquadratic", "adapt", cfg.student, "-o", cfg.output_dir, "--data", *cfg.data, "--teacher", cfg.teacher]
     for key in ("max_steps", "stage1_steps", "loss", "train", "seq_len", "stage1_seq_len", "batch_size", "lr",
-                "stage1_lr", "new_lr_scale", "mixed_precision"):
+                "stage1_lr", "new_lr_scale", "recall_share", "mixed_precision"):
         if settings.get(key) is not None:
             parts += [f"--{key.replace('_', '-')}", str(settings[key])]
     parts += ["--seed", str(cfg.seed)]
@@ -808,7 +852,10 @@ def _kl_cell(entry: dict, part: str, lengths) -> str:
 
 def _retrieval_cell(entry: dict, task: str, L: int) -> str:
     r = _get(entry, "metrics", task, L)
-    return "-" if r is None else f"{r['accuracy']:.2f} ({r['logprob']:.2f})"
+    if r is None:
+        return "-"
+    spread = f" +-{r['stderr']:.2f}, {r['prompts']}" if "stderr" in r else ""
+    return f"{r['accuracy']:.2f}{spread} ({r['logprob']:.2f})"
 
 
 def _adaptation_cell(entry: dict) -> str:
@@ -860,13 +907,37 @@ def report(results: dict) -> str:
             cells += [f"{q['kl']:.3f}" for q in kl] or ["-"] * len(spans)
             lines.append(f"| {e['name']} | " + " | ".join(cells) + " |")
     R = p["retrieval_lengths"]
-    lines += ["", "## Retrieval (accuracy, mean log p of the answer)", "",
-              "| row | model | " + " | ".join(f"passkey @ {n}" for n in R) + " | "
-              + " | ".join(f"4-needle @ {n}" for n in R) + " |",
-              "| --- | --- |" + " --- |" * (2 * len(R))]
+    tasks = [("passkey", "passkey"), ("niah", "4-needle"), ("mv-niah", "4-value"), ("vt", "var. tracking")]
+    lines += ["", "## Retrieval (accuracy +- its standard error, prompts; mean log p of the answer)", "",
+              "| row | model | " + " | ".join(f"{title} @ {n}" for _, title in tasks for n in R) + " |",
+              "| --- | --- |" + " --- |" * (len(tasks) * len(R))]
     for e in done:
-        cells = [_retrieval_cell(e, t, n) for t in ("passkey", "niah") for n in R]
+        cells = [_retrieval_cell(e, t, n) for t, _ in tasks for n in R]
         lines.append(f"| {e['name']} | {e['label']} | " + " | ".join(cells) + " |")
+    copied = [e for e in done if _get(e, "metrics", "code", "copy", L4)]
+    if copied:
+        dists = [int(d) for d in _get(copied[0], "metrics", "code", "copy", L4, "by_distance")]
+        lines += ["", f"## Copying at {L4}: perplexity of a passage's second occurrence by its distance to the first "
+                  "(vs dense)", "",
+                  f"Windows of {L4} tokens of each held-out set whose passage of "
+                  f"{_get(copied[0], 'metrics', 'code', 'copy', L4, 'passage')} tokens is written again at the end, "
+                  "d tokens after its first occurrence; the first occurrence's perplexity is what the passage "
+                  "costs without memory.", "",
+                  "| row | set | 1st occurrence | " + " | ".join(f"2nd @ {d}" for d in dists) + " |",
+                  "| --- | --- | --- |" + " --- |" * len(dists)]
+        for e in copied:
+            for part in ("code", "english"):
+                c = _get(e, "metrics", part, "copy", L4)
+                ref = _get(dense, "metrics", part, "copy", L4) if e is not dense else None
+                if c is None:
+                    continue
+                cells = []
+                for d in dists:
+                    v = _get(c, "by_distance", d)
+                    r = ref and _get(ref, "by_distance", d)
+                    cells.append("-" if v is None else f"{v['ppl_second']:.2f}"
+                                 + (f" ({100 * (v['ppl_second'] / r['ppl_second'] - 1):+.0f}%)" if r else ""))
+                lines.append(f"| {e['name']} | {part} | {c['ppl_first']:.2f} | " + " | ".join(cells) + " |")
     bases = sorted({e["base"] for e in rows.values() if e.get("base")})
     for base in bases:
         lines += ["", f"## Ablation from `{base}`: one change at a time, same tokens, same seed", "",

@@ -189,6 +189,8 @@ def adapt_problem(s: Any) -> str | None:
                 f"batch holds as many tokens as a stage-2 one), got {stage1_len}")
     if not s.new_lr_scale > 0:  # NaN too
         return f"--new-lr-scale must be positive, got {s.new_lr_scale}"
+    if not 0 <= getattr(s, "recall_share", 0.0) <= 1:  # NaN too
+        return f"--recall-share must lie in 0..1, got {s.recall_share}"
     if s.num_proc is not None and s.num_proc < 1:
         return f"--num-proc must be at least 1, got {s.num_proc}"
     if s.stage1_steps is not None and not 0 <= s.stage1_steps <= s.max_steps:

@@ -204,6 +204,10 @@ def _adapt_parser(sub) -> None:
     a.add_argument("--new-lr-scale", type=float, default=1.0, metavar="X",
                    help="learning rates of the parameters the dense model lacks (SPLA's residual gain, the state "
                         "mixers' router, gates and decays) at X times the others' (default 1)")
+    a.add_argument("--recall-share", type=float, default=0.0, metavar="F",
+                   help="share of the rows made recall rows: passages of the row copied further on, at distances "
+                        "up to the row's length, so that the student learns to copy from far back where the "
+                        "teacher does (default 0)")
     a.add_argument("--warmup-ratio", type=float, default=0.05, metavar="R",
                    help="warmup share of each stage (default 0.05)")
     a.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
@@ -349,7 +353,7 @@ def _adapt(args) -> None:
         max_steps=args.max_steps, stage1_steps=args.stage1_steps, loss=args.loss, train=args.train,
         seq_len=args.seq_len, stage1_seq_len=args.stage1_seq_len, batch_size=args.batch_size,
         grad_accum=args.grad_accum, lr=args.lr, stage1_lr=args.stage1_lr, new_lr_scale=args.new_lr_scale,
-        warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
+        recall_share=args.recall_share, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm, mixed_precision=args.mixed_precision,
         gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         save_every=args.save_every, save_total_limit=args.save_total_limit, keep_checkpoints=args.keep_checkpoints,

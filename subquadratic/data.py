@@ -211,6 +211,52 @@ def tokenize_and_pack(texts: Dataset, tokenizer, seq_len: int, num_proc: int | N
     return rows.with_format("torch")
 
 
+#: copied passages per recall row, and their lengths in tokens (uniform in [lo, hi])
+RECALL_COPIES = 4
+RECALL_PASSAGE = (32, 256)
+
+
+def recall_row(ids: list[int], rng) -> dict[str, list[int]]:
+    """A packed row made a recall row: one document (positions 0..T-1, every label but the first
+    kept), in which RECALL_COPIES passages of RECALL_PASSAGE tokens are written again further on, at
+    distances drawn log-uniformly between the passage's length and the row's, so that predicting
+    them needs what came far back (a dense teacher copies them; a student learns to)."""
+    import math
+
+    ids = list(ids)
+    T = len(ids)
+    lo, hi = RECALL_PASSAGE
+    for _ in range(RECALL_COPIES):
+        P = rng.randint(min(lo, T // 4), max(min(hi, T // 4), 1))
+        if P < 2 or T - P - 1 <= P:
+            break
+        d = int(math.exp(rng.uniform(math.log(P), math.log(T - P - 1))))
+        s = rng.randint(1, T - P - d)
+        ids[s + d:s + d + P] = ids[s:s + P]
+    return {"input_ids": ids, "position_ids": list(range(T)), "labels": [IGNORE_INDEX, *ids[1:]]}
+
+
+def with_recall_rows(rows, share: float, seed: int):
+    """`rows` (packed rows) with the share `share` of them, chosen by a seeded draw per row index, made
+    recall rows (`recall_row`); the rest as they were. share 0: `rows` itself."""
+    if share <= 0:
+        return rows
+    import random
+
+    def convert(batch, indices):
+        out = {k: [] for k in ("input_ids", "position_ids", "labels")}
+        for i, idx in enumerate(indices):
+            rng = random.Random(f"{seed}-recall-{idx}")
+            row = ({k: list(map(int, batch[k][i])) for k in out} if rng.random() >= share
+                   else recall_row(list(map(int, batch["input_ids"][i])), rng))
+            for k in out:
+                out[k].append(row[k])
+        return out
+
+    return rows.with_format(None).map(convert, with_indices=True, batched=True, batch_size=64,
+                                      desc="recall rows").with_format("torch")
+
+
 def batches(rows, batch_size: int, seed: int, skip: int = 0, rank: int = 0, world: int = 1) -> Iterator[dict]:
     """Endless micro-batches of `rows` (packed rows, torch format) for training: each epoch a fresh
     permutation (seeded by seed + epoch), one share of `batch_size` rows per process (`rank` of

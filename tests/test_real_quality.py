@@ -56,7 +56,18 @@ def test_rows_and_groups(rq):
     assert table["sse-h/decay-long"].options == {"sse_decay_init_min": 0.99, "sse_decay_init_max": 0.9999}
     assert table["spa"].options == {"use_rla": False}
     assert table["spla/budget-2x"].options == {"top_k_blocks": 32} and table["spla/budget-2x"].recipe == "spla"
-    assert [r.name for r in rq.select_rows("ablation-spla", table)] == ["spla", "spla/budget-2x", "spla/gamma-lr"]
+    assert [r.name for r in rq.select_rows("ablation-spla", table)] == [
+        "spla", "spla/budget-2x", "spla/budget-16th", "spla/budget-32nd", "spla/gamma-lr", "spa/budget-16th",
+        "spa/budget-32nd"]
+    # SPLA against SPA at 1/16 and 1/32 of an 8192-token context (blocks of 64), the gain free to move
+    for name, blocks in (("spla/budget-16th", 8), ("spla/budget-32nd", 4)):
+        assert table[name].options == {"top_k_blocks": blocks} and table[name].new_lr_scale == 100.0
+        spa = table[name.replace("spla", "spa")]
+        assert spa.options == {"use_rla": False, "top_k_blocks": blocks} and spa.new_lr_scale == 100.0
+    recall = table["sse-h/recall"]  # retrieval layers, recall rows, rows of 4x
+    assert recall.options == {"softmax_layers": "retrieval:5"} and recall.recall_share == 0.25
+    assert table["hla-hybrid/recall-layers"].recall_share == 0.0
+    assert table["sse-h/recall-rows"].options == {} and table["sse-h/recall-rows"].recall_share == 0.25
     gamma = table["spla/gamma-lr"]
     assert gamma.options == {} and gamma.new_lr_scale == 100.0 and table["spla"].new_lr_scale == 1.0
     args = SimpleNamespace(spla_seq_len=None, tokens=None, device_type="cuda")
@@ -65,6 +76,9 @@ def test_rows_and_groups(rq):
     cfg = SimpleNamespace(student="s", output_dir="o", data=["d"], teacher="t", seed=0, num_proc=None)
     assert "--new-lr-scale 100.0" in rq.adapt_command(cfg, settings)
     assert "--new-lr-scale" not in rq.adapt_command(cfg, rq.adapt_settings(table["spla"], rq.SCALES["h200"], args))
+    recall_settings = rq.adapt_settings(recall, rq.SCALES["h200"], args)
+    assert recall_settings["recall_share"] == 0.25 and recall_settings["seq_len"] == 8192
+    assert "--recall-share 0.25" in rq.adapt_command(cfg, recall_settings)
     assert rq.SCALES["tiny"].spla_options["top_k_blocks"] == 4
     assert rq.rows_of(rq.SCALES["tiny"], 6)["spla/budget-2x"].options == {"block_size": 16, "top_k_blocks": 8}
     assert table["sse-h/no-window"].options == {"sse_sliding_window": 0}

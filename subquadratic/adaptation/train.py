@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from ..cards import replace_section
 from ..checks import STATE_FILE, InputError, adapt_problem, latest_checkpoint
-from ..data import IGNORE_INDEX, batches, load_texts, tokenize_and_pack, torch_dtype
+from ..data import IGNORE_INDEX, batches, load_texts, tokenize_and_pack, torch_dtype, with_recall_rows
 
 LOG_FILE = "adapt_log.jsonl"
 #: rows of this many tokens by default (or the model's context if shorter), DEFAULT_STEP_TOKENS tokens a
@@ -90,6 +90,9 @@ class AdaptConfig:
     #: the learning rates of the parameters the dense model lacks (`new_parameter_names`: SPLA's
     #: residual gain, the state mixers' router, gates and decays) are this many times the others'
     new_lr_scale: float = 1.0
+    #: share of the rows made recall rows (`data.recall_row`: passages of the row copied further on, as
+    #: one document), in both stages
+    recall_share: float = 0.0
     warmup_ratio: float = 0.05
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -442,8 +445,8 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.student)
     with accelerator.main_process_first():  # the data first: its problems show before any model loads
-        rows = tokenize_and_pack(load_texts(cfg.data, cfg.text_field, cfg.text_unit), tokenizer, cfg.seq_len,
-                                 num_proc=cfg.num_proc)
+        rows = with_recall_rows(tokenize_and_pack(load_texts(cfg.data, cfg.text_field, cfg.text_unit), tokenizer,
+                                                  cfg.seq_len, num_proc=cfg.num_proc), cfg.recall_share, cfg.seed)
     step = json.loads((resume_from / STATE_FILE).read_text())["step"] if resume_from is not None else 0
     stream = batches(rows, cfg.batch_size, cfg.seed, step * cfg.grad_accum,
                      accelerator.process_index, accelerator.num_processes)
@@ -457,8 +460,9 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
     stream1, tokens_per_row1 = stream, cfg.seq_len
     if stage1 and step < stage1 and cfg.stage1_seq_len not in (None, cfg.seq_len):
         with accelerator.main_process_first():  # attention transfer on rows of its own length
-            rows1 = tokenize_and_pack(load_texts(cfg.data, cfg.text_field, cfg.text_unit), tokenizer,
-                                      cfg.stage1_seq_len, num_proc=cfg.num_proc)
+            rows1 = with_recall_rows(tokenize_and_pack(load_texts(cfg.data, cfg.text_field, cfg.text_unit), tokenizer,
+                                                       cfg.stage1_seq_len, num_proc=cfg.num_proc),
+                                     cfg.recall_share, cfg.seed)
         tokens_per_row1 = cfg.stage1_seq_len
         stream1 = batches(rows1, cfg.batch_size * cfg.seq_len // cfg.stage1_seq_len, cfg.seed, step * cfg.grad_accum,
                           accelerator.process_index, accelerator.num_processes)
@@ -715,7 +719,8 @@ def _write_card(out: Path, cfg: AdaptConfig, stage1: int, tokens: int, last: dic
         ("sequence length", f"{cfg.seq_len}" + (f" ({cfg.stage1_seq_len} in attention transfer)" if stage1 and
                                                 cfg.stage1_seq_len not in (None, cfg.seq_len) else "")),
         ("steps", f"{cfg.max_steps} ({stage1} attention transfer, {stage2} {cfg.loss} fine-tuning)"),
-        ("tokens", f"{tokens:,}"), ("trained parameters", cfg.train),
+        ("tokens", f"{tokens:,}" + (f" ({cfg.recall_share:.0%} of the rows recall rows)" if cfg.recall_share else "")),
+        ("trained parameters", cfg.train),
         ("learning rate", f"{cfg.stage1_lr:g} (stage 1), {cfg.lr:g} (stage 2)"
          + (f"; x{cfg.new_lr_scale:g} for the parameters the dense model lacks" if cfg.new_lr_scale != 1 else "")),
         ("final loss", f"{last.get('loss', float('nan')):.4f} (stage {last.get('stage', '-')})"),
