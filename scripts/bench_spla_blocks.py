@@ -44,21 +44,21 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from subquadratic.kernels.spla.triton_blocks import _add_rows  # noqa: E402
+from subquadratic.kernels.spla.triton_blocks_common import add_rows  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @triton.jit
 def probe_kernel(OUT, ROWS, R: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
-    """One [R, D] tile of ones x program id added (MODE >= 0: `_add_rows` ATOMICS) or stored (MODE < 0)
+    """One [R, D] tile of ones x program id added (MODE >= 0: `add_rows` ATOMICS) or stored (MODE < 0)
     to the rows ROWS[program * R:][:R] of OUT [rows, D]."""
     r = tl.load(ROWS + tl.program_id(0) * R + tl.arange(0, R))
     x = tl.full([R, D], 1.0, tl.float32) * tl.program_id(0).to(tl.float32)
     if MODE < 0:
         tl.store(OUT + r[:, None] * D + tl.arange(0, D)[None, :], x)
     else:
-        _add_rows(OUT, r, x, r >= 0, D, MODE)
+        add_rows(OUT, r, x, r >= 0, D, MODE)
 
 
 def timed(fn, quick: bool) -> float:
@@ -269,7 +269,7 @@ def stages(q, k, v, idx, qpos, koff, bs, plan, g1, g2) -> dict:
 
 def atomics_probe(quick: bool) -> list[dict]:
     """The rate of fp32 atomic adds of [64, 128] row tiles (the kernels' O / dq updates, through
-    `triton_blocks._add_rows`: scalar tl.atomic_add or red.global.add.v4.f32) into a [32768 x 32, 128]
+    `triton_blocks_common.add_rows`: scalar tl.atomic_add or red.global.add.v4.f32) into a [32768 x 32, 128]
     buffer (the O of 32k tokens x 32 heads, 537 MB), rows drawn at random inside a window of
     4096 x 32 rows (what the window order gives) or over the whole buffer, and plain stores to random
     rows, over 2^31 adds (32k forward's O: T x HQ x NSEL x D)."""
