@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,21 @@ def checkpoint_problem(path: str | Path, what: str = "model") -> str | None:
     return None
 
 
+def data_problem(source: str) -> str | None:
+    """The problem with one `--data` source that needs no reading (a path that does not exist, or
+    is neither a file nor a folder), or None; a name that is not a path is taken for a cached Hub
+    dataset."""
+    path = Path(source).expanduser()
+    if path.exists():
+        if not (path.is_file() or path.is_dir()):
+            return (f"{source} is neither a readable file nor a folder; give text, jsonl or parquet files or a "
+                    "folder of them")
+        return None
+    if source.startswith(("/", ".", "~")) or Path(source).suffix:
+        return f"{source} does not exist; check the path"
+    return None
+
+
 def device_problem(device: str) -> str | None:
     """The spelling of a --device value (whether it is present is checked once torch is imported)."""
     if re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", device):
@@ -164,20 +179,10 @@ def latest_checkpoint(out: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("-")[1])) if done else None
 
 
-def converted_model_types() -> set[str]:
-    """The model types of every family known without loading any: the built-ins and those registered."""
-    from .families import BUILTIN
-    from .registry import families
-
-    return {m.NAME for m in BUILTIN} | {f.name for f in families(load=False)}
-
-
-def adapt_problem(s: Any) -> str | None:
+def adapt_problem(s: Any, model_types: Collection[str]) -> str | None:
     """The settings of `adapt` (an `AdaptConfig`, or the command line's arguments: the same names)
     that can be checked before any model loads: numbers, the teacher the losses need, the folders,
     the data paths."""
-    from .data import source_problem as data_problem
-
     for name in ("max_steps", "seq_len", "batch_size", "grad_accum", "save_every", "save_total_limit"):
         if getattr(s, name) is not None and getattr(s, name) < 1:  # seq_len / batch_size None: by default
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(s, name)}"
@@ -206,7 +211,7 @@ def adapt_problem(s: Any) -> str | None:
         model_type = json.loads(config.read_text()).get("model_type")
     except json.JSONDecodeError as e:
         return f"{config} is not valid JSON ({e}); convert the model again"
-    if model_type not in converted_model_types():
+    if model_type not in model_types:
         return (f"{s.student} is a {model_type} model, not a converted one; convert it first "
                 "(subquadratic convert SRC OUT --to spla|hla|sse-h)")
     if s.teacher is not None and not (Path(s.teacher).expanduser() / "config.json").is_file():

@@ -24,7 +24,7 @@ import sys
 from . import checks
 from .checks import int_at_least, nonnegative_int, positive_int
 from .data import DTYPE_CHOICES
-from .families import convert_targets
+from .families import convert_targets, converted_model_types
 
 #: evaluation.suite.TASKS and DEFAULT_LENGTHS, readable without torch (a test keeps them equal)
 EVAL_TASKS = ("ppl", "passkey", "niah", "mqar", "kl")
@@ -273,7 +273,7 @@ def _precheck(parser, args) -> None:
         _check(checks.file_problem(args.eval_data, "--eval-data"))
         _check(checks.device_problem(args.eval_device))
     elif args.command == "adapt":
-        _check(checks.adapt_problem(args))
+        _check(checks.adapt_problem(args, converted_model_types()))
         _check(checks.file_problem(args.eval_data, "--eval-data"))
     elif args.command == "eval":
         _eval_tasks(args)

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from ..cards import replace_section
 from ..checks import STATE_FILE, InputError, adapt_problem, latest_checkpoint
 from ..data import IGNORE_INDEX, batches, load_texts, tokenize_and_pack, torch_dtype
+from ..families import converted_model_types
 
 LOG_FILE = "adapt_log.jsonl"
 #: rows of this many tokens by default (or the model's context if shorter), DEFAULT_STEP_TOKENS tokens a
@@ -131,7 +132,8 @@ class AdaptConfig:
             raise AdaptError(f"unknown --loss {self.loss!r}; use {', '.join(LOSS_CHOICES)}")
         if self.mixed_precision not in PRECISION_CHOICES:
             raise AdaptError(f"unknown --mixed-precision {self.mixed_precision!r}; use {', '.join(PRECISION_CHOICES)}")
-        if (problem := adapt_problem(self)) is not None:  # what the command line checks before importing torch
+        # what the command line checks before importing torch
+        if (problem := adapt_problem(self, converted_model_types())) is not None:
             raise AdaptError(problem)
 
 
