@@ -68,12 +68,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import subquadratic  # noqa: E402, F401  (registers the families)
 from subquadratic.adaptation import AdaptConfig, adapt  # noqa: E402
-from subquadratic.adaptation.layer_choice import Calibration  # noqa: E402
 from subquadratic.checks import latest_checkpoint  # noqa: E402
-from subquadratic.conversion import convert  # noqa: E402
 from subquadratic.conversion.core import resolve_target  # noqa: E402
 from subquadratic.data import token_stream  # noqa: E402
 from subquadratic.evaluation import next_token_kl, perplexity, retrieval, write_card_evaluation  # noqa: E402
+from subquadratic.layer_choice import Calibration, convert  # noqa: E402
 
 #: the cap on the adaptation tokens of one model
 MAX_TOKENS = 20_000_000

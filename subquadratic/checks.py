@@ -74,10 +74,36 @@ def layer_list(text: str) -> str:
 layer_list.metavar = "I,J"
 
 
+#: The ways of choosing softmax layers by measurement, as a `softmax_layers` value names them
+#: ("auto:K": the K layers whose replacement costs the most after a short attention transfer,
+#: `layer_choice`); the value METHOD:K of each is read by `layer_choice_spec`.
+LAYER_CHOICE_METHODS = ("auto",)
+
+
+def layer_choice_spec(value: Any) -> tuple[str, int] | None:
+    """(method, K) of a measured `softmax_layers` value "METHOD:K" (a name of LAYER_CHOICE_METHODS);
+    None for any other value (a layer list, None). A value that starts with a method's name but is not
+    METHOD:K raises ValueError saying how to write it. K is checked against the layer count where the
+    model is known (`convert`)."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    method = next((m for m in LAYER_CHOICE_METHODS if text.startswith(m)), None)
+    if method is None:
+        return None
+    m = re.fullmatch(rf"{method}:(\d+)", text)
+    if m is None:
+        raise ValueError(f"softmax_layers {value!r}: write {method}:K with K the number of softmax layers, "
+                         f"like {method}:5")
+    return method, int(m.group(1))
+
+
 def layer_list_or_auto(text: str) -> str:
-    """An argparse type: a comma list of layer indices (`layer_list`), or auto:K (the K layers whose
-    replacement costs the most, measured at conversion, which checks K against the layer count)."""
-    return text.strip() if text.strip().startswith("auto") else layer_list(text)
+    """An argparse type: a comma list of layer indices (`layer_list`), or a measured choice such as
+    auto:K (the K layers whose replacement costs the most; `layer_choice_spec`, read at conversion,
+    which checks K against the layer count)."""
+    text = text.strip()
+    return text if text.startswith(LAYER_CHOICE_METHODS) else layer_list(text)
 
 
 layer_list_or_auto.metavar = "I,J|auto:K"

@@ -261,7 +261,7 @@ def _precheck(parser, args) -> None:
     if args.command == "convert":
         options = _family_options(parser, args)
         if (args.calibration_data or args.calibration_steps is not None) and \
-                not str(options.get("softmax_layers", "")).startswith("auto"):
+                not str(options.get("softmax_layers", "")).startswith(checks.LAYER_CHOICE_METHODS):
             raise InputProblem("--calibration-data / --calibration-steps price the layers of a "
                                "--<family>-softmax-layers auto:K layout; add one or drop them")
         if args.private and not args.push_to_hub:
@@ -410,13 +410,12 @@ def _flags_for_fields(parser, args, message: str) -> str:
 
 
 def _convert(parser, args, command: str) -> None:
-    from .conversion import ConversionError, convert
+    from .conversion import ConversionError
+    from .layer_choice import Calibration, convert
 
     options = _family_options(parser, args)
     calibration = None
     if args.calibration_data or args.calibration_steps is not None:
-        from .adaptation.layer_choice import Calibration
-
         calibration = Calibration(data=args.calibration_data, device="auto",
                                   **({} if args.calibration_steps is None else {"steps": args.calibration_steps}))
     before_finish = _card_evaluation(args) if args.eval_data else None

@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -41,13 +40,11 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..cards import card_metadata, read_card_metadata
-from ..checks import InputError, looks_like_hub_id, output_problem, source_problem
+from ..checks import layer_choice_spec, looks_like_hub_id, output_problem, source_problem
 from ..data import DTYPE_CHOICES, torch_dtype
+from .gguf import check_gguf, dequantize_gguf, gguf_file, gguf_hub_id
+from .sources import SUPPORTED_SOURCES, ConversionError
 
-if TYPE_CHECKING:
-    from ..adaptation.layer_choice import Calibration
-
-SUPPORTED_SOURCES = ("llama", "mistral", "qwen2", "qwen3")
 COPIED_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
@@ -55,8 +52,20 @@ COPIED_FILES = (
 )
 
 
-class ConversionError(InputError):
-    """A problem with the user's input: printed as one line, exit code 2."""
+@dataclass(frozen=True)
+class ChosenLayout:
+    """A layout chosen by measurement (`softmax_layers="METHOD:K"`, `checks.layer_choice_spec`): the
+    softmax layers, the model card's line for them, and the JSON records written beside the
+    checkpoint, by file name."""
+
+    layers: list[int]
+    note: str
+    files: dict[str, dict]
+
+
+#: What resolves a measured layout for `convert`: (the source checkpoint folder, the target, the
+#: options, (method, K), progress) -> `ChosenLayout` (`layer_choice.layout_chooser`).
+LayoutChooser = Callable[[Path, str, dict, tuple[str, int], bool], ChosenLayout]
 
 
 #: Parameters of a mixer that a dense source provides (`AttentionBase`'s names); the rest are new.
@@ -362,8 +371,6 @@ def card_source(src: str, src_path: Path, cfg: dict, gguf_meta: dict | None = No
     "license_from"}: the Hub id where known (`hub_id_of`, or the GGUF file's source repo), a name for
     the title (the Hub id, else the folder or file name), and the license from the source's card
     (README.md front matter), its config or its GGUF metadata, where one of them names it."""
-    from .gguf import gguf_hub_id
-
     gguf_meta = gguf_meta or {}
     hub_id = hub_id_of(src, src_path, cfg) or gguf_hub_id(gguf_meta)
     card = read_card_metadata(src_path / "README.md")
@@ -430,8 +437,8 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
     before_finish: Callable[[Path, Path], None] | None = None,
-    calibration: Calibration | None = None,
     command: str | None = None,
+    choose_layout: LayoutChooser | None = None,
 ) -> Path:
     """Convert the dense checkpoint `src` (a folder, a .gguf file or a Hub id) at `out` into `to` (a
     family, or one of its convert presets: `registry.convert_target`), with the family's `options`;
@@ -439,9 +446,9 @@ def convert(
 
     `before_finish(folder, src_folder)` runs on the complete temporary folder before it is renamed to
     `out` (the CLI evaluates it there and writes the card's evaluation); if it raises, nothing is left.
-    A layout option `softmax_layers="auto:K"` keeps softmax attention at the K layers whose
-    replacement costs the most, measured first (`adaptation.layer_choice`, with `calibration`, a
-    `layer_choice.Calibration`); the measurement is written to OUT/layer_costs.json.
+    A measured layout (`softmax_layers="auto:K"`: `checks.layer_choice_spec`) is resolved by
+    `choose_layout` on the source folder before anything is written (`layer_choice.convert` passes
+    the one that prices the layers); without one such a layout is refused.
     `command` is the command line the card records (default: the `subquadratic convert` command
     equivalent to this call, `convert_command`)."""
     src, out = str(src), str(out)  # a Path is as good as a string
@@ -453,8 +460,6 @@ def convert(
     out_path = Path(out).expanduser()
     if (problem := output_problem(out_path, overwrite, src_path)) is not None:
         raise ConversionError(problem)
-    from .gguf import check_gguf, dequantize_gguf, gguf_file
-
     cast = None if dtype == "auto" else torch_dtype(dtype)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with ExitStack() as scratch:
@@ -465,20 +470,20 @@ def convert(
                                                                        dir=out_path.parent))
             src_path = dequantize_gguf(gguf, Path(folder) / gguf.stem, cast or torch.float32, progress)
         return _convert(src, src_path, out_path, to, fam, options, cast, progress, before_finish,
-                        command or convert_command(src, out, to, given, dtype), gguf_meta, calibration)
+                        command or convert_command(src, out, to, given, dtype), gguf_meta, choose_layout)
 
 
 def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: dict, cast, progress: bool,
-             before_finish, command: str, gguf_meta: dict | None, calibration=None) -> Path:
+             before_finish, command: str, gguf_meta: dict | None, choose_layout: LayoutChooser | None) -> Path:
     """`convert` from a checkpoint folder `src_path` (`src` as the user gave it)."""
     conv = fam.converter
     src_cfg = read_source_config(src_path)
     shards = source_shards(src_path)
     fields = source_fields(src_cfg)
     check_shapes(shards, fields)
-    measured = None
-    if str(options.get("softmax_layers", "")).startswith("auto"):
-        options, measured = _measured_layout(src_path, to, options, calibration, progress)
+    measured = _measured_layout(src_path, to, options, fields["num_hidden_layers"], choose_layout, progress)
+    if measured is not None:
+        options = {**options, "softmax_layers": ",".join(map(str, measured.layers))}
     try:
         config = keep_source_attention(conv.build_config(fields, options), source_layer_types(src_cfg))
     except ValueError as e:
@@ -529,11 +534,11 @@ def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: di
         for name in COPIED_FILES:
             if (src_path / name).is_file():
                 shutil.copy2(src_path / name, tmp / name)
-        shown = {**options, **(measured["card"] if measured else {})}
+        shown = {**options, **({"softmax_layers": measured.note} if measured else {})}
         (tmp / "README.md").write_text(render_card(fam.card, card_values(
             src, src_path, src_cfg, config, to, shown, command, gguf_meta, conv.card_notes(config))))
-        if measured is not None:
-            (tmp / "layer_costs.json").write_text(json.dumps(measured["costs"], indent=1) + "\n")
+        for name, record in (measured.files if measured else {}).items():
+            (tmp / name).write_text(json.dumps(record, indent=1) + "\n")
         if before_finish is not None:
             before_finish(tmp, src_path)
         _finish(tmp, out_path)
@@ -543,27 +548,24 @@ def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: di
     return out_path
 
 
-def _measured_layout(src: Path, to: str, options: dict, calibration, progress: bool) -> tuple[dict, dict]:
-    """`softmax_layers="auto:K"` resolved by measurement: the options with the chosen layer list, and
-    {"costs": the measurement, "card": the card's line for it}."""
-    from ..adaptation.layer_choice import Calibration, auto_layer_count, choose_softmax_layers, layer_costs
-
-    calibration = calibration or Calibration()
-    n = read_source_config(src)["num_hidden_layers"]
+def _measured_layout(src: Path, to: str, options: dict, layers: int, choose_layout: LayoutChooser | None,
+                     progress: bool) -> ChosenLayout | None:
+    """The layout of a measured `softmax_layers` ("auto:K") chosen by `choose_layout` on the source
+    folder `src` of `layers` layers; None for any other layout."""
     try:
-        k = auto_layer_count(options["softmax_layers"])
-        if not 0 < k < n:
-            raise ValueError(f"softmax_layers auto:{k} asks for {k} softmax layers of {n}; choose K in 1..{n - 1}")
-        calibration.check()
+        spec = layer_choice_spec(options.get("softmax_layers"))
     except ValueError as e:
         raise ConversionError(f"invalid settings: {e}") from None
-    costs = layer_costs(src, to, options, calibration, progress=progress)
-    chosen = choose_softmax_layers(costs["layers"], k)
-    layers = ",".join(map(str, chosen))
-    note = (f"{layers} (auto:{k}: the {k} layers whose replacement costs the most after a short attention "
-            "transfer; layer_costs.json)")
-    return {**options, "softmax_layers": layers}, {"costs": {**costs, "chosen": chosen},
-                                                   "card": {"softmax_layers": note}}
+    if spec is None:
+        return None
+    method, k = spec
+    if not 0 < k < layers:
+        raise ConversionError(f"invalid settings: softmax_layers {method}:{k} asks for {k} softmax layers of "
+                              f"{layers}; choose K in 1..{layers - 1}")
+    if choose_layout is None:
+        raise ConversionError(f"softmax_layers {method}:{k} is chosen by measurement; convert with "
+                              "subquadratic.layer_choice.convert (or `subquadratic convert`), which measures it")
+    return choose_layout(src, to, options, spec, progress)
 
 
 def card_values(src: str, src_path: Path, src_cfg: dict, config, to: str, options: dict, command: str,
