@@ -62,9 +62,7 @@ _STARTED = time.perf_counter()  # the time budget counts from here: torch's impo
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 
 import subquadratic  # noqa: E402, F401  (registers the families)
 from subquadratic.adaptation import AdaptConfig, adapt  # noqa: E402
@@ -376,7 +374,7 @@ def dense_model(args, scale: Scale, work: Path, train_jsonl: Path | None) -> Pat
 
 def tiny_dense(scale: Scale, folder: Path, train_jsonl: Path) -> Path:
     """A random Llama of `scale.tiny_model` with a byte-level BPE learned from the training text."""
-    from replicate import train_tokenizer
+    from scripts.replicate import train_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = dict(scale.tiny_model)
