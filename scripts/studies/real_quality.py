@@ -374,8 +374,9 @@ def dense_model(args, scale: Scale, work: Path, train_jsonl: Path | None) -> Pat
 
 def tiny_dense(scale: Scale, folder: Path, train_jsonl: Path) -> Path:
     """A random Llama of `scale.tiny_model` with a byte-level BPE learned from the training text."""
-    from scripts.replicate import train_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from scripts.studies.replicate import train_tokenizer
 
     shape = dict(scale.tiny_model)
     tokenizer = train_tokenizer(train_jsonl, shape.pop("vocab"))
