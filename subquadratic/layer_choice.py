@@ -20,7 +20,7 @@ what the next layer's RMSNorm passes on. `choose_softmax_layers(costs, k)` keeps
 Why this measure: one short run prices every layer at once, with the loss stage 1 minimises anyway;
 the KL of replacing one layer at a time needs a transferred model first and a forward pass per
 layer and window. Whether it picks better layers than a fixed layout is for the ablation rows of
-the real-model protocol (`scripts/real_quality.py`) to show.
+the real-model protocol (`scripts/studies/real_quality.py`) to show.
 
 The value "METHOD:K" is read by `checks.layer_choice_spec` (the methods: `checks.LAYER_CHOICE_METHODS`);
 `METHODS` maps each method to the function that chooses its layers here.

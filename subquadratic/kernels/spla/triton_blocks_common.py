@@ -82,9 +82,10 @@ WINDOW_BYTES = 32 << 20
 def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True, *,
                 precision: str | None = None, dtype: torch.dtype = torch.bfloat16, **overrides) -> BlocksPlan:
     """The launch settings for a GQA group of G heads of dimension D, chosen where the kernels compile for sm_90
-    without register spills (or with the fewest) and measured fastest on the H200 (scripts/bench_spla_blocks.py
-    --sweep): see the defaults below. Vector atomics ("v4") on sm_90 and later (the same adds per second as
-    scalar ones, fewer instructions and registers: 13.1 against 13.8 ms forward at 32k), scalar ones for tiles
+    without register spills (or with the fewest) and measured fastest on the H200
+    (scripts/benchmarks/kernels/bench_spla_blocks.py --sweep): see the defaults below. Vector atomics ("v4") on
+    sm_90 and later (the same adds per second as scalar ones, fewer instructions and registers: 13.1 against
+    13.8 ms forward at 32k), scalar ones for tiles
     smaller than the threads (`_v4_covers`); a window of WINDOW_BYTES of output rows per KV head (a power of two
     in [256, 16384]); `precision` of fp32 dots: "tf32" on CUDA, "ieee" elsewhere (the CPU interpreter, where the
     fp64-oracle tests run); fp32 operands (`dtype` fp32 or fp64) at d256 take the backward kernels over half
@@ -97,7 +98,8 @@ def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True
     # pass 2 on 64 rows of 4 warps (d <= 128: at 16k, HQ32 H8 d64, forward 3.11 against 3.95 ms on 128 rows of
     # 8 warps, 2026-12-03) or 32 (d256); the backward on 64 rows fused (d <= 64: 8.8 against 11.5 ms forward +
     # backward split3 at 16k; at d128 32k even, 44.2 / 44.3) or split3 on 32 rows of 4 warps over whole blocks;
-    # 32 chunks per segment; 32 MB windows (sweeps at 32k iid, H200: scripts/bench_spla_blocks.py --sweep)
+    # 32 chunks per segment; 32 MB windows (sweeps at 32k iid, H200:
+    # scripts/benchmarks/kernels/bench_spla_blocks.py --sweep)
     rows, warps = (64, 4) if D <= 128 else (32, 4)
     per_token = G * D * 4 * (2 if use_rla else 1)
     window = 1 << max(8, min(14, (WINDOW_BYTES // per_token).bit_length() - 1))
