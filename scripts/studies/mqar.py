@@ -5,7 +5,7 @@ against the GLA-style baseline (SSE with one partition) and HLA (hla2), with a l
                          [--lrs 1e-3,3e-3] [--models sse,gla,hla] [--jobs 6]
   python -m scripts.studies.mqar --quick --out DIR     # tiny shapes on the CPU: a smoke run
 
-Each (model, learning rate) is one job: `subquadratic.evaluation.mqar_compare` for that contender alone,
+Each (model, learning rate) is one job: `mqar_contenders.mqar_compare` for that contender alone,
 from the same seed, on the same training stream and the same held-out set as the others. Jobs run in
 --jobs processes at once (these models are small, so one job leaves most of a GPU idle and is bound by
 its host thread). As in Zoology, a model's score is its best held-out accuracy over the swept rates.
@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from subquadratic.evaluation.mqar import MQAR_MODELS, MQARSettings  # noqa: E402
+from scripts.studies.mqar_contenders import MQAR_MODELS, MQARSettings  # noqa: E402
 
 #: "h200": the task of the 2026-11-30 replication (sequence 128, 16 pairs, vocabulary 256, 2 layers of
 #: width 128, head dim 32), trained at a batch and length where the models can converge.
@@ -37,7 +37,7 @@ PRESETS = {
 def run_job(name: str, settings: dict, device: str, seed: int) -> dict:
     import torch
 
-    from subquadratic.evaluation import mqar_compare
+    from scripts.studies.mqar_contenders import mqar_compare
 
     torch.set_num_threads(1)
     started = time.perf_counter()

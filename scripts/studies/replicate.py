@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 
 import subquadratic  # noqa: E402, F401  (registers the families)
+from scripts.studies.mqar_contenders import MQARSettings, mqar_compare  # noqa: E402
 from subquadratic.adaptation import AdaptConfig, adapt  # noqa: E402
 from subquadratic.conversion import convert  # noqa: E402
 from subquadratic.data import tokenize_and_pack  # noqa: E402
-from subquadratic.evaluation import MQARSettings, evaluate, markdown_table, mqar_compare  # noqa: E402
+from subquadratic.evaluation import evaluate, markdown_table  # noqa: E402
 from subquadratic.evaluation.report import plot_results  # noqa: E402
 
 
