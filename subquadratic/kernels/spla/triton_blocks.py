@@ -28,8 +28,8 @@ about `rows` rows whatever G is). The forward has two forms (`BlocksPlan.forward
     lse = logsumexp_i lse_i, otilde = sum_i otilde_i. Its partials cost T x HQ x NSEL x D values
     (in 16-bit inputs' dtype, else fp32: `BlocksPlan.partials`), written once and read once; past
     SPLIT_BYTES of them (very long calls) a call without a backward runs the split form over query
-    chunks that each stay within it, and a call with one takes the atomic form. On the H200 the
-    split form is the faster of the two, with and without the residual term (docs/benchmarks.md);
+    chunks that each stay within it, and a call with one takes the atomic form. The split form
+    measured the faster of the two, with and without the residual term (docs/benchmarks.md);
   "atomic": pass 1 (`blocks_lse_kernel`) the log-sum-exp of each (token, head, slot) into
     [B, T, H, NSEL, G] and one torch.logsumexp over the slots; pass 2 (`blocks_out_kernel`) the
     scores again, P = exp(S - lse) (already normalised), O += P V and otilde += (phi(q) phi(k)^T) V
@@ -40,15 +40,15 @@ segment.
 
 The windows keep the atomics in L2: the table runs key by key, so the programs in flight work on one
 window of one KV head, whose output rows (window x G x D fp32, O and otilde) stay resident while all
-their slots are added (on the H200, fp32 atomic adds of random rows ran at 604 G/s inside a window
-of 4096 tokens x 32 heads against 371 G/s over 32k tokens; plain stores 1020 G/s). A smaller window
+their slots are added (fp32 atomic adds of random rows measured faster inside such a window than
+spread over 32k tokens, and plain stores faster still: docs/benchmarks.md). A smaller window
 costs more partly filled chunks (one per key and window).
 
 Forced blocks (the sinks, chosen by every token, and the banded local blocks) need no structure of
 their own: a key's run is cut into segments of bounded size, so the sink block's thousands of pairs
 are as many uniform programs as any other block's and the load stays balanced. (A banded kernel for
-them could write its part of O with stores instead of atomics: 3 of 16 pairs a token, at most ~1 ms
-of pass 2 at 32k; not done.)
+them could write its part of O with stores instead of atomics: 3 of 16 pairs a token, a small share
+of pass 2; not done.)
 
 The atomics make O, otilde and the gradients reproducible only up to the order of fp32 additions
 (a deterministic order would need per-pair partial outputs written and summed: T x HQ x NSEL x D

@@ -14,8 +14,8 @@ slots by one reduction after the kernel), and on key-major tiles [keys, rows]
 accumulated over the segment and added to the block's slots once. Delta = rowsum(dO * O);
 J_phi(x) g = phi(x) * (g - sum(g * phi(x))) is the softmax feature map's Jacobian (linear in g, so
 applied per chunk). The dq and dk/dv kernels recompute P (and A) apart: four more dots per chunk than
-the fused kernel, which at d128 spilled 1.5-2 KB of registers a thread and measured slower (58 ms
-against 45 ms forward + backward, 32k iid, H200); `blocks_plan` picks it where it measured faster.
+the fused kernel, which at d128 spilled 1.5-2 KB of registers a thread and measured slower (forward +
+backward, 32k iid: docs/benchmarks.md); `blocks_plan` picks it where it measured faster.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ class BlocksPlan:
     rows // G tokens); lse_rows / lse_warps: rows and warps of pass 1 (same segments as pass 2);
     seg_chunks / bwd_seg_chunks: chunks of pass 2 / the backward per segment (one program);
     window: query slots per window of the pair order (the output rows the atomics of the programs
-    in flight touch); sort: "sort" (stable torch.sort) or "count" (counting sort with atomics; 0.83
-    against 0.32 ms at 32k on the H200); warps / bwd_warps, stages / bwd_stages: num_warps and
+    in flight touch); sort: "sort" (stable torch.sort) or "count" (counting sort with atomics, the
+    slower at 32k); warps / bwd_warps, stages / bwd_stages: num_warps and
     num_stages of pass 2 / the backward; precision: dot precision of fp32 operands, "tf32" or "ieee"
     (16-bit operands always run on the tensor cores, fp32 accumulation); bwd: "split" (dq over parts
     of dq_keys keys of the block, then dk/dv of both branches over parts of dkdv_keys keys) or
@@ -83,23 +83,22 @@ def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True
                 precision: str | None = None, dtype: torch.dtype = torch.bfloat16, **overrides) -> BlocksPlan:
     """The launch settings for a GQA group of G heads of dimension D, chosen where the kernels compile for sm_90
     without register spills (or with the fewest) and measured fastest on the H200
-    (scripts/benchmarks/kernels/bench_spla_blocks.py --sweep): see the defaults below. Vector atomics ("v4") on
-    sm_90 and later (the same adds per second as scalar ones, fewer instructions and registers: 13.1 against
-    13.8 ms forward at 32k), scalar ones for tiles
-    smaller than the threads (`_v4_covers`); a window of WINDOW_BYTES of output rows per KV head (a power of two
-    in [256, 16384]); `precision` of fp32 dots: "tf32" on CUDA, "ieee" elsewhere (the CPU interpreter, where the
-    fp64-oracle tests run); fp32 operands (`dtype` fp32 or fp64) at d256 take the backward kernels over half
-    blocks (the shared memory of whole ones is over the H200's 227 KB). `overrides`: any field of `BlocksPlan`."""
+    (scripts/benchmarks/kernels/bench_spla_blocks.py --sweep; docs/benchmarks.md): see the defaults below.
+    Vector atomics ("v4") on sm_90 and later (the same adds per second as scalar ones, fewer instructions and
+    registers: a slightly faster forward), scalar ones for tiles smaller than the threads (`_v4_covers`); a
+    window of WINDOW_BYTES of output rows per KV head (a power of two in [256, 16384]); `precision` of fp32
+    dots: "tf32" on CUDA, "ieee" elsewhere (the CPU interpreter, where the fp64-oracle tests run); fp32 operands
+    (`dtype` fp32 or fp64) at d256 take the backward kernels over half blocks (the shared memory of whole ones
+    is over the H200's 227 KB). `overrides`: any field of `BlocksPlan`."""
     device = torch.device(device)
     if precision is None:
         precision = "tf32" if device.type == "cuda" else "ieee"
     vec = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     gp = next_power_of_2(G)
-    # pass 2 on 64 rows of 4 warps (d <= 128: at 16k, HQ32 H8 d64, forward 3.11 against 3.95 ms on 128 rows of
-    # 8 warps, 2026-12-03) or 32 (d256); the backward on 64 rows fused (d <= 64: 8.8 against 11.5 ms forward +
-    # backward split3 at 16k; at d128 32k even, 44.2 / 44.3) or split3 on 32 rows of 4 warps over whole blocks;
-    # 32 chunks per segment; 32 MB windows (sweeps at 32k iid, H200:
-    # scripts/benchmarks/kernels/bench_spla_blocks.py --sweep)
+    # pass 2 on 64 rows of 4 warps (d <= 128: faster than 128 rows of 8 warps) or 32 (d256); the backward on
+    # 64 rows fused (d <= 64: faster than split3; even at d128) or split3 on 32 rows of 4 warps over whole
+    # blocks; 32 chunks per segment; 32 MB windows (the sweeps of scripts/benchmarks/kernels/bench_spla_blocks.py
+    # --sweep, docs/benchmarks.md)
     rows, warps = (64, 4) if D <= 128 else (32, 4)
     per_token = G * D * 4 * (2 if use_rla else 1)
     window = 1 << max(8, min(14, (WINDOW_BYTES // per_token).bit_length() - 1))
