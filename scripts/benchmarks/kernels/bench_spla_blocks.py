@@ -21,7 +21,7 @@ the (token, block) pairs, and the block-major form's counted floors (tensor-core
 HBM bytes of its inputs and outputs, fp32 atomic adds); "check" compares its values and gradients
 with the per-token kernels'. --sweep times block-major launch plans (forward form, partials, rows,
 warps, window, sort) on the first iid case, the forward with and without the residual term. A
-summary table comes last; --out writes every row as JSON. docs/benchmarks.md holds the run of
+summary table comes last; --out writes every row as JSON. docs/benchmarks_history.md holds the run of
 2026-12-01 ("SPLA sparse branch, block-major kernels").
 """
 

@@ -61,7 +61,7 @@ PIECE = 16
 #: in-chunk cumulative decays (the walks of an 8k SSE-H first token: docs/benchmarks.md). The
 #: split's two extra launches a call cost more than they save where the walk is cheap and the
 #: forward is bound by the host's launches (HLA's two stages a layer, SPLA's causal linear term:
-#: docs/benchmarks.md, 2026-12-04), so those keep the single walk; the kernels take every kind.
+#: docs/benchmarks_history.md, 2026-12-04), so those keep the single walk; the kernels take every kind.
 SPLIT_DECAYS = ("key",)
 
 

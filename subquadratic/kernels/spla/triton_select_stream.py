@@ -250,7 +250,7 @@ def tile_rows(G: int, D: int, rows: int | None = None) -> tuple[int, int]:
 
 
 #: The streamed selection's default launch settings: "bitonic" merge in chunks of 32 blocks with 8 warps,
-#: the fastest setting of the sweep at 16k and 32k (docs/benchmarks.md, 2026-12-03, fifth run). At 128k
+#: the fastest setting of the sweep at 16k and 32k (docs/benchmarks_history.md, 2026-12-03, fifth run). At 128k
 #: on random q / k "insert" in chunks of 64 with 4 warps timed faster alone, but in the model (q / k of
 #: the layers, whose scores come in longer runs of new top-k entries) bitonic's fixed cost won on time to
 #: first token (sixth run), so bitonic at every length.
