@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +74,38 @@ def layer_list(text: str) -> str:
 layer_list.metavar = "I,J"
 
 
+#: The ways of choosing softmax layers by measurement, as a `softmax_layers` value names them
+#: ("auto:K": the K layers whose replacement costs the most after a short attention transfer;
+#: "retrieval:K": the K layers holding the source's strongest retrieval heads; `layer_choice`); the
+#: value METHOD:K of each is read by `layer_choice_spec`.
+LAYER_CHOICE_METHODS = ("auto", "retrieval")
+
+
+def layer_choice_spec(value: Any, layers: int | None = None) -> tuple[str, int] | None:
+    """(method, K) of a measured `softmax_layers` value "METHOD:K" (a name of LAYER_CHOICE_METHODS),
+    or "METHOD:1/N": K = max(1, `layers` // N), as many as every N-th layer would keep (the convert
+    presets' form; needs `layers`). None for any other value (a layer list, None). A value that starts
+    with a method's name but is neither raises ValueError saying how to write it. K is checked against
+    the layer count where the model is known (`convert`)."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    method = next((m for m in LAYER_CHOICE_METHODS if text.startswith(m)), None)
+    if method is None:
+        return None
+    m = re.fullmatch(rf"{method}:(?:(\d+)|1/(\d+))", text)
+    if m is None or (m.group(2) is not None and (layers is None or int(m.group(2)) < 1)):
+        raise ValueError(f"softmax_layers {value!r}: write {method}:K with K the number of softmax layers, "
+                         f"like {method}:5, or {method}:1/N for a N-th of the layers")
+    return method, int(m.group(1)) if m.group(1) is not None else max(1, layers // int(m.group(2)))
+
+
 def layer_list_or_auto(text: str) -> str:
-    """An argparse type: a comma list of layer indices (`layer_list`), auto:K (the K layers whose
-    replacement costs the most) or retrieval:K (the K layers holding the source's strongest retrieval
-    heads), both measured at conversion, which checks K against the layer count."""
-    return text.strip() if text.strip().startswith(("auto", "retrieval")) else layer_list(text)
+    """An argparse type: a comma list of layer indices (`layer_list`), or a measured choice such as
+    auto:K (the K layers whose replacement costs the most; `layer_choice_spec`, read at conversion,
+    which checks K against the layer count)."""
+    text = text.strip()
+    return text if text.startswith(LAYER_CHOICE_METHODS) else layer_list(text)
 
 
 layer_list_or_auto.metavar = "I,J|auto:K|retrieval:K"
@@ -146,6 +173,21 @@ def checkpoint_problem(path: str | Path, what: str = "model") -> str | None:
     return None
 
 
+def data_problem(source: str) -> str | None:
+    """The problem with one `--data` source that needs no reading (a path that does not exist, or
+    is neither a file nor a folder), or None; a name that is not a path is taken for a cached Hub
+    dataset."""
+    path = Path(source).expanduser()
+    if path.exists():
+        if not (path.is_file() or path.is_dir()):
+            return (f"{source} is neither a readable file nor a folder; give text, jsonl or parquet files or a "
+                    "folder of them")
+        return None
+    if source.startswith(("/", ".", "~")) or Path(source).suffix:
+        return f"{source} does not exist; check the path"
+    return None
+
+
 def device_problem(device: str) -> str | None:
     """The spelling of a --device value (whether it is present is checked once torch is imported)."""
     if re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", device):
@@ -165,20 +207,10 @@ def latest_checkpoint(out: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("-")[1])) if done else None
 
 
-def converted_model_types() -> set[str]:
-    """The model types of every family known without loading any: the built-ins and those registered."""
-    from .families import BUILTIN
-    from .registry import families
-
-    return {m.NAME for m in BUILTIN} | {f.name for f in families(load=False)}
-
-
-def adapt_problem(s: Any) -> str | None:
+def adapt_problem(s: Any, model_types: Collection[str]) -> str | None:
     """The settings of `adapt` (an `AdaptConfig`, or the command line's arguments: the same names)
     that can be checked before any model loads: numbers, the teacher the losses need, the folders,
     the data paths."""
-    from .data import source_problem as data_problem
-
     for name in ("max_steps", "seq_len", "batch_size", "grad_accum", "save_every", "save_total_limit"):
         if getattr(s, name) is not None and getattr(s, name) < 1:  # seq_len / batch_size None: by default
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(s, name)}"
@@ -209,7 +241,7 @@ def adapt_problem(s: Any) -> str | None:
         model_type = json.loads(config.read_text()).get("model_type")
     except json.JSONDecodeError as e:
         return f"{config} is not valid JSON ({e}); convert the model again"
-    if model_type not in converted_model_types():
+    if model_type not in model_types:
         return (f"{s.student} is a {model_type} model, not a converted one; convert it first "
                 "(subquadratic convert SRC OUT --to spla|hla|sse-h)")
     if s.teacher is not None and not (Path(s.teacher).expanduser() / "config.json").is_file():

@@ -24,7 +24,7 @@ import sys
 from . import checks
 from .checks import int_at_least, nonnegative_int, positive_int
 from .data import DTYPE_CHOICES
-from .families import convert_targets
+from .families import convert_targets, converted_model_types
 
 #: evaluation.suite.TASKS and DEFAULT_LENGTHS, readable without torch (a test keeps them equal)
 EVAL_TASKS = ("ppl", "passkey", "niah", "mv-niah", "vt", "copy", "mqar", "kl")
@@ -266,7 +266,7 @@ def _precheck(parser, args) -> None:
     if args.command == "convert":
         options = _family_options(parser, args)
         if (args.calibration_data or args.calibration_steps is not None) and \
-                not str(options.get("softmax_layers", "")).startswith("auto"):
+                not str(options.get("softmax_layers", "")).startswith(checks.LAYER_CHOICE_METHODS):
             raise InputProblem("--calibration-data / --calibration-steps price the layers of a "
                                "--<family>-softmax-layers auto:K layout; add one or drop them")
         if args.private and not args.push_to_hub:
@@ -278,7 +278,7 @@ def _precheck(parser, args) -> None:
         _check(checks.file_problem(args.eval_data, "--eval-data"))
         _check(checks.device_problem(args.eval_device))
     elif args.command == "adapt":
-        _check(checks.adapt_problem(args))
+        _check(checks.adapt_problem(args, converted_model_types()))
         _check(checks.file_problem(args.eval_data, "--eval-data"))
     elif args.command == "eval":
         _eval_tasks(args)
@@ -415,13 +415,12 @@ def _flags_for_fields(parser, args, message: str) -> str:
 
 
 def _convert(parser, args, command: str) -> None:
-    from .conversion import ConversionError, convert
+    from .conversion import ConversionError
+    from .layer_choice import Calibration, convert
 
     options = _family_options(parser, args)
     calibration = None
     if args.calibration_data or args.calibration_steps is not None:
-        from .adaptation.layer_choice import Calibration
-
         calibration = Calibration(data=args.calibration_data, device="auto",
                                   **({} if args.calibration_steps is None else {"steps": args.calibration_steps}))
     before_finish = _card_evaluation(args) if args.eval_data else None

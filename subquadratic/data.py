@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .checks import InputError
+from .checks import InputError, data_problem
 
 if TYPE_CHECKING:
     import torch
@@ -66,21 +66,6 @@ def _expand(source: str) -> list[Path]:
     return []
 
 
-def source_problem(source: str) -> str | None:
-    """The problem with one `--data` source that needs no reading (a path that does not exist, or
-    is neither a file nor a folder), or None; a name that is not a path is taken for a cached Hub
-    dataset."""
-    path = Path(source).expanduser()
-    if path.exists():
-        if not (path.is_file() or path.is_dir()):
-            return (f"{source} is neither a readable file nor a folder; give text, jsonl or parquet files or a "
-                    "folder of them")
-        return None
-    if source.startswith(("/", ".", "~")) or Path(source).suffix:
-        return f"{source} does not exist; check the path"
-    return None
-
-
 def load_texts(sources: str | os.PathLike | Sequence[str | os.PathLike], text_field: str = "text",
                text_unit: str = "document", split: str = "train") -> Dataset:
     """A `datasets.Dataset` with one column, `text`, one document per row.
@@ -115,7 +100,7 @@ def _load_texts(sources, text_field, text_unit, split, load_dataset, concatenate
     for source in sources:
         files = _expand(source)
         if not files:
-            if (problem := source_problem(source)) is not None:
+            if (problem := data_problem(source)) is not None:
                 raise DataError(problem)
             try:
                 ds = load_dataset(source, split=split)

@@ -56,13 +56,13 @@ def run_child(cmd: Sequence[str], *, timeout: float, env: dict[str, str] | None 
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run_script(name: str, *args, timeout: float = 900, **extra_env: str) -> subprocess.CompletedProcess:
-    """`python scripts/<name> args...` from the repository root with the package on PYTHONPATH (and
-    `extra_env`), under `run_child`'s deadline."""
+def run_script(module: str, *args, timeout: float = 900, **extra_env: str) -> subprocess.CompletedProcess:
+    """`python -m <module> args...` (a script such as scripts.benchmarks.kernels.bench_host) from the
+    repository root with the package on PYTHONPATH (and `extra_env`), under `run_child`'s deadline."""
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    return run_child([sys.executable, root / "scripts" / name, *args], timeout=timeout,
+    return run_child([sys.executable, "-m", module, *args], timeout=timeout,
                      env=clean_env(PYTHONPATH=path, **extra_env), cwd=str(root))

@@ -1,20 +1,17 @@
-"""scripts/bench_adapt.py: the --quick smoke run adapts each family's conversion of a tiny Llama for two
-steps through `adapt()`, and the peak breakdown replays an allocator trace to its largest live total."""
+"""scripts/benchmarks/models/bench_adapt.py: the --quick smoke run adapts each family's conversion of a
+tiny Llama for two steps through `adapt()`, and the peak breakdown replays an allocator trace to its
+largest live total."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 from .processes import run_script
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 
 def test_bench_adapt_quick_smoke(tmp_path):
     out = tmp_path / "r.json"
-    res = run_script("bench_adapt.py", "--quick", "--work", tmp_path / "work", "--out", out)
+    res = run_script("scripts.benchmarks.models.bench_adapt", "--quick", "--work", tmp_path / "work", "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
     assert [r["family"] for r in rows] == ["spla", "sse-h", "hla-h"]
@@ -26,7 +23,7 @@ def test_bench_adapt_quick_smoke(tmp_path):
 
 
 def test_peak_breakdown_replays_to_the_largest_live_total():
-    from bench_adapt import peak_breakdown
+    from scripts.benchmarks.models.bench_adapt import peak_breakdown
 
     def frame(name, line):
         return [{"filename": f"/x/site-packages/subquadratic/{name}", "line": line, "name": "f"}]

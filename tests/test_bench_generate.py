@@ -1,4 +1,4 @@
-"""scripts/bench_generate.py --quick runs end to end on CPU (tiny model) and reports what P7 asks."""
+"""scripts/benchmarks/models/bench_generate.py --quick runs end to end on CPU (tiny model) and reports what P7 asks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_bench_generate_quick_smoke(tmp_path):
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_generate.py"), "--quick", "--contexts", "128,320",
+    cmd = [sys.executable, "-m", "scripts.benchmarks.models.bench_generate", "--quick", "--contexts", "128,320",
            "--new-tokens", "3", "--repeats", "1", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)

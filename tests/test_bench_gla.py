@@ -1,4 +1,4 @@
-"""scripts/bench_gla.py --quick runs end to end on the CPU interpreter: every row is there, times are
+"""scripts/benchmarks/kernels/bench_gla.py --quick runs end to end on the CPU interpreter: every row is there, times are
 positive, and SPLA's causal linear term on the kernels agrees with the PyTorch form it replaced."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_gla_quick_smoke(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_gla.py"), "--quick", "--out", str(out)]
+    cmd = [sys.executable, "-m", "scripts.benchmarks.kernels.bench_gla", "--quick", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if not __import__("torch").cuda.is_available():
         env["TRITON_INTERPRET"] = "1"

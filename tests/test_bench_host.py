@@ -1,4 +1,4 @@
-"""scripts/bench_host.py --quick runs end to end on the CPU: the host time of an aten op and of a
+"""scripts/benchmarks/kernels/bench_host.py --quick runs end to end on the CPU: the host time of an aten op and of a
 one-layer model of each family."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from .processes import run_script
 
 def test_bench_host_quick_smoke(tmp_path):
     out = tmp_path / "r.json"
-    res = run_script("bench_host.py", "--quick", "--out", out)
+    res = run_script("scripts.benchmarks.kernels.bench_host", "--quick", "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["host_us"]
     assert rows["aten add"] > 0

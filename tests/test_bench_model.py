@@ -1,4 +1,5 @@
-"""scripts/bench_model.py --quick runs end to end on CPU (tiny model) and reports every M1 / M2 row."""
+"""scripts/benchmarks/models/bench_model.py --quick runs end to end on CPU (tiny model) and reports every
+M1 / M2 row."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_bench_model_quick_smoke(tmp_path):
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_model.py"), "--quick", "--repeats", "1", "--out", str(out),
-           "--profile", "128", "--profile-host", "5", "--profile-gaps", "5",
+    cmd = [sys.executable, "-m", "scripts.benchmarks.models.bench_model", "--quick", "--repeats", "1",
+           "--out", str(out), "--profile", "128", "--profile-host", "5", "--profile-gaps", "5",
            "--profile-out", str(tmp_path / "prof.txt"), "--split-train"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
@@ -66,8 +67,9 @@ def test_bench_model_on_a_checkpoint_and_real_text(tmp_path):
     make_dense("llama").save_pretrained(ckpt)
     tiny_tokenizer().save_pretrained(ckpt)
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_model.py"), "--quick", "--repeats", "1", "--out", str(out),
-           "--checkpoint", str(ckpt), "--text", str(ROOT / "tests" / "models"), "--families", "spla,hla",
+    cmd = [sys.executable, "-m", "scripts.benchmarks.models.bench_model", "--quick", "--repeats", "1",
+           "--out", str(out), "--checkpoint", str(ckpt), "--text", str(ROOT / "tests" / "models"),
+           "--families", "spla,hla",
            "--lengths", "96", "--train-lengths", "64", "--checkpointing"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
@@ -79,6 +81,6 @@ def test_bench_model_on_a_checkpoint_and_real_text(tmp_path):
     assert all(r["error"] is None and r["ratio"] > 0 for r in data["rows"])
     assert data["meta"]["checkpointing"] and all(r["checkpointing"] == (r["measure"] == "train") for r in data["rows"])
     assert "| M2 | training step (checkpointed) | 64 | hla |" in res.stdout
-    bad = subprocess.run([*cmd[:2], "--quick", "--text", "python"], capture_output=True, text=True, cwd=ROOT,
+    bad = subprocess.run([*cmd[:3], "--quick", "--text", "python"], capture_output=True, text=True, cwd=ROOT,
                          env=env, timeout=120)
     assert bad.returncode != 0 and "--text needs --checkpoint" in bad.stderr

@@ -1,5 +1,5 @@
-"""scripts/bench_spla_blocks.py --quick runs end to end on CPU (Triton interpreter, tiny shapes) on a
-random selection and on a tiny file in scripts/dump_spla_inputs.py's layout, and its check finds the
+"""scripts/benchmarks/kernels/bench_spla_blocks.py --quick runs end to end on CPU (Triton interpreter, tiny shapes) on a
+random selection and on a tiny file in scripts/tools/dump_spla_inputs.py's layout, and its check finds the
 block-major kernels equal to the per-token ones."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_bench_spla_blocks_quick_smoke(tmp_path):
     real = tmp_path / "qkv.safetensors"
     save_file(qkv, str(real), metadata=dict(layers="[5]", block_size="16", top_k_blocks="3"))
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_spla_blocks.py"), "--quick", "--data", "iid", "--real",
+    cmd = [sys.executable, "-m", "scripts.benchmarks.kernels.bench_spla_blocks", "--quick", "--data", "iid", "--real",
            str(real), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)

@@ -1,5 +1,5 @@
-"""scripts/bench_toggles.py --quick runs end to end on the CPU: every setting of each family measured, the
-dense peer once, the training pair, a ratio per row."""
+"""scripts/benchmarks/models/bench_toggles.py --quick runs end to end on the CPU: every setting of each
+family measured, the dense peer once, the training pair, a ratio per row."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .processes import run_script
 
 def test_bench_toggles_quick_smoke(tmp_path):
     out = tmp_path / "r.json"
-    res = run_script("bench_toggles.py", "--quick", "--repeats", "2", "--out", out)
+    res = run_script("scripts.benchmarks.models.bench_toggles", "--quick", "--repeats", "2", "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     got = {(r["model"], r["measure"], r["T"], r["setting"]) for r in rows}

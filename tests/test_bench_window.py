@@ -1,4 +1,4 @@
-"""scripts/bench_window.py --quick runs end to end on the CPU interpreter: one row with every form
+"""scripts/benchmarks/kernels/bench_window.py --quick runs end to end on the CPU interpreter: one row with every form
 timed and the kernels' values on the banded form's."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .processes import run_script
 def test_bench_window_quick_smoke(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "r.json"
-    res = run_script("bench_window.py", "--quick", "--out", out)
+    res = run_script("scripts.benchmarks.kernels.bench_window", "--quick", "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(out.read_text())
     (row,) = data["rows"]

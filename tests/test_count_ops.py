@@ -1,4 +1,4 @@
-"""scripts/count_ops.py counts one mixer layer's ops on the CUDA paths: the Triton launches are there,
+"""scripts/tools/count_ops.py counts one mixer layer's ops on the CUDA paths: the Triton launches are there,
 an unpadded prefill masks nothing and synchronises nothing, and the fused output norm and gate runs
 as one launch."""
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_count_ops_hla_and_sse(tmp_path):
     pytest.importorskip("triton")
-    cmd = [sys.executable, str(ROOT / "scripts" / "count_ops.py"), "--family", "hla", "--family", "sse",
+    cmd = [sys.executable, "-m", "scripts.tools.count_ops", "--family", "hla", "--family", "sse",
            "--no-triton", "--top", "60"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env["TRITON_INTERPRET"] = "1"

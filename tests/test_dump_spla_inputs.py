@@ -1,4 +1,4 @@
-"""scripts/dump_spla_inputs.py: the captured q, k, v are the post-RoPE projections the SPLA mixer computes,
+"""scripts/tools/dump_spla_inputs.py: the captured q, k, v are the post-RoPE projections the SPLA mixer computes,
 and the --quick run writes a loadable file with the documented shapes."""
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("dump_spla_inputs", ROOT / "scripts" / "dump_spla_inputs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("scripts.tools.dump_spla_inputs")
 
 
 def test_capture_returns_post_rope_projections(tmp_path):
@@ -53,7 +50,7 @@ def test_capture_returns_post_rope_projections(tmp_path):
 def test_quick_run_writes_the_file(tmp_path):
     out = tmp_path / "inputs.safetensors"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "dump_spla_inputs.py"), str(out), "--quick"],
+    res = subprocess.run([sys.executable, "-m", "scripts.tools.dump_spla_inputs", str(out), "--quick"],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     from safetensors import safe_open

@@ -1,4 +1,4 @@
-"""scripts/fsdp_scaling.py: its bookkeeping (fit search, targets, profiles, resuming, the deadline) on
+"""scripts/studies/fsdp_scaling.py: its bookkeeping (fit search, targets, profiles, resuming, the deadline) on
 fake runs, the child runner's out-of-memory / failure / timeout verdicts, the communication / compute
 split, the configuration its GPU runs use (FSDP2 with one-row micro-batches and gradient accumulation)
 training as one process does, and the whole --dry-run on CPU processes."""
@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import _fsdp  # noqa: E402
-import fsdp_scaling  # noqa: E402
+from scripts.common import fsdp as _fsdp  # noqa: E402
+from scripts.studies import fsdp_scaling  # noqa: E402
 
 PY = sys.executable
 
@@ -254,11 +253,11 @@ def test_dry_run_measures_every_cell_and_resumes(tmp_path):
     throughput runs on one and two processes, a profiled run, the fit search; a second call into the
     same OUT and WORK runs nothing again."""
     out, work = tmp_path / "out", tmp_path / "work"
-    cmd = [PY, str(ROOT / "scripts" / "fsdp_scaling.py"), "--dry-run", "--out", str(out), "--work", str(work),
+    cmd = [PY, "-m", "scripts.studies.fsdp_scaling", "--dry-run", "--out", str(out), "--work", str(work),
            "--families", "sse-h", "--lengths", "64", "--max-len", "128", "--warmup", "1", "--steps", "2",
            "--profile", "all", "--profile-steps", "1"]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     rows = results["rows"]

@@ -1,4 +1,4 @@
-"""scripts/mqar.py: the --quick smoke run trains every (model, learning rate) job of the tiny MQAR task in
+"""scripts/studies/mqar.py: the --quick smoke run trains every (model, learning rate) job of the tiny MQAR task in
 processes of its own and writes one table with every contender at the same state size; bad input is one
 line and a non-zero exit."""
 
@@ -10,7 +10,7 @@ from .processes import run_script
 
 
 def test_mqar_quick_runs_every_job_at_equal_state(tmp_path):
-    res = run_script("mqar.py", "--quick", "--out", tmp_path, "--lrs", "3e-3,1e-2", "--steps", "5")
+    res = run_script("scripts.studies.mqar", "--quick", "--out", tmp_path, "--lrs", "3e-3,1e-2", "--steps", "5")
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "mqar.json").read_text())
     assert sorted((j["model"], j["lr"]) for j in result["jobs"]) == [
@@ -24,6 +24,6 @@ def test_mqar_quick_runs_every_job_at_equal_state(tmp_path):
 
 
 def test_mqar_rejects_unknown_models(tmp_path):
-    res = run_script("mqar.py", "--quick", "--out", tmp_path, "--models", "sse,mamba")
+    res = run_script("scripts.studies.mqar", "--quick", "--out", tmp_path, "--models", "sse,mamba")
     assert res.returncode == 2
     assert "unknown mamba" in res.stderr and not (tmp_path / "mqar.json").exists()

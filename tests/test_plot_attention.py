@@ -1,4 +1,4 @@
-"""scripts/plot_attention.py runs headless on a tiny SPLA model beyond its budget and on a hybrid's
+"""scripts/tools/plot_attention.py runs headless on a tiny SPLA model beyond its budget and on a hybrid's
 state layer (a one-line refusal), and plots the blocks the layer's selection took."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def run(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "MPLBACKEND": "Agg",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_attention.py"), *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "scripts.tools.plot_attention", *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=180)
 
 

@@ -1,4 +1,4 @@
-"""scripts/real_quality.py --scale tiny: the real-model protocol's code path end to end on a CPU (a
+"""scripts/studies/real_quality.py --scale tiny: the real-model protocol's code path end to end on a CPU (a
 tiny random Llama, numpy's sources): the held-out split, every row of the main table, an ablation
 run merged into the same table, the adapted models' cards, the commands."""
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def rq():
-    spec = importlib.util.spec_from_file_location("real_quality", ROOT / "scripts" / "real_quality.py")
+    spec = importlib.util.spec_from_file_location("real_quality", ROOT / "scripts" / "studies" / "real_quality.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["real_quality"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
@@ -156,7 +156,7 @@ def test_tiny_protocol_main_table_then_an_ablation_run(rq, tmp_path):
     assert "## Python at 512 by position in the window" in report and "| sse-h | " in report.split("by position")[1]
     assert [q["start"] for q in rows["sse-h"]["metrics"]["code"]["kl"][512]["by_position"]] == [0, 128, 256]
     assert {e["run"] for e in rows.values()} == {rows["dense"]["run"]}  # one run measured them all
-    assert "subquadratic adapt" in report and "python scripts/real_quality.py --scale tiny" in report
+    assert "subquadratic adapt" in report and "python scripts/studies/real_quality.py --scale tiny" in report
     assert json.loads((out / "results.json").read_text())["rows"].keys() == rows.keys()
 
     dense_before = json.loads(json.dumps(rows["dense"]))

@@ -1,4 +1,4 @@
-"""scripts/replicate.py --scale tiny runs the whole pipeline on CPU (pretrain, convert to five
+"""scripts/studies/replicate.py --scale tiny runs the whole pipeline on CPU (pretrain, convert to five
 contenders, adapt each, evaluate, MQAR) and writes every table it promises, from computed numbers."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_replicate_tiny_writes_every_table(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "scripts" / "replicate.py"), "--scale", "tiny", "--device", "cpu",
+    cmd = [sys.executable, "-m", "scripts.studies.replicate", "--scale", "tiny", "--device", "cpu",
            "--out", str(out), "--work", str(tmp_path / "work")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
@@ -42,10 +42,10 @@ def test_replicate_tiny_writes_every_table(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_two_gpus_dry_run_compares_two_processes_with_one(tmp_path):
-    """scripts/fsdp_two_gpus.py --dry-run: the one- and two-process adaptations of SPLA and SSE-H run,
+    """scripts/studies/fsdp_two_gpus.py --dry-run: the one- and two-process adaptations of SPLA and SSE-H run,
     follow each other (same seed, same global batch), and every cell of the table is measured."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "scripts" / "fsdp_two_gpus.py"), "--dry-run", "--steps", "6", "--batch", "4",
+    cmd = [sys.executable, "-m", "scripts.studies.fsdp_two_gpus", "--dry-run", "--steps", "6", "--batch", "4",
            "--out", str(out), "--work", str(tmp_path / "work")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)

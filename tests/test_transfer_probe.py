@@ -1,4 +1,4 @@
-"""scripts/transfer_probe.py --tiny: layer-local attention transfer on a tiny random Llama and numpy's
+"""scripts/studies/transfer_probe.py --tiny: layer-local attention transfer on a tiny random Llama and numpy's
 sources; the fitted mixer reproduces the dense attention better than the fresh one, its scores come
 per position range, and rows that do not change the mixer are refused in one line."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def probe():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("transfer_probe", ROOT / "scripts" / "transfer_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["transfer_probe"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("transfer_probe", None)
+    return importlib.import_module("scripts.studies.transfer_probe")
 
 
 def test_relative_errors_by_range(probe):

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from ..cards import replace_section
 from ..checks import STATE_FILE, InputError, adapt_problem, latest_checkpoint
 from ..data import IGNORE_INDEX, batches, load_texts, tokenize_and_pack, torch_dtype, with_recall_rows
+from ..families import converted_model_types
 
 LOG_FILE = "adapt_log.jsonl"
 #: rows of this many tokens by default (or the model's context if shorter), DEFAULT_STEP_TOKENS tokens a
@@ -111,8 +112,11 @@ class AdaptConfig:
     #: processes that tokenise the data (default: one)
     num_proc: int | None = None
     progress: bool = True
-    #: stop (as an interruption would) after this many steps, leaving the last checkpoint: for tests
+    #: stop (as an interruption would) after this many steps, leaving the last checkpoint and no final
+    #: model: for tests, and for the layer pricing of `layer_choice`, which keeps only its measurement
     stop_after: int | None = None
+    #: run on the CPU even where a GPU is (accelerate's `cpu`)
+    cpu: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -134,7 +138,8 @@ class AdaptConfig:
             raise AdaptError(f"unknown --loss {self.loss!r}; use {', '.join(LOSS_CHOICES)}")
         if self.mixed_precision not in PRECISION_CHOICES:
             raise AdaptError(f"unknown --mixed-precision {self.mixed_precision!r}; use {', '.join(PRECISION_CHOICES)}")
-        if (problem := adapt_problem(self)) is not None:  # what the command line checks before importing torch
+        # what the command line checks before importing torch
+        if (problem := adapt_problem(self, converted_model_types())) is not None:
             raise AdaptError(problem)
 
 
@@ -292,6 +297,20 @@ class Transfer:
         self.handles = []
 
 
+class Watch:
+    """What a caller in the same process follows of an `adapt` run (the layer pricing of
+    `layer_choice` reads each converted layer's transfer error this way): `attach` once, when the
+    stage-1 hooks are in place (the unwrapped student, its `Transfer` or None without stage 1, the
+    converted layers), before the first step; `step_done(step, stage)` after each optimizer step
+    (step counted from 1). The base class does nothing."""
+
+    def attach(self, student, transfer: Transfer | None, layers: list[int]) -> None:
+        pass
+
+    def step_done(self, step: int, stage: int) -> None:
+        pass
+
+
 #: Decoder layers of the sources `convert` takes whose forward is the pre-norm residual block
 #: h + attn(norm1(h)), then h + mlp(norm2(h)) (`_documents_per_layer` runs it layer by layer)
 PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
@@ -417,12 +436,13 @@ def _fsdp_launch() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
 
 
-def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None] | None = None) -> Path:
+def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None] | None = None,
+          watch: Watch | None = None) -> Path:
     """Run the adaptation `cfg` describes; returns the output folder (a loadable model folder).
 
     `after_training(out, device)` runs on the main process once `out` holds the final model and its
     card, before the checkpoints are removed (`subquadratic adapt --eval-data` evaluates the model
-    there and writes the card's Evaluation section)."""
+    there and writes the card's Evaluation section). `watch` follows the run from inside (`Watch`)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, set_seed
     from tqdm.auto import tqdm
@@ -432,7 +452,8 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
     cfg.check()
     out, resume_from = _prepare_output(cfg)
     # every trainable parameter gets a gradient on every step (`Trainee`), so DDP needs no unused-parameter search
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, fsdp_plugin=_fsdp_plugin(cfg.mixed_precision))
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=cfg.cpu,
+                              fsdp_plugin=_fsdp_plugin(cfg.mixed_precision))
     main = accelerator.is_main_process
     sharded = accelerator.distributed_type == DistributedType.FSDP
     if main and _fsdp_launch() and not sharded:
@@ -502,6 +523,8 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
 
     if stage1 and step < stage1:
         trainee.transfer = Transfer(teacher, student_lm, layers)
+    if watch is not None:
+        watch.attach(student_lm, trainee.transfer, layers)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * accelerator.num_processes
     tokens_per_step1 = ((cfg.batch_size * cfg.seq_len // tokens_per_row1) * tokens_per_row1 * cfg.grad_accum
                         * accelerator.num_processes)
@@ -534,6 +557,8 @@ def adapt(cfg: AdaptConfig, after_training: Callable[[Path, torch.device], None]
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        if watch is not None:
+            watch.step_done(step, stage)
         loss_value = accelerator.reduce(total, "mean").item()
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"the loss is {loss_value} at step {step}; lower --lr / --stage1-lr "

@@ -29,11 +29,11 @@ import re
 import shlex
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -41,13 +41,11 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..cards import card_metadata, read_card_metadata
-from ..checks import InputError, looks_like_hub_id, output_problem, source_problem
+from ..checks import layer_choice_spec, looks_like_hub_id, output_problem, source_problem
 from ..data import DTYPE_CHOICES, torch_dtype
+from .gguf import check_gguf, dequantize_gguf, gguf_file, gguf_hub_id
+from .sources import SUPPORTED_SOURCES, ConversionError
 
-if TYPE_CHECKING:
-    from ..adaptation.layer_choice import Calibration
-
-SUPPORTED_SOURCES = ("llama", "mistral", "qwen2", "qwen3")
 COPIED_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
@@ -55,8 +53,20 @@ COPIED_FILES = (
 )
 
 
-class ConversionError(InputError):
-    """A problem with the user's input: printed as one line, exit code 2."""
+@dataclass(frozen=True)
+class ChosenLayout:
+    """A layout chosen by measurement (`softmax_layers="METHOD:K"`, `checks.layer_choice_spec`): the
+    softmax layers, the model card's line for them, and the JSON records written beside the
+    checkpoint, by file name."""
+
+    layers: list[int]
+    note: str
+    files: dict[str, dict]
+
+
+#: What resolves a measured layout for `convert`: (the source checkpoint folder, the target, the
+#: options, (method, K), progress) -> `ChosenLayout` (`layer_choice.layout_chooser`).
+LayoutChooser = Callable[[Path, str, dict, tuple[str, int], bool], ChosenLayout]
 
 
 #: Parameters of a mixer that a dense source provides (`AttentionBase`'s names); the rest are new.
@@ -362,8 +372,6 @@ def card_source(src: str, src_path: Path, cfg: dict, gguf_meta: dict | None = No
     "license_from"}: the Hub id where known (`hub_id_of`, or the GGUF file's source repo), a name for
     the title (the Hub id, else the folder or file name), and the license from the source's card
     (README.md front matter), its config or its GGUF metadata, where one of them names it."""
-    from .gguf import gguf_hub_id
-
     gguf_meta = gguf_meta or {}
     hub_id = hub_id_of(src, src_path, cfg) or gguf_hub_id(gguf_meta)
     card = read_card_metadata(src_path / "README.md")
@@ -430,8 +438,8 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
     before_finish: Callable[[Path, Path], None] | None = None,
-    calibration: Calibration | None = None,
     command: str | None = None,
+    choose_layout: LayoutChooser | None = None,
 ) -> Path:
     """Convert the dense checkpoint `src` (a folder, a .gguf file or a Hub id) at `out` into `to` (a
     family, or one of its convert presets: `registry.convert_target`), with the family's `options`;
@@ -439,11 +447,9 @@ def convert(
 
     `before_finish(folder, src_folder)` runs on the complete temporary folder before it is renamed to
     `out` (the CLI evaluates it there and writes the card's evaluation); if it raises, nothing is left.
-    A layout option `softmax_layers="auto:K"` keeps softmax attention at the K layers whose
-    replacement costs the most, measured first (`adaptation.layer_choice`, with `calibration`, a
-    `layer_choice.Calibration`); the measurement is written to OUT/layer_costs.json.
-    `softmax_layers="retrieval:K"` keeps the K layers holding the source's strongest retrieval heads
-    (`_retrieval_layout`); the scores go to OUT/retrieval_heads.json.
+    A measured layout (`softmax_layers="auto:K"`: `checks.layer_choice_spec`) is resolved by
+    `choose_layout` on the source folder before anything is written (`layer_choice.convert` passes
+    the one that prices the layers); without one such a layout is refused.
     `command` is the command line the card records (default: the `subquadratic convert` command
     equivalent to this call, `convert_command`)."""
     src, out = str(src), str(out)  # a Path is as good as a string
@@ -455,8 +461,6 @@ def convert(
     out_path = Path(out).expanduser()
     if (problem := output_problem(out_path, overwrite, src_path)) is not None:
         raise ConversionError(problem)
-    from .gguf import check_gguf, dequantize_gguf, gguf_file
-
     cast = None if dtype == "auto" else torch_dtype(dtype)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with ExitStack() as scratch:
@@ -467,23 +471,20 @@ def convert(
                                                                        dir=out_path.parent))
             src_path = dequantize_gguf(gguf, Path(folder) / gguf.stem, cast or torch.float32, progress)
         return _convert(src, src_path, out_path, to, fam, options, cast, progress, before_finish,
-                        command or convert_command(src, out, to, given, dtype), gguf_meta, calibration)
+                        command or convert_command(src, out, to, given, dtype), gguf_meta, choose_layout)
 
 
 def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: dict, cast, progress: bool,
-             before_finish, command: str, gguf_meta: dict | None, calibration=None) -> Path:
+             before_finish, command: str, gguf_meta: dict | None, choose_layout: LayoutChooser | None) -> Path:
     """`convert` from a checkpoint folder `src_path` (`src` as the user gave it)."""
     conv = fam.converter
     src_cfg = read_source_config(src_path)
     shards = source_shards(src_path)
     fields = source_fields(src_cfg)
     check_shapes(shards, fields)
-    measured = None
-    layout = str(options.get("softmax_layers", ""))
-    if layout.startswith("auto"):
-        options, measured = _measured_layout(src_path, to, options, calibration, progress)
-    elif layout.startswith("retrieval"):
-        options, measured = _retrieval_layout(src_path, options, calibration, progress)
+    measured = _measured_layout(src_path, to, options, fields["num_hidden_layers"], choose_layout, progress)
+    if measured is not None:
+        options = {**options, "softmax_layers": ",".join(map(str, measured.layers))}
     try:
         config = keep_source_attention(conv.build_config(fields, options), source_layer_types(src_cfg))
     except ValueError as e:
@@ -534,11 +535,11 @@ def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: di
         for name in COPIED_FILES:
             if (src_path / name).is_file():
                 shutil.copy2(src_path / name, tmp / name)
-        shown = {**options, **(measured["card"] if measured else {})}
+        shown = {**options, **({"softmax_layers": measured.note} if measured else {})}
         (tmp / "README.md").write_text(render_card(fam.card, card_values(
             src, src_path, src_cfg, config, to, shown, command, gguf_meta, conv.card_notes(config))))
-        if measured is not None:
-            (tmp / measured["file"]).write_text(json.dumps(measured["costs"], indent=1) + "\n")
+        for name, record in (measured.files if measured else {}).items():
+            (tmp / name).write_text(json.dumps(record, indent=1) + "\n")
         if before_finish is not None:
             before_finish(tmp, src_path)
         _finish(tmp, out_path)
@@ -548,73 +549,41 @@ def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: di
     return out_path
 
 
-def _measured_layout(src: Path, to: str, options: dict, calibration, progress: bool) -> tuple[dict, dict]:
-    """`softmax_layers="auto:K"` resolved by measurement: the options with the chosen layer list, and
-    {"costs": the measurement, "card": the card's line for it}."""
-    from ..adaptation.layer_choice import Calibration, auto_layer_count, choose_softmax_layers, layer_costs
-
-    calibration = calibration or Calibration()
-    n = read_source_config(src)["num_hidden_layers"]
+def _measured_layout(src: Path, to: str, options: dict, layers: int, choose_layout: LayoutChooser | None,
+                     progress: bool) -> ChosenLayout | None:
+    """The layout of a measured `softmax_layers` ("auto:K") chosen by `choose_layout` on the source
+    folder `src` of `layers` layers; None for any other layout."""
     try:
-        k = auto_layer_count(options["softmax_layers"])
-        if not 0 < k < n:
-            raise ValueError(f"softmax_layers auto:{k} asks for {k} softmax layers of {n}; choose K in 1..{n - 1}")
-        calibration.check()
+        spec = layer_choice_spec(options.get("softmax_layers"), layers)
     except ValueError as e:
         raise ConversionError(f"invalid settings: {e}") from None
-    costs = layer_costs(src, to, options, calibration, progress=progress)
-    chosen = choose_softmax_layers(costs["layers"], k)
-    layers = ",".join(map(str, chosen))
-    note = (f"{layers} (auto:{k}: the {k} layers whose replacement costs the most after a short attention "
-            "transfer; layer_costs.json)")
-    return {**options, "softmax_layers": layers}, {"costs": {**costs, "chosen": chosen}, "file": "layer_costs.json",
-                                                   "card": {"softmax_layers": note}}
+    if spec is None:
+        return None
+    method, k = spec
+    value = str(options["softmax_layers"]).strip()
+    share = "/" in value  # "METHOD:1/N": as many layers as every N-th (the convert presets' form)
+    if share and k == 0:
+        return ChosenLayout([], f"none ({value} of {layers} layers)", {})
+    if not 0 < k < layers:
+        raise ConversionError(f"invalid settings: softmax_layers {method}:{k} asks for {k} softmax layers of "
+                              f"{layers}; choose K in 1..{layers - 1}")
+    if choose_layout is None:
+        if share:  # a preset's measured layout, without the measurement: the fixed layout it stands for
+            chosen = evenly_spaced(layers, k)
+            warnings.warn(f"softmax layers at {','.join(map(str, chosen))} (evenly spaced): conversion.convert does "
+                          f"not measure {value}; subquadratic.layer_choice.convert and `subquadratic convert` do",
+                          stacklevel=3)
+            return ChosenLayout(chosen, f"{','.join(map(str, chosen))} (evenly spaced; {value} not measured)", {})
+        raise ConversionError(f"softmax_layers {method}:{k} is chosen by measurement; convert with "
+                              "subquadratic.layer_choice.convert (or `subquadratic convert`), which measures it")
+    return choose_layout(src, to, options, spec, progress)
 
 
-#: "retrieval:K": the K layers holding the dense model's strongest retrieval heads
-RETRIEVAL_LAYOUT = re.compile(r"^retrieval:(\d+)$")
-#: the needle prompts' length when scoring retrieval heads (capped at the source's context)
-RETRIEVAL_SCORE_LENGTH = 2048
-
-
-def _retrieval_layout(src: Path, options: dict, calibration, progress: bool) -> tuple[dict, dict]:
-    """`softmax_layers="retrieval:K"` resolved on the dense source: the K layers whose strongest head
-    attends most to a needle while its value is read back (`evaluation.retrieval_heads`), scored at
-    RETRIEVAL_SCORE_LENGTH tokens on `calibration.device` with its seed; the options with the layer list, and the
-    scores for OUT/retrieval_heads.json and the card."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..adaptation.layer_choice import Calibration
-    from ..evaluation.retrieval_heads import choose_retrieval_layers, layer_scores, retrieval_head_scores
-    from ..evaluation.suite import resolve_device
-
-    calibration = calibration or Calibration()
-    n = read_source_config(src)["num_hidden_layers"]
-    m = RETRIEVAL_LAYOUT.match(str(options["softmax_layers"]).strip())
-    if m is None or not 0 < int(m.group(1)) < n:
-        raise ConversionError(f"invalid settings: softmax_layers {options['softmax_layers']!r}: write retrieval:K "
-                              f"with K in 1..{n - 1}, like retrieval:5")
-    k = int(m.group(1))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(src)
-    except Exception as e:  # no tokenizer files
-        raise ConversionError(f"retrieval:{k} scores the source on needle prompts and needs its tokenizer; {src} "
-                              f"has none loadable ({type(e).__name__}): add the tokenizer files or give a layer "
-                              "list") from None
-    device = resolve_device(calibration.device)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device)
-    length = min(RETRIEVAL_SCORE_LENGTH,
-                 read_source_config(src).get("max_position_embeddings") or RETRIEVAL_SCORE_LENGTH)
-    heads = retrieval_head_scores(model, tokenizer, length=length, seed=calibration.seed, progress=progress)
-    del model
-    scores = layer_scores(heads)
-    chosen = choose_retrieval_layers(scores, k)
-    layers = ",".join(map(str, chosen))
-    note = (f"{layers} (retrieval:{k}: the {k} layers whose strongest head attends most to a needle while its value "
-            f"is read back, scored on the dense source at {length} tokens; retrieval_heads.json)")
-    record = {"length": length, "layers": scores, "heads": heads.tolist(), "chosen": chosen}
-    return {**options, "softmax_layers": layers}, {"costs": record, "file": "retrieval_heads.json",
-                                                   "card": {"softmax_layers": note}}
+def evenly_spaced(layers: int, k: int) -> list[int]:
+    """k layers of `layers`, evenly spaced and ending at the last: every (layers // k)-th layer, the layout
+    of `softmax_every` = layers // k (every 6th of 30 layers: 5, 11, 17, 23, 29)."""
+    step = layers // k
+    return [(j + 1) * step - 1 for j in range(k)]
 
 
 def card_values(src: str, src_path: Path, src_cfg: dict, config, to: str, options: dict, command: str,

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
+from .sources import SUPPORTED_SOURCES, ConversionError
+
 
 def gguf_file(path: Path) -> Path | None:
     """The GGUF file a source names: the file itself, or the only .gguf file of a folder that holds no
     safetensors weights; None for a folder of another kind. A folder of several GGUF files is an
     error naming them (the file to convert must be given)."""
-    from .core import ConversionError
-
     if path.is_file():
         return path if path.suffix == ".gguf" else None
     if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
@@ -61,8 +61,6 @@ def gguf_hub_id(meta: dict[str, str]) -> str | None:
 
 def check_gguf(path: Path) -> dict[str, str]:
     """The metadata of a GGUF file `convert` can read; a ConversionError says what is missing."""
-    from .core import SUPPORTED_SOURCES, ConversionError
-
     if importlib.util.find_spec("gguf") is None:
         raise ConversionError(f"{path} is a GGUF file; reading it needs the gguf package: pip install gguf, then "
                               "run the same command again")

@@ -86,3 +86,8 @@ def convert_targets() -> dict[str, tuple[dict[str, dict], dict[str, dict]]]:
     for f in families(lambda f: f.converter is not None, load=False):
         out[f.name] = (f.cli_options(), f.convert_presets)
     return out
+
+
+def converted_model_types() -> set[str]:
+    """The model types of every family known without loading any: the built-ins and those registered."""
+    return {m.NAME for m in BUILTIN} | {f.name for f in families(load=False)}

@@ -11,11 +11,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from subquadratic.adaptation.layer_choice import Calibration, choose_softmax_layers
+from subquadratic import layer_choice
 from subquadratic.cli import main as cli_main
 from subquadratic.conversion import ConversionError, convert
 from subquadratic.families.hla.modeling import initial_decay_logits
 from subquadratic.families.sse.modeling import gla_decay_bias, initial_decays
+from subquadratic.layer_choice import Calibration, choose_softmax_layers
 from tests.adaptation.conftest import VOCAB, corpus_files, train_tokenizer
 from tests.adaptation.test_adapt import weights as tensors
 from tests.conftest import make_dense
@@ -105,8 +106,8 @@ def test_auto_layers_keep_softmax_where_replacement_costs_most(to, priced_source
     options = {"softmax_layers": "auto:2", **({"sse_sliding_window": 8} if to == "sse-h" else {})}
     outs = []
     for name in ("a", "b"):
-        out = convert(str(src), str(tmp_path / name), to, options=options, progress=False,
-                      calibration=Calibration(data=files, **CALIBRATION))
+        out = layer_choice.convert(str(src), str(tmp_path / name), to, options=options, progress=False,
+                                   calibration=Calibration(data=files, **CALIBRATION))
         outs.append(out)
     costs = json.loads((outs[0] / "layer_costs.json").read_text())
     by_layer = {c["layer"]: c for c in costs["layers"]}
@@ -148,15 +149,19 @@ def test_auto_layers_from_the_command_line_and_its_errors(priced_source, tmp_pat
                    "--no-progress"])
     assert rc == 2 and "auto:K" in capsys.readouterr().err
     with pytest.raises(ConversionError, match="steps must be at least 2"):
-        convert(str(src), str(tmp_path / "bad"), "hla", options={"softmax_layers": "auto:1"}, progress=False,
-                calibration=Calibration(data=files, steps=1))
+        layer_choice.convert(str(src), str(tmp_path / "bad"), "hla", options={"softmax_layers": "auto:1"},
+                             progress=False, calibration=Calibration(data=files, steps=1))
+    # the converter alone does not measure: it refuses a measured layout, naming what does
+    with pytest.raises(ConversionError, match="subquadratic.layer_choice.convert"):
+        convert(str(src), str(tmp_path / "bad"), "hla", options={"softmax_layers": "auto:1"}, progress=False)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_layer_costs_on_rows_that_pack_several_documents(priced_source, tmp_path):
     """Short calibration documents pack several to a row: the residual stream is then in the packed
     layout and the mixers run one document per row, and the pricing hooks mask each in its own layout."""
-    from subquadratic.adaptation.layer_choice import layer_costs
     from subquadratic.data import batches, load_texts, tokenize_and_pack
+    from subquadratic.layer_choice import layer_costs
 
     src, files = priced_source
     lines = [ln for ln in open(files[0]).read().splitlines() if len(ln.strip()) > 20][:120]
@@ -180,7 +185,7 @@ def test_layer_costs_on_rows_that_pack_several_documents(priced_source, tmp_path
 def test_the_pricing_hook_sees_the_whole_residual_stream_entering_a_layer():
     """The residual energy the layer pricing records for layer i is that of the stream entering it (the
     model's hidden state i), though each layer leaves its MLP output for the next norm to add."""
-    from subquadratic.adaptation.layer_choice import _residual
+    from subquadratic.layer_choice import _residual
 
     from ..models.sse.test_modeling_sse import model as sse_model
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from subquadratic.evaluation import MQARSettings, mqar_accuracy, mqar_batch, mqar_compare
-from subquadratic.evaluation.mqar import IGNORE, mqar_config
+from scripts.studies.mqar_contenders import MQARSettings, mqar_compare, mqar_config
+from subquadratic.evaluation import mqar_accuracy, mqar_batch
+from subquadratic.evaluation.mqar import IGNORE
 
 
 def test_generator_invariants():

@@ -229,8 +229,9 @@ def test_convert_keeps_the_retrieval_layers(checkpoints, tmp_path):
 
     from transformers import AutoConfig
 
-    from subquadratic.conversion import ConversionError, convert
+    from subquadratic.conversion import ConversionError
     from subquadratic.evaluation.retrieval_heads import choose_retrieval_layers
+    from subquadratic.layer_choice import convert
 
     out = convert(str(checkpoints["dense"]), str(tmp_path / "sse"), "sse-h", options={"softmax_layers": "retrieval:1"},
                   progress=False)
@@ -239,7 +240,7 @@ def test_convert_keeps_the_retrieval_layers(checkpoints, tmp_path):
     config = AutoConfig.from_pretrained(out)
     assert config.softmax_layers == record["chosen"]
     assert "retrieval:1: the 1 layers whose strongest head" in (out / "README.md").read_text()
-    with pytest.raises(ConversionError, match="write retrieval:K with K in 1..1"):
+    with pytest.raises(ConversionError, match="asks for 2 softmax layers of 2; choose K in 1..1"):
         convert(str(checkpoints["dense"]), str(tmp_path / "bad"), "sse-h", options={"softmax_layers": "retrieval:2"},
                 progress=False)
     assert not (tmp_path / "bad").exists()

@@ -58,10 +58,10 @@ DECAY_KINDS = ("none", "head", "key")
 #: pieces, not its chunks); one piece or fewer take the single walk.
 PIECE = 16
 #: The decay kinds whose walks split. Per-key decay (SSE's GLA) pays for it: its walk also forms the
-#: in-chunk cumulative decays (an 8k SSE-H first token: the walks 5.4 -> 2.8 ms of GPU time). The
+#: in-chunk cumulative decays (the walks of an 8k SSE-H first token: docs/benchmarks.md). The
 #: split's two extra launches a call cost more than they save where the walk is cheap and the
 #: forward is bound by the host's launches (HLA's two stages a layer, SPLA's causal linear term:
-#: docs/benchmarks.md, 2026-12-04), so those keep the single walk; the kernels take every kind.
+#: docs/benchmarks_history.md, 2026-12-04), so those keep the single walk; the kernels take every kind.
 SPLIT_DECAYS = ("key",)
 
 

@@ -42,9 +42,9 @@ SPLIT_K_PROGRAMS = 264
 FORMS = ("blocks", "tile", "token", "union")
 #: Form "union" (prefill without gradients past UNION_MIN_BLOCKS key blocks, from UNION_MIN_TQ new
 #: tokens): the tile form when the query tiles' unions hold at most UNION_TILE_MAX blocks on average,
-#: else the block-major one, whose time does not grow with the union (on iid selections at 32k, unions
-#: of 187 blocks: 12.8 ms against the tile form's 40.6; on real 8k selections, unions of 21-24: the
-#: tile form 0.43 ms against 1.5). The mean is read on the host: one synchronisation per such call.
+#: else the block-major one, whose time does not grow with the union (docs/benchmarks.md: on iid
+#: selections at 32k, unions of 187 blocks, the block-major form is the faster; on real 8k selections,
+#: unions of 21-24, the tile form). The mean is read on the host: one synchronisation per such call.
 UNION_MIN_BLOCKS = 64
 UNION_MIN_TQ = 4096
 UNION_TILE_MAX = 64
@@ -81,8 +81,8 @@ class UnionHint:
 #: Selections on the "triton" path (see `SPLAPlan`).
 SELECTIONS = ("tile", "stream", "kernel", "matmul")
 #: Input dtypes whose calls from TILE_MIN_TQ tokens on CUDA take the streamed selection, with the
-#: score operands it runs in (2.7 ms against the tile selection's 10.9 at 32k on an H200, recall
-#: 0.997 of the exact fp64 selection on iid inputs: docs/benchmarks.md).
+#: score operands it runs in (faster than the tile selection there, with a recall of 0.997 of the
+#: exact fp64 selection on iid inputs: docs/benchmarks.md).
 STREAM_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 

@@ -28,8 +28,8 @@ about `rows` rows whatever G is). The forward has two forms (`BlocksPlan.forward
     lse = logsumexp_i lse_i, otilde = sum_i otilde_i. Its partials cost T x HQ x NSEL x D values
     (in 16-bit inputs' dtype, else fp32: `BlocksPlan.partials`), written once and read once; past
     SPLIT_BYTES of them (very long calls) a call without a backward runs the split form over query
-    chunks that each stay within it, and a call with one takes the atomic form. On the H200 the
-    split form is the faster of the two, with and without the residual term (docs/benchmarks.md);
+    chunks that each stay within it, and a call with one takes the atomic form. The split form
+    measured the faster of the two, with and without the residual term (docs/benchmarks.md);
   "atomic": pass 1 (`blocks_lse_kernel`) the log-sum-exp of each (token, head, slot) into
     [B, T, H, NSEL, G] and one torch.logsumexp over the slots; pass 2 (`blocks_out_kernel`) the
     scores again, P = exp(S - lse) (already normalised), O += P V and otilde += (phi(q) phi(k)^T) V
@@ -40,15 +40,15 @@ segment.
 
 The windows keep the atomics in L2: the table runs key by key, so the programs in flight work on one
 window of one KV head, whose output rows (window x G x D fp32, O and otilde) stay resident while all
-their slots are added (on the H200, fp32 atomic adds of random rows ran at 604 G/s inside a window
-of 4096 tokens x 32 heads against 371 G/s over 32k tokens; plain stores 1020 G/s). A smaller window
+their slots are added (fp32 atomic adds of random rows measured faster inside such a window than
+spread over 32k tokens, and plain stores faster still: docs/benchmarks.md). A smaller window
 costs more partly filled chunks (one per key and window).
 
 Forced blocks (the sinks, chosen by every token, and the banded local blocks) need no structure of
 their own: a key's run is cut into segments of bounded size, so the sink block's thousands of pairs
 are as many uniform programs as any other block's and the load stays balanced. (A banded kernel for
-them could write its part of O with stores instead of atomics: 3 of 16 pairs a token, at most ~1 ms
-of pass 2 at 32k; not done.)
+them could write its part of O with stores instead of atomics: 3 of 16 pairs a token, a small share
+of pass 2; not done.)
 
 The atomics make O, otilde and the gradients reproducible only up to the order of fp32 additions
 (a deterministic order would need per-pair partial outputs written and summed: T x HQ x NSEL x D
@@ -58,14 +58,29 @@ floats, 8.6 GB at 32k, far more bytes than the atomics move).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from dataclasses import replace
 
 import torch
 
 from ..triton_launch import jit
 from ..triton_utils import cdiv, half_or_fp32, next_power_of_2
 from ..utils import import_triton, new_output
+from .triton_blocks_common import (
+    ATOMIC_MODES,
+    BlockPairs,
+    BlocksPlan,
+    add_rows,
+    blocks_plan,
+    chunk_rows,
+    dot,
+    kernel_operands,
+    key_tile,
+    program_segment,
+    query_rows,
+    row_max,
+    segment_kv,
+    segments,
+)
 from .triton_common import NEG, softmax_rows
 
 triton, tl = import_triton()
@@ -74,146 +89,11 @@ __all__ = ["BlockPairs", "BlocksPlan", "BlocksSparseAttention", "block_pairs", "
            "blocks_sparse_attention", "blocks_sparse_forward", "lse_pass", "out_pass", "segments", "split_pass"]
 
 
-@dataclass(frozen=True)
-class BlocksPlan:
-    """Launch settings of the block-major kernels, decided once per call from shapes (`blocks_plan`).
-
-    rows / bwd_rows: (token, head) rows of one chunk in pass 2 / the backward (a chunk holds
-    rows // G tokens); lse_rows / lse_warps: rows and warps of pass 1 (same segments as pass 2);
-    seg_chunks / bwd_seg_chunks: chunks of pass 2 / the backward per segment (one program);
-    window: query slots per window of the pair order (the output rows the atomics of the programs
-    in flight touch); sort: "sort" (stable torch.sort) or "count" (counting sort with atomics; 0.83
-    against 0.32 ms at 32k on the H200); warps / bwd_warps, stages / bwd_stages: num_warps and
-    num_stages of pass 2 / the backward; precision: dot precision of fp32 operands, "tf32" or "ieee"
-    (16-bit operands always run on the tensor cores, fp32 accumulation); bwd: "split" (dq over parts
-    of dq_keys keys of the block, then dk/dv of both branches over parts of dkdv_keys keys) or
-    "split3" (the same with dk/dv of each branch in a launch of its own: fewer registers) or "fused" (dq, dk
-    and dv in one pass over whole blocks: each chunk's rows loaded and P, dS computed once);
-    atomics: how rows are added to O, otilde, dq, dk, dv (`_add_rows`): "scalar", "v4" (sm_90 vector
-    reductions) or "v4-split" (v4's column split with scalar atomics, for the interpreter); forward:
-    "split" (one pass storing per-slot partials, then a combine) or "atomic" (two passes, O added with
-    atomics; module docstring); partials: the split form's partial dtype, "input" (the inputs' dtype
-    where it has 16 bits, else fp32), "fp32" or "bf16"; dq: "atomic" (the backward adds each pair's dq
-    to its (token, head) row with atomics) or "pairs" (each pair's dq stored in a row of its own, fp32,
-    then summed over the slots: no atomics, T x HQ x NSEL x D floats; past `DQ_PAIR_BYTES` the atomic
-    form). The defaults are `blocks_plan`'s at d128."""
-
-    rows: int = 64
-    bwd_rows: int = 32
-    seg_chunks: int = 32
-    bwd_seg_chunks: int = 32
-    window: int = 8192
-    sort: str = "sort"
-    warps: int = 4
-    bwd_warps: int = 4
-    stages: int = 1
-    bwd_stages: int = 1
-    precision: str = "tf32"
-    lse_rows: int = 128
-    lse_warps: int = 8
-    bwd: str = "split3"
-    dkdv_keys: int = 64
-    dq_keys: int = 64
-    atomics: str = "scalar"
-    forward: str = "split"
-    partials: str = "input"
-    dq: str = "atomic"
-
-    def tokens(self, G: int, backward: bool = False) -> int:
-        """Tokens of one chunk: rows // G, at least 1."""
-        return max(1, (self.bwd_rows if backward else self.rows) // G)
-
-    def seg_pairs(self, G: int, backward: bool = False) -> int:
-        """Pairs (token, slot) of one segment: whole chunks."""
-        return self.tokens(G, backward) * (self.bwd_seg_chunks if backward else self.seg_chunks)
-
-
-#: `BlocksPlan.atomics` -> the ATOMICS constexpr of `_add_rows`.
-ATOMIC_MODES = {"scalar": 0, "v4": 1, "v4-split": 2}
-
-#: Output bytes per KV head that the pair order keeps in flight (window x G x D fp32 rows, O and
-#: otilde): the default window holds that much, under the H200's 50 MB of L2 (8192 tokens at G4 d128;
-#: 4096 and 16384 measured slower at 32k).
-WINDOW_BYTES = 32 << 20
-
 #: The most bytes of per-slot partials (O_i and otilde_i) the split forward allocates; a call that
 #: needs more takes the atomic form (at d64 with 19 slots, bf16, no residual term: 32k tokens x 32
 #: heads need 2.5 GB, 128k 10 GB).
 SPLIT_BYTES = 4 << 30
 
-
-def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True, *,
-                precision: str | None = None, dtype: torch.dtype = torch.bfloat16, **overrides) -> BlocksPlan:
-    """The launch settings for a GQA group of G heads of dimension D, chosen where the kernels compile for sm_90
-    without register spills (or with the fewest) and measured fastest on the H200 (scripts/bench_spla_blocks.py
-    --sweep): see the defaults below. Vector atomics ("v4") on sm_90 and later (the same adds per second as
-    scalar ones, fewer instructions and registers: 13.1 against 13.8 ms forward at 32k), scalar ones for tiles
-    smaller than the threads (`_v4_covers`); a window of WINDOW_BYTES of output rows per KV head (a power of two
-    in [256, 16384]); `precision` of fp32 dots: "tf32" on CUDA, "ieee" elsewhere (the CPU interpreter, where the
-    fp64-oracle tests run); fp32 operands (`dtype` fp32 or fp64) at d256 take the backward kernels over half
-    blocks (the shared memory of whole ones is over the H200's 227 KB). `overrides`: any field of `BlocksPlan`."""
-    device = torch.device(device)
-    if precision is None:
-        precision = "tf32" if device.type == "cuda" else "ieee"
-    vec = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    gp = next_power_of_2(G)
-    # pass 2 on 64 rows of 4 warps (d <= 128: at 16k, HQ32 H8 d64, forward 3.11 against 3.95 ms on 128 rows of
-    # 8 warps, 2026-12-03) or 32 (d256); the backward on 64 rows fused (d <= 64: 8.8 against 11.5 ms forward +
-    # backward split3 at 16k; at d128 32k even, 44.2 / 44.3) or split3 on 32 rows of 4 warps over whole blocks;
-    # 32 chunks per segment; 32 MB windows (sweeps at 32k iid, H200: scripts/bench_spla_blocks.py --sweep)
-    rows, warps = (64, 4) if D <= 128 else (32, 4)
-    per_token = G * D * 4 * (2 if use_rla else 1)
-    window = 1 << max(8, min(14, (WINDOW_BYTES // per_token).bit_length() - 1))
-    bwd_rows = max(64 if D <= 64 else 32, gp)
-    plan = BlocksPlan(rows=max(rows, gp, 16), warps=warps, bwd_rows=bwd_rows, bwd_warps=4, window=window,
-                      precision=precision, lse_rows=max(128, gp), lse_warps=8 if D >= 64 else 4, seg_chunks=32,
-                      bwd_seg_chunks=32, bwd="fused" if D <= 64 else "split3", atomics="v4" if vec else "scalar")
-    if dtype in (torch.float32, torch.float64) and D >= 256:  # whole fp32 blocks overflow shared memory
-        plan = replace(plan, dq_keys=32, dkdv_keys=32)
-    plan = replace(plan, **overrides)
-    if plan.atomics == "v4" and not _v4_covers(plan, D):
-        plan = replace(plan, atomics="scalar")
-    if plan.sort not in ("sort", "count"):
-        raise ValueError(f"sort must be 'sort' or 'count', got {plan.sort!r}")
-    if plan.precision not in ("tf32", "ieee"):
-        raise ValueError(f"precision must be 'tf32' or 'ieee', got {plan.precision!r}")
-    if plan.atomics not in ATOMIC_MODES:
-        raise ValueError(f"atomics must be one of {sorted(ATOMIC_MODES)}, got {plan.atomics!r}")
-    if plan.bwd not in ("split", "split3", "fused"):
-        raise ValueError(f"bwd must be 'split', 'split3' or 'fused', got {plan.bwd!r}")
-    if plan.forward not in ("split", "atomic"):
-        raise ValueError(f"forward must be 'split' or 'atomic', got {plan.forward!r}")
-    if plan.dq not in ("atomic", "pairs"):
-        raise ValueError(f"dq must be 'atomic' or 'pairs', got {plan.dq!r}")
-    if plan.partials not in ("input", "fp32", "bf16"):
-        raise ValueError(f"partials must be 'input', 'fp32' or 'bf16', got {plan.partials!r}")
-    for name in ("rows", "bwd_rows", "lse_rows", "dkdv_keys", "dq_keys"):
-        n = getattr(plan, name)
-        if n < 16 or n & (n - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {n}")
-    return plan
-
-
-def _v4_covers(plan: BlocksPlan, D: int) -> bool:
-    """Whether every tile the kernels add with vector atomics ([rows, D / 4] groups of four floats:
-    the forward's chunks, the backward's dq chunks, its dk / dv parts of at least 16 keys) has at
-    least one group per thread: inline assembly has no masks for the copies a smaller tile gets on
-    several threads, so each copy would be added (tiny plans, e.g. rows 16 at d16)."""
-    rows = ((plan.rows, plan.warps), (plan.bwd_rows, plan.bwd_warps), (min(16, plan.dkdv_keys), plan.bwd_warps))
-    return all(r * (D // 4) >= 32 * w for r, w in rows)
-
-
-class BlockPairs(NamedTuple):
-    """The selection inverted: `pairs` int32 [P] holds flat indices e = ((b*T + t)*H + h)*NSEL + i of
-    idx, sorted by key ((b*H + h)*NW + t // window)*NB + idx[e] (valid pairs first, ascending t within
-    a key); `starts` int32 [NK + 1] the first sorted position of each key (starts[NK]: the number of
-    valid pairs). NW windows of `window` query slots, NB key blocks."""
-
-    pairs: torch.Tensor
-    starts: torch.Tensor
-    window: int
-    num_windows: int
-    num_blocks: int
 
 
 @jit
@@ -289,174 +169,13 @@ def block_pairs(idx: torch.Tensor, qpos: torch.Tensor, num_blocks: int, block_si
     return BlockPairs(pairs, starts, window, NW, NB)
 
 
-@jit
-def segments_kernel(STARTS, SEG_KEY, SEG_FIRST, SEG_COUNT, NK, NSEG, SEG: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: each key's run of pairs (STARTS [NK + 1]) cut into segments of at most SEG pairs,
-    numbered in key order (an exclusive cumsum of the per-key segment counts, carried over tiles of
-    BLOCK keys); the entries past the real segments get the last key, first 0 and count 0."""
-    carry = tl.zeros([], tl.int32)
-    for k0 in range(0, NK, BLOCK):
-        key = k0 + tl.arange(0, BLOCK)
-        ok = key < NK
-        start = tl.load(STARTS + key, mask=ok, other=0)
-        count = tl.load(STARTS + key + 1, mask=ok, other=0) - start
-        nseg = (count + SEG - 1) // SEG
-        base = carry + tl.cumsum(nseg, 0) - nseg
-        for j in range(0, tl.max(nseg, 0)):
-            w = ok & (j < nseg)
-            tl.store(SEG_KEY + base + j, key, mask=w)
-            tl.store(SEG_FIRST + base + j, start + j * SEG, mask=w)
-            tl.store(SEG_COUNT + base + j, tl.minimum(count - j * SEG, SEG), mask=w)
-        carry += tl.sum(nseg, 0)
-    for s0 in range(carry, NSEG, BLOCK):
-        s = s0 + tl.arange(0, BLOCK)
-        w = s < NSEG
-        tl.store(SEG_KEY + s, tl.full([BLOCK], 0, tl.int32) + NK - 1, mask=w)
-        tl.store(SEG_FIRST + s, tl.zeros([BLOCK], tl.int32), mask=w)
-        tl.store(SEG_COUNT + s, tl.zeros([BLOCK], tl.int32), mask=w)
-
-
-def segments(bp: BlockPairs, seg_pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each key's run of pairs cut into segments of at most `seg_pairs`: (key, first sorted position,
-    count) int32, each [NSEG] with NSEG = ceil(P / seg_pairs) + NK (a bound from shapes); entries past
-    the real segments have count 0. One launch (`segments_kernel`); `segments_reference` is its
-    PyTorch form."""
-    NK = bp.starts.numel() - 1
-    NSEG = cdiv(bp.pairs.numel(), seg_pairs) + NK
-    out = [new_output((NSEG,), bp.starts.device, torch.int32) for _ in range(3)]
-    segments_kernel[(1,)](bp.starts, *out, NK, NSEG, SEG=seg_pairs, BLOCK=1024)
-    return tuple(out)
-
-
-def segments_reference(bp: BlockPairs, seg_pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`segments` in PyTorch ops (the test's oracle)."""
-    starts = bp.starts.long()
-    NK = starts.numel() - 1
-    P = bp.pairs.numel()
-    counts = starts[1:] - starts[:-1]  # [NK]
-    nseg = (counts + seg_pairs - 1) // seg_pairs
-    cum = torch.cumsum(nseg, 0)  # inclusive
-    NSEG = cdiv(P, seg_pairs) + NK
-    s = torch.arange(NSEG, device=starts.device)
-    key = torch.searchsorted(cum, s, right=True)  # [NSEG], NK past the last segment
-    kc = key.clamp(max=NK - 1)
-    j = s - (cum[kc] - nseg[kc])  # segment number within its key
-    first = starts[kc] + j * seg_pairs
-    count = torch.where(key < NK, (counts[kc] - j * seg_pairs).clamp(0, seg_pairs), 0)
-    return kc.to(torch.int32), torch.where(key < NK, first, 0).to(torch.int32), count.to(torch.int32)
-
-
-@jit
-def _dot(a, b, F32: tl.constexpr, PREC: tl.constexpr):
-    """a @ b with fp32 accumulation: fp32 operands at PREC ("tf32" or "ieee"), else on the tensor
-    cores with `a` cast to b's (16-bit) dtype."""
-    if F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
-    else:
-        return tl.dot(a.to(b.dtype), b)
-
-
-@jit
-def _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS: tl.constexpr, BSK: tl.constexpr):
-    """Segment of this program (program_id(0)) and its part program_id(1) of BSK keys of the block:
-    (b, h, first sorted position, count, koff, key positions [BSK], which key slots to load [BSK]:
-    those up to the row's last query position ROWMAX[b], inside the cache, where the segment has
-    pairs; later slots may hold anything, a static cache's unwritten memory too)."""
-    s = tl.program_id(0)
-    key = tl.load(SEG_KEY + s)
-    first = tl.load(SEG_FIRST + s)
-    count = tl.load(SEG_COUNT + s)
-    blk = key % NB
-    bh = key // (NB * NW)
-    b = bh // H
-    h = bh % H
-    koff = tl.load(KOFF + b)
-    pos = blk * BS + tl.program_id(1) * BSK + tl.arange(0, BSK)
-    last = tl.where(count > 0, tl.load(ROWMAX + b), -1)  # an empty segment loads nothing
-    kload = (pos <= last) & (koff + pos < S)
-    return b, h, first, count, koff, pos, kload
-
-
-@jit
-def _key_tile(X, b64, h, slot, kload, stride_b, stride_h, stride_s, D: tl.constexpr):
-    """The rows `slot` [BSK] (those with kload) of X[b, h] (K or V, [B, H, S, D] strides): [BSK, D]."""
-    d = tl.arange(0, D)
-    return tl.load(X + b64 * stride_b + h * stride_h + slot[:, None] * stride_s + d[None, :], mask=kload[:, None],
-                   other=0.0)
-
-
-@jit
-def _segment_kv(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb,
-                stride_vh, stride_vs, NW, NB, H, S, BS: tl.constexpr, BSK: tl.constexpr, D: tl.constexpr):
-    """`_segment` and the K, V tiles [BSK, D] of its keys: (b, h, first, count, key positions, kload,
-    b as int64, key slots, k, v)."""
-    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BSK)
-    b64 = b.to(tl.int64)
-    slot = koff + pos
-    k = _key_tile(K, b64, h, slot, kload, stride_kb, stride_kh, stride_ks, D)
-    v = _key_tile(V, b64, h, slot, kload, stride_vb, stride_vh, stride_vs, D)
-    return b, h, first, count, pos, kload, b64, slot, k, v
-
-
-@jit
-def _query_rows(Q, b64, h, t, g, ok, stride_b, stride_h, stride_t, T, H, G: tl.constexpr, D: tl.constexpr):
-    """The chunk's query rows q [R, D] (token t, head h * G + g; 0 where not ok) and their row index
-    (b * T + t) * HQ + head into the [B, T, HQ, ...] outputs and statistics."""
-    head = h * G + g
-    q = tl.load(Q + b64 * stride_b + head[:, None] * stride_h + t[:, None] * stride_t + tl.arange(0, D)[None, :],
-                mask=ok[:, None], other=0.0)
-    return q, (b64 * T + t) * (H * G) + head
-
-
-@jit
-def _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b,
-                G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr):
-    """Rows (token, head) of the chunk at sorted positions [first + c0, first + c0 + BMQ): per row the
-    pair e, its token t, the token's position, the head within the group g, and whether the row is
-    real."""
-    r = tl.arange(0, R)
-    m = r // G
-    g = r % G
-    ok = (m < BMQ) & (c0 + m < count)
-    e = tl.load(PAIRS + first + c0 + m, mask=ok, other=0)
-    t = (e // (H * NSEL)) % T
-    tpos = tl.load(QPOS + b * T + t, mask=ok, other=-1)
-    return e, t, tpos, g, ok
-
-
-@jit
-def _add_rows(OUT, row, x, ok, D: tl.constexpr, ATOMICS: tl.constexpr):
-    """OUT[row[r] * D + d] += x[r, d] for the rows r with ok[r] (x [R, D] fp32), with fp32 atomics:
-    ATOMICS 0: tl.atomic_add (one float per instruction); 1: red.global.add.v4.f32 (sm_90: four
-    consecutive floats per instruction); 2: the same split of x into four columns as 1 with one
-    tl.atomic_add per column (what the interpreter can run: it checks the split)."""
-    if ATOMICS == 0:
-        tl.atomic_add(OUT + row[:, None] * D + tl.arange(0, D)[None, :], x, mask=ok[:, None], sem="relaxed")
-    else:
-        R: tl.constexpr = x.shape[0]
-        a, b = tl.split(tl.reshape(x, [R, D // 4, 2, 2]))  # x[r, 4c + 2i + j] -> a: j = 0, b: j = 1
-        x0, x2 = tl.split(a)
-        x1, x3 = tl.split(b)
-        p = OUT + row[:, None] * D + (tl.arange(0, D // 4) * 4)[None, :]  # [R, D // 4]: column 4c
-        m = tl.broadcast_to(ok[:, None], [R, D // 4])
-        if ATOMICS == 1:
-            tl.inline_asm_elementwise(
-                asm="{ .reg .pred p; setp.ne.b32 p, $6, 0; "
-                    "@p red.global.gpu.relaxed.add.v4.f32 [$1], {$2, $3, $4, $5}; mov.u32 $0, 0; }",
-                constraints="=r,l,f,f,f,f,r", args=[p.to(tl.int64), x0, x1, x2, x3, m.to(tl.int32)], dtype=tl.int32,
-                is_pure=False, pack=1)
-        else:  # "+ 0.0": fresh tensors (Triton 3.6's interpreter adds a split's strided views from the wrong places)
-            tl.atomic_add(p, x0 + 0.0, mask=m, sem="relaxed")
-            tl.atomic_add(p + 1, x1 + 0.0, mask=m, sem="relaxed")
-            tl.atomic_add(p + 2, x2 + 0.0, mask=m, sem="relaxed")
-            tl.atomic_add(p + 3, x3 + 0.0, mask=m, sem="relaxed")
 
 
 @jit
 def _block_softmax(q, kt, mask, scale, F32: tl.constexpr, PREC: tl.constexpr):
     """The rows' softmax over one block's keys (mask: the causal selected ones): (P unnormalised
     [R, BS], the rows' max score, their sum of P, at least 1e-30)."""
-    sc = tl.where(mask, _dot(q, kt, F32, PREC) * scale, NEG)
+    sc = tl.where(mask, dot(q, kt, F32, PREC) * scale, NEG)
     mx = tl.max(sc, 1)
     p = tl.where(mask, tl.exp(sc - mx[:, None]), 0.0)
     return p, mx, tl.maximum(tl.sum(p, 1), 1e-30)
@@ -465,8 +184,8 @@ def _block_softmax(q, kt, mask, scale, F32: tl.constexpr, PREC: tl.constexpr):
 @jit
 def _residual_rows(q, phikt, v, mask, F32: tl.constexpr, PREC: tl.constexpr):
     """The rows' correction over one block, (phi(q) phi(k)^T masked) V: [R, D] fp32."""
-    a = tl.where(mask, _dot(softmax_rows(q), phikt, F32, PREC), 0.0)
-    return _dot(a, v, F32, PREC)
+    a = tl.where(mask, dot(softmax_rows(q), phikt, F32, PREC), 0.0)
+    return dot(a, v, F32, PREC)
 
 
 @jit
@@ -479,14 +198,15 @@ def blocks_lse_kernel(
 ):
     """Pass 1, one segment: the log-sum-exp of the scores of each (token, head, slot) over the
     segment's block (causal keys only) into LSE_SLOT [B, T, H, NSEL, G] at e * G + g."""
-    b, h, first, count, koff, pos, kload = _segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S, BS, BS)
+    b, h, first, count, koff, pos, kload = program_segment(SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, NW, NB, H, S,
+                                                           BS, BS)
     b64 = b.to(tl.int64)
     slot = koff + pos
-    k = _key_tile(K, b64, h, slot, kload, stride_kb, stride_kh, stride_ks, D)
+    k = key_tile(K, b64, h, slot, kload, stride_kb, stride_kh, stride_ks, D)
     kt = tl.trans(k)
     for c0 in range(0, count, BMQ):
-        e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
-        q, _ = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
+        e, t, tpos, g, ok = chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        q, _ = query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
         _, mx, lsum = _block_softmax(q, kt, mask, scale, F32, PREC)
         tl.store(LSE_SLOT + e * G + g, mx + tl.log(lsum), mask=ok)
@@ -503,21 +223,21 @@ def blocks_out_kernel(
     """Pass 2, one segment: P = exp(S - lse) of each row (LSE [B, T, HQ], over all its slots), then
     OUT += P V and, with USE_RLA, OT += (phi(q) phi(k)^T masked) V (OUT, OT: [B, T, HQ, D] fp32, zeroed
     by the caller, fp32 atomics)."""
-    b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
+    b, h, first, count, pos, kload, b64, slot, k, v = segment_kv(
         SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
         stride_vs, NW, NB, H, S, BS, BS, D)
     kt = tl.trans(k)
     if USE_RLA:
         phikt = tl.trans(softmax_rows(k).to(k.dtype))
     for c0 in range(0, count, BMQ):
-        _, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
-        q, row = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
+        _, t, tpos, g, ok = chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        q, row = query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
         lse = tl.load(LSE + row, mask=ok, other=0.0)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
-        p = tl.where(mask, tl.exp(_dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)
-        _add_rows(OUT, row, _dot(p, v, F32, PREC), ok, D, ATOMICS)
+        p = tl.where(mask, tl.exp(dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)
+        add_rows(OUT, row, dot(p, v, F32, PREC), ok, D, ATOMICS)
         if USE_RLA:
-            _add_rows(OT, row, _residual_rows(q, phikt, v, mask, F32, PREC), ok, D, ATOMICS)
+            add_rows(OT, row, _residual_rows(q, phikt, v, mask, F32, PREC), ok, D, ATOMICS)
 
 
 @jit
@@ -532,7 +252,7 @@ def blocks_split_kernel(
     block's softmax output O_i = softmax(S) V into PART, its log-sum-exp into LSE_SLOT and, with
     USE_RLA, otilde_i = (phi(q) phi(k)^T masked) V into PART_T (PART, PART_T: [B, T, H, NSEL, G, D];
     rows of pairs without a causal key are left as they are)."""
-    b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
+    b, h, first, count, pos, kload, b64, slot, k, v = segment_kv(
         SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
         stride_vs, NW, NB, H, S, BS, BS, D)
     kt = tl.trans(k)
@@ -540,13 +260,13 @@ def blocks_split_kernel(
         phikt = tl.trans(softmax_rows(k).to(k.dtype))
     d = tl.arange(0, D)
     for c0 in range(0, count, BMQ):
-        e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
-        q, _ = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
+        e, t, tpos, g, ok = chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+        q, _ = query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
         p, mx, lsum = _block_softmax(q, kt, mask, scale, F32, PREC)
         prow = e.to(tl.int64) * G + g
         tl.store(LSE_SLOT + prow, mx + tl.log(lsum), mask=ok)
-        o = _dot(p, v, F32, PREC) / lsum[:, None]
+        o = dot(p, v, F32, PREC) / lsum[:, None]
         tl.store(PART + prow[:, None] * D + d[None, :], o.to(PART.dtype.element_ty), mask=ok[:, None])
         if USE_RLA:
             ot = _residual_rows(q, phikt, v, mask, F32, PREC)
@@ -588,13 +308,6 @@ def blocks_combine_kernel(LSE_SLOT, PART, PART_T, OUT, OT, LSE, NSEL,
         tl.store(OT + out[:, None] * D + d[None, :], acc_t, mask=gok[:, None])
 
 
-def _operands(q, k, v):
-    """Kernel operands: unit stride in D; fp64 (tests) runs in fp32. Returns (q, k, v, F32)."""
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    if q.dtype == torch.float64:
-        q, k, v = q.float(), k.float(), v.float()
-    return q, k, v, q.dtype == torch.float32
-
 
 def _check(q, k, v, idx, qpos, koff, block_size):
     B, HQ, T, D = q.shape
@@ -628,16 +341,11 @@ def _launch(q, k, pairs: BlockPairs, nsel: int, block_size: int, plan: BlocksPla
     return (seg_key.numel(), 1), (pairs.pairs, seg_key, seg_first, seg_count), common, meta1, meta2
 
 
-def row_max(qpos: torch.Tensor) -> torch.Tensor:
-    """The last query position of each row [B] int32 (-1 for a row of padding): the kernels load key
-    slots up to it only."""
-    return qpos.amax(1).to(torch.int32) if qpos.shape[1] else qpos.new_full((qpos.shape[0],), -1)
-
 
 def lse_pass(q, k, pairs: BlockPairs, qpos, koff, nsel: int, block_size: int, plan: BlocksPlan, f32: bool,
              launch=None):
     """Pass 1: the log-sum-exp [B, T, HQ] fp32 of each row over its selected causal keys (0 for a
-    row without any). q, k: kernel operands (`_operands`); `launch`: `_launch`'s result, if made."""
+    row without any). q, k: kernel operands (`kernel_operands`); `launch`: `_launch`'s result, if made."""
     B, HQ, T, D = q.shape
     H = k.shape[1]
     grid, seg, common, meta, _ = launch or _launch(q, k, pairs, nsel, block_size, plan, f32)
@@ -727,7 +435,7 @@ def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: i
     the split form's partials would pass SPLIT_BYTES, the split form runs over consecutive query
     chunks that each stay within it (`query_chunk`), instead of the atomic form over all of them."""
     _check(q, k, v, idx, qpos, koff, block_size)
-    q, k, v, f32 = _operands(q, k, v)
+    q, k, v, f32 = kernel_operands(q, k, v)
     B, HQ, T, D = q.shape
     S = k.shape[2]
     if plan is None:

@@ -14,8 +14,8 @@ slots by one reduction after the kernel), and on key-major tiles [keys, rows]
 accumulated over the segment and added to the block's slots once. Delta = rowsum(dO * O);
 J_phi(x) g = phi(x) * (g - sum(g * phi(x))) is the softmax feature map's Jacobian (linear in g, so
 applied per chunk). The dq and dk/dv kernels recompute P (and A) apart: four more dots per chunk than
-the fused kernel, which at d128 spilled 1.5-2 KB of registers a thread and measured slower (58 ms
-against 45 ms forward + backward, 32k iid, H200); `blocks_plan` picks it where it measured faster.
+the fused kernel, which at d128 spilled 1.5-2 KB of registers a thread and measured slower (forward +
+backward, 32k iid: docs/benchmarks.md); `blocks_plan` picks it where it measured faster.
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ import torch
 from ..triton_launch import jit
 from ..triton_utils import cdiv, rows_per_program
 from ..utils import import_triton
-from .triton_blocks import (
+from .triton_blocks_common import (
     ATOMIC_MODES,
     BlockPairs,
     BlocksPlan,
-    _add_rows,
-    _chunk_rows,
-    _dot,
-    _operands,
-    _query_rows,
-    _segment_kv,
+    add_rows,
+    chunk_rows,
+    dot,
+    kernel_operands,
+    query_rows,
     row_max,
+    segment_kv,
     segments,
 )
 from .triton_common import softmax_rows
@@ -78,8 +78,8 @@ def _grad_rows(PAIRS, QPOS, Q, LSE, DELTA, first, c0, count, b, b64, h, stride_q
                G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr):
     """A chunk's rows for the backward: (t, positions, g, ok, q [R, D], lse, delta, the rows' offsets
     [R, D] into the [B, T, HQ, D] gradients, the rows' pairs e)."""
-    e, t, tpos, g, ok = _chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
-    q, row = _query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
+    e, t, tpos, g, ok = chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
+    q, row = query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
     lse = tl.load(LSE + row, mask=ok, other=0.0)
     delta = tl.load(DELTA + row, mask=ok, other=0.0)
     return t, tpos, g, ok, q, row, lse, delta, row[:, None] * D + tl.arange(0, D)[None, :], e
@@ -100,7 +100,7 @@ def blocks_bwd_dkdv_kernel(
     dq from the same tiles, dS^T^T K and the Jacobian of dA^T^T phi(k), added to the chunk's rows with
     fp32 atomics, so that one pass loads each chunk's rows and computes P, dS, A, dA once (ten dots a
     chunk against the split kernels' fourteen). Layouts as `blocks_bwd_dq_kernel`."""
-    b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
+    b, h, first, count, pos, kload, b64, slot, k, v = segment_kv(
         SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
         stride_vs, NW, NB, H, S, BS, BSK, D)
     dk = tl.zeros([BSK, D], tl.float32)
@@ -114,29 +114,29 @@ def blocks_bwd_dkdv_kernel(
         mask_t = ok[None, :] & (pos[:, None] <= tpos[None, :])
         if PART != 2:
             do = tl.load(DO + rd, mask=ok[:, None], other=0.0)
-            p_t = tl.where(mask_t, tl.exp(_dot(k, tl.trans(q), F32, PREC) * scale - lse[None, :]), 0.0)
-            dv += _dot(p_t, do, F32, PREC)
-            ds_t = p_t * (_dot(v, tl.trans(do), F32, PREC) - delta[None, :]) * scale
-            dk += _dot(ds_t, q, F32, PREC)
+            p_t = tl.where(mask_t, tl.exp(dot(k, tl.trans(q), F32, PREC) * scale - lse[None, :]), 0.0)
+            dv += dot(p_t, do, F32, PREC)
+            ds_t = p_t * (dot(v, tl.trans(do), F32, PREC) - delta[None, :]) * scale
+            dk += dot(ds_t, q, F32, PREC)
             if WITH_DQ:
-                dq = _dot(tl.trans(ds_t), k, F32, PREC)
+                dq = dot(tl.trans(ds_t), k, F32, PREC)
         if USE_RLA and PART != 1:
             phiq = softmax_rows(q)
             phiq_lp = phiq.to(k.dtype)
             dot_ = tl.load(DOT + rd, mask=ok[:, None], other=0.0)
-            a_t = tl.where(mask_t, _dot(phik_lp, tl.trans(phiq_lp), F32, PREC), 0.0)
-            dv += _dot(a_t, dot_, F32, PREC)
-            da_t = tl.where(mask_t, _dot(v, tl.trans(dot_), F32, PREC), 0.0)
-            dphik = _dot(da_t, phiq_lp, F32, PREC)
+            a_t = tl.where(mask_t, dot(phik_lp, tl.trans(phiq_lp), F32, PREC), 0.0)
+            dv += dot(a_t, dot_, F32, PREC)
+            da_t = tl.where(mask_t, dot(v, tl.trans(dot_), F32, PREC), 0.0)
+            dphik = dot(da_t, phiq_lp, F32, PREC)
             dk += phik * (dphik - tl.sum(dphik * phik, 1)[:, None])
             if WITH_DQ:
-                dphiq = _dot(tl.trans(da_t), phik_lp, F32, PREC)
+                dphiq = dot(tl.trans(da_t), phik_lp, F32, PREC)
                 dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
         if WITH_DQ:
-            _add_rows(DQ, row, dq, ok, D, ATOMICS)
+            add_rows(DQ, row, dq, ok, D, ATOMICS)
     krow = (b64 * H + h) * S + slot
-    _add_rows(DK, krow, dk, kload, D, ATOMICS)
-    _add_rows(DV, krow, dv, kload, D, ATOMICS)
+    add_rows(DK, krow, dk, kload, D, ATOMICS)
+    add_rows(DV, krow, dv, kload, D, ATOMICS)
 
 
 @jit
@@ -154,7 +154,7 @@ def blocks_bwd_dq_kernel(
     where the block is one part (ONE_PART: no other program writes the row). LSE, DELTA: [B, T, HQ]
     fp32; DO, DOT: [B, T, HQ, D] in the operands' dtype; DQ (and the dk/dv kernel's DK, DV
     [B, H, S, D]): fp32, zeroed by the caller."""
-    b, h, first, count, pos, kload, b64, slot, k, v = _segment_kv(
+    b, h, first, count, pos, kload, b64, slot, k, v = segment_kv(
         SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
         stride_vs, NW, NB, H, S, BS, BSK, D)
     kt = tl.trans(k)
@@ -166,20 +166,20 @@ def blocks_bwd_dq_kernel(
                                                             stride_qb, stride_qh, stride_qt, T, H, NSEL, G, R, BMQ, D)
         do = tl.load(DO + rd, mask=ok[:, None], other=0.0)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
-        p = tl.where(mask, tl.exp(_dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)
-        ds = p * (_dot(do, vt, F32, PREC) - delta[:, None]) * scale
-        dq = _dot(ds, k, F32, PREC)
+        p = tl.where(mask, tl.exp(dot(q, kt, F32, PREC) * scale - lse[:, None]), 0.0)
+        ds = p * (dot(do, vt, F32, PREC) - delta[:, None]) * scale
+        dq = dot(ds, k, F32, PREC)
         if USE_RLA:
             phiq = softmax_rows(q)
             dot_ = tl.load(DOT + rd, mask=ok[:, None], other=0.0)
-            da = tl.where(mask, _dot(dot_, vt, F32, PREC), 0.0)
-            dphiq = _dot(da, phik_lp, F32, PREC)
+            da = tl.where(mask, dot(dot_, vt, F32, PREC), 0.0)
+            dphiq = dot(da, phik_lp, F32, PREC)
             dq += phiq * (dphiq - tl.sum(dphiq * phiq, 1)[:, None])
         dst = e.to(tl.int64) * G + g if PAIR_ROWS else row
         if PAIR_ROWS and ONE_PART:  # no other program writes the row
             tl.store(DQ + dst[:, None] * D + tl.arange(0, D)[None, :], dq, mask=ok[:, None])
         else:
-            _add_rows(DQ, dst, dq, ok, D, ATOMICS)
+            add_rows(DQ, dst, dq, ok, D, ATOMICS)
 
 
 def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel: int, do, dot_, use_rla: bool,
@@ -187,7 +187,7 @@ def blocks_sparse_backward(q, k, v, qpos, koff, o, lse, pairs: BlockPairs, nsel:
     """dq, dk, dv (in q's, k's, v's dtype and shapes) of `triton_blocks.blocks_sparse_forward` given the
     gradients do, dot_ [B, T, HQ, D] of o_sp and otilde (None: zero)."""
     dtypes = q.dtype, k.dtype, v.dtype
-    q, k, v, f32 = _operands(q, k, v)
+    q, k, v, f32 = kernel_operands(q, k, v)
     B, HQ, T, D = q.shape
     H, S = k.shape[1], k.shape[2]
     G = HQ // H

@@ -40,11 +40,9 @@ Work at B1 HQ32 H8 d128, 64-token blocks, T = 32k (NB = 512; x16 at 128k), count
     block statistics (2 MB in bf16); from L2 each tile reads its causal statistics twice
     (2 x 2 NB/2 d 2 bytes per tile: 2.1 GB at 32k with 32-token tiles), one 2d-vector per 128 rows
     x 4d flops, flash's intensity
-  floors on an H200 (989 TFLOP/s dense bf16, about 4.2e12 exp2/s, ~1.7e13 int32 op/s, 4.8 TB/s):
-    the tensor cores 0.28 ms (4.5 ms), the exp2 units 0.13 ms (2.1 ms), the top-k's int32 work
-    0.28 ms (2.3 ms), the bytes 0.06 ms (0.23 ms); at flash's own efficiency (14.6 ms for 8.8e12
-    flops) the two passes take 0.46 ms, the target being 10% of that forward (1.46 ms at 32k,
-    ~23 ms at 128k).
+  floors: each count over the device's rate (dense bf16 tensor-core flops, exp2/s, int32 op/s,
+    bytes/s); the target is 10% of flash's causal forward on the same heads, and the measured times
+    are in docs/benchmarks.md (scripts/benchmarks/kernels/bench_spla_select.py).
 """
 
 from __future__ import annotations
@@ -252,10 +250,10 @@ def tile_rows(G: int, D: int, rows: int | None = None) -> tuple[int, int]:
 
 
 #: The streamed selection's default launch settings: "bitonic" merge in chunks of 32 blocks with 8 warps,
-#: the fastest setting of the sweep at 16k and 32k (docs/benchmarks.md, 2026-12-03, fifth run). At 128k
-#: on random q / k "insert" in chunks of 64 with 4 warps timed faster alone (20.3 against 21.8 ms), but
-#: in the model (q / k of the layers, whose scores come in longer runs of new top-k entries) bitonic's
-#: fixed cost won: time to first token 1213.6 against 1280.9 ms (sixth run), so bitonic at every length.
+#: the fastest setting of the sweep at 16k and 32k (docs/benchmarks_history.md, 2026-12-03, fifth run). At 128k
+#: on random q / k "insert" in chunks of 64 with 4 warps timed faster alone, but in the model (q / k of
+#: the layers, whose scores come in longer runs of new top-k entries) bitonic's fixed cost won on time to
+#: first token (sixth run), so bitonic at every length.
 #: A caller's "insert" keeps its own defaults: chunks and warps by the tile.
 DEFAULT_MERGE = "bitonic"
 LAUNCH_DEFAULTS = {"bitonic": dict(block_chunk=32, num_warps=8), "insert": dict(block_chunk=None, num_warps=None)}

@@ -67,7 +67,7 @@ def group_rows_reference(sel: Tensor, topk: int):
 
     In (b, partition, t) order, the row of a selected token is the number of selected entries before
     it: one exclusive cumulative sum over the flattened selection (a scan along the last dim of a
-    contiguous tensor; along T of [B, T, N] PyTorch's CUDA scan ran 5 ms at T = 32k). About fifteen
+    contiguous tensor; along T of [B, T, N] PyTorch's CUDA scan is slow at long T). About fifteen
     launches: `group_rows`'s oracle."""
     B, T, N = sel.shape
     R, BT = B * T * topk, B * T

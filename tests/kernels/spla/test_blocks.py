@@ -17,7 +17,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from subquadratic.kernels.spla import triton_blocks, triton_parallel  # noqa: E402
+from subquadratic.kernels.spla import triton_blocks, triton_blocks_common, triton_parallel  # noqa: E402
 from subquadratic.kernels.spla.stats import feature_map  # noqa: E402
 
 # the fp64 relative error of the tile tests (tests/kernels/conftest.py poisons every output)
@@ -142,7 +142,7 @@ def test_pairs_and_segments_invert_the_selection(sort):
             got = sorted(got)
         assert got == want.get(key, []), key
     for n in (1, 3, 64):  # the kernel equals its PyTorch form (one segment a pair .. one a key)
-        for a, b in zip(triton_blocks.segments(bp, n), triton_blocks.segments_reference(bp, n), strict=True):
+        for a, b in zip(triton_blocks.segments(bp, n), triton_blocks_common.segments_reference(bp, n), strict=True):
             assert a.dtype == torch.int32 and torch.equal(a, b), n
     seg_pairs = 5
     key, first, count = (x.tolist() for x in triton_blocks.segments(bp, seg_pairs))
@@ -164,7 +164,7 @@ def test_segments_over_many_keys():
     starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).to(DEV)
     bp = triton_blocks.BlockPairs(torch.arange(int(starts[-1]), dtype=torch.int32, device=DEV), starts, 16, 1, 2500)
     for n in (7, 32):
-        got, want = triton_blocks.segments(bp, n), triton_blocks.segments_reference(bp, n)
+        got, want = triton_blocks.segments(bp, n), triton_blocks_common.segments_reference(bp, n)
         assert int((got[2] > 0).sum()) == int(((counts + n - 1) // n).sum())
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), n

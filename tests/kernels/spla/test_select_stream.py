@@ -246,7 +246,7 @@ def test_bench_script_quick_mode():
     """The benchmark's CPU smoke run completes and prints its summary table."""
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    res = subprocess.run([sys.executable, str(root / "scripts" / "bench_spla_select.py"), "--quick"],
+    res = subprocess.run([sys.executable, "-m", "scripts.benchmarks.kernels.bench_spla_select", "--quick"],
                          capture_output=True, text=True, cwd=root, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "summary" in res.stdout and "stream" in res.stdout

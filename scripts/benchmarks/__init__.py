@@ -1,0 +1,1 @@
+"""Benchmarks: `kernels/` (one op at a time) and `models/` (whole models: prefill, decode, training steps)."""

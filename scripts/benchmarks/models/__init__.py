@@ -1,0 +1,1 @@
+"""Model benchmarks: prefill, decode and training steps of converted models against the dense source."""

@@ -1,0 +1,1 @@
+"""Studies: the real-model protocol, replication, MQAR, the transfer probe, FSDP scaling (scripts/README.md)."""

@@ -1,0 +1,1 @@
+"""Tools: counting a layer's ops, profiling, dumping kernel inputs, plotting attention."""
