@@ -83,10 +83,11 @@ LAYER_CHOICE_METHODS = ("auto", "retrieval")
 
 def layer_choice_spec(value: Any, layers: int | None = None) -> tuple[str, int] | None:
     """(method, K) of a measured `softmax_layers` value "METHOD:K" (a name of LAYER_CHOICE_METHODS),
-    or "METHOD:1/N": K = max(1, `layers` // N), as many as every N-th layer would keep (the convert
-    presets' form; needs `layers`). None for any other value (a layer list, None). A value that starts
-    with a method's name but is neither raises ValueError saying how to write it. K is checked against
-    the layer count where the model is known (`convert`)."""
+    or "METHOD:1/N": K = `layers` // N, as many as every N-th layer would keep (the convert presets'
+    form; needs `layers`; 0 for a model of fewer than N layers: no softmax layer). None for any other
+    value (a layer list, None). A value that starts with a method's name but is neither raises
+    ValueError saying how to write it. K is checked against the layer count where the model is known
+    (`convert`)."""
     if not isinstance(value, str):
         return None
     text = value.strip()
@@ -97,7 +98,7 @@ def layer_choice_spec(value: Any, layers: int | None = None) -> tuple[str, int] 
     if m is None or (m.group(2) is not None and (layers is None or int(m.group(2)) < 1)):
         raise ValueError(f"softmax_layers {value!r}: write {method}:K with K the number of softmax layers, "
                          f"like {method}:5, or {method}:1/N for a N-th of the layers")
-    return method, int(m.group(1)) if m.group(1) is not None else max(1, layers // int(m.group(2)))
+    return method, int(m.group(1)) if m.group(1) is not None else layers // int(m.group(2))
 
 
 def layer_list_or_auto(text: str) -> str:

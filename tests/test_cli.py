@@ -55,7 +55,7 @@ def test_help_is_fast_lists_every_family_and_imports_no_torch():
         shown = r.stdout if command == "convert" else run_cli("-m", "subquadratic", command, "--help").stdout
         assert not re.findall(r"(?<!\$)\b[A-Z0-9]+_[A-Z0-9_]+\b", shown), shown
     for shown in ("--spla-block-size N", "--sse-partitions N", "--sse-top-k K", "--hla-softmax-layers I,J",
-                  "--sse-softmax-every 6"):  # value names, and the preset said in flags
+                  "--sse-softmax-layers retrieval:1/6"):  # value names, and the preset said in flags
         assert shown in r.stdout
 
 

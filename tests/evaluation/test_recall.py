@@ -244,3 +244,44 @@ def test_convert_keeps_the_retrieval_layers(checkpoints, tmp_path):
         convert(str(checkpoints["dense"]), str(tmp_path / "bad"), "sse-h", options={"softmax_layers": "retrieval:2"},
                 progress=False)
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_hybrid_presets_keep_the_retrieval_layers(tmp_path, tokenizer):
+    """`--to sse-h` / `--to hla-h` keep softmax attention in a sixth of the layers, chosen by retrieval
+    (retrieval:1/6) where the source has a tokenizer; without one, or through `conversion.convert`
+    (which does not measure), every 6th layer, with a warning; fewer than 6 layers: none."""
+    import json
+
+    from transformers import AutoConfig
+
+    from subquadratic.checks import layer_choice_spec
+    from subquadratic.conversion import convert as convert_unmeasured
+    from subquadratic.conversion.core import evenly_spaced
+    from subquadratic.layer_choice import convert
+
+    from ..conftest import make_dense
+
+    assert layer_choice_spec("retrieval:1/6", 30) == ("retrieval", 5) and layer_choice_spec("auto:3", 30) == ("auto", 3)
+    assert layer_choice_spec("retrieval:1/6", 5) == ("retrieval", 0)
+    with pytest.raises(ValueError, match="write retrieval:K"):
+        layer_choice_spec("retrieval:1/6")  # a share needs the layer count
+    assert evenly_spaced(30, 5) == [5, 11, 17, 23, 29] and evenly_spaced(13, 2) == [5, 11]
+    src = tmp_path / "dense12"
+    make_dense("llama", num_hidden_layers=12).save_pretrained(src)
+    bare = tmp_path / "bare12"
+    make_dense("llama", num_hidden_layers=12).save_pretrained(bare)  # no tokenizer files
+    tokenizer.save_pretrained(src)
+    for to in ("sse-h", "hla-h"):
+        out = convert(str(src), str(tmp_path / to), to, progress=False)
+        record = json.loads((out / "retrieval_heads.json").read_text())
+        mixers = AutoConfig.from_pretrained(out).mixer_types
+        kept = [i for i, m in enumerate(mixers) if m == "full_attention"]
+        assert len(record["chosen"]) == 2 and kept == record["chosen"]
+    with pytest.warns(UserWarning, match="has no tokenizer; softmax layers at 5,11"):
+        out = convert(str(bare), str(tmp_path / "bare-sse-h"), "sse-h", progress=False)
+    assert AutoConfig.from_pretrained(out).softmax_layers == [5, 11] and not (out / "retrieval_heads.json").exists()
+    with pytest.warns(UserWarning, match="conversion.convert does not measure retrieval:1/6"):
+        out = convert_unmeasured(str(src), str(tmp_path / "plain"), "sse-h", progress=False)
+    assert AutoConfig.from_pretrained(out).softmax_layers == [5, 11]
+    out = convert_unmeasured(str(src), str(tmp_path / "given"), "sse-h", options={"softmax_every": 4}, progress=False)
+    assert AutoConfig.from_pretrained(out).softmax_layers == [3, 7, 11]  # a layout given replaces the preset's

@@ -19,7 +19,8 @@ OPTIONS: dict[str, dict] = {
         type=layer_list_or_auto,
         help="comma list of the layers that keep softmax attention, or auto:K: the K layers whose replacement "
              "costs the most, measured by a short attention transfer (--calibration-data), or retrieval:K: the K "
-             "layers holding the source's strongest retrieval heads (scored on needle prompts)",
+             "layers holding the source's strongest retrieval heads (scored on needle prompts; retrieval:1/N: "
+             "a N-th of the layers)",
     ),
     "softmax-every": dict(type=int_at_least(0, "K"),
                           help="every K-th layer keeps softmax attention (default: none, pure HLA)"),
@@ -49,9 +50,11 @@ OPTIONS: dict[str, dict] = {
     ),
 }
 #: Conversion targets beside `hla` (pure HLA, every layer): option sets under the given options. HLA-H,
-#: the hybrid, keeps softmax attention every 6th layer and adds a 64-token window branch (with 4 sinks)
-#: to the HLA output of the others, as SSE-H does (`--hla-sliding-window 0` converts without it).
-CONVERT_PRESETS: dict[str, dict] = {"hla-h": {"softmax_every": 6, "hla_sliding_window": 64}}
+#: the hybrid, keeps softmax attention in a sixth of the layers, those holding the source's strongest
+#: retrieval heads (`retrieval:1/6`, `layer_choice.retrieval_head_layout`: docs/results.md, "Recall"),
+#: and adds a 64-token window branch (with 4 sinks) to the HLA output of the others, as SSE-H does
+#: (`--hla-sliding-window 0` converts without it; `--hla-softmax-every 6` keeps every 6th layer).
+CONVERT_PRESETS: dict[str, dict] = {"hla-h": {"softmax_layers": "retrieval:1/6", "hla_sliding_window": 64}}
 #: Where the rest of the declaration lives: `registry.Family` field -> "module:attribute" of this
 #: folder, imported by `families.family()` (the config class alone by `families.config_class()`).
 PARTS: dict[str, str] = {

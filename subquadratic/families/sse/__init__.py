@@ -7,7 +7,8 @@ its cache layer, the model classes), `conversion.py` (the Converter); `card.md` 
 template.
 
 `convert --to sse` makes every layer an SSE layer (pure SSE, like `--to hla`); `--to sse-h` keeps
-softmax attention in every 6th layer (five SSE layers, then one softmax layer: the paper's SSE-H).
+softmax attention in a sixth of the layers (the paper's SSE-H has one softmax layer after every five SSE
+layers), those holding the dense source's strongest retrieval heads.
 """
 
 from pathlib import Path
@@ -24,14 +25,15 @@ OPTIONS: dict[str, dict] = {
                   help="partitions written and read per token K (default 1)"),
     "softmax-every": dict(
         type=int_at_least(0, "K"),
-        help="every K-th layer keeps softmax attention (default: none with --to sse, 6 with --to sse-h: five SSE "
-             "layers then one softmax)",
+        help="every K-th layer keeps softmax attention (default: none with --to sse; --to sse-h keeps a sixth of "
+             "the layers, chosen by retrieval:1/6)",
     ),
     "softmax-layers": dict(
         type=layer_list_or_auto,
         help="comma list of the layers that keep softmax attention, or auto:K: the K layers whose replacement "
              "costs the most, measured by a short attention transfer (--calibration-data), or retrieval:K: the K "
-             "layers holding the source's strongest retrieval heads (scored on needle prompts)",
+             "layers holding the source's strongest retrieval heads (scored on needle prompts; retrieval:1/N: "
+             "a N-th of the layers)",
     ),
     "sliding-window": dict(
         type=int_at_least(0, "W"), dest="sse_sliding_window",
@@ -72,15 +74,17 @@ OPTIONS: dict[str, dict] = {
         help="initial decay rate of the longest-memory key channel (default 0.999: a memory of ~1000 tokens)",
     ),
 }
-#: Conversion targets beside `sse`: option sets under the given options. SSE-H keeps softmax attention
-#: every 6th layer and adds a 64-token window branch (with 4 sinks) to the SSE output of the others: the
+#: Conversion targets beside `sse`: option sets under the given options. SSE-H keeps softmax attention in
+#: a sixth of the layers, those holding the source's strongest retrieval heads (`retrieval:1/6`: the
+#: recall rows of docs/results.md; `--sse-softmax-every 6` keeps every 6th layer), and adds a 64-token
+#: window branch (with 4 sinks) to the SSE output of the others: the
 #: real-model ablation (docs/results.md) found the window what keeps a conversion good past the length
 #: it was adapted at (`--sse-sliding-window 0` converts without it). Its SSE layers keep the source's K/V
 #: heads and give the window branch their q / k / v: the same model at conversion, the same quality after
 #: adaptation (docs/results.md, 2026-12-04), and fewer projections.
 CONVERT_PRESETS: dict[str, dict] = {
-    "sse-h": {"softmax_every": 6, "sse_sliding_window": 64, "sse_window_merge": "sum", "sse_kv_heads": "source",
-              "sse_window_qkv": "shared"},
+    "sse-h": {"softmax_layers": "retrieval:1/6", "sse_sliding_window": 64, "sse_window_merge": "sum",
+              "sse_kv_heads": "source", "sse_window_qkv": "shared"},
 }
 #: Where the rest of the declaration lives: `registry.Family` field -> "module:attribute" of this
 #: folder, imported by `families.family()` (the config class alone by `families.config_class()`).
