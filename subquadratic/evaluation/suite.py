@@ -252,16 +252,18 @@ def evaluate_conversion(
     name: str = "this model",
     progress: bool = False,
 ) -> list[dict]:
-    """Perplexity and KL to the source of a converted folder, and the source's perplexity, on `data`
-    (at `default_lengths` of the converted config unless `seq_lens` is given): the results that
-    `convert --eval-data` writes into the card, [converted, source]."""
+    """Perplexity and KL to the source of a converted folder and the source's perplexity, on `data`, and
+    both models' passkey retrieval (recall beside perplexity), at `default_lengths` of the converted
+    config unless `seq_lens` is given: the results that `convert --eval-data` writes into the card,
+    [converted, source]."""
     model, tokenizer = load_model(model_dir, device=device)
     source, _ = load_model(source_dir, device=device)
     lengths = list(seq_lens) if seq_lens else default_lengths(model.config)
     ids = load_stream(data, tokenizer)
     common = dict(seq_lens=lengths, data=ids, max_windows=max_windows, progress=progress)
-    ours = evaluate(model, tokenizer, name=name, tasks=("ppl", "kl"), reference=source, **common)
-    dense = evaluate(source, tokenizer, name=f"{Path(source_dir).name} (dense source)", tasks=("ppl",), **common)
+    ours = evaluate(model, tokenizer, name=name, tasks=("ppl", "kl", "passkey"), reference=source, **common)
+    dense = evaluate(source, tokenizer, name=f"{Path(source_dir).name} (dense source)", tasks=("ppl", "passkey"),
+                     **common)
     for r in (ours, dense):
         r["settings"]["data"] = str(data)
     return [ours, dense]
