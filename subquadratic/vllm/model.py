@@ -152,13 +152,12 @@ class StateMixer(nn.Module, MambaBase):
         layer = self.mixer.cache_layer_cls()
         if length is None:
             return layer
+        fresh = slots[length == 0]
         tensors = {}
         for (name, _, _), state in zip(self.layout, self.kv_cache, strict=True):
-            t = state[slots[0]:slots[0] + 1] if len(slots) == 1 else state.index_select(0, slots)
-            fresh = length == 0
-            if len(slots) > 1 and bool(fresh.any()):  # a one-token prompt among the decodes: a zero state
-                t = torch.where(fresh.view(-1, *([1] * (t.dim() - 1))), torch.zeros_like(t), t)
-            tensors[name] = t
+            if len(fresh):  # a one-token prompt (vLLM counts it among the decodes): its slot starts at zero
+                state[fresh] = 0
+            tensors[name] = state[slots[0]:slots[0] + 1] if len(slots) == 1 else state.index_select(0, slots)
         for pos_name, ring in POSITION_FIELDS.items():
             if ring in tensors:
                 tensors[pos_name] = ring_positions(length, tensors[ring].shape[2], sinks=pos_name == "swa_sink_pos")
