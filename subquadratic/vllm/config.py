@@ -4,7 +4,9 @@ vLLM runs `verify_and_update_config` before its own hybrid-model set-up. Prefix 
 model ("align" mode) saves and restores each state at block boundaries through the model's own copy
 functions and metadata; the plugin's state layers keep one state per sequence and do not implement
 that, so prefix caching is turned off here, with a line in the log saying so (vLLM turns it on by
-default for every generative model).
+default for every generative model). It also runs the model eagerly (`enforce_eager`): a step's
+prefills run one sequence at a time with their lengths read on the host, which a captured CUDA graph
+cannot replay.
 """
 
 from __future__ import annotations
@@ -26,3 +28,7 @@ class SubquadraticVLLMConfig(VerifyAndUpdateConfig):
         if cache_config.enable_prefix_caching:
             cache_config.enable_prefix_caching = False
             logger.warning(PREFIX_CACHING_OFF.format(arch=vllm_config.model_config.architecture))
+        if not vllm_config.model_config.enforce_eager:
+            vllm_config.model_config.enforce_eager = True
+            logger.info("subquadratic: running eagerly (no CUDA graphs): the state layers' prefills read lengths "
+                        "on the host")

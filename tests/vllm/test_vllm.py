@@ -1,10 +1,11 @@
 """The vLLM plugin (subquadratic/vllm/) on the CPU, in an environment with vLLM (scripts/test.sh's
 `.venv-vllm`, marker `vllm`): tiny converted SSE-H and HLA-H folders give through `vllm.LLM` with
-greedy sampling the tokens of Transformers' `generate()` on the same folder, for each prompt alone
+greedy sampling the tokens of Transformers' `generate()` on the same folder (and a pure SSE folder:
+no softmax layer, no window), for each prompt alone
 and for a batch of prompts of different lengths (a one-token prompt, which vLLM runs as a decode; a
 prompt past the 64-token window, prefilled in chunks beside the others' decode steps); one request
-over HTTP on 127.0.0.1; the ring positions the plugin derives are the ones the package's ring keeps;
-the refusals."""
+over HTTP on 127.0.0.1 (`subquadratic serve FOLDER --engine vllm`); the ring positions the plugin
+derives are the ones the package's ring keeps; the refusals."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def env() -> dict:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     """A tiny Llama (head size 32, which vLLM's CPU attention takes; three layers, the middle one kept
-    softmax) converted to SSE-H and HLA-H (their 64-token window with 4 sinks), every weight then moved
+    softmax) converted to SSE-H and HLA-H (their 64-token window with 4 sinks) and to pure SSE, every weight then moved
     off its conversion value (the branches that start at zero matter), with the word tokenizer."""
     from subquadratic.conversion import convert
 
@@ -59,8 +60,8 @@ def folders(tmp_path_factory) -> dict[str, str]:
     dense.save_pretrained(root / "dense")
     tok.save_pretrained(root / "dense")
     out = {}
-    for to in ("sse-h", "hla-h"):
-        folder = convert(str(root / "dense"), str(root / to), to, options={"softmax_layers": "1"}, progress=False)
+    for to, options in (("sse-h", {"softmax_layers": "1"}), ("hla-h", {"softmax_layers": "1"}), ("sse", {})):
+        folder = convert(str(root / "dense"), str(root / to), to, options=options, progress=False)
         model = AutoModelForCausalLM.from_pretrained(folder)
         torch.manual_seed(1)
         with torch.no_grad():
@@ -82,7 +83,7 @@ def reference(folder: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["sse-h", "hla-h"])
+@pytest.mark.parametrize("family", ["sse-h", "hla-h", "sse"])
 def test_llm_greedy_tokens_equal_transformers(folders, family, tmp_path):
     folder = folders[family]
     vocab = AutoModelForCausalLM.from_pretrained(folder).config.vocab_size
@@ -146,14 +147,15 @@ def test_refusals_are_one_line(folders):
 
 
 def test_openai_server_completion(folders, tmp_path):
-    """vLLM's OpenAI-compatible server on 127.0.0.1 with the plugin: one greedy completion, its tokens
-    Transformers' generate()'s; the server is stopped at the end."""
+    """`subquadratic serve FOLDER --engine vllm`: vLLM's OpenAI-compatible server on 127.0.0.1 with the
+    plugin (eager by the plugin's config hook: no --enforce-eager given); one greedy completion, its
+    tokens Transformers' generate()'s; the server is stopped at the end."""
     folder = folders["sse-h"]
     port = free_port()
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
-         "--port", str(port), "--enforce-eager", "--max-model-len", "256", "--dtype", "float32"],
+        [sys.executable, "-m", "subquadratic", "serve", folder, "--engine", "vllm", "--host", "127.0.0.1",
+         "--port", str(port), "--max-model-len", "256", "--dtype", "float32"],
         stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -184,3 +186,10 @@ def test_openai_server_completion(folders, tmp_path):
             proc.kill()
             proc.wait(timeout=30)
         log.close()
+
+
+def test_importing_the_package_imports_no_vllm():
+    """With vLLM installed too, `import subquadratic` (and its plugin module) leaves vLLM unimported."""
+    from tests.test_vllm_plugin_import import import_check
+
+    assert import_check() == "[]"
