@@ -1,4 +1,4 @@
-"""The vLLM plugin: serves converted SSE / SSE-H and HLA / HLA-H folders with vLLM's continuous
+"""The vLLM plugin: serves converted SPLA, SSE / SSE-H and HLA / HLA-H folders with vLLM's continuous
 batching (docs/design.md "Serving with vLLM").
 
 vLLM calls `register` in every one of its processes through the `vllm.general_plugins` entry point
@@ -14,7 +14,7 @@ from __future__ import annotations
 ARCHITECTURES = {
     "SSEForCausalLM": "SSEForVLLM",
     "HLAForCausalLM": "HLAForVLLM",
-    "SPLAForCausalLM": "SPLAForVLLM",  # refused at load with one line: its sparse branch is not served yet
+    "SPLAForCausalLM": "SPLAForVLLM",
 }
 
 

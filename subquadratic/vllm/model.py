@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -39,14 +40,14 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..configuration.base import SOFTMAX_MIXERS
 from ..modeling.base import SequenceInfo
+from ..modeling.cache import GrowingBuffer
 from ..registry import get_family
 from ..registry import mixer as mixer_class
 
 #: The ring's position tensors, derived from the sequence's length instead of stored (`ring_positions`).
 POSITION_FIELDS = {"swa_pos": "swa_k", "swa_sink_pos": "swa_sink_k"}
-#: The families served (model types); SPLA's sparse branch needs its block statistics beside vLLM's
-#: paged keys, which is designed in docs/design.md and not built.
-SERVED = ("sse", "hla")
+#: The families served (model types).
+SERVED = ("sse", "hla", "spla")
 
 
 class ServeError(ValueError):
@@ -82,8 +83,18 @@ def _probe_config(config):
     return type(config).from_dict(fields)
 
 
+class StateEntry(NamedTuple):
+    """One tensor of a state slot: the cache layer's name, its shape without the batch, its dtype, and for
+    a growing buffer (`GrowingBuffer`) its growing dimension (the batch's counted) and tokens per entry."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    grows: tuple[int, int] | None = None
+
+
 @functools.lru_cache(maxsize=8)
-def _state_layout(config_json: str, model_type: str, dtype: torch.dtype) -> tuple[tuple[str, tuple, torch.dtype], ...]:
+def _state_layout(config_json: str, model_type: str, dtype: torch.dtype, max_len: int) -> tuple[StateEntry, ...]:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     config = _probe_config(get_family(model_type).config_class.from_dict(json.loads(config_json)))
@@ -97,15 +108,22 @@ def _state_layout(config_json: str, model_type: str, dtype: torch.dtype) -> tupl
         seq = SequenceInfo(positions=pos, valid=torch.ones(1, 2, dtype=torch.bool), key_positions=pos, causal=True,
                            consecutive=True, length=2)
         mixer(x, rope, seq, layer)
-    order = [n for n in layer.fields if n in layer.tensors] + [n for n in layer.tensors if n not in layer.fields]
-    return tuple((n, tuple(layer.tensors[n].shape[1:]), layer.tensors[n].dtype)
-                 for n in order if n not in POSITION_FIELDS)
+    fields = getattr(layer, "fields", ())
+    order = [n for n in fields if n in layer.tensors] + [n for n in layer.tensors if n not in fields]
+    entries = [StateEntry(n, tuple(layer.tensors[n].shape[1:]), layer.tensors[n].dtype)
+               for n in order if n not in POSITION_FIELDS]
+    for name, buf in layer.buffers.items():  # sized for max_len tokens
+        shape = list(buf.data.shape[1:])
+        shape[buf.dim - 1] = -(-max_len // buf.slots_per_entry)
+        entries.append(StateEntry(name, tuple(shape), buf.data.dtype, (buf.dim, buf.slots_per_entry)))
+    return tuple(entries)
 
 
-def state_layout(config, dtype: torch.dtype) -> tuple[tuple[str, tuple, torch.dtype], ...]:
-    """(name, shape without the batch, dtype) of each tensor of a state mixer's cache layer, in the
-    model's dtype `dtype`, less the ring's positions (`POSITION_FIELDS`)."""
-    return _state_layout(config.to_json_string(use_diff=False), config.model_type, dtype)
+def state_layout(config, dtype: torch.dtype, max_len: int) -> tuple[StateEntry, ...]:
+    """The tensors of a state mixer's cache layer (`StateEntry`), in the model's dtype `dtype`, less the
+    ring's positions (`POSITION_FIELDS`); growing buffers (SPLA's keys, values and block sums) sized
+    for `max_len` tokens."""
+    return _state_layout(config.to_json_string(use_diff=False), config.model_type, dtype, max_len)
 
 
 def ring_positions(length: torch.Tensor, size: int, sinks: bool = False) -> torch.Tensor:
@@ -141,23 +159,38 @@ class StateMixer(nn.Module, MambaBase):
         return MambaAttentionBackendEnum.LINEAR
 
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(shape for _, shape, _ in self.layout)
+        return tuple(e.shape for e in self.layout)
 
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
-        return tuple(dtype for _, _, dtype in self.layout)
+        return tuple(e.dtype for e in self.layout)
+
+    @property
+    def grows(self) -> bool:
+        """Whether the state holds growing buffers (SPLA): each sequence then runs alone, on views of its slot."""
+        return any(e.grows for e in self.layout)
 
     def _cache_layer(self, slots: torch.Tensor, length: torch.Tensor | None):
         """The package's cache layer of these slots after `length` tokens each (None: fresh sequences,
         an empty layer); a single slot's tensors are views of the slot, so in-place updates land there."""
         layer = self.mixer.cache_layer_cls()
-        if length is None:
+        if length is None and not self.grows:
             return layer
+        if length is None:
+            length = torch.zeros(1, dtype=torch.long, device=slots.device)
         fresh = slots[length == 0]
         tensors = {}
-        for (name, _, _), state in zip(self.layout, self.kv_cache, strict=True):
-            if len(fresh):  # a one-token prompt (vLLM counts it among the decodes): its slot starts at zero
+        for entry, state in zip(self.layout, self.kv_cache, strict=True):
+            if len(fresh):  # a new sequence whose slot is read (a one-token prompt, which vLLM counts among the
+                # decodes; a growing state): it starts at zero, as the buffers' unwritten entries must be
                 state[fresh] = 0
-            tensors[name] = state[slots[0]:slots[0] + 1] if len(slots) == 1 else state.index_select(0, slots)
+            t = state[slots[0]:slots[0] + 1] if len(slots) == 1 else state.index_select(0, slots)
+            if entry.grows:  # the slot as the buffer's allocation, its first entries in use
+                dim, per_entry = entry.grows
+                buf = GrowingBuffer(dim, per_entry)
+                buf.data, buf.length = t, -(-int(length[0]) // per_entry)
+                layer.buffers[entry.name] = buf
+            else:
+                tensors[entry.name] = t
         for pos_name, ring in POSITION_FIELDS.items():
             if ring in tensors:
                 tensors[pos_name] = ring_positions(length, tensors[ring].shape[2], sinks=pos_name == "swa_sink_pos")
@@ -165,8 +198,8 @@ class StateMixer(nn.Module, MambaBase):
         return layer
 
     def _store(self, layer, slots: torch.Tensor) -> None:
-        for (name, _, _), state in zip(self.layout, self.kv_cache, strict=True):
-            t = layer.tensors[name]
+        for entry, state in zip(self.layout, self.kv_cache, strict=True):
+            t = layer.buffers[entry.name].data if entry.grows else layer.tensors[entry.name]
             if len(slots) == 1 and t.data_ptr() == state[slots[0]].data_ptr():
                 continue  # updated in place
             state.index_copy_(0, slots, t.to(state.dtype))
@@ -176,8 +209,10 @@ class StateMixer(nn.Module, MambaBase):
         B, T = positions.shape
         layer = self._cache_layer(slots, None if fresh_prefill else length)
         known = int(length[0]) + T if B == 1 else None
+        # every key of the sequence (SPLA reads them): the cached ones, then the new
+        keys = positions if known is None else torch.arange(known, device=x.device)[None]
         seq = SequenceInfo(positions=positions, valid=torch.ones(B, T, dtype=torch.bool, device=x.device),
-                           key_positions=positions, causal=True, consecutive=True, length=known)
+                           key_positions=keys, causal=True, consecutive=True, length=known)
         out, _ = self.mixer(x, rope, seq, layer)
         self._store(layer, slots)
         return out
@@ -197,12 +232,12 @@ class StateMixer(nn.Module, MambaBase):
         seq_lens = metadata.seq_lens.to(torch.long)
         slots = metadata.state_indices_tensor.to(torch.long)
         cos, sin = rope
-        if nd:
+        if nd and not self.grows:
             d = slice(0, metadata.num_decode_tokens)
             length = seq_lens[:nd] - 1
             out[d] = self._run(x[d, None], positions[d, None], (cos[0, d, None], sin[0, d, None]), slots[:nd],
                                length, fresh_prefill=False)[:, 0]
-        for i in range(nd, nd + np_):
+        for i in range(nd if not self.grows else 0, nd + np_):
             s, e = starts[i], starts[i + 1]
             length = seq_lens[i:i + 1] - (e - s)
             out[s:e] = self._run(x[None, s:e], positions[None, s:e], (cos[:, s:e], sin[:, s:e]), slots[i:i + 1],
@@ -239,7 +274,7 @@ class SubquadraticForVLLM(nn.Module, HasInnerState, IsHybrid):
         hf = get_family(config.model_type).causal_lm_class(config).eval()
         self.config = config
         self.model, self.lm_head = hf.model, hf.lm_head
-        layout = state_layout(config, vllm_config.model_config.dtype)
+        layout = state_layout(config, vllm_config.model_config.dtype, vllm_config.model_config.max_model_len)
         mixers = []
         for i, layer in enumerate(self.model.layers):
             name = f"{prefix}model.layers.{i}.mixer" if not prefix else f"{prefix}.model.layers.{i}.mixer"
@@ -286,16 +321,17 @@ class SubquadraticForVLLM(nn.Module, HasInnerState, IsHybrid):
 
     # --- vLLM's hybrid interface -----------------------------------------------------------------
     @classmethod
-    def _layout(cls, vllm_config: VllmConfig):
-        return state_layout(vllm_config.model_config.hf_config, vllm_config.model_config.dtype)
+    def _layout(cls, vllm_config: VllmConfig) -> tuple[StateEntry, ...]:
+        model_config = vllm_config.model_config
+        return state_layout(model_config.hf_config, model_config.dtype, model_config.max_model_len)
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
-        return tuple(shape for _, shape, _ in cls._layout(vllm_config))
+        return tuple(e.shape for e in cls._layout(vllm_config))
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
-        return tuple(dtype for _, _, dtype in cls._layout(vllm_config))
+        return tuple(e.dtype for e in cls._layout(vllm_config))
 
     @classmethod
     def get_mamba_state_copy_func(cls):
@@ -312,4 +348,4 @@ class HLAForVLLM(SubquadraticForVLLM):
 
 
 class SPLAForVLLM(SubquadraticForVLLM):
-    """SPLA folders: refused with one line (`check_config`) until its sparse branch is served."""
+    """SPLA folders: keys, values, block sums and Sbar in the sequence's state slot (`StateMixer.grows`)."""

@@ -1,7 +1,7 @@
 """The vLLM plugin (subquadratic/vllm/) on the CPU, in an environment with vLLM (scripts/test.sh's
 `.venv-vllm`, marker `vllm`): tiny converted SSE-H and HLA-H folders give through `vllm.LLM` with
-greedy sampling the tokens of Transformers' `generate()` on the same folder (and a pure SSE folder:
-no softmax layer, no window), for each prompt alone
+greedy sampling the tokens of Transformers' `generate()` on the same folder (and pure SSE: no
+softmax layer, no window; and SPLA, past its budget), for each prompt alone
 and for a batch of prompts of different lengths (a one-token prompt, which vLLM runs as a decode; a
 prompt past the 64-token window, prefilled in chunks beside the others' decode steps); one request
 over HTTP on 127.0.0.1 (`subquadratic serve FOLDER --engine vllm`); the ring positions the plugin
@@ -35,6 +35,8 @@ MAX_TOKENS = 10
 #: step's token budget, BATCHED_TOKENS: it is prefilled in chunks)
 LENGTHS = (1, 5, 17, 90)
 BATCHED_TOKENS = 32
+#: SPLA's exact budget: 4 blocks of 8 tokens, which the 90-token prompt outgrows
+SPLA_OPTIONS = {"block_size": 8, "top_k_blocks": 4}
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -49,7 +51,8 @@ def env() -> dict:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     """A tiny Llama (head size 32, which vLLM's CPU attention takes; three layers, the middle one kept
-    softmax) converted to SSE-H and HLA-H (their 64-token window with 4 sinks) and to pure SSE, every weight then moved
+    softmax) converted to SSE-H and HLA-H (their 64-token window with 4 sinks), to pure SSE and to SPLA
+    (a 32-token budget), every weight then moved
     off its conversion value (the branches that start at zero matter), with the word tokenizer."""
     from subquadratic.conversion import convert
 
@@ -60,7 +63,8 @@ def folders(tmp_path_factory) -> dict[str, str]:
     dense.save_pretrained(root / "dense")
     tok.save_pretrained(root / "dense")
     out = {}
-    for to, options in (("sse-h", {"softmax_layers": "1"}), ("hla-h", {"softmax_layers": "1"}), ("sse", {})):
+    for to, options in (("sse-h", {"softmax_layers": "1"}), ("hla-h", {"softmax_layers": "1"}), ("sse", {}),
+                        ("spla", SPLA_OPTIONS)):
         folder = convert(str(root / "dense"), str(root / to), to, options=options, progress=False)
         model = AutoModelForCausalLM.from_pretrained(folder)
         torch.manual_seed(1)
@@ -83,7 +87,7 @@ def reference(folder: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["sse-h", "hla-h", "sse"])
+@pytest.mark.parametrize("family", ["sse-h", "hla-h", "sse", "spla"])
 def test_llm_greedy_tokens_equal_transformers(folders, family, tmp_path):
     folder = folders[family]
     vocab = AutoModelForCausalLM.from_pretrained(folder).config.vocab_size
@@ -124,22 +128,27 @@ def test_state_layout_follows_the_config(folders):
     from subquadratic.vllm.model import state_layout
 
     config = AutoModelForCausalLM.from_pretrained(folders["sse-h"]).config
-    layout = {name: (shape, dtype) for name, shape, dtype in state_layout(config, torch.bfloat16)}
+    layout = {e.name: (e.shape, e.dtype) for e in state_layout(config, torch.bfloat16, 256)}
     hq, h, d, w = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.sse_sliding_window
     assert layout["shared"] == ((hq, d, d), torch.float32)  # recurrent states stay fp32
     assert layout["parts"] == ((config.sse_num_partitions, hq, d, d), torch.float32)
     assert layout["swa_k"] == ((h, w, d), torch.bfloat16) and layout["swa_sink_v"][0] == (h, config.sse_window_sinks, d)
     assert "swa_pos" not in layout and "swa_sink_pos" not in layout
+    spla = AutoModelForCausalLM.from_pretrained(folders["spla"]).config
+    grows = {e.name: (e.shape, e.dtype, e.grows) for e in state_layout(spla, torch.bfloat16, 100)}
+    h, blocks = spla.num_key_value_heads, -(-100 // spla.block_size)  # keys for 100 tokens, a sum per block
+    assert grows["k"] == ((h, 100, d), torch.bfloat16, (2, 1)) and grows["v"][0] == (h, 100, d)
+    assert grows["sum_k"] == ((h, blocks, d), torch.float32, (2, spla.block_size))
+    assert grows["count"][0] == (blocks,) and grows["sbar"] == ((h, d, d), torch.float32, None)
 
 
 def test_refusals_are_one_line(folders):
     from types import SimpleNamespace
 
-    from subquadratic import SPLAConfig
     from subquadratic.vllm.model import ServeError, check_config
 
-    with pytest.raises(ServeError, match=r"serves sse, hla folders; this one is 'spla'"):
-        check_config(SPLAConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ServeError, match=r"serves sse, hla, spla folders; this one is 'swa'"):
+        check_config(SimpleNamespace(model_type="swa", mixer_types=["swa"]))
     config = AutoModelForCausalLM.from_pretrained(folders["sse-h"]).config
     tp = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
     with pytest.raises(ServeError, match="--tensor-parallel-size 1"):
