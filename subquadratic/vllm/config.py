@@ -17,7 +17,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 logger = logging.getLogger("subquadratic.vllm")
 
-PREFIX_CACHING_OFF = ("subquadratic: prefix caching is off for {arch}: its SSE / HLA state layers keep one state "
+PREFIX_CACHING_OFF = ("subquadratic: prefix caching is off for {arch}: its state layers keep one state "
                       "per sequence and cannot resume from a cached prefix (docs/design.md, 'Serving with vLLM')")
 
 

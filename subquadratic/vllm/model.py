@@ -1,14 +1,15 @@
-"""vLLM model classes of the SSE / SSE-H and HLA / HLA-H families (docs/design.md "Serving with vLLM").
+"""vLLM model classes of the SPLA, SSE / SSE-H and HLA / HLA-H families (docs/design.md "Serving with vLLM").
 
 The model is the package's own: the Transformers model class of the folder's family is built inside
 vLLM's model (same module names, so a converted folder's weights load as they are) and its decoder
 runs on vLLM's flat batch of tokens (the requests of one step, prefills and decodes mixed). Only the
 token mixers are wrapped:
 
-- a state mixer (SSE, HLA) becomes a `StateMixer`, a vLLM `MambaBase` layer: vLLM's hybrid cache
-  manager gives every running sequence a state slot, which holds the mixer's recurrent state and,
-  with the window branch, the ring of the last W keys / values and the sink keys / values (fixed
-  sizes: the window needs no paged cache). Each step calls the package's mixer with that state as
+- a state mixer (SSE, HLA, SPLA) becomes a `StateMixer`, a vLLM `MambaBase` layer: vLLM's hybrid
+  cache manager gives every running sequence a state slot, which holds the mixer's recurrent state
+  and, with the window branch, the ring of the last W keys / values and the sink keys / values
+  (fixed sizes: the window needs no paged cache); SPLA's keys, values, block sums and Sbar, sized
+  for max_model_len tokens (not paged). Each step calls the package's mixer with that state as
   its cache layer: the mixer's math and the kernels' dispatch (PyTorch forms on the CPU, Triton on
   CUDA) are the package's, not copies;
 - a softmax layer (`full_attention`, `sliding_attention`) keeps the package's projections, qk-norm
