@@ -71,7 +71,7 @@ def check_config(config, vllm_config: VllmConfig | None = None) -> None:
         par = vllm_config.parallel_config
         if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
             raise ServeError("the vLLM plugin runs the package's layers on one device: use --tensor-parallel-size 1 "
-                             "--pipeline-parallel-size 1 (scale out with --data-parallel-size)")
+                             "--pipeline-parallel-size 1")
 
 
 def _probe_config(config):

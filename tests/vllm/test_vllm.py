@@ -51,21 +51,24 @@ def env() -> dict:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     """A tiny Llama (head size 32, which vLLM's CPU attention takes; three layers, the middle one kept
-    softmax) converted to SSE-H and HLA-H (their 64-token window with 4 sinks), to pure SSE and to SPLA
-    (a 32-token budget), every weight then moved
+    softmax) converted to SSE-H (its 64-token window with 4 sinks), to pure SSE and to SPLA (a 32-token
+    budget), and a tiny Mistral with a 16-token sliding window converted to HLA-H (the kept layer a
+    `sliding_attention` one, on vLLM's sliding-window attention), every weight then moved
     off its conversion value (the branches that start at zero matter), with the word tokenizer."""
     from subquadratic.conversion import convert
 
     tok = word_tokenizer()
     root = tmp_path_factory.mktemp("vllm")
-    dense = make_dense("llama", hidden_size=128, intermediate_size=128, num_hidden_layers=3, vocab_size=len(tok),
-                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    dense.save_pretrained(root / "dense")
-    tok.save_pretrained(root / "dense")
+    shapes = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=3, vocab_size=len(tok),
+                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    for kind, extra in (("llama", {}), ("mistral", {"sliding_window": 16})):
+        make_dense(kind, **shapes, **extra).save_pretrained(root / kind)
+        tok.save_pretrained(root / kind)
     out = {}
-    for to, options in (("sse-h", {"softmax_layers": "1"}), ("hla-h", {"softmax_layers": "1"}), ("sse", {}),
-                        ("spla", SPLA_OPTIONS)):
-        folder = convert(str(root / "dense"), str(root / to), to, options=options, progress=False)
+    kept = {"softmax_layers": "1"}
+    for to, source, options in (("sse-h", "llama", kept), ("hla-h", "mistral", kept), ("sse", "llama", {}),
+                                ("spla", "llama", SPLA_OPTIONS)):
+        folder = convert(str(root / source), str(root / to), to, options=options, progress=False)
         model = AutoModelForCausalLM.from_pretrained(folder)
         torch.manual_seed(1)
         with torch.no_grad():
@@ -75,6 +78,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
             f.unlink()
         model.save_pretrained(folder)
         out[to] = str(folder)
+    assert AutoModelForCausalLM.from_pretrained(out["hla-h"]).config.mixer_types == ["hla", "sliding_attention", "hla"]
     return out
 
 
