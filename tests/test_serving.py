@@ -194,8 +194,28 @@ def run_cli(*args) -> subprocess.CompletedProcess:
 def test_refusals_are_one_line(tmp_path, folder, monkeypatch):
     missing = run_cli("serve", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no config.json" in missing.stderr
+    assert missing.stderr.startswith("subquadratic serve: error: ")
     batching = run_cli("serve", folder, "--continuous-batching")
     assert batching.returncode == 2 and "drop --continuous-batching" in batching.stderr
     monkeypatch.setattr(serving, "find_spec", lambda name: None if name in ("fastapi", "uvicorn") else object())
     with pytest.raises(serving.ServeError, match=r"needs fastapi, uvicorn .*pip install 'subquadratic\[serve\]'"):
         serving.check(folder, [])
+
+
+def test_every_serve_failure_is_one_line_with_the_serve_prefix_and_help_names_the_command(folder, capsys):
+    from subquadratic.cli import main
+
+    for argv, said in ((["serve", folder, "--no-such-option"], "No such option '--no-such-option'"),
+                       (["serve", folder, "--port", "eighty"], "'eighty' is not a valid integer"),
+                       (["serve", "--bogus", folder], "unrecognized argument --bogus"),
+                       (["serve", folder, "--continuous-batching"], "drop --continuous-batching")):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # a usage error of the command line itself
+            code = e.code
+        assert code == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("subquadratic serve: error: ") and said in err, (argv, err)
+    assert main(["serve", folder, "--help"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.splitlines()[0] == "Usage: subquadratic serve [OPTIONS] [FOLDER]" and "--port" in shown

@@ -29,6 +29,7 @@ import re
 import shlex
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..cards import card_metadata, read_card_metadata
-from ..checks import InputError, looks_like_hub_id, output_problem, source_problem
+from ..checks import TOKENIZER_FILES, InputError, looks_like_hub_id, output_problem, source_problem, tokenizer_problem
 from ..data import DTYPE_CHOICES, torch_dtype
 
 if TYPE_CHECKING:
@@ -57,6 +58,10 @@ COPIED_FILES = (
 
 class ConversionError(InputError):
     """A problem with the user's input: printed as one line, exit code 2."""
+
+
+class ConversionWarning(UserWarning):
+    """A conversion that is written but not ready for every use (the command line prints it as one line)."""
 
 
 #: Parameters of a mixer that a dense source provides (`AttentionBase`'s names); the rest are new.
@@ -529,6 +534,11 @@ def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: di
         for name in COPIED_FILES:
             if (src_path / name).is_file():
                 shutil.copy2(src_path / name, tmp / name)
+        if tokenizer_problem(tmp) is not None:
+            warnings.warn(ConversionWarning(
+                f"{src} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); {out_path} holds the weights only, and "
+                "serve, eval, adapt and AutoTokenizer refuse it until the source model's tokenizer files (with "
+                "tokenizer_config.json) are copied into it"), stacklevel=3)
         shown = {**options, **(measured["card"] if measured else {})}
         (tmp / "README.md").write_text(render_card(fam.card, card_values(
             src, src_path, src_cfg, config, to, shown, command, gguf_meta, conv.card_notes(config))))
