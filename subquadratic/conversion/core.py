@@ -426,6 +426,26 @@ def license_note(info: dict) -> str:
             "are a derivative of the source's and stay under its terms: check them before sharing this folder.")
 
 
+def loading_note(model_type: str) -> str:
+    """The card's "How to load": the snippet that loads the folder where the package is not installed
+    (a test runs it as the card prints it), and how the package's own classes load it."""
+    return (
+        "Without the package, Transformers runs the model code this folder carries "
+        f"(`configuration_{model_type}.py`, `modeling_{model_type}.py` and the `subquadratic_*.py` modules they "
+        "import): pass `trust_remote_code=True`, to the tokenizer too (Transformers reads the model's config to "
+        "choose the tokenizer, and would otherwise ask whether to run the code):\n\n"
+        "```python\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+        'tok = AutoTokenizer.from_pretrained("<this folder or repo>", trust_remote_code=True)\n'
+        'model = AutoModelForCausalLM.from_pretrained("<this folder or repo>", trust_remote_code=True)\n'
+        'out = model.generate(**tok("Once upon a time", return_tensors="pt"), max_new_tokens=32)\n'
+        "print(tok.decode(out[0], skip_special_tokens=True))\n"
+        "```\n\n"
+        "With the subquadratic package installed, `import subquadratic` first registers the model type: the same "
+        "calls then build the package's classes and need no `trust_remote_code`."
+    )
+
+
 def source_attention_note(config) -> str:
     """What a converted layer keeps of the source's attention beyond q/k/v/o (the qk-norm, the
     biases), as a clause for the cards, or "" when the source has neither."""
@@ -639,6 +659,7 @@ def card_values(src: str, src_path: Path, src_cfg: dict, config, to: str, option
         "dtype": str(config.dtype).removeprefix("torch."),
         "source_attention": source_attention_note(config),
         "provenance": made,
+        "loading": loading_note(config.model_type),
         **notes,
     }
 
