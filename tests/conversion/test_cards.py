@@ -185,3 +185,20 @@ def test_the_adapted_card_describes_the_adapted_model(dense_checkpoint, tmp_path
     assert "before use" not in adapted and "not ready to use" not in adapted and "<!--" not in adapted
     assert adapted.count(ADAPTED_NOTE) == (1 if before else 0)
     assert _front_matter(adapted) == _front_matter(text)
+
+
+@pytest.mark.parametrize("to", ["spla", "sse-h", "hla"])
+def test_the_card_names_the_model_code_files_the_folder_holds(dense_checkpoint, tmp_path, to):
+    import re
+
+    _, src = dense_checkpoint("llama")
+    folder = convert(str(src), str(tmp_path / to), to, progress=False)
+    text = (folder / "README.md").read_text()
+    named = set(re.findall(r"`([\w*]+\.py)`", text))
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    assert {f"configuration_{model_type}.py", f"modeling_{model_type}.py", "subquadratic_*.py"} <= named, named
+    for name in named:
+        assert list(folder.glob(name)), name
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert {v.split(".")[0] for v in auto_map.values()} == {f"configuration_{model_type}", f"modeling_{model_type}"}
+    assert len(list(folder.glob("*.py"))) == 2 + len(list(folder.glob("subquadratic_*.py")))
