@@ -57,11 +57,11 @@ ADAPTED_NOTE = ("**This model was adapted after the conversion** (the Adaptation
 
 def adapted_card(text: str) -> str:
     """The card of a converted folder as the card of the model `adapt` made from it: the title says
-    "adapted", and what the template marks as true only before adaptation (the title's "must be
-    distilled before use", the warning that the outputs are poor) gives way to `ADAPTED_NOTE`."""
+    "adapted" (without its "(... before use)"), and what the template marks as true only before
+    adaptation (the warning that the outputs are poor) gives way to `ADAPTED_NOTE`."""
     title = re.search(r"^# .*$", text, flags=re.M)
     if title is not None and not title.group(0).endswith(", adapted"):
-        heading = BEFORE_ADAPT.sub("", title.group(0)).rstrip() + ", adapted"
+        heading = re.sub(r"\s*\([^()]*before use\)\s*$", "", title.group(0)) + ", adapted"
         text = text[:title.start()] + heading + text[title.end():]
     return BEFORE_ADAPT.sub(lambda m: ADAPTED_NOTE if m.group(1).strip() else "", text).replace(
         ADAPTED_NOTE + "\n\n" + ADAPTED_NOTE, ADAPTED_NOTE)
