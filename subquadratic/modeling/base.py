@@ -484,7 +484,7 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
                 module.reset_mixer_parameters()
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save as usual, plus the flat model code and `auto_map` so that `trust_remote_code=True`
+        """Save as usual, plus the model code and `auto_map` so that `trust_remote_code=True`
         loads the folder where the package is not installed."""
         super().save_pretrained(save_directory, *args, **kwargs)
         try:

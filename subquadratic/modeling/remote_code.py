@@ -133,7 +133,8 @@ def _registration(family: Family, stem) -> str:
 
 
 def write_remote_code(folder: str | Path, model_type: str) -> None:
-    """Copy the flat model code into `folder` and add `auto_map` to its config.json."""
+    """Write the model code (`bundle_sources`) into `folder` and point its config.json's `auto_map` at
+    `configuration_<model_type>.py` and `modeling_<model_type>.py`."""
     folder = Path(folder)
     try:
         family = family_of_model_type(model_type)
