@@ -197,3 +197,26 @@ def test_every_serve_failure_is_one_line_with_the_serve_prefix_and_help_names_th
     assert main(["serve", folder, "--help"]) == 0
     shown = capsys.readouterr().out
     assert shown.splitlines()[0] == "Usage: subquadratic serve [OPTIONS] [FOLDER]" and "--port" in shown
+
+
+def test_a_server_that_fails_to_start_is_one_line(folder, capsys, monkeypatch):
+    from subquadratic.cli import main
+
+    class Failing:
+        def main(self, *a, **kw):
+            raise OSError("[Errno 98] error while attempting to bind on address ('127.0.0.1', 8000): address already "
+                          "in use")
+
+    monkeypatch.setattr(serving, "_serve_command", Failing)
+    assert main(["serve", folder, "--port", "8000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("subquadratic serve: error: the server stopped: OSError: ")
+    assert "address already in use" in err and "the port is free" in err
+
+    class Interrupted:
+        def main(self, *a, **kw):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(serving, "_serve_command", Interrupted)
+    assert main(["serve", folder]) == 130
+    assert capsys.readouterr().err == "subquadratic serve: interrupted; the server stopped\n"
