@@ -333,3 +333,36 @@ def test_ctrl_c_during_convert_is_one_line_exit_130_and_leaves_nothing(dense_che
         "is untouched)"], err
     assert written and not written[0].exists()  # the half-written temporary folder is gone
     assert not out.exists() and not _no_leftovers(tmp_path)
+
+
+def test_a_real_ctrl_c_during_convert_is_one_line_exit_130_and_leaves_nothing(tmp_path):
+    """SIGINT sent while the converted folder is being evaluated in its temporary folder (--eval-data):
+    one line on stderr, no traceback, exit status 130, neither OUT nor a temporary folder left."""
+    import os
+    import signal
+
+    from tests.conftest import WORDS, make_dense, word_tokenizer
+
+    tok = word_tokenizer()
+    make_dense("llama", vocab_size=len(tok), pad_token_id=tok.pad_token_id).save_pretrained(tmp_path / "dense")
+    tok.save_pretrained(tmp_path / "dense")
+    data = tmp_path / "held.txt"
+    data.write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(200_000)))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "subquadratic", "convert", str(tmp_path / "dense"), str(out),
+                             "--to", "spla", "--no-progress", "--eval-data", str(data), "--eval-seq-len", "64",
+                             "--eval-max-windows", "3000"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()  # still converting: the temporary folder exists
+    time.sleep(1.0)  # inside the evaluation of the finished temporary folder
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert [line for line in err.splitlines() if line.strip()][-1] == (
+        "subquadratic convert: interrupted; nothing was written (the temporary folder is removed; an existing OUT "
+        "is untouched)"), err
+    assert "Traceback" not in err
+    assert not out.exists() and not [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")]
