@@ -71,3 +71,18 @@ def test_the_decode_race_measures_both_caches_and_rates(dense_checkpoint, tmp_pa
     ratio = race["OURS"]["cache_bytes"] / race["dense"]["cache_bytes"]
     assert f"MiB ({ratio:.2f}x the dense model's); decode" in line
     assert RACE_STEPS >= 8
+
+
+def test_generate_gives_the_continuation_and_the_last_prompt_logits():
+    from subquadratic.demo import _generate
+    from tests.conftest import make_dense, word_tokenizer
+
+    tok = word_tokenizer()
+    model = make_dense("llama", vocab_size=len(tok), pad_token_id=tok.pad_token_id).eval()
+    text, last, seconds = _generate(model, tok, "the value of the list", 5)
+    ids = tok.apply_chat_template([{"role": "user", "content": "the value of the list"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(last, model(**ids).logits[0, -1])
+        want = model.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert text == tok.decode(want[0, ids["input_ids"].shape[1]:], skip_special_tokens=True) and seconds > 0

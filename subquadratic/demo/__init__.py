@@ -36,18 +36,20 @@ LONG_QUESTION = "Summarise the text above in one sentence."
 
 
 def _generate(model, tok, text: str, max_new_tokens: int) -> tuple[str, torch.Tensor, float]:
+    """(the greedy continuation, the logits at the prompt's last position, the seconds generate took)."""
     msgs = [{"role": "user", "content": text}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
-        last = model(**ids, use_cache=False).logits[0, -1]
         t0 = time.perf_counter()
-        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
         dt = time.perf_counter() - t0
-    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True), last, dt
+    text = tok.decode(out.sequences[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    return text, out.logits[0][0], dt
 
 
 #: said before anything runs: the time the demo took, as measured (2026-12-06, SmolLM2-135M on a shared
-#: 2-core CPU: 7-8 minutes for --to spla and for --to sse-h, checkpoints cached or not)
+#: 2-core CPU: 7-8 minutes for --to spla and for --to sse-h)
 TIME_ESTIMATE = ("This takes about 8 minutes on a 2-core CPU (measured there: 7-8 minutes), most of it the long "
                  "document's generations; less with a GPU or more cores.")
 #: one-token decode steps of each model in `decode_race`
