@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("repo", help="Hub repo id (org/name); created if missing")
     u.add_argument("--private", action="store_true", help="create the repo private")
     d = sub.add_parser("demo", help="convert SmolLM2-135M to a family and compare generations with the dense model "
-                                    "(about 8 minutes on a 2-core CPU); keeps about 0.55 GB of checkpoints per model "
+                                    "(3 to 8 minutes on a 2-core CPU); keeps about 0.55 GB of checkpoints per model "
                                     "under ~/.cache/subquadratic")
     d.add_argument("--to", default="spla", choices=targets, type=family_name, metavar="{" + ",".join(targets) + "}",
                    help="target family (default spla)")

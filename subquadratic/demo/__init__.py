@@ -48,10 +48,11 @@ def _generate(model, tok, text: str, max_new_tokens: int) -> tuple[str, torch.Te
     return text, out.logits[0][0], dt
 
 
-#: said before anything runs: the time the demo took, as measured (2026-12-06, SmolLM2-135M on a shared
-#: 2-core CPU: 7-8 minutes for --to spla and for --to sse-h)
-TIME_ESTIMATE = ("This takes about 8 minutes on a 2-core CPU (measured there: 7-8 minutes), most of it the long "
-                 "document's generations; less with a GPU or more cores.")
+#: said before anything runs: the time the demo took, as measured (2026-12-06, SmolLM2-135M, --to spla, 40
+#: new tokens, a 2-core CPU: 2 min 45 s with the dense folder already built, 7-8 minutes while the CPU was
+#: shared with another job)
+TIME_ESTIMATE = ("This takes 3 to 8 minutes on a 2-core CPU (measured: 2 min 45 s with the dense folder already "
+                 "built, 7-8 minutes on a busy one), most of it the long document's generations; less with a GPU.")
 #: one-token decode steps of each model in `decode_race`
 RACE_STEPS = 16
 
