@@ -25,7 +25,7 @@ def test_the_settings_line_is_short_and_says_the_settings(dense_checkpoint, tmp_
 
 
 def test_the_case_notes_say_why_the_columns_agree_or_differ_and_what_to_run_next(dense_checkpoint, tmp_path):
-    from subquadratic.demo import case_note
+    from subquadratic.demo import case_note, exact_window
 
     _, src = dense_checkpoint("llama", num_hidden_layers=6)
     spla = AutoConfig.from_pretrained(convert(str(src), str(tmp_path / "spla"), "spla", progress=False))
@@ -35,10 +35,20 @@ def test_the_case_notes_say_why_the_columns_agree_or_differ_and_what_to_run_next
     beyond = case_note("SPLA", spla, budget + 1, tmp_path / "spla", src)
     assert f"beyond SPLA's budget of {budget}" in beyond and "selects" in beyond
     hybrid = AutoConfig.from_pretrained(convert(str(src), str(tmp_path / "h"), "sse-h", progress=False))
-    said = case_note("SSE-H", hybrid, 40, tmp_path / "h", src)
-    assert "converted, not trained" in said
+    window = hybrid.sse_sliding_window
+    assert exact_window(hybrid) == window == 64  # SSE-H's default window branch
+    said = case_note("SSE-H", hybrid, window + 1, tmp_path / "h", src)
+    assert "converted, not trained" in said and f"beyond their {window}-token window" in said
     assert f"Next: subquadratic adapt {tmp_path / 'h'} --teacher {src} --data YOUR_TEXT_FILES -o " in said
-    for line in (inside, beyond, said):
+    fits = case_note("SSE-H", hybrid, 40, tmp_path / "h", src)
+    assert f"the 40 tokens fit the {window}-token window branch" in fits and "Next: subquadratic adapt" in fits
+    bare = AutoConfig.from_pretrained(convert(str(src), str(tmp_path / "b"), "hla", progress=False,
+                                              options={"hla_sliding_window": 0}))
+    assert exact_window(bare) is None
+    plain = case_note("HLA", bare, 40, tmp_path / "b", src)
+    assert "HLA is converted, not trained: its state layers compute a different function" in plain
+    assert "window" not in plain
+    for line in (inside, beyond, said, fits, plain):
         assert "\n" not in line
 
 

@@ -6,9 +6,10 @@ Prints first how long it takes (`TIME_ESTIMATE`, as measured), then the settings
 in one line, then for a short prompt and for a long document the request (the long document's
 question, not its text) and the dense and the converted continuation side by side, with one line on
 why they agree or differ (`case_note`: inside SPLA's selection budget the conversion is the dense
-model; beyond it, sparse; a family without a budget is converted, not trained, and the line gives
-the `subquadratic adapt` command that trains it), the largest logit difference at the prompt's last
-position and the wall time of each generation. Last, what the conversion saves at the long
+model; beyond it, sparse; a family without a budget is converted, not trained, the dense model
+only within its window branch, and the line gives the `subquadratic adapt` command that trains
+it), the largest logit difference at the prompt's last position and the wall time of each
+generation. Last, what the conversion saves at the long
 document's length (`decode_race`): the bytes of both models' caches after it, and their decode
 speed from it, the two models stepping in turn in this one process (so both see the same machine
 load), and the disk the work folder holds. The checkpoints are kept under the work folder, by
@@ -57,10 +58,22 @@ TIME_ESTIMATE = ("This takes 3 to 8 minutes on a 2-core CPU (measured: 2 min 45 
 RACE_STEPS = 16
 
 
+def exact_window(config) -> int | None:
+    """The tokens over which a fresh conversion of an SSE or HLA family is the dense model: its
+    in-layer window branch (`<family>_sliding_window`, merged by sum) is a copy of the source
+    attention and the state's gate starts at zero (the cards say so); None without one."""
+    for prefix in ("sse", "hla"):
+        window = getattr(config, f"{prefix}_sliding_window", None)
+        if window and getattr(config, f"{prefix}_window_merge", "sum") == "sum":
+            return int(window)
+    return None
+
+
 def case_note(label: str, config, prompt_tokens: int, conv_dir, dense_dir) -> str:
     """One line on why the two columns agree or differ: a conversion with a selection budget
     (`budget_tokens`, SPLA) is the dense model inside it and sparse beyond it; one without is
-    converted, not trained, and the line names the command that trains it."""
+    converted, not trained (the dense model only within its window branch's span, `exact_window`),
+    and the line names the command that trains it."""
     budget = getattr(config, "budget_tokens", None)
     if budget is not None and prompt_tokens <= budget:
         return (f"why: the {prompt_tokens} tokens are inside {label}'s budget of {budget}, where every query attends "
@@ -69,9 +82,17 @@ def case_note(label: str, config, prompt_tokens: int, conv_dir, dense_dir) -> st
         return (f"why: the {prompt_tokens} tokens are beyond {label}'s budget of {budget}: each query attends exactly "
                 "to the key blocks it selects (the residual linear attention adds nothing until adapted), so the "
                 "columns may part where the selection missed a key the dense model used.")
-    return (f"why: {label} is converted, not trained: its state layers compute a different function of the dense "
-            f"model's projections, so its column is poor until adapted. Next: subquadratic adapt {conv_dir} "
-            f"--teacher {dense_dir} --data YOUR_TEXT_FILES -o {conv_dir}-adapted")
+    window = exact_window(config)
+    if window is not None and prompt_tokens <= window:
+        why = (f"the {prompt_tokens} tokens fit the {window}-token window branch of {label}'s state layers, which is "
+               "the dense attention while their fresh state adds nothing: the columns agree while the text fits it, "
+               "and part beyond it, where the untrained state takes over")
+    else:
+        why = (f"{label} is converted, not trained: its state layers compute a different function of the dense "
+               "model's projections" + (f" beyond their {window}-token window" if window else "")
+               + ", so its column is poor until adapted")
+    return (f"why: {why}. Next: subquadratic adapt {conv_dir} --teacher {dense_dir} --data YOUR_TEXT_FILES "
+            f"-o {conv_dir}-adapted")
 
 
 def cache_bytes(cache) -> int:
