@@ -189,6 +189,20 @@ def data_problem(source: str) -> str | None:
     return None
 
 
+#: files any one of which gives a folder a tokenizer (with its tokenizer_config.json)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_problem(path: str | Path, what: str = "model") -> str | None:
+    """A folder that commands tokenize text with: it must hold tokenizer files (`TOKENIZER_FILES`)."""
+    folder = Path(path).expanduser()
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return (f"{what} {path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]}); "
+            f"copy them, with tokenizer_config.json, from its source model into it (AutoTokenizer.from_pretrained"
+            f"(SOURCE).save_pretrained(FOLDER))")
+
+
 def device_problem(device: str) -> str | None:
     """The spelling of a --device value (whether it is present is checked once torch is imported)."""
     if re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", device):
@@ -257,4 +271,4 @@ def adapt_problem(s: Any, model_types: Collection[str]) -> str | None:
             return f"{out} holds no checkpoint to resume from; drop --resume (with --overwrite) to start anew"
         if not s.resume and not s.overwrite:
             return f"{out} is not empty; pass --resume to continue its run or --overwrite to start anew"
-    return None
+    return tokenizer_problem(s.student, "student")

@@ -10,7 +10,10 @@ Every failure is one line on stderr, `subquadratic COMMAND: error: ...` (the pro
 with exit status 2. What can be checked without a model (option values, paths, folders, Hub ids, the
 teacher a loss needs) is checked before torch or Transformers are imported, so such a mistake is
 reported at once, as is `--help`; an unknown option gets the nearest real one ("did you mean
---spla-block-size"), the old unprefixed family options (`--block-size`) included.
+--spla-block-size"), the old unprefixed family options (`--block-size`) included, and a mistyped
+choice the nearest value (family names are read in any case: `--to SPLA`). Ctrl-C is one line too
+(what the command leaves), exit status 130. A source without tokenizer files converts, with one
+warning line; the commands that tokenize (`serve`, `eval`, `adapt`) refuse such a folder in one line.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import difflib
 import re
 import shlex
 import sys
+import warnings
 
 from . import checks
 from .checks import int_at_least, nonnegative_int, positive_int
@@ -36,7 +40,15 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (the problem and where help is), not the usage block."""
 
     def error(self, message: str):
+        if m := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message):
+            near = difflib.get_close_matches(m.group(1).lower(), re.findall(r"'([^']*)'", m.group(2)), n=1)
+            message += f": did you mean {near[0]!r}?" if near else ""
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def family_name(text: str) -> str:
+    """An argparse type: a family or preset name in any case (`--to SPLA` is `--to spla`)."""
+    return text.lower()
 
 
 class InputProblem(Exception):
@@ -64,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src", help="source checkpoint: a folder (safetensors), a .gguf file, or a Hub id (org/name)")
     c.add_argument("out", help="output folder (written atomically: complete or absent)")
     presets = sorted(set(targets) - set(families))
-    c.add_argument("--to", required=True, choices=targets,
+    c.add_argument("--to", required=True, choices=targets, type=family_name, metavar="{" + ",".join(targets) + "}",
                    help="target family" + (f", or a convert preset of one ({', '.join(presets)})" if presets else ""))
     c.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="dtype of the written weights: auto keeps the source's (float32 for a GGUF source), or "
@@ -146,9 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("folder", help="the converted folder (OUT of convert)")
     u.add_argument("repo", help="Hub repo id (org/name); created if missing")
     u.add_argument("--private", action="store_true", help="create the repo private")
-    d = sub.add_parser("demo", help="convert SmolLM2-135M to a family and compare generations with the dense model; "
-                                    "keeps about 1 GB of checkpoints under ~/.cache/subquadratic")
-    d.add_argument("--to", default="spla", choices=targets, help="target family (default spla)")
+    d = sub.add_parser("demo", help="convert SmolLM2-135M to a family and compare generations with the dense model "
+                                    "(3 to 8 minutes on a 2-core CPU); keeps about 0.55 GB of checkpoints per model "
+                                    "under ~/.cache/subquadratic")
+    d.add_argument("--to", default="spla", choices=targets, type=family_name, metavar="{" + ",".join(targets) + "}",
+                   help="target family (default spla)")
     d.add_argument("--prompt", default=None, metavar="TEXT",
                    help="the short prompt (default: a question about the sky)")
     d.add_argument("--max-new-tokens", type=positive_int, default=40, metavar="N",
@@ -296,6 +310,8 @@ def _precheck(parser, args) -> None:
             if importlib.util.find_spec("matplotlib") is None:
                 raise InputProblem("--plot-dir needs matplotlib: pip install matplotlib (or pip install "
                                    "'subquadratic[eval]'), or leave out --plot-dir")
+        for m in args.models:  # last: a folder may lack only its tokenizer (converted from weights alone)
+            _check(checks.tokenizer_problem(m))
     elif args.command == "push":
         _check(checks.checkpoint_problem(args.folder, "folder"))
         _check(checks.repo_id_problem(args.repo))
@@ -415,7 +431,7 @@ def _flags_for_fields(parser, args, message: str) -> str:
 
 
 def _convert(parser, args, command: str) -> None:
-    from .conversion import ConversionError
+    from .conversion import ConversionError, ConversionWarning
     from .layer_choice import Calibration, convert
 
     options = _family_options(parser, args)
@@ -425,11 +441,18 @@ def _convert(parser, args, command: str) -> None:
                                   **({} if args.calibration_steps is None else {"steps": args.calibration_steps}))
     before_finish = _card_evaluation(args) if args.eval_data else None
     try:
-        out = convert(args.src, args.out, args.to, options=options, dtype=args.dtype,
-                      overwrite=args.overwrite, progress=not args.no_progress, before_finish=before_finish,
-                      command=command, calibration=calibration)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConversionWarning)
+            out = convert(args.src, args.out, args.to, options=options, dtype=args.dtype,
+                          overwrite=args.overwrite, progress=not args.no_progress, before_finish=before_finish,
+                          command=command, calibration=calibration)
     except ConversionError as e:
         raise ConversionError(_flags_for_fields(parser, args, str(e))) from None
+    for w in caught:  # the conversion's own warnings as one line each; any other as Python shows it
+        if issubclass(w.category, ConversionWarning):
+            print(f"subquadratic convert: warning: {_one_line(w.message)}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     print(f"wrote {out}")
     if args.push_to_hub:
         print(f"pushed to {_push(out, args.push_to_hub, args.private)}")
@@ -543,6 +566,16 @@ def _eval(args) -> None:
             print(f"wrote {write_card_evaluation(r['model'], {**r, 'model': Path(r['model']).name})}")
 
 
+#: what a command leaves when Ctrl-C stops it
+INTERRUPTED = {
+    "convert": "nothing was written (the temporary folder is removed; an existing OUT is untouched)",
+    "adapt": "the checkpoints already saved in --output-dir stay; --resume continues from the latest",
+    "eval": "the results above are every task that finished (kept in --json where given)",
+    "push": "the upload stopped; run the same command again to finish it",
+    "demo": "the checkpoints already written stay in the work folder and are reused next time",
+}
+
+
 def _fail(command: str | None, message: str) -> int:
     print(f"subquadratic{' ' + command if command else ''}: error: {_one_line(message)}", file=sys.stderr)
     return 2
@@ -581,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
             return serve_main(args.folder, args.server_args)
     except InputError as e:  # ConversionError, EvaluationError, AdaptError, DataError
         return _fail(args.command, str(e))
+    except KeyboardInterrupt:  # Ctrl-C: what each command leaves, in one line
+        print(f"subquadratic {args.command}: interrupted; {INTERRUPTED.get(args.command, 'stopped')}", file=sys.stderr)
+        return 130
     except OSError as e:  # disk full, permissions: nothing was left half-written (convert writes atomically)
         return _fail(args.command, f"{_one_line(e)}; check the path, its permissions and free space")
     return 0

@@ -14,7 +14,8 @@ its tables directly: the first read runs the loaders handed to `load_with` (the 
 registration of its built-in families, `subquadratic.families.register_builtin`), once.
 
 This module imports nothing from the package, so it sits at the bottom of the layering (and travels
-with the remote code, where no loader is set and the bundle's entry module registers the mixers).
+with the remote code, where the bundled configuration file hands `load_with` the import of the
+modeling file, which registers the mixers: `modeling.remote_code`).
 """
 
 from __future__ import annotations

@@ -44,9 +44,14 @@ def missing_packages() -> list[str]:
 
 
 def check(folder: str, server_args: list[str]) -> None:
-    """Every check that needs no model: the folder, the options, the dependencies (ServeError)."""
+    """Every check that needs no model: the folder and its tokenizer, the options, the dependencies
+    (ServeError)."""
+    from .checks import tokenizer_problem
+
     if not (Path(folder).expanduser() / "config.json").is_file():
         raise ServeError(f"{folder} is not a model folder (no config.json); give the folder convert or adapt wrote")
+    if (problem := tokenizer_problem(folder)) is not None:
+        raise ServeError(problem)
     for arg in server_args:
         if arg.split("=", 1)[0] in REFUSED_OPTIONS:
             raise ServeError(REFUSED_OPTIONS[arg.split("=", 1)[0]])
@@ -146,31 +151,65 @@ def serve_vllm(folder: str, server_args: list[str]) -> None:
     os.execv(sys.executable, argv)
 
 
-def serve(folder: str, server_args: list[str] = ()) -> None:
-    """Run Transformers' `serve` command on `folder` (pinned: requests name it as given, or name no
-    model) with `server_args`, its own options; blocks until the server stops. `--engine vllm` runs
-    vLLM's server instead (`serve_vllm`)."""
-    engine, server_args = split_engine(server_args)
-    if engine == "vllm":
-        return serve_vllm(folder, server_args)
-    check(folder, server_args)
+def _serve_command():
+    """Transformers' `serve` command (a click command), its positional model argument shown as FOLDER."""
+    import click
     from transformers.cli.transformers import app
 
-    expose_model_classes()
-    loader = _family_loader_class()
-    if loader is not None:  # the server's processes load with it (their own registrations)
-        from transformers.cli.serving import model_manager
+    if not isinstance(app, click.Group):  # a typer.Typer app (older huggingface_hub)
+        import typer
 
-        model_manager.ModelLoader = loader
+        app = typer.main.get_command(app)
+    command = app.get_command(click.Context(app), "serve")
+    for param in command.params:
+        if isinstance(param, click.Argument):
+            param.metavar = "FOLDER"
+    return command
 
-    app(["serve", folder, *server_args], prog_name="subquadratic serve")
+
+def serve(folder: str, server_args: list[str] = ()) -> int:
+    """Run Transformers' `serve` command on `folder` (pinned: requests name it as given, or name no
+    model) with `server_args`, its own options; blocks until the server stops. A bad option is a
+    ServeError; `--help` prints the options and returns 0 without checking the folder. `--engine vllm`
+    runs vLLM's server instead (`serve_vllm`)."""
+    import click
+
+    engine, server_args = split_engine(server_args)
+    if engine == "vllm":
+        serve_vllm(folder, server_args)
+        return 0
+    wants_help = any(a in ("--help", "-h") for a in server_args)
+    if not wants_help:
+        check(folder, server_args)
+    command = _serve_command()
+    if not wants_help:
+        expose_model_classes()
+        loader = _family_loader_class()
+        if loader is not None:  # the server's processes load with it (their own registrations)
+            from transformers.cli.serving import model_manager
+
+            model_manager.ModelLoader = loader
+    try:
+        code = command.main([folder, *server_args], prog_name="subquadratic serve", standalone_mode=False)
+    except click.exceptions.UsageError as e:
+        raise ServeError(f"{e.format_message()}; see subquadratic serve FOLDER --help") from None
+    except click.exceptions.Abort:
+        raise KeyboardInterrupt from None
+    return code if isinstance(code, int) else 0
 
 
 def main(folder: str, server_args: list[str]) -> int:
-    """The `subquadratic serve` command: 2 and one line on stderr for a setting that cannot work."""
+    """The `subquadratic serve` command: 2 and one line on stderr (`subquadratic serve: error: ...`)
+    for a setting that cannot work, or a server that fails to start; 130 and one line on Ctrl-C."""
     try:
-        serve(folder, server_args)
+        return serve(folder, server_args)
     except ServeError as e:
-        print(f"subquadratic: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        print(f"subquadratic serve: error: {' '.join(str(e).split())}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("subquadratic serve: interrupted; the server stopped", file=sys.stderr)
+        return 130
+    except (OSError, ValueError, RuntimeError, ImportError) as e:  # the model or the server did not start
+        said = " ".join(str(e).split())[:300]
+        print(f"subquadratic serve: error: the server stopped: {type(e).__name__}: {said}; check FOLDER loads with "
+              "AutoModelForCausalLM.from_pretrained and that the port is free", file=sys.stderr)
+    return 2

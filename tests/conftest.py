@@ -83,3 +83,25 @@ def dense_checkpoint(tmp_path):
         return model, folder
 
     return make
+
+
+WORDS = ("the a of to and in is it that for on with as was by this be at from or an are not which but can has "
+         "value list file name line return error data model text time first last new old long short word").split()
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def word_tokenizer():
+    """A word-level tokenizer with a chat template (built offline): every token decodes to a whole
+    word, so streamed text and decoded text agree."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    vocab = {w: i for i, w in enumerate(specials + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                  additional_special_tokens=specials[3:])
+    out.chat_template = CHAT_TEMPLATE
+    return out

@@ -30,7 +30,7 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 #: the one error prefix: the command's name, then "error:"
-ERROR_PREFIX = re.compile(r"^subquadratic( (convert|adapt|eval|push|demo))?: error: ")
+ERROR_PREFIX = re.compile(r"^subquadratic( (convert|adapt|eval|push|demo|serve))?: error: ")
 
 
 def one_error_line(err: str) -> str:
@@ -163,6 +163,9 @@ def test_input_errors_are_refused_before_torch_is_imported(tmp_path):
     (["convert", "a", "b", "--to", "spla", "--spla-block-size", "x"], "argument --spla-block-size: 'x' is not an "
                                                                       "integer"),
     (["nope"], "invalid choice: 'nope'"),
+    (["convert", "a", "b", "--to", "SSE_H"], "invalid choice: 'sse_h' (choose from 'hla', 'hla-h', 'spla', 'sse', "
+                                             "'sse-h'): did you mean 'sse-h'?"),
+    (["demo", "--to", "Spla2"], "did you mean 'spla'?"),
 ])
 def test_usage_errors_are_one_line(argv, expect, capsys):
     with pytest.raises(SystemExit) as e:
@@ -252,7 +255,9 @@ def test_failed_push_keeps_the_complete_folder_and_says_how_to_push_later(dense_
                  "--private"])
     captured = capsys.readouterr()
     assert code == 2 and f"wrote {out}" in captured.out
-    line = one_error_line(captured.err)
+    warned, err = captured.err.split("\n", 1)  # the source has no tokenizer: one warning line first
+    assert warned.startswith("subquadratic convert: warning: ") and "no tokenizer files" in warned
+    line = one_error_line(err)
     assert f"complete at {out}" in line and f"subquadratic push {out} me/llama-spla --private" in line
     assert AutoModelForCausalLM.from_pretrained(out) is not None  # the folder is complete and loads
     capsys.readouterr()
@@ -281,3 +286,83 @@ def test_push_to_an_invalid_repo_id_is_refused_offline(dense_checkpoint, tmp_pat
         assert main(["push", str(src), repo]) == 2
         line = one_error_line(capsys.readouterr().err)
         assert line.startswith("subquadratic push: error: REPO") and "is not a valid Hub repo id" in line
+
+
+def test_a_source_without_tokenizer_converts_with_one_warning_and_every_command_refuses_it(dense_checkpoint, tmp_path,
+                                                                                          capsys):
+    _, src = dense_checkpoint("llama")  # weights and config only
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["convert", str(src), str(out), "--to", "SPLA", "--no-progress"]) == 0  # family names in any case
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("subquadratic convert: warning: "), err
+    assert f"{src} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json)" in err[0]
+    assert "tokenizer_config.json" in err[0] and (out / "config.json").is_file()
+    data = tmp_path / "train.txt"
+    data.write_text("some text\n")
+    for argv in (["serve", str(out)], ["eval", str(out), "--seq-len", "64", "--no-progress"],
+                 ["adapt", str(out), "-o", str(tmp_path / "adapted"), "--data", str(data)]):
+        assert main(argv) == 2, argv
+        line = one_error_line(capsys.readouterr().err)
+        assert line.startswith(f"subquadratic {argv[0]}: error: ") and "has no tokenizer files" in line, line
+        assert "save_pretrained(FOLDER)" in line
+    assert not (tmp_path / "adapted").exists()
+
+
+def test_ctrl_c_during_convert_is_one_line_exit_130_and_leaves_nothing(dense_checkpoint, tmp_path, capsys,
+                                                                       monkeypatch):
+    from subquadratic.conversion import core
+
+    _, src = dense_checkpoint("llama")
+    written = []
+
+    def interrupted(tensors, path, **kw):  # Ctrl-C after the first shard is written
+        if written:
+            raise KeyboardInterrupt
+        written.append(path)
+        return save_file(tensors, path, **kw)
+
+    save_file = core.save_file
+    monkeypatch.setattr(core, "save_file", interrupted)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["convert", str(src), str(out), "--to", "spla", "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "subquadratic convert: interrupted; nothing was written (the temporary folder is removed; an existing OUT "
+        "is untouched)"], err
+    assert written and not written[0].exists()  # the half-written temporary folder is gone
+    assert not out.exists() and not _no_leftovers(tmp_path)
+
+
+def test_a_real_ctrl_c_during_convert_is_one_line_exit_130_and_leaves_nothing(tmp_path):
+    """SIGINT sent while the converted folder is being evaluated in its temporary folder (--eval-data):
+    one line on stderr, no traceback, exit status 130, neither OUT nor a temporary folder left."""
+    import os
+    import signal
+
+    from tests.conftest import WORDS, make_dense, word_tokenizer
+
+    tok = word_tokenizer()
+    make_dense("llama", vocab_size=len(tok), pad_token_id=tok.pad_token_id).save_pretrained(tmp_path / "dense")
+    tok.save_pretrained(tmp_path / "dense")
+    data = tmp_path / "held.txt"
+    data.write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(200_000)))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "subquadratic", "convert", str(tmp_path / "dense"), str(out),
+                             "--to", "spla", "--no-progress", "--eval-data", str(data), "--eval-seq-len", "64",
+                             "--eval-max-windows", "3000"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()  # still converting: the temporary folder exists
+    time.sleep(1.0)  # inside the evaluation of the finished temporary folder
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert [line for line in err.splitlines() if line.strip()][-1] == (
+        "subquadratic convert: interrupted; nothing was written (the temporary folder is removed; an existing OUT "
+        "is untouched)"), err
+    assert "Traceback" not in err
+    assert not out.exists() and not [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")]

@@ -19,35 +19,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from subquadratic import serving
-from tests.conftest import make_dense
+from tests.conftest import CHAT_TEMPLATE, make_dense, word_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 pytest.importorskip("fastapi", reason="serving needs subquadratic[serve]")
 pytest.importorskip("uvicorn", reason="serving needs subquadratic[serve]")
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = ("the a of to and in is it that for on with as was by this be at from or an are not which but can has "
-         "value list file name line return error data model text time first last new old long short word").split()
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def word_tokenizer():
-    """A word-level tokenizer with a chat template (built offline): every token decodes to a whole
-    word, so streamed text and decoded text agree."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
-    vocab = {w: i for i, w in enumerate(specials + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                  additional_special_tokens=specials[3:])
-    out.chat_template = CHAT_TEMPLATE
-    return out
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny Llama with the word tokenizer, converted to SPLA with a 12-token budget (a chat prompt
@@ -194,8 +172,51 @@ def run_cli(*args) -> subprocess.CompletedProcess:
 def test_refusals_are_one_line(tmp_path, folder, monkeypatch):
     missing = run_cli("serve", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no config.json" in missing.stderr
+    assert missing.stderr.startswith("subquadratic serve: error: ")
     batching = run_cli("serve", folder, "--continuous-batching")
     assert batching.returncode == 2 and "drop --continuous-batching" in batching.stderr
     monkeypatch.setattr(serving, "find_spec", lambda name: None if name in ("fastapi", "uvicorn") else object())
     with pytest.raises(serving.ServeError, match=r"needs fastapi, uvicorn .*pip install 'subquadratic\[serve\]'"):
         serving.check(folder, [])
+
+
+def test_every_serve_failure_is_one_line_with_the_serve_prefix_and_help_names_the_command(folder, capsys):
+    from subquadratic.cli import main
+
+    for argv, said in ((["serve", folder, "--no-such-option"], "No such option '--no-such-option'"),
+                       (["serve", folder, "--port", "eighty"], "'eighty' is not a valid integer"),
+                       (["serve", "--bogus", folder], "unrecognized argument --bogus"),
+                       (["serve", folder, "--continuous-batching"], "drop --continuous-batching")):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # a usage error of the command line itself
+            code = e.code
+        assert code == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("subquadratic serve: error: ") and said in err, (argv, err)
+    assert main(["serve", folder, "--help"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.splitlines()[0] == "Usage: subquadratic serve [OPTIONS] [FOLDER]" and "--port" in shown
+
+
+def test_a_server_that_fails_to_start_is_one_line(folder, capsys, monkeypatch):
+    from subquadratic.cli import main
+
+    class Failing:
+        def main(self, *a, **kw):
+            raise OSError("[Errno 98] error while attempting to bind on address ('127.0.0.1', 8000): address already "
+                          "in use")
+
+    monkeypatch.setattr(serving, "_serve_command", Failing)
+    assert main(["serve", folder, "--port", "8000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("subquadratic serve: error: the server stopped: OSError: ")
+    assert "address already in use" in err and "the port is free" in err
+
+    class Interrupted:
+        def main(self, *a, **kw):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(serving, "_serve_command", Interrupted)
+    assert main(["serve", folder]) == 130
+    assert capsys.readouterr().err == "subquadratic serve: interrupted; the server stopped\n"

@@ -39,7 +39,7 @@ def test_serve_engine_option_and_its_refusals(tmp_path, monkeypatch, capsys):
     assert serving.split_engine(["--engine=transformers"]) == ("transformers", [])
     (tmp_path / "config.json").write_text("{}")
     assert serving.main(str(tmp_path), ["--engine", "sglang"]) == 2
-    assert capsys.readouterr().err.strip() == ("subquadratic: error: --engine must be one of transformers, vllm, "
+    assert capsys.readouterr().err.strip() == ("subquadratic serve: error: --engine must be one of transformers, vllm, "
                                                "got 'sglang'")
     monkeypatch.setattr(serving, "find_spec", lambda name: None)
     assert serving.main(str(tmp_path), ["--engine", "vllm"]) == 2

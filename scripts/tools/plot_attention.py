@@ -55,14 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"][:, : args.max_tokens]
     kinds = model.config.mixer_types
     layer = args.layer if args.layer is not None else next((i for i, k in enumerate(kinds) if k == "spla"), 0)
-    with torch.no_grad():
-        out = model(ids, output_attentions=True, use_cache=False)
-    weights = out.attentions[layer]
-    if weights is None:
-        with_weights = [i for i, a in enumerate(out.attentions) if a is not None]
+    with_weights = model.weight_layers()  # `attentions` holds one entry per such layer, in order
+    if layer not in with_weights:
         print(f"plot_attention: layer {layer} is a {kinds[layer]!r} layer, which keeps a state and forms no attention "
               f"weights; choose --layer from {with_weights}", file=sys.stderr)
         return 2
+    with torch.no_grad():
+        out = model(ids, output_attentions=True, use_cache=False)
+    weights = out.attentions[with_weights.index(layer)]
     group = model.config.num_attention_heads // model.config.num_key_value_heads
     weights = weights[0, args.kv_head * group:(args.kv_head + 1) * group].float()  # [G, T, S]
     block = getattr(model.config, "block_size", None) if kinds[layer] == "spla" else None

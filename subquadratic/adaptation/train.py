@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..cards import replace_section
+from ..cards import adapted_card, replace_section
 from ..checks import STATE_FILE, InputError, adapt_problem, latest_checkpoint
 from ..data import IGNORE_INDEX, batches, load_texts, tokenize_and_pack, torch_dtype, with_recall_rows
 from ..families import converted_model_types
@@ -736,7 +736,7 @@ def _write_card(out: Path, cfg: AdaptConfig, stage1: int, tokens: int, last: dic
     """The student's card plus a section on this adaptation."""
     card = out / "README.md"
     source = Path(cfg.student).expanduser() / "README.md"
-    text = source.read_text() if source.is_file() else f"# {out.name}\n"
+    text = adapted_card(source.read_text()) if source.is_file() else f"# {out.name}\n"
     stage2 = cfg.max_steps - stage1
     rows = [
         ("student", cfg.student), ("teacher", cfg.teacher or "none"),

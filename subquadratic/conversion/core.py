@@ -41,7 +41,14 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..cards import card_metadata, read_card_metadata
-from ..checks import layer_choice_spec, looks_like_hub_id, output_problem, source_problem
+from ..checks import (
+    TOKENIZER_FILES,
+    layer_choice_spec,
+    looks_like_hub_id,
+    output_problem,
+    source_problem,
+    tokenizer_problem,
+)
 from ..data import DTYPE_CHOICES, torch_dtype
 from .gguf import check_gguf, dequantize_gguf, gguf_file, gguf_hub_id
 from .sources import SUPPORTED_SOURCES, ConversionError
@@ -67,6 +74,10 @@ class ChosenLayout:
 #: What resolves a measured layout for `convert`: (the source checkpoint folder, the target, the
 #: options, (method, K), progress) -> `ChosenLayout` (`layer_choice.layout_chooser`).
 LayoutChooser = Callable[[Path, str, dict, tuple[str, int], bool], ChosenLayout]
+
+
+class ConversionWarning(UserWarning):
+    """A conversion that is written but not ready for every use (the command line prints it as one line)."""
 
 
 #: Parameters of a mixer that a dense source provides (`AttentionBase`'s names); the rest are new.
@@ -369,21 +380,55 @@ def hub_id_of(src: str, src_path: Path, cfg: dict) -> str | None:
 
 def card_source(src: str, src_path: Path, cfg: dict, gguf_meta: dict | None = None) -> dict[str, str | None]:
     """What the card says of the source: {"hub_id", "name", "license", "license_name", "license_link",
-    "license_from"}: the Hub id where known (`hub_id_of`, or the GGUF file's source repo), a name for
-    the title (the Hub id, else the folder or file name), and the license from the source's card
-    (README.md front matter), its config or its GGUF metadata, where one of them names it."""
+    "license_from"}. The Hub id is the source's own where known (`hub_id_of`, or the GGUF file's
+    source repo), else the `base_model` its card names (a local copy, a fine-tune or a de-quantised
+    GGUF file says there what it was made from: `gguf.source_card`); the name for the title is the
+    source's own Hub id, else the folder or file name. The license comes from the GGUF file's
+    metadata, the source's card (README.md front matter) or its config, where one of them names it."""
     gguf_meta = gguf_meta or {}
-    hub_id = hub_id_of(src, src_path, cfg) or gguf_hub_id(gguf_meta)
     card = read_card_metadata(src_path / "README.md")
-    info = {"hub_id": hub_id, "name": hub_id or Path(src.rstrip("/")).name, "license": None,
+    own = hub_id_of(src, src_path, cfg) or gguf_hub_id(gguf_meta)
+    named = card.get("base_model")
+    named = named[0] if isinstance(named, list) and len(named) == 1 else named
+    hub_id = own or (named if isinstance(named, str) and looks_like_hub_id(named) else None)
+    info = {"hub_id": hub_id, "name": own or Path(src.rstrip("/")).name, "license": None,
             "license_name": None, "license_link": None, "license_from": None}
-    for where, meta in (("its model card", card), ("its config", cfg),
-                        ("its GGUF metadata", {k.replace(".", "_"): v for k, v in gguf_meta.items()})):
+    for where, meta in (("its GGUF metadata", {k.replace(".", "_"): v for k, v in gguf_meta.items()}),
+                        ("its model card", card), ("its config", cfg)):
         if meta.get("license"):
             info.update(license=str(meta["license"]), license_from=where,
                         license_name=meta.get("license_name"), license_link=meta.get("license_link"))
             break
     return info
+
+
+def portable_path(path: str) -> str:
+    """A path as the card records it: relative to the working folder when inside it, `~/...` when
+    inside the home folder, else as given (a shell reads each as the same path on this machine)."""
+    p = Path(path)
+    if not p.is_absolute():
+        return shlex.quote(path)
+    for base, shown in ((Path.cwd(), None), (Path.home(), "~")):
+        try:
+            rest = p.relative_to(base)
+        except ValueError:
+            continue
+        if shown is None:
+            return shlex.quote(str(rest) if rest.parts else ".")
+        return "~" + ("/" + shlex.quote(str(rest)) if rest.parts else "")
+    return shlex.quote(path)
+
+
+def portable_command(command: str, src: str, hub_id: str | None) -> str:
+    """The command line the card records, without this machine's absolute paths where a shorter
+    spelling says the same: SRC as its Hub id when SRC is a Hub cache snapshot of it, every other
+    absolute path relative to the working folder or the home folder (`portable_path`)."""
+    try:
+        words = shlex.split(command)
+    except ValueError:  # not a shell line: kept as given
+        return command
+    cached = hub_id is not None and re.search(r"models--[^/]+--[^/]+/snapshots/", src) is not None
+    return " ".join(hub_id if cached and w == src else portable_path(w) for w in words)
 
 
 def license_note(info: dict) -> str:
@@ -393,6 +438,26 @@ def license_note(info: dict) -> str:
                 "weights are a derivative of the source's and stay under its terms.")
     return ("License: the source's card and config name none, so this card says `other`; the converted weights "
             "are a derivative of the source's and stay under its terms: check them before sharing this folder.")
+
+
+def loading_note(model_type: str) -> str:
+    """The card's "How to load": the snippet that loads the folder where the package is not installed
+    (a test runs it as the card prints it), and how the package's own classes load it."""
+    return (
+        "Without the package, Transformers runs the model code this folder carries "
+        f"(`configuration_{model_type}.py`, `modeling_{model_type}.py` and the `subquadratic_*.py` modules they "
+        "import): pass `trust_remote_code=True`, to the tokenizer too (Transformers reads the model's config to "
+        "choose the tokenizer, and would otherwise ask whether to run the code):\n\n"
+        "```python\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+        'tok = AutoTokenizer.from_pretrained("<this folder or repo>", trust_remote_code=True)\n'
+        'model = AutoModelForCausalLM.from_pretrained("<this folder or repo>", trust_remote_code=True)\n'
+        'out = model.generate(**tok("Once upon a time", return_tensors="pt"), max_new_tokens=32)\n'
+        "print(tok.decode(out[0], skip_special_tokens=True))\n"
+        "```\n\n"
+        "With the subquadratic package installed, `import subquadratic` first registers the model type: the same "
+        "calls then build the package's classes and need no `trust_remote_code`."
+    )
 
 
 def source_attention_note(config) -> str:
@@ -461,6 +526,8 @@ def convert(
     out_path = Path(out).expanduser()
     if (problem := output_problem(out_path, overwrite, src_path)) is not None:
         raise ConversionError(problem)
+    from ..demo.assets import gguf_base_model
+
     cast = None if dtype == "auto" else torch_dtype(dtype)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with ExitStack() as scratch:
@@ -469,7 +536,8 @@ def convert(
             gguf_meta = check_gguf(gguf)
             folder = scratch.enter_context(tempfile.TemporaryDirectory(prefix=f".{out_path.name}.gguf-",
                                                                        dir=out_path.parent))
-            src_path = dequantize_gguf(gguf, Path(folder) / gguf.stem, cast or torch.float32, progress)
+            src_path = dequantize_gguf(gguf, Path(folder) / gguf.stem, cast or torch.float32, progress,
+                                       base_model=gguf_base_model(gguf))
         return _convert(src, src_path, out_path, to, fam, options, cast, progress, before_finish,
                         command or convert_command(src, out, to, given, dtype), gguf_meta, choose_layout)
 
@@ -535,6 +603,11 @@ def _convert(src: str, src_path: Path, out_path: Path, to: str, fam, options: di
         for name in COPIED_FILES:
             if (src_path / name).is_file():
                 shutil.copy2(src_path / name, tmp / name)
+        if tokenizer_problem(tmp) is not None:
+            warnings.warn(ConversionWarning(
+                f"{src} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); {out_path} holds the weights only, and "
+                "serve, eval, adapt and AutoTokenizer refuse it until the source model's tokenizer files (with "
+                "tokenizer_config.json) are copied into it"), stacklevel=3)
         shown = {**options, **({"softmax_layers": measured.note} if measured else {})}
         (tmp / "README.md").write_text(render_card(fam.card, card_values(
             src, src_path, src_cfg, config, to, shown, command, gguf_meta, conv.card_notes(config))))
@@ -594,6 +667,7 @@ def card_values(src: str, src_path: Path, src_cfg: dict, config, to: str, option
     from .. import __version__
 
     info = card_source(src, src_path, src_cfg, gguf_meta)
+    command = portable_command(command, src, info["hub_id"])
     made = f"Converted by subquadratic {__version__} with:\n\n```bash\n{command}\n```\n\n"
     if gguf_meta is not None:
         made += (f"The source is a GGUF file: Transformers' GGUF loader de-quantised its weights to "
@@ -612,6 +686,7 @@ def card_values(src: str, src_path: Path, src_cfg: dict, config, to: str, option
         "dtype": str(config.dtype).removeprefix("torch."),
         "source_attention": source_attention_note(config),
         "provenance": made,
+        "loading": loading_note(config.model_type),
         **notes,
     }
 

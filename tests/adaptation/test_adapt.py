@@ -137,6 +137,8 @@ def test_both_stages_lower_their_loss_and_the_output_loads(tmp_path, corpus, con
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 7)
     card = (out / "README.md").read_text()
     assert "## Adaptation" in card and "24 (12 attention transfer, 12 kl fine-tuning)" in card
+    assert "before use" not in card and "not ready to use" not in card  # the card of the adapted model
+    assert next(line for line in card.splitlines() if line.startswith("# ")).endswith(", adapted")
     assert not (out / "checkpoints").exists()
 
 

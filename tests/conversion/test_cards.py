@@ -131,3 +131,74 @@ def test_the_card_records_the_command_line_as_given(dense_checkpoint, tmp_path):
     assert main(["convert", str(src), str(out), "--to", "sse-h", "--sse-top-k", "1", "--no-progress"]) == 0
     assert f"subquadratic convert {src} '{out}' --to sse-h --sse-top-k 1 --no-progress\n" in \
         (out / "README.md").read_text()
+
+
+def test_a_local_sources_card_gives_its_base_model_and_license(dense_checkpoint, tmp_path):
+    """A local folder of unknown Hub id whose card names what it was made from: the conversion's card
+    names that model as its base and keeps the source's license; the title names the folder."""
+    _, src = dense_checkpoint("llama")
+    (src / "README.md").write_text("---\nbase_model: some-org/Base-Llama\nlicense: llama3.2\n---\n# my fine-tune\n")
+    text = _card(src, tmp_path / "a", "spla")
+    meta = _front_matter(text)
+    assert meta["base_model"] == "some-org/Base-Llama" and meta["license"] == "llama3.2"
+    assert f"# {src.name} converted to SPLA" in text and "read from its model card" in text
+    (src / "README.md").write_text("---\nbase_model:\n- org/a\n- org/b\nlicense: mit\n---\n")  # a merge: no one base
+    assert "base_model" not in _front_matter(_card(src, tmp_path / "b", "spla"))
+
+
+def test_the_recorded_command_has_no_absolute_path_a_shorter_one_says(dense_checkpoint, tmp_path, monkeypatch):
+    import shutil
+
+    from subquadratic.cli import main
+
+    _, src = dense_checkpoint("llama")
+    home, work = tmp_path / "home", tmp_path / "home" / "work"
+    work.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    mine = shutil.copytree(src, home / "models" / "my llama")
+    assert main(["convert", str(mine), str(work / "out"), "--to", "spla", "--no-progress"]) == 0
+    card = (work / "out" / "README.md").read_text()
+    assert "subquadratic convert ~/'models/my llama' out --to spla --no-progress\n" in card
+    cached = shutil.copytree(src, home / ".cache" / "huggingface" / "hub" / "models--some-org--Tiny-Llama" / "snapshots"
+                             / "0123abcd")
+    convert(str(cached), str(work / "b"), "spla", progress=False)  # from Python: the equivalent command
+    assert "subquadratic convert some-org/Tiny-Llama b --to spla\n" in (work / "b" / "README.md").read_text()
+    outside = tmp_path / "elsewhere"
+    convert(str(cached), str(outside), "spla", progress=False)
+    assert f"subquadratic convert some-org/Tiny-Llama {outside} --to spla\n" in (outside / "README.md").read_text()
+
+
+@pytest.mark.parametrize(("to", "before"), [("hla", "must be distilled before use"),
+                                            ("sse-h", "not ready to use as it is"), ("spla", None)])
+def test_the_adapted_card_describes_the_adapted_model(dense_checkpoint, tmp_path, to, before):
+    from subquadratic.cards import ADAPTED_NOTE, adapted_card
+
+    _, src = dense_checkpoint("llama")
+    text = _card(src, tmp_path / "a", to)
+    if before:
+        assert before in text
+    adapted = adapted_card(text)
+    assert adapted_card(adapted) == adapted  # an adapted model adapted again keeps one note
+    title = next(line for line in adapted.splitlines() if line.startswith("# "))
+    assert title.endswith(", adapted") and "before use" not in title and "<!--" not in title, title
+    assert "before use" not in adapted and "not ready to use" not in adapted and "<!--" not in adapted
+    assert adapted.count(ADAPTED_NOTE) == (1 if before else 0)
+    assert _front_matter(adapted) == _front_matter(text)
+
+
+@pytest.mark.parametrize("to", ["spla", "sse-h", "hla"])
+def test_the_card_names_the_model_code_files_the_folder_holds(dense_checkpoint, tmp_path, to):
+    import re
+
+    _, src = dense_checkpoint("llama")
+    folder = convert(str(src), str(tmp_path / to), to, progress=False)
+    text = (folder / "README.md").read_text()
+    named = set(re.findall(r"`([\w*]+\.py)`", text))
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    assert {f"configuration_{model_type}.py", f"modeling_{model_type}.py", "subquadratic_*.py"} <= named, named
+    for name in named:
+        assert list(folder.glob(name)), name
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert {v.split(".")[0] for v in auto_map.values()} == {f"configuration_{model_type}", f"modeling_{model_type}"}
+    assert len(list(folder.glob("*.py"))) == 2 + len(list(folder.glob("subquadratic_*.py")))

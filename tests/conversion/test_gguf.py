@@ -42,13 +42,14 @@ def _permute(w: torch.Tensor, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).numpy()
 
 
-def write_gguf(model, tokenizer, path) -> None:
+def write_gguf(model, tokenizer, path, repo: str | None = "tiny-org/tiny-llama") -> None:
     """`model` (a Llama) and `tokenizer` (byte-level BPE) as a float32 GGUF file."""
     c = model.config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("Tiny Llama")
     w.add_license("mit")
-    w.add_string("general.source.huggingface.repository", "tiny-org/tiny-llama")
+    if repo is not None:
+        w.add_string("general.source.huggingface.repository", repo)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -127,6 +128,30 @@ def test_a_folder_holding_one_gguf_file_converts_it_and_several_are_refused(tiny
     (folder / "copy.gguf").symlink_to(path)
     with pytest.raises(ConversionError, match="several GGUF files .*give the file to convert as SRC"):
         convert(str(folder), str(tmp_path / "out2"), "spla", progress=False)
+
+
+def test_the_demo_files_cards_name_the_hub_model_the_gguf_was_made_from(tiny_gguf, tmp_path):
+    """The package's own GGUF file names no repo in its metadata: the package knows it (SmolLM2-135M-
+    Instruct), and says so in the demo's dense folder's card, from which a conversion carries it, as a
+    conversion of the file itself does; the license is the file's."""
+    from subquadratic.demo.assets import GGUF_BASE_MODEL, GGUF_NAME, smollm2_checkpoint
+    from tests.conversion.test_cards import _front_matter
+
+    dense, tok, _ = tiny_gguf
+    path = tmp_path / "files" / GGUF_NAME  # a stand-in of the same name, without the repo field
+    path.parent.mkdir()
+    write_gguf(dense, tok, path, repo=None)
+    folder = smollm2_checkpoint(tmp_path / "cache", gguf=path)
+    meta = _front_matter((folder / "README.md").read_text())
+    assert meta["base_model"] == GGUF_BASE_MODEL and meta["license"] == "mit"
+    for src, said in ((folder, "read from its model card"), (path, "read from its GGUF metadata")):
+        card = (convert(str(src), str(tmp_path / f"out-{src.name}"), "spla", progress=False) / "README.md").read_text()
+        meta = _front_matter(card)
+        assert meta["base_model"] == GGUF_BASE_MODEL and meta["license"] == "mit" and said in card, card
+        assert f"# {src.name} converted to SPLA" in card  # the title names the source itself
+    (folder / "README.md").unlink()  # a folder an older version built gets its card on the next use
+    assert _front_matter((smollm2_checkpoint(tmp_path / "cache", gguf=path) / "README.md").read_text()) == \
+        {"base_model": GGUF_BASE_MODEL, "base_model_relation": "quantized", "license": "mit"}
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ def test_convert_dense_to_hla(kind, dense_checkpoint, tmp_path):
     assert main([*convert[:2], str(out), *convert[2:], "--hla-softmax-layers", "1"]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "hla" and cfg["mixer_types"] == ["hla", "full_attention"]
-    assert cfg["auto_map"]["AutoModelForCausalLM"] == "family_hla.HLAForCausalLM"
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_hla.HLAForCausalLM"
     assert "must be distilled before use" in (out / "README.md").read_text()
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(model) is HLAForCausalLM and model.config.source_model_type == kind

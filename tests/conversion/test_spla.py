@@ -21,9 +21,9 @@ def test_logits_equal_dense_while_budget_covers_context(kind, dense_checkpoint, 
     assert tree_digest(src) == before  # the source is never touched
     assert len(list(out.glob("model-*.safetensors"))) > 1  # streamed shard by shard
     files = {p.name for p in out.iterdir()}
-    assert {"config.json", "README.md", "generation_config.json", "families_spla_modeling.py"} <= files
+    assert {"config.json", "README.md", "generation_config.json", "modeling_spla.py", "configuration_spla.py"} <= files
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == "spla" and cfg["auto_map"]["AutoModelForCausalLM"] == "family_spla.SPLAForCausalLM"
+    assert cfg["model_type"] == "spla" and cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_spla.SPLAForCausalLM"
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert model.config.source_model_type == dense.config.model_type
     x = torch.randint(0, 128, (2, 64))  # budget 4 x 16 = 64 tokens

@@ -121,9 +121,10 @@ def test_output_attentions_is_a_clear_error_for_models_of_state_layers_only(case
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c not in STATE_ONLY])
-def test_output_attentions_gives_each_layer_its_weights_or_none(case):
-    """One entry per layer, [B, HQ, T, T] for softmax and SPLA layers (rows summing to one, causal,
-    real queries never on padding), None for state layers (SSE, HLA); asking changes no logit."""
+def test_output_attentions_gives_the_weights_of_each_layer_that_forms_them(case):
+    """One entry per softmax or SPLA layer, in layer order, [B, HQ, T, T] (rows summing to one, causal,
+    real queries never on padding); state layers (SSE, HLA) have none, as Transformers' in-tree
+    hybrids (Qwen3-Next, Jamba, Falcon-H1) record only their attention layers; asking changes no logit."""
     model = make(case)
     x = ids()
     mask = torch.ones_like(x)
@@ -132,12 +133,9 @@ def test_output_attentions_gives_each_layer_its_weights_or_none(case):
         out = model(x, attention_mask=mask, output_attentions=True)
         plain = model(x, attention_mask=mask)
     torch.testing.assert_close(out.logits, plain.logits, rtol=1e-5, atol=1e-5)
-    kinds = model.config.mixer_types
-    assert len(out.attentions) == len(kinds)
-    for kind, a in zip(kinds, out.attentions, strict=True):
-        if not mixer(kind).computes_attention_weights:  # a state layer
-            assert a is None
-            continue
+    kinds = [k for k in model.config.mixer_types if mixer(k).computes_attention_weights]
+    assert kinds and len(out.attentions) == len(kinds) == len(model.weight_layers())
+    for a in out.attentions:
         assert a.shape == (2, model.config.num_attention_heads, T, T)
         torch.testing.assert_close(a[0].sum(-1), torch.ones_like(a[0, :, :, 0]))
         torch.testing.assert_close(a[1, :, 5:].sum(-1), torch.ones_like(a[1, :, 5:, 0]))
@@ -157,13 +155,52 @@ def test_outputs_with_attentions_agree_across_return_types_and_implementations(c
         t = model(x, output_attentions=True, output_hidden_states=True, use_cache=False, return_dict=False)
     logits, hidden, attentions = t
     assert torch.equal(logits, d.logits) and len(hidden) == len(d.hidden_states)
-    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(attentions, d.attentions, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(attentions, d.attentions, strict=True))
     model.save_pretrained(tmp_path)
     eager = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     with torch.no_grad():
         with_weights = eager(x, output_attentions=True).logits
         sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()(x).logits
     torch.testing.assert_close(with_weights, sdpa, rtol=1e-4, atol=1e-5)
+
+
+HYBRIDS = ("sse-h", "hla-hybrid")
+
+
+@pytest.mark.parametrize("case", [*HYBRIDS, "spla"])
+def test_attention_outputs_pass_transformers_generic_checks(case):
+    """What Transformers' ModelTesterMixin / GenerationTesterMixin check of `attentions`
+    (test_attention_outputs, test_retain_grad_hidden_states_attentions, the generate dict outputs'
+    `_check_attentions_for_generate`), with the count of attention layers as Transformers' hybrid
+    tests count it: a tuple of tensors, one per attention layer, that holds gradients, and in
+    generate one such tuple per step, [B, HQ, prompt, prompt] at the first, [B, HQ, 1, prompt + i] after."""
+    model = make(case)
+    cfg = model.config
+    n = sum(mixer(k).computes_attention_weights for k in cfg.mixer_types)
+    if case in HYBRIDS:
+        assert 0 < n < cfg.num_hidden_layers
+    x, mask = ids(), torch.ones(2, T, dtype=torch.long)
+    mask[1, :3] = 0
+    model.set_attn_implementation("eager")
+    model.config.output_attentions = model.config.output_hidden_states = True
+    out = model(x, attention_mask=mask)  # from the config, as test_attention_outputs asks
+    assert isinstance(out.attentions, tuple) and len(out.attentions) == n
+    assert [a.shape for a in out.attentions] == [(2, cfg.num_attention_heads, T, T)] * n
+    hidden, weights = out.hidden_states[0], out.attentions[0]  # test_retain_grad_hidden_states_attentions
+    hidden.retain_grad()
+    weights.retain_grad()
+    out.logits.flatten()[0].backward(retain_graph=True)
+    assert hidden.grad is not None and weights.grad is not None and weights.grad.abs().sum() > 0
+    model.config.output_attentions = model.config.output_hidden_states = False
+    P, new = 10, 4
+    with torch.no_grad():
+        gen = model.generate(x[:, :P], attention_mask=mask[:, :P], max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, output_attentions=True, return_dict_in_generate=True, pad_token_id=0)
+    assert isinstance(gen.attentions, tuple) and len(gen.attentions) == new
+    for i, step in enumerate(gen.attentions):
+        assert isinstance(step, tuple) and len(step) == n
+        expected = (2, cfg.num_attention_heads, P if i == 0 else 1, P + i)
+        assert [a.shape for a in step] == [expected] * n, (i, [a.shape for a in step])
 
 
 def test_spla_weights_inside_the_budget_are_the_dense_model_weights():
@@ -210,25 +247,22 @@ def test_sparse_spla_weights_sit_on_the_selected_blocks():
 @pytest.mark.parametrize("case", [c for c in CASES if c not in STATE_ONLY])
 def test_attentions_of_generate_and_their_gradients(case):
     """generate(output_attentions=True, return_dict_in_generate=True) returns every step's weights
-    per layer (prefill [B, HQ, T, T], then [B, HQ, 1, T + i]; None for state layers), as
-    Transformers' *_generate_dict_output* tests check; the weights join the graph
+    per softmax or SPLA layer (prefill [B, HQ, T, T], then [B, HQ, 1, T + i]; state layers have
+    none), as Transformers' *_generate_dict_output* tests check; the weights join the graph
     (test_retain_grad_hidden_states_attentions)."""
     model = make(case)
-    kinds, HQ = model.config.mixer_types, model.config.num_attention_heads
+    n, HQ = len(model.weight_layers()), model.config.num_attention_heads
     x = ids(B=2)
     out = model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
                          output_attentions=True, return_dict_in_generate=True)
-    assert len(out.attentions) == 3 and all(len(step) == len(kinds) for step in out.attentions)
+    assert len(out.attentions) == 3 and all(len(step) == n for step in out.attentions)
     for i, step in enumerate(out.attentions):
-        for kind, a in zip(kinds, step, strict=True):
-            if not mixer(kind).computes_attention_weights:  # a state layer
-                assert a is None
-                continue
+        for a in step:
             assert a.shape == ((2, HQ, T, T) if i == 0 else (2, HQ, 1, T + i))
             torch.testing.assert_close(a.sum(-1), torch.ones(a.shape[:-1]))
     model.train()
     res = model(x, output_attentions=True, output_hidden_states=True, use_cache=False)
-    first = next(a for a in res.attentions if a is not None)
+    first = res.attentions[0]
     first.retain_grad()
     res.hidden_states[0].retain_grad()
     res.logits.sum().backward()

@@ -1,7 +1,7 @@
 """Folders saved before the families moved into `subquadratic/families/<family>/` still load from the
-package: their config.json names the same model types and the same remote-code entry module
-(`family_<model_type>.py`, kept), and with the package installed Transformers builds the package's
-classes without running the folder's bundled code, whatever its old flat file names."""
+package: their config.json names the same model types (and an older remote-code entry module,
+`family_<model_type>.py`), and with the package installed Transformers builds the package's classes
+without running the folder's bundled code, whatever its old flat file names."""
 
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def test_folder_of_the_earlier_layout_loads_from_the_package(model_type, tmp_pat
     names = {"AutoConfig": type(model.config).__name__, "AutoModel": type(model.model).__name__,
              "AutoModelForCausalLM": type(model).__name__}
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["auto_map"] == {k: f"family_{model_type}.{v}" for k, v in names.items()}  # the names old folders hold
+    assert cfg["auto_map"] == {k: f"{'configuration' if k == 'AutoConfig' else 'modeling'}_{model_type}.{v}"
+                               for k, v in names.items()}
+    cfg["auto_map"] = {k: f"family_{model_type}.{v}" for k, v in names.items()}  # the names old folders hold
     for f in tmp_path.glob("*.py"):
         f.unlink()
     for name in OLD_FILES:  # stale code that must not run
