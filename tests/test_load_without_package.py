@@ -41,8 +41,9 @@ PRELUDE = textwrap.dedent("""
 #: run last: nothing of the package was imported, and the model is the folder's own code
 EPILOGUE = textwrap.dedent("""
     import os
+    ours = tuple(os.path.join(sys.argv[1], d) + os.sep for d in BLOCKED)  # the package's and the tests' files
     loaded = [n for n, m in sys.modules.items() if n.split(".")[0] in BLOCKED
-              or os.path.realpath(getattr(m, "__file__", None) or "/").startswith(sys.argv[1])]
+              or os.path.realpath(getattr(m, "__file__", None) or "/").startswith(ours)]
     assert not loaded, loaded
     assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
     print("GENERATED", out[0].tolist())

@@ -67,7 +67,8 @@ def test_rows_and_groups(rq):
     recall = table["sse-h/recall"]  # retrieval layers, recall rows, rows of 4x
     assert recall.options == {"softmax_layers": "retrieval:5"} and recall.recall_share == 0.25
     assert table["hla-hybrid/recall-layers"].recall_share == 0.0
-    assert table["sse-h/recall-rows"].options == {} and table["sse-h/recall-rows"].recall_share == 0.25
+    rows_only = table["sse-h/recall-rows"]
+    assert rows_only.options == {"softmax_every": 6} and rows_only.recall_share == 0.25
     gamma = table["spla/gamma-lr"]
     assert gamma.options == {} and gamma.new_lr_scale == 100.0 and table["spla"].new_lr_scale == 1.0
     args = SimpleNamespace(spla_seq_len=None, tokens=None, device_type="cuda")
@@ -83,12 +84,14 @@ def test_rows_and_groups(rq):
     assert rq.rows_of(rq.SCALES["tiny"], 6)["spla/budget-2x"].options == {"block_size": 16, "top_k_blocks": 8}
     assert table["sse-h/no-window"].options == {"sse_sliding_window": 0}
     # what convert makes of a row: the preset's window and layout under the row's own options
-    assert rq.conversion_options(table["sse-h"]) == {"family": "sse", "softmax_every": 6, "sse_sliding_window": 64,
-                                                     "sse_window_merge": "sum", "sse_kv_heads": "source",
-                                                     "sse_window_qkv": "shared"}
+    assert rq.conversion_options(table["sse-h"]) == {"family": "sse", "softmax_layers": "retrieval:1/6",
+                                                     "sse_sliding_window": 64, "sse_window_merge": "sum",
+                                                     "sse_kv_heads": "source", "sse_window_qkv": "shared"}
     assert rq.conversion_options(table["sse-h/own-qkv"])["sse_kv_heads"] == "query"
-    assert rq.conversion_options(table["hla-hybrid/no-window"]) == {"family": "hla", "softmax_every": 6,
+    assert rq.conversion_options(table["hla-hybrid/no-window"]) == {"family": "hla", "softmax_layers": "retrieval:1/6",
                                                                     "hla_sliding_window": 0}
+    assert rq.conversion_options(table["sse-h/every-6th"])["softmax_every"] == 6  # the former layout, as a row
+    assert "softmax_layers" not in rq.conversion_options(table["sse-h/recall-rows"])
     assert rq.conversion_options(auto) == {"family": "hla", "hla_sliding_window": 64, "softmax_layers": "auto:5"}
     assert rq.conversion_options(table["dense"]) is None
     with pytest.raises(SystemExit, match="unknown row"):

@@ -169,8 +169,10 @@ def rows_of(scale: Scale, num_layers: int) -> dict[str, Row]:
          dict(seq_len="4x", recall_share=0.25)),
         ("recall-layers", f"softmax at the {k} layers of the strongest retrieval heads (retrieval:{k}), rows of 4x",
          dict(softmax_layers=f"retrieval:{k}"), dict(seq_len="4x")),
-        ("recall-rows", "a quarter of the rows recall rows, rows of 4x the length", {},
-         dict(seq_len="4x", recall_share=0.25)),
+        ("recall-rows", "every 6th layer softmax (the former default), a quarter of the rows recall rows, rows of "
+         "4x the length", dict(softmax_every=6), dict(seq_len="4x", recall_share=0.25)),
+        ("every-6th", "every 6th layer softmax (the default before 2026-12-06), rows of 4x the length",
+         dict(softmax_every=6), dict(seq_len="4x")),
     ]
     rows = [
         Row("dense", "dense"),
