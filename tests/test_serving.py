@@ -5,6 +5,7 @@ one-line refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,27 +73,28 @@ def post(url: str, body: dict, stream: bool = False):
         return events
 
 
-@pytest.fixture(scope="module")
-def server(folder):
-    """`subquadratic serve FOLDER` as a subprocess on a free loopback port; killed at the end."""
+@contextlib.contextmanager
+def running_server(server_args: list[str], log_path: Path, env: dict[str, str], *, wait: float = 120,
+                   cwd: Path | None = None) -> Iterator[str]:
+    """`python -m subquadratic serve SERVER_ARGS --host 127.0.0.1 --port P` (a free loopback port) as a
+    subprocess, its output in `log_path`: yields its base URL once /health answers (a server that exits
+    or does not answer within `wait` seconds fails the test), and stops it at the end."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    log = open(Path(folder).parent / "server.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen([sys.executable, "-m", "subquadratic", "serve", folder, "--host", "127.0.0.1", "--port",
-                             str(port), "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    log = open(log_path, "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen([sys.executable, "-m", "subquadratic", "serve", *server_args, "--host", "127.0.0.1",
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + wait
         while True:
-            assert proc.poll() is None, f"the server exited: {Path(log.name).read_text()[-3000:]}"
+            assert proc.poll() is None, f"the server exited: {log_path.read_text()[-3000:]}"
             try:
                 with urllib.request.urlopen(base + "/health", timeout=2) as resp:
                     if resp.status == 200:
                         break
             except OSError:
                 pass
-            assert time.monotonic() < deadline, f"no /health within 120 s: {Path(log.name).read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no /health within {wait:.0f} s: {log_path.read_text()[-3000:]}"
             time.sleep(0.5)
         yield base
     finally:
@@ -102,6 +105,15 @@ def server(folder):
             proc.kill()
             proc.wait(timeout=15)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    """`subquadratic serve FOLDER` as a subprocess on a free loopback port; killed at the end."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    with running_server([folder, "--device", "cpu"], Path(folder).parent / "server.log", env) as base:
+        yield base
 
 
 def test_chat_completions_streaming_and_not(server, folder):

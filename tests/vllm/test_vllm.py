@@ -13,8 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from tests.conftest import make_dense  # noqa: E402
-from tests.test_serving import free_port, post, word_tokenizer  # noqa: E402
+from tests.test_serving import post, running_server, word_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -164,25 +162,8 @@ def test_openai_server_completion(folders, tmp_path):
     plugin (eager by the plugin's config hook: no --enforce-eager given); one greedy completion, its
     tokens Transformers' generate()'s; the server is stopped at the end."""
     folder = folders["sse-h"]
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "subquadratic", "serve", folder, "--engine", "vllm", "--host", "127.0.0.1",
-         "--port", str(port), "--max-model-len", "256", "--dtype", "float32"],
-        stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=tmp_path)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"the server exited: {(tmp_path / 'server.log').read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "no /health within 300 s"
-            time.sleep(1)
+    server_args = [folder, "--engine", "vllm", "--max-model-len", "256", "--dtype", "float32"]
+    with running_server(server_args, tmp_path / "server.log", env(), wait=300, cwd=tmp_path) as base:
         text = "the value of the first line in the data file"
         body = {"model": folder, "prompt": text, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True}
@@ -191,14 +172,6 @@ def test_openai_server_completion(folders, tmp_path):
         prompt = word_tokenizer()(text, add_special_tokens=False)["input_ids"]
         assert choice["prompt_token_ids"] == prompt
         assert choice["token_ids"] == reference(folder, prompt, 8)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        log.close()
 
 
 def test_importing_the_package_imports_no_vllm():
