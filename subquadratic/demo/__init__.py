@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..conversion import convert
+from ..layer_choice import convert  # measures a preset's layout (retrieval:1/6), as `subquadratic convert` does
 from ..modeling.base import CACHE_FIELD
 from ..registry import convert_target
 from .assets import default_cache_dir, english_text, smollm2_checkpoint
