@@ -203,9 +203,10 @@ _NAME_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def draw_prompt(tokenizer, task: str, template: str, length: int, num_needles: int, depth: float, digits: int,
-                rng: random.Random) -> tuple[list[int], list[int], list[str]]:
+                rng: random.Random, with_span: bool = False) -> tuple:
     """One random prompt of `task` (see the module doc): (prompt ids, answer ids, the expected items:
-    one value for passkey / niah, every value for mv-niah, every variable name for vt)."""
+    one value for passkey / niah, every value for mv-niah, every variable name for vt). `with_span`
+    (passkey / niah): a fourth item, the queried needle's (start, end) token positions in the prompt."""
     tpl = TEMPLATES[task, template]
 
     def number() -> str:
@@ -215,8 +216,11 @@ def draw_prompt(tokenizer, task: str, template: str, length: int, num_needles: i
         keys = rng.sample(KEYS, num_needles)
         needles = [(k, number()) for k in keys]
         query = rng.randrange(num_needles)
-        prompt, answer = build_prompt(tokenizer, tpl, length, needles, query, depth, rng)
-        return prompt, answer, [needles[query][1]]
+        key, value = needles[query]
+        pieces = [tpl.needle.format(key=k, value=v) for k, v in needles]
+        prompt, answer, spans = assemble(tokenizer, tpl, length, pieces, tpl.question.format(key=key, value=value),
+                                         tpl.answer.format(key=key, value=value), query, depth, rng, with_spans=True)
+        return (prompt, answer, [value]) + ((spans[query],) if with_span else ())
     if task == "mv-niah":
         key = rng.choice(KEYS)
         values = list(dict.fromkeys(number() for _ in range(4 * num_needles)))[:num_needles]

@@ -11,52 +11,54 @@ mean over those positions and prompts: 1 when it attends only to the needle, abo
 needle / length when it attends uniformly. A layer's score is its strongest head's: a layer is
 worth keeping when one of its heads retrieves.
 
-The weights come from an attention function registered with Transformers (`AttentionInterface`) that
-runs SDPA for the output and computes softmax(q k^T) only at the answer rows: no [T, T] weights.
+The weights come from an attention function registered with Transformers (`AttentionInterface`),
+`Probe.attention`, that runs SDPA for the output and computes softmax(q k^T) only at the answer
+rows: no [T, T] weights.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
 import torch
 
 from .errors import EvaluationError
 from .ppl import model_device, progress_meter
-from .retrieval import KEYS, TEMPLATES, assemble, min_length
+from .retrieval import draw_prompt, min_length
 
 #: the attention function's name in Transformers' registry while scoring
 PROBE = "subquadratic_retrieval_probe"
 
 
-class _Probe:
-    """What the probe attention reads per forward: the answer rows and the needle's span, and what it
-    writes: mass[layer] = [HQ] summed over rows."""
+@dataclass
+class Probe:
+    """What the probe attention reads per forward: the answer rows and the needle's span; what it
+    writes: mass[layer] = [HQ], each head's softmax weight on the span summed over the rows."""
 
-    rows: slice = slice(0)
-    span: slice = slice(0)
-    mass: dict[int, torch.Tensor] = {}
+    rows: slice = field(default_factory=lambda: slice(0))
+    span: slice = field(default_factory=lambda: slice(0))
+    mass: dict = field(default_factory=dict)
 
+    def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        """An attention function for Transformers' `AttentionInterface`: SDPA's output, and the softmax
+        weights of `rows` on `span` summed into `mass` (query [B, HQ, T, D], key [B, H, T, D])."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-def _probe_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """SDPA's output, and the softmax weights of `_Probe.rows` on `_Probe.span` summed into `_Probe.mass`."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    q = query[:, :, _Probe.rows].float()  # [B, HQ, R, D]
-    k = key.float()
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)  # [B, HQ, T, D]
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    scores = (q @ k.transpose(-1, -2)) * scale  # [B, HQ, R, T]
-    T = k.shape[2]
-    rows = torch.arange(T, device=q.device)[_Probe.rows]
-    causal = torch.arange(T, device=q.device)[None, :] > rows[:, None]
-    probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
-    mass = probs[..., _Probe.span].sum(-1).sum(-1)[0]  # [HQ]
-    layer = getattr(module, "layer_idx", None)
-    _Probe.mass[layer] = _Probe.mass.get(layer, 0) + mass.cpu()
-    return out
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)
+        q = query[:, :, self.rows].float()  # [B, HQ, R, D]
+        k = key.float().repeat_interleave(q.shape[1] // key.shape[1], dim=1)  # [B, HQ, T, D]
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        scores = (q @ k.transpose(-1, -2)) * scale  # [B, HQ, R, T]
+        T = k.shape[2]
+        rows = torch.arange(T, device=q.device)[self.rows]
+        causal = torch.arange(T, device=q.device)[None, :] > rows[:, None]
+        probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+        mass = probs[..., self.span].sum(-1).sum(-1)[0]  # [HQ]
+        layer = getattr(module, "layer_idx", None)
+        self.mass[layer] = self.mass.get(layer, 0) + mass.cpu()
+        return out
 
 
 @torch.no_grad()
@@ -71,12 +73,12 @@ def retrieval_head_scores(model, tokenizer, *, length: int = 2048, prompts: int 
         raise EvaluationError(f"retrieval-head scoring at {length} tokens: a prompt needs {need}; use a longer length")
     cfg = model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
-    AttentionInterface.register(PROBE, _probe_attention)
+    probe = Probe()
+    AttentionInterface.register(PROBE, probe.attention)
     before = cfg._attn_implementation
     model.set_attn_implementation(PROBE)
     was_training = model.training
     model.eval()
-    tpl = TEMPLATES["niah", "prose"]
     rng = random.Random(f"{seed}-retrieval-heads")
     total = torch.zeros(layers, heads)
     count = 0
@@ -85,23 +87,15 @@ def retrieval_head_scores(model, tokenizer, *, length: int = 2048, prompts: int 
         with progress_meter(progress, prompts * length, "retrieval heads") as meter:
             for i in range(prompts):
                 depth = 0.05 + 0.9 * i / max(1, prompts - 1)
-                keys = rng.sample(KEYS, num_needles)
-                needles = [(k, str(rng.randrange(10_000, 100_000))) for k in keys]
-                query = rng.randrange(num_needles)
-                key, value = needles[query]
-                pieces = [tpl.needle.format(key=k, value=v) for k, v in needles]
-                prompt, answer, spans = assemble(
-                    tokenizer, tpl, length, pieces, tpl.question.format(key=key, value=value),
-                    tpl.answer.format(key=key, value=value), query, depth, rng, with_spans=True)
-                ids = torch.tensor([prompt + answer], device=device)
-                _Probe.rows = slice(len(prompt) - 1, len(prompt) + len(answer) - 1)
-                _Probe.span = slice(*spans[query])
-                _Probe.mass = {}
-                model(input_ids=ids, use_cache=False, logits_to_keep=1)
-                if len(_Probe.mass) != layers:
-                    raise EvaluationError(f"the probe saw {len(_Probe.mass)} attention layers of {layers}; "
+                prompt, answer, _, span = draw_prompt(tokenizer, "niah", "prose", length, num_needles, depth, 5, rng,
+                                                      with_span=True)
+                probe.rows = slice(len(prompt) - 1, len(prompt) + len(answer) - 1)
+                probe.span, probe.mass = slice(*span), {}
+                model(input_ids=torch.tensor([prompt + answer], device=device), use_cache=False, logits_to_keep=1)
+                if len(probe.mass) != layers:
+                    raise EvaluationError(f"the probe saw {len(probe.mass)} attention layers of {layers}; "
                                           "retrieval-head scores need a dense model with softmax attention")
-                for layer, m in _Probe.mass.items():
+                for layer, m in probe.mass.items():
                     total[layer] += m.float()
                 count += len(answer)
                 meter.update(length)

@@ -190,15 +190,15 @@ def test_retrieval_probe_weights_equal_eager_attention(checkpoints, tokenizer):
         eager = model(input_ids=ids, output_attentions=True)
     from transformers import AttentionInterface
 
-    AttentionInterface.register(rh.PROBE, rh._probe_attention)
-    rh._Probe.rows, rh._Probe.span, rh._Probe.mass = slice(80, 90), slice(20, 31), {}
+    probe = rh.Probe(rows=slice(80, 90), span=slice(20, 31))
+    AttentionInterface.register(rh.PROBE, probe.attention)
     model.set_attn_implementation(rh.PROBE)
     with torch.no_grad():
         probed = model(input_ids=ids)
     torch.testing.assert_close(probed.logits, eager.logits, atol=1e-5, rtol=1e-5)
     for layer, weights in enumerate(eager.attentions):  # [1, HQ, T, T]
         want = weights[0, :, 80:90, 20:31].sum((-1, -2))
-        torch.testing.assert_close(rh._Probe.mass[layer], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(probe.mass[layer], want, atol=1e-5, rtol=1e-5)
 
 
 def test_retrieval_head_scores_and_the_layers_they_choose(checkpoints, tokenizer):
@@ -285,3 +285,16 @@ def test_the_hybrid_presets_keep_the_retrieval_layers(tmp_path, tokenizer):
     assert AutoConfig.from_pretrained(out).softmax_layers == [5, 11]
     out = convert_unmeasured(str(src), str(tmp_path / "given"), "sse-h", options={"softmax_every": 4}, progress=False)
     assert AutoConfig.from_pretrained(out).softmax_layers == [3, 7, 11]  # a layout given replaces the preset's
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah"])
+def test_the_queried_needle_s_span(tokenizer, task):
+    """draw_prompt(with_span=True): the span holds exactly the queried needle's tokens (what the
+    retrieval-head probe measures attention on)."""
+    L = min_length(tokenizer, task, "prose", 4 if task == "niah" else 1) + 50
+    for depth in (0.0, 0.5, 1.0):
+        prompt, _, items, (a, b) = draw_prompt(tokenizer, task, "prose", L, 4 if task == "niah" else 1, depth, 5,
+                                               random.Random(7), with_span=True)
+        needle = tokenizer.decode(prompt[a:b])
+        assert items[0] in needle and needle.strip().startswith(("One of the special", "The pass key"))
+        assert needle.rstrip().endswith((".", "key."))
