@@ -41,8 +41,9 @@ SEED = 0
 
 
 def build_config(fields: dict, options: dict) -> SSEConfig:
-    """The layout options choose the softmax layers (none by default: pure SSE; the `sse-h` preset:
-    every 6th); every other option (`OPTIONS` of the declaration) is an SSEConfig field."""
+    """The layout options choose the softmax layers (none by default: pure SSE; the `sse-h` preset: a
+    sixth of them, measured by `layer_choice` before this runs); every other option (`OPTIONS` of the
+    declaration) is an SSEConfig field."""
     return hybrid_config(SSEConfig, fields, with_sink_default(options, "sse_sliding_window", "sse_window_sinks"),
                          "sse", "sse")
 
