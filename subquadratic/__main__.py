@@ -1,7 +1,5 @@
 """`python -m subquadratic ...` (and `accelerate launch -m subquadratic adapt ...`): the command line."""
 
-import sys
+from .cli import run
 
-from .cli import main
-
-sys.exit(main())
+run()

@@ -622,5 +622,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> None:
+    """The process entry point (the `subquadratic` script, `python -m subquadratic`): `main`'s status as
+    the exit status. After Ctrl-C (130) the process ends at once with that status: CPython marks a
+    KeyboardInterrupt raised while an extension ran Python code through PyRun_* (pybind11's exec does)
+    as unhandled even when `main` handled it, and would then kill itself with SIGINT at exit (status -2
+    instead of 130); there is nothing left to clean up by then (convert removed its temporary folder)."""
+    import os
+
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
