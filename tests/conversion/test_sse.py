@@ -4,6 +4,8 @@ errors, and real SmolLM2 weights."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import (
@@ -193,7 +195,10 @@ def test_convert_smollm2_real_weights(tmp_path):
     assert cli_main(["convert", str(src), str(tmp_path / "out"), "--to", "sse-h", "--no-progress"]) == 0
     m, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert m.config.softmax_layers == [5, 11, 17, 23, 29]
+    # the preset keeps the layers of SmolLM2's strongest retrieval heads (retrieval:1/6; the fifth scores 0.38,
+    # the sixth 0.33: far apart enough for any CPU's rounding), and records the scores
+    assert m.config.softmax_layers == [7, 17, 18, 20, 21]
+    assert json.loads((tmp_path / "out" / "retrieval_heads.json").read_text())["chosen"] == [7, 17, 18, 20, 21]
     dense = AutoModelForCausalLM.from_pretrained(src).eval()
     m.eval()
     B, T = 1, 16
@@ -211,7 +216,7 @@ def test_convert_smollm2_real_weights(tmp_path):
 
 @pytest.mark.parametrize(("to", "options", "softmax"), [
     ("sse", {}, []),  # the family's own name: pure SSE
-    ("sse-h", {}, [5, 11]),  # the preset: every 6th layer keeps softmax attention
+    ("sse-h", {}, [5, 11]),  # the preset, unmeasured by conversion.convert: every 6th layer keeps softmax attention
     ("sse-h", {"softmax_layers": "1"}, [1]),  # a layout given replaces the preset's
     ("sse-h", {"softmax_every": 4, "sse_top_k": 2}, [3, 7, 11]),
 ])
