@@ -99,10 +99,11 @@ def copying(
     with progress_meter(progress, total, "copy") as meter:
         for L, wins, dists in plan:
             seqs = torch.cat([copy_sequences(w, dists, passage) for w in wins])  # [n * D, L], distance fastest
-            nll = torch.cat([token_nll(model, seqs[i:i + batch_size]).cpu() for i in range(0, len(seqs), batch_size)])
+            parts = []
             for i in range(0, len(seqs), batch_size):
-                meter.update(min(batch_size, len(seqs) - i) * L)
-            nll = nll.view(len(wins), len(dists), L - 1)  # nll[..., t - 1] predicts token t
+                parts.append(token_nll(model, seqs[i:i + batch_size]).cpu())
+                meter.update(parts[-1].shape[0] * L)
+            nll = torch.cat(parts).view(len(wins), len(dists), L - 1)  # nll[..., t - 1] predicts token t
             by_distance, sums = {}, [0.0, 0.0]
             for j, d in enumerate(dists):
                 s = L - passage - d

@@ -118,20 +118,23 @@ def plan(
 ) -> tuple[list[Job], dict[str, str]]:
     """The jobs of a run, task by task and each task's lengths in ascending order, and for each task
     left out at some length, why: {"passkey": "at 128 (a prompt needs 248 tokens)"}. `stream_tokens`
-    is the length of the held-out token stream (ppl, kl)."""
+    is the length of the held-out token stream (ppl, kl, copy)."""
     jobs: list[Job] = []
     skipped: dict[str, str] = {}
+
+    def windows_at(L: int) -> int:  # the held-out windows of L tokens a text task reads
+        n = (stream_tokens or 0) // L
+        return n if max_windows is None else min(n, max_windows)
+
     for task in check_tasks(tasks):
         short, why = [], ""
         for L in sorted(set(seq_lens)):
             if task in ("ppl", "kl"):
-                n = (stream_tokens or 0) // L
-                n = n if max_windows is None else min(n, max_windows)
+                n = windows_at(L)
                 why = f"the data holds {stream_tokens or 0} tokens"
                 job = Job(task, L, n, (2 if task == "kl" else 1) * n * L) if n else None
             elif task == "copy":
-                n = (stream_tokens or 0) // L
-                n = n if max_windows is None else min(n, max_windows)
+                n = windows_at(L)
                 dists = copy_distances(L)
                 job = Job(task, L, n, n * len(dists) * L) if n and dists else None
                 if job is None:  # the reason of the shortest length left out
