@@ -20,8 +20,10 @@ def test_bench_generate_quick_smoke(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     decode = [r for r in rows if r["what"].startswith("tok/s")]
-    # SPLA: 8 pairs of caches x 2 contexts; HLA and SSE-H: their default against dense's (and steady) x 2
-    assert len(decode) == 16 + 8 and all(r["ratio"] > 0 for r in decode)
+    # SPLA: 8 pairs of caches x 2 contexts; the adapted SPLA, HLA and SSE-H: their default against dense's (and
+    # steady) x 2
+    assert len(decode) == 16 + 12 and all(r["ratio"] > 0 for r in decode)
+    assert sum("spla-adapted default vs dense default" in r["what"] for r in decode) == 4
     assert sum("SPLA default vs dense default" in r["what"] for r in decode) == 4
     assert sum(f"{f} default vs dense default" in r["what"] for r in decode for f in ("hla", "sse-h")) == 8
     eager = [r for r in decode if "SPLA eager vs dense eager" in r["what"]]
