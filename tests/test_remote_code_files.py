@@ -220,3 +220,46 @@ def test_the_merged_triton_kernels_resolve_every_name_and_run_as_the_packages(mo
         outs.append([y.detach(), *(a.grad for a in args)])
     for got, want in zip(*outs, strict=True):
         assert torch.equal(got, want)
+
+
+def test_spla_from_the_remote_code_trains_on_the_block_kernels_as_the_packages(tmp_path, monkeypatch, one_thread,
+                                                                              clean_path):
+    """A tiny SPLA model past its budget, loaded through the classes of its folder's model code, planned as on
+    CUDA and run in Triton's interpreter: the block-major kernels of `subquadratic_triton.py` give the loss and
+    gradients of the package's own model on the same plan."""
+    pytest.importorskip("triton")
+    from subquadratic.kernels import spla as spla_kernels
+    from tests.models.spla.tiny import tiny_spla
+
+    model = tiny_spla(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1).train()
+    model.save_pretrained(tmp_path / "spla")
+    files = {p.name: p.read_text() for p in (tmp_path / "spla").glob("*.py")}
+    package = write_package(files, tmp_path / "code", "rcbundle_train")
+    remote_cls = importlib.import_module(f"{package}.modeling_spla").SPLAForCausalLM
+    remote = remote_cls.from_pretrained(tmp_path / "spla").train()
+    support = sys.modules[f"{package}.subquadratic_support"]
+    plans = []
+
+    def on_cuda(real):
+        def plan(q_shape, k_shape, dtype, device, params, **kw):
+            kw.update(backend="triton", precision="ieee")
+            plans.append(real(q_shape, k_shape, dtype, "cuda", params, **kw))
+            return plans[-1]
+        return plan
+
+    monkeypatch.setattr(spla_kernels, "plan_spla", on_cuda(spla_kernels.plan_spla))
+    monkeypatch.setattr(support, "plan_spla", on_cuda(support.plan_spla))
+    ids = torch.randint(3, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    results = []
+    for m in (model, remote):
+        m.zero_grad()
+        loss = m(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    assert len(plans) == 4 and f"{package}.subquadratic_triton" in sys.modules  # two SPLA layers, each model
+    assert type(remote).__module__ == f"{package}.modeling_spla"
+    assert type(plans[2]).__module__ == support.__name__
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-7)
+    assert results[1][1].keys() == results[0][1].keys()
+    for name, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], g, rtol=1e-5, atol=1e-7, msg=name)
