@@ -173,6 +173,14 @@ def test_an_import_cycle_between_merged_modules_is_refused(tmp_path, clean_path)
         bundle_sources(family)
 
 
+def test_a_merged_file_reading_a_name_it_does_not_bind_is_refused():
+    from subquadratic.modeling.remote_code import _check_defined
+
+    _check_defined("import torch\nX = 1\n\n\ndef f(y, n=X):\n    return torch, y, [X for X in range(n)]\n", "ok.py")
+    with pytest.raises(ValueError, match=r"merging the modules into m\.py left helper__a undefined"):
+        _check_defined("def f(x):\n    return helper__a(x)\n", "m.py")
+
+
 def jit_functions(module) -> list:
     """The Python functions of a module's Triton kernels (under their jit / autotune / heuristics wrappers,
     or the interpreter's)."""

@@ -10,14 +10,15 @@ them. Every other module of the package they import travels in one of two suppor
 `subquadratic_triton.py`, the Triton kernels' modules (those that import Triton when they load, and
 what imports them), which the support file imports only inside the functions that launch a kernel,
 as the package does. Each support file holds its modules whole, in the order their top-level imports
-need, each under a header naming it, with their imports of each other rewritten
-(`merge`): an import of a module in the same file goes, an import of another file names that file.
+need, each under a header naming it, with their imports of each other rewritten: an import of a
+module in the same file goes, an import of another file names that file.
 Where two modules of one file bind the same top-level name to different things, each binding of the
 name is renamed `<name>__<module>` and every use of it in its module follows (uses are resolved by
 scope: parameters, locals and attributes of that name keep it); a module that reads its own names
 from strings (`globals()`, `exec`, `eval`) keeps its names, and two such modules binding one name
 are refused, as are import cycles between modules of one file and a module without
-`from __future__ import annotations` (which the merged file turns on for every module). Package
+`from __future__ import annotations` (which the merged file turns on for every module); a merged file
+that would read a name it does not bind is refused too (`_check_defined`). Package
 modules import each other relatively; a family declared outside the package may import the package
 absolutely (`from subquadratic.x import y`). Everything comes from the family's registration
 (`registry.Family`).
@@ -463,7 +464,7 @@ def _rename(mods: list[str], modules: dict[str, _Module], plan: _Plan, where: st
                 plan.names[(m, name)] = new
 
 
-def _import_line(plan: _Plan, file: str, pairs: list[tuple[str, str]], indent: str = "") -> str:
+def _import_line(file: str, pairs: list[tuple[str, str]], indent: str = "") -> str:
     """`from .<file> import a as b, ...` for (name in that file, name bound here) pairs."""
     parts = [a if a == b else f"{a} as {b}" for a, b in pairs]
     return f"{indent}from .{file} import {', '.join(parts)}"
@@ -503,7 +504,7 @@ def _rewrite(mod: _Module, plan: _Plan, merged: bool) -> str:
                 if plan.global_name(mod.name, bound) != bound:
                     rename[bound] = plan.global_name(mod.name, bound)
         indent = " " * imp.node.col_offset
-        text = "\n".join(_import_line(plan, f, [(a, b) for f2, a, b in pairs if f2 == f], indent if i else "")
+        text = "\n".join(_import_line(f, [(a, b) for f2, a, b in pairs if f2 == f], indent if i else "")
                          for i, f in enumerate(dict.fromkeys(f for f, _, _ in pairs)))
         a, b = span(imp.node)
         end = mod.text.find("\n", b) % (len(mod.text) + 1)
@@ -673,7 +674,7 @@ def _registry_import(plan: _Plan, name: str) -> str:
     module = f"{PACKAGE}.registry"
     if module not in plan.file_of:
         raise ValueError(f"the family's modules do not import {module}; remote code needs it to register the mixers")
-    return _import_line(plan, plan.file_of[module], [(plan.global_name(module, name), name)])
+    return _import_line(plan.file_of[module], [(plan.global_name(module, name), name)])
 
 
 def _deferred_registration(family: Family, plan: _Plan) -> str:
@@ -702,7 +703,7 @@ def _registration(family: Family, plan: _Plan) -> str:
     for cls in dict.fromkeys(family.mixers.values()):
         if cls.__module__ != family.causal_lm_class.__module__:
             m, n = plan.resolve(cls.__module__, cls.__name__)
-            lines.append(f"{_import_line(plan, plan.file_of[m], [(plan.global_name(m, n), cls.__name__)])}"
+            lines.append(f"{_import_line(plan.file_of[m], [(plan.global_name(m, n), cls.__name__)])}"
                          "  # noqa: E402")
     lines += [f"register_mixer({name!r}, {cls.__name__})" for name, cls in family.mixers.items()]
     return "\n".join(lines) + "\n"
