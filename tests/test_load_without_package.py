@@ -58,7 +58,7 @@ def card_snippet(folder: Path) -> str:
                                                                                    str(folder))
 
 
-@pytest.mark.parametrize("to", ["spla", "sse-h"])
+@pytest.mark.parametrize("to", ["spla", "sse", "sse-h", "hla", "hla-h"])
 def test_the_cards_snippet_loads_the_folder_with_only_torch_and_transformers(tmp_path, to):
     tok = word_tokenizer()
     dense = make_dense("llama", vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)

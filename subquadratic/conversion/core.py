@@ -445,8 +445,9 @@ def loading_note(model_type: str) -> str:
     (a test runs it as the card prints it), and how the package's own classes load it."""
     return (
         "Without the package, Transformers runs the model code this folder carries "
-        f"(`configuration_{model_type}.py`, `modeling_{model_type}.py` and the `subquadratic_*.py` modules they "
-        "import): pass `trust_remote_code=True`, to the tokenizer too (Transformers reads the model's config to "
+        f"(`configuration_{model_type}.py`, `modeling_{model_type}.py` and the package's modules they use, merged "
+        "into `subquadratic_support.py` and, for the Triton kernels, `subquadratic_triton.py`): pass "
+        "`trust_remote_code=True`, to the tokenizer too (Transformers reads the model's config to "
         "choose the tokenizer, and would otherwise ask whether to run the code):\n\n"
         "```python\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
