@@ -259,8 +259,8 @@ class ChunkLinearAttention(torch.autograd.Function):
         C, BK = ch.C, block_size(K)
         # the walk writes the in-chunk cumulative log decays gc as it goes (no launch of its own)
         gc, A = None, None
-        if decay == 2:  # gc and the diagonal blocks' scores A from one allocation (saved together)
-            gc, A = new_outputs([g.shape, (ch.NC, H, C, C)], g.device)
+        if decay == 2:  # gc (saved) and the diagonal blocks' scores A (freed after the forward) apart
+            gc, A = new_output(g.shape, g.device), new_output((ch.NC, H, C, C), g.device)
         elif decay:
             gc = new_output(g.shape, g.device)
         h, ht = _walk(k, v, gc, h0, ch, G, decay, prec, want_final, g, gs)
@@ -271,14 +271,16 @@ class ChunkLinearAttention(torch.autograd.Function):
         launch(chunk_fwd_o, lambda m: (cdiv(V, m["BV"]), ch.NC, H),
                (q, k, v, gc, h, A, o, *ch.chunk_args(), H, G, K, V, C, decay, ch.varlen, prec, BK),
                {"BV": min(BV_O, block_size(V))}, WARPS_WIDE)
-        ctx.save_for_backward(q, k, v, gc, h0, A)
+        # A (fp32, C scores per token and head: twice q's bytes in bf16) is not saved: the backward
+        # recomputes it with one intra_fwd launch, as it recomputes the chunk states h
+        ctx.save_for_backward(q, k, v, gc, h0)
         ctx.ch, ctx.prec, ctx.decay, ctx.gs = ch, prec, decay, gs
         ctx.set_materialize_grads(False)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gc, h0, A = ctx.saved_tensors
+        q, k, v, gc, h0 = ctx.saved_tensors
         ch, prec, decay = ctx.ch, ctx.prec, ctx.decay
         M, HQ, K = q.shape
         H, V = k.shape[1], v.shape[-1]
@@ -292,8 +294,11 @@ class ChunkLinearAttention(torch.autograd.Function):
         launch(chunk_bwd_dh, lambda m: (cdiv(K, m["BK"]), cdiv(V, m["BV"]), ch.N * H),
                (q, do, gc, dh, dht, dh0, *ch.seq_args(), H, G, K, V, C, decay, ch.varlen, dht is not None,
                 dh0 is not None, prec), {"BK": min(BK_H, block_size(K)), "BV": min(BV_H, block_size(V))}, WARPS)
-        dq_in = dk_in = None
+        dq_in = dk_in = A = None
         if decay == 2:
+            A = new_output((ch.NC, H, C, C), dev)
+            launch(intra_fwd, (ch.NC, C // BC, H), (q, k, gc, A, *ch.chunk_args(), H, K, C, BC, BK, ch.varlen, prec),
+                   {}, WARPS)
             dA = new_output((ch.NC, H, C, C), dev)
             launch(intra_bwd_dA, (ch.NC, H), (v, do, dA, *ch.chunk_args(), H, V, C, ch.varlen, prec),
                    {"BV": min(BV_O, block_size(V))}, WARPS)

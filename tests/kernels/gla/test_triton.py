@@ -251,6 +251,28 @@ def test_without_final_state_and_without_gradients():
     assert torch.equal(o2, o.detach())
 
 
+def test_saves_inputs_and_decays_only():
+    """The backward's memory: a call with per-key decays saves q, k, v, the in-chunk cumulative decays
+    (fp32, like k) and the initial state, and neither the chunk states nor the intra-chunk scores A
+    (C fp32 per token and head), which the backward recomputes (values and gradients: the tests above)."""
+    B, T, H, K, V, chunk = 1, 64, 2, 16, 16, 32
+    inputs = make((B, T), H, H, K, V, "key", B, seed=5)
+    xs = [x.float().to(DEV).requires_grad_() for x in inputs]
+    saved: list[int] = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o, _ = chunk_linear_attention(*xs[:4], initial_state=xs[4], chunk_size=chunk)
+    per_token = T * H * 4  # fp32 elements per (token, head), times these bytes
+    want = per_token * (K + K + V + K) + B * H * K * V * 4  # q, k, v, the cumulative decays; h0
+    assert sum(saved) <= want, (sum(saved), want)
+    loss_of([o]).backward()
+    assert all(x.grad is not None for x in xs)
+
+
 def test_empty_inputs_pass_the_state_through():
     q, k, v, g, h0 = (x.float().to(DEV) for x in make((0,), 2, 2, 16, 16, "key", 3, seed=1))
     o, st = chunk_linear_attention(q, k, v, g, initial_state=h0, cu_seqlens=torch.zeros(4, dtype=torch.int32,
