@@ -13,7 +13,9 @@ embeddings, RMSNorm, the SwiGLU MLP, the attention functions, weight loading and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,6 +75,29 @@ class SequenceInfo:
     #: Whether every new token is real by the cache's rule without a mask being read: a static cache's
     #: one-token step after its first call (`SubquadraticCache`: one-token steps must be real tokens).
     new_real: bool = False
+    #: Fields a caller sets on this forward's plans, by op: {"sse": {"path": "masked"}} (the keywords of
+    #: the op's planner, `plan_sse`'s say; "device": "cuda" plans the CUDA paths on any machine). The
+    #: model's `plan_settings`.
+    plan_settings: dict = field(default_factory=dict)
+    #: The plans made in this forward, by op and inputs (`plan`).
+    _plans: dict = field(default_factory=dict)
+
+    def plan(self, op: str, make: Callable[..., Any], *inputs, **settings) -> Any:
+        """`make(*inputs, **settings)` with the caller's `plan_settings[op]` over `settings`, made once per
+        forward for these inputs (every layer of an op that plans alike shares it; a layer planning other
+        inputs gets its own)."""
+        key = (op, inputs, tuple(settings.items()))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = make(*inputs, **{**settings, **self.plan_settings.get(op, {})})
+        return plan
+
+    def branch(self, positions: torch.Tensor, valid: torch.Tensor, key_positions: torch.Tensor,
+               **fields) -> SequenceInfo:
+        """The sequence information of a branch inside this forward's layers (a window branch over its
+        rows or its ring): other positions, this forward's plan settings and plans."""
+        return SequenceInfo(positions, valid, key_positions, plan_settings=self.plan_settings, _plans=self._plans,
+                            **fields)
 
     def key_offsets(self) -> torch.Tensor | None:
         """Slot of each row's position 0 when each row's real tokens sit in consecutive slots (left or
@@ -519,6 +544,17 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         """The indices of the layers whose mixer forms attention weights: the entries of `attentions`."""
         return [i for i, kind in enumerate(self.config.mixer_types) if mixer(kind).computes_attention_weights]
 
+    def set_plan(self, op: str, **fields) -> None:
+        """Set fields of `op`'s plan for every later forward of this model (a test's or a benchmark's
+        explicit choice of a path): the keywords of its planner, e.g. `set_plan("sse", path="masked")`, or
+        `set_plan("sse", device="cuda")` to plan the CUDA paths on any machine; no fields: plan from the
+        inputs again. A CUDA graph captured before keeps the plans it was captured with."""
+        settings = self.base_model.plan_settings
+        if fields:
+            settings[op] = dict(fields)
+        else:
+            settings.pop(op, None)
+
     def new_cache(self, max_length: int | None = None, cuda_graph: bool = True, fuse: bool = True) -> SubquadraticCache:
         """An empty cache with one state layer per decoder layer: growing, or with `max_length` static
         (allocated once for that many tokens; on CUDA, with `cuda_graph`, one-token steps of the
@@ -596,6 +632,9 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        #: Fields the caller sets on the plans of every forward, by op (`SequenceInfo.plan_settings`,
+        #: `set_plan`); empty: every op plans from its inputs.
+        self.plan_settings: dict[str, dict] = {}
         self.post_init()
 
     def forward(
@@ -663,7 +702,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
                            attentions={} if output_attentions else None,
                            consecutive=causal or (cache is not None and cache.static is not None),
                            length=cache.length if cache is not None and causal else None,
-                           new_real=T == 1 and cache is not None and cache.static is not None and cache.length > 1)
+                           new_real=T == 1 and cache is not None and cache.static is not None and cache.length > 1,
+                           plan_settings=self.plan_settings)
 
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, cache,
                                                          output_hidden_states)
@@ -705,7 +745,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         # RoPE of the packed positions, and of each document's row (for the mixers given their input so)
         packed_rope = self.rotary_emb(inputs_embeds, position_ids.to(valid.device).expand(docs.shape))
         position_embeddings = tuple(docs.unpack(t) for t in packed_rope)
-        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos, documents=docs, packed_rope=packed_rope)
+        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos, documents=docs, packed_rope=packed_rope,
+                           plan_settings=self.plan_settings)
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, None,
                                                          output_hidden_states)
         if docs.flat.numel() < docs.shape[0] * docs.shape[1]:  # the packed batch's own padding (a right-padded
