@@ -510,6 +510,12 @@ class KeptCache:
         return KeptCache, ()
 
 
+#: The ops that plan once per forward and whose plans a caller may set (`set_plan`): SSE
+#: (`kernels.sse.plan_sse`), HLA (`kernels.hla.plan_hla`), the window branch (`window.plan_window`) and the
+#: softmax layers (`plan_softmax`).
+PLANNED_OPS = ("sse", "hla", "window", "softmax")
+
+
 class SubquadraticPreTrainedModel(PreTrainedModel):
     config_class = SubquadraticConfig
     base_model_prefix = "model"
@@ -587,10 +593,13 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         return [i for i, kind in enumerate(self.config.mixer_types) if mixer(kind).computes_attention_weights]
 
     def set_plan(self, op: str, **fields) -> None:
-        """Set fields of `op`'s plan for every later forward of this model (a test's or a benchmark's
-        explicit choice of a path): the keywords of its planner, e.g. `set_plan("sse", path="masked")`, or
-        `set_plan("sse", device="cuda")` to plan the CUDA paths on any machine; no fields: plan from the
-        inputs again. A CUDA graph captured before keeps the plans it was captured with."""
+        """Set fields of `op`'s plan (one of PLANNED_OPS) for every later forward of this model (a test's or
+        a benchmark's explicit choice of a path): the keywords of its planner, e.g. `set_plan("sse",
+        path="masked")`, or `set_plan("sse", device="cuda")` to plan the CUDA paths on any machine; no
+        fields: plan from the inputs again. A CUDA graph captured before keeps the plans it was captured
+        with."""
+        if op not in PLANNED_OPS:
+            raise ValueError(f"set_plan: op must be one of {', '.join(PLANNED_OPS)}; got {op!r}")
         settings = self.base_model.plan_settings
         if fields:
             settings[op] = dict(fields)
