@@ -91,10 +91,9 @@ def launches(c: collections.Counter) -> int:
 def cuda_paths():
     """Make "auto" resolve as on CUDA (the Triton kernels, under the interpreter) for the model's
     dispatch functions, SPLA's plans as for a CUDA device, and the fused elementwise kernels (output
-    norm and gate, feature maps, RoPE) as on CUDA."""
-    from subquadratic.families.hla import modeling as hla_modeling
-    from subquadratic.families.sse import modeling as sse_modeling
-    from subquadratic.kernels import hla, norm_gate, sse, utils, window_attention
+    norm and gate, feature maps, RoPE) as on CUDA. (SSE and HLA plan as on CUDA by their plan settings:
+    `_count_model`.)"""
+    from subquadratic.kernels import norm_gate, utils, window_attention
     from subquadratic.kernels.spla import plan
 
     real = utils.resolve_backend
@@ -122,13 +121,10 @@ def cuda_paths():
     from subquadratic.modeling import base as model_base
 
     patched += [(model_base, "resolve_backend", resolve)]  # the softmax layers' and window branches' kernels
-    patched += [(hla, "resolve_backend", resolve), (sse, "resolve_backend", resolve),
-               (plan, "resolve_backend", resolve), (window_attention, "resolve_backend", resolve)]
+    patched += [(plan, "resolve_backend", resolve), (window_attention, "resolve_backend", resolve)]
     import subquadratic.kernels.spla as spla
 
     patched.append((spla, "plan_spla", plan_cuda))
-    takes = lambda x, w, g: norm_gate.norm_gate_unsupported(x, w, g) is None  # noqa: E731
-    patched += [(hla_modeling, "norm_gate_takes_kernel", takes), (sse_modeling, "norm_gate_takes_kernel", takes)]
     saved = [(m, n, getattr(m, n)) for m, n, _ in patched]
     for m, n, f in patched:
         setattr(m, n, f)
@@ -167,11 +163,14 @@ def count_model(family: str, T: int = 64, cuda: bool = True,
     """{"forward": ops, "forward+grad": ops, "backward": ops} of one mixer layer at B = 1, T tokens;
     `cuda`: the CUDA paths (`cuda_paths`)."""
     with cuda_paths() if cuda else contextlib.nullcontext():
-        return _count_model(family, T, dtype)
+        return _count_model(family, T, dtype, cuda)
 
 
-def _count_model(family: str, T: int, dtype: torch.dtype) -> dict[str, collections.Counter]:
+def _count_model(family: str, T: int, dtype: torch.dtype, cuda: bool) -> dict[str, collections.Counter]:
     model = build_model(family, dtype)
+    if cuda:
+        for op in ("sse", "hla"):  # their plans as for a CUDA device
+            model.set_plan(op, device="cuda")
     mixer = model.model.layers[0].self_attn
     ids = torch.randint(0, SHAPE["vocab_size"], (1, T))
     with torch.no_grad():  # a first call builds the projections' pack and stacks: not what a call costs

@@ -24,13 +24,19 @@ import os
 
 import torch
 
-from .utils import import_triton
+from .utils import import_triton, scoped
 
 triton, _ = import_triton()
 
-#: Launch through Triton's own path always (SUBQUADRATIC_FAST_LAUNCH=0, or this set False at run time), e.g.
-#: to compare the two.
+#: Launch through Triton's own path always (SUBQUADRATIC_FAST_LAUNCH=0, or `fast_launch(False)` at run time),
+#: e.g. to compare the two.
 ENABLED = os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("SUBQUADRATIC_FAST_LAUNCH", "1") != "0"
+
+
+def fast_launch(enabled: bool):
+    """Within the block the kernels launch through the kept compiled kernel (`enabled`) or Triton's own
+    path (`ENABLED`): a benchmark's comparison of the two."""
+    return scoped(globals(), "ENABLED", enabled)
 
 _INT32 = (-(2 ** 31), 2 ** 31)
 

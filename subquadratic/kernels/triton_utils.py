@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .utils import import_triton
+from .utils import import_triton, scoped
 
 #: Input dtypes the Triton kernels take (fp64 stays on the PyTorch forms).
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -35,6 +35,12 @@ PRECISIONS = ("ieee", "tf32")
 #: Autotuning runs on the GPU only; the CPU interpreter launches with the fixed settings, and so does the
 #: GPU with SUBQUADRATIC_AUTOTUNE=0 (correctness runs: each kernel compiles once instead of once per setting).
 AUTOTUNE = os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("SUBQUADRATIC_AUTOTUNE", "1") != "0"
+
+
+def autotuning(enabled: bool):
+    """Within the block the kernels autotune (`enabled`) or launch with their fixed settings (`AUTOTUNE`):
+    a benchmark's comparison of the two."""
+    return scoped(globals(), "AUTOTUNE", enabled)
 
 
 def dot_precision(dtype: torch.dtype, precision: str | None = None) -> str:

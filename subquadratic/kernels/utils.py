@@ -15,8 +15,11 @@ Backends, the same for every op:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -28,9 +31,47 @@ BACKENDS = ("auto", "torch", "triton", "naive")
 #: inputs (tests) run the kernels in exact fp32.
 KERNEL_PRECISIONS = ("auto", "tf32", "ieee")
 
-#: Tests set this to fill every kernel output with NaN (or -1 for indices) before the launch, so
-#: that anything a kernel leaves unwritten fails (poisoned outputs).
+#: Whether every kernel output is filled with NaN (or -1 for indices) before the launch, so that anything
+#: a kernel leaves unwritten fails (poisoned outputs): tests set it with `poisoned_outputs`.
 POISON_OUTPUTS = False
+
+
+@contextlib.contextmanager
+def scoped(namespace: dict, name: str, value) -> Iterator[None]:
+    """The setting `name` of a module (its `namespace`, `globals()`) at `value` within the block, restored
+    after it: how a switch of this package (`poisoned_outputs`, `triton_utils.autotuning`,
+    `triton_launch.fast_launch`, `projections.packing_with_grad`) is set by its caller."""
+    before = namespace[name]
+    namespace[name] = value
+    try:
+        yield
+    finally:
+        namespace[name] = before
+
+
+def poisoned_outputs(enabled: bool = True) -> contextlib.AbstractContextManager:
+    """Within the block, kernel outputs are poisoned before their launch (`POISON_OUTPUTS`)."""
+    return scoped(globals(), "POISON_OUTPUTS", enabled)
+
+
+def check_plan(plan, choices: tuple[tuple[str, tuple], ...]) -> None:
+    """A ValueError where a field of a frozen plan (`SSEPlan`, `HLAPlan`) is not among its `choices`
+    ((field name, allowed values) pairs)."""
+    for name, allowed in choices:
+        if getattr(plan, name) not in allowed:
+            raise ValueError(f"{type(plan).__name__}.{name} must be one of {allowed}, got {getattr(plan, name)!r}")
+
+
+def check_plan_fields(plan_cls: type, fields_set: dict, planner: str) -> None:
+    """A TypeError where a planner (`planner`, e.g. "plan_sse") is asked to set what is not a field of
+    `plan_cls`."""
+    if not fields_set:  # the usual call (and what torch.compile traces)
+        return
+    names = [f.name for f in dataclasses.fields(plan_cls)]
+    unknown = set(fields_set) - set(names)
+    if unknown:
+        raise TypeError(f"{planner} got {sorted(unknown)}, which are not fields of {plan_cls.__name__}; "
+                        f"its fields: {', '.join(names)}")
 
 
 def check_backend(backend: str) -> str:

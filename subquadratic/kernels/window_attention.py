@@ -33,14 +33,25 @@ def window_unsupported(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int)
     """Why the kernels cannot take these inputs, or None. q [B, HQ, T, D], k, v [B, H, T, D]."""
     if q.dtype not in TRITON_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtypes {q.dtype} / {k.dtype} / {v.dtype} (one of {TRITON_DTYPES}, alike)"
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+    if k.shape != v.shape:
         return f"shapes {list(q.shape)} / {list(k.shape)} / {list(v.shape)} ([B, HQ, T, D], [B, H, T, D] twice)"
-    if q.shape[1] % k.shape[1]:
-        return f"{q.shape[1]} query heads over {k.shape[1]} KV heads"
-    if q.shape[-1] > MAX_DIM:
-        return f"head dim {q.shape[-1]} (at most {MAX_DIM})"
-    if q.shape[0] * q.shape[1] > MAX_ROWS_X_HEADS:
-        return f"{q.shape[0]} rows x {q.shape[1]} query heads (at most {MAX_ROWS_X_HEADS}: a grid dimension)"
+    return window_shapes_unsupported(tuple(q.shape), tuple(k.shape), q.dtype, window, sinks)
+
+
+def window_shapes_unsupported(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: torch.dtype, window: int,
+                              sinks: int) -> str | None:
+    """Why the kernels cannot take queries q_shape [B, HQ, T, D] over keys and values k_shape [B, H, T, D]
+    of `dtype` (a plan's question: no tensor at hand), or None."""
+    if dtype not in TRITON_DTYPES:
+        return f"dtype {dtype} (one of {TRITON_DTYPES})"
+    if len(q_shape) != 4 or len(k_shape) != 4 or k_shape[0] != q_shape[0] or k_shape[2:] != q_shape[2:]:
+        return f"shapes {list(q_shape)} / {list(k_shape)} ([B, HQ, T, D], [B, H, T, D])"
+    if q_shape[1] % k_shape[1]:
+        return f"{q_shape[1]} query heads over {k_shape[1]} KV heads"
+    if q_shape[-1] > MAX_DIM:
+        return f"head dim {q_shape[-1]} (at most {MAX_DIM})"
+    if q_shape[0] * q_shape[1] > MAX_ROWS_X_HEADS:
+        return f"{q_shape[0]} rows x {q_shape[1]} query heads (at most {MAX_ROWS_X_HEADS}: a grid dimension)"
     if window < 1 or not 0 <= sinks <= MAX_SINKS:
         return f"window {window}, sinks {sinks} (window >= 1, 0 <= sinks <= {MAX_SINKS})"
     return None

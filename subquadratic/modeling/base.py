@@ -13,7 +13,9 @@ embeddings, RMSNorm, the SwiGLU MLP, the attention functions, weight loading and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from ..configuration.base import SubquadraticConfig
 from ..kernels.decode_attention import decode_attention, grouped_query_attention
 from ..kernels.utils import allowed_keys, resolve_backend, slot_offsets
-from ..kernels.window_attention import window_attention, window_unsupported
+from ..kernels.window_attention import window_attention, window_shapes_unsupported
 from ..registry import mixer, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, all_real, positions_from_mask
 from .cuda_graph import decode_step, replays_decode
@@ -73,6 +75,29 @@ class SequenceInfo:
     #: Whether every new token is real by the cache's rule without a mask being read: a static cache's
     #: one-token step after its first call (`SubquadraticCache`: one-token steps must be real tokens).
     new_real: bool = False
+    #: Fields a caller sets on this forward's plans, by op: {"sse": {"path": "masked"}} (the keywords of
+    #: the op's planner, `plan_sse`'s say; "device": "cuda" plans the CUDA paths on any machine). The
+    #: model's `plan_settings`.
+    plan_settings: dict = field(default_factory=dict)
+    #: The plans made in this forward, by op and inputs (`plan`).
+    _plans: dict = field(default_factory=dict)
+
+    def plan(self, op: str, make: Callable[..., Any], *inputs, **settings) -> Any:
+        """`make(*inputs, **settings)` with the caller's `plan_settings[op]` over `settings`, made once per
+        forward for these inputs (every layer of an op that plans alike shares it; a layer planning other
+        inputs gets its own)."""
+        key = (op, inputs, tuple(settings.items()))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = make(*inputs, **{**settings, **self.plan_settings.get(op, {})})
+        return plan
+
+    def branch(self, positions: torch.Tensor, valid: torch.Tensor, key_positions: torch.Tensor,
+               **fields) -> SequenceInfo:
+        """The sequence information of a branch inside this forward's layers (a window branch over its
+        rows or its ring): other positions, this forward's plan settings and plans."""
+        return SequenceInfo(positions, valid, key_positions, plan_settings=self.plan_settings, _plans=self._plans,
+                            **fields)
 
     def key_offsets(self) -> torch.Tensor | None:
         """Slot of each row's position 0 when each row's real tokens sit in consecutive slots (left or
@@ -295,14 +320,62 @@ def banded_window_attention(q, k, v, q_pos, k_pos, window: int, scaling: float, 
     return o.view(B, n, HQ, C, D).transpose(2, 3).reshape(B, n * C, HQ, D)[:, :T]
 
 
-def grouped_query_packs(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether `grouped_query_attention` serves a masked call of q [B, HQ, T, D] over k [B, H, S, D]:
-    no gradients (a chunk of new tokens over a cache; training keeps Transformers' function), grouped
-    queries (HQ > H) and a mask copied G = HQ / H times that is smaller than the keys and values
-    repeated G times (T < 2 H D)."""
-    HQ, T, D = q.shape[1:]
-    H = k.shape[1]
-    return not torch.is_grad_enabled() and HQ != H and HQ % H == 0 and T < 2 * H * D
+#: The paths of a softmax layer's call (`plan_softmax`): "window_kernel" (causal rows over a window shorter
+#: than them: `kernels.window_attention`), "banded" (the same in PyTorch, or a window ring before the new
+#: tokens: `banded_window_attention`), "causal" (SDPA without a mask: causal rows, or one query over every
+#: slot, all real), "decode" (one query under a mask: `decode_attention`), "grouped" (a chunk under a mask
+#: without gradients: `grouped_query_attention`), "masked" (SDPA under a mask) and "eager" (Transformers'
+#: eager attention, which also gives the weights).
+SOFTMAX_PATHS = ("window_kernel", "banded", "causal", "decode", "grouped", "masked", "eager")
+
+
+def plan_softmax(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+                 *, window: int | None, sinks: int, sink_slots: int, banded: bool, sdpa: bool, causal_rows: bool,
+                 causal: bool, dropout: bool, grad: bool, backend: str, window_kernel: bool | None = None,
+                 path: str | None = None) -> str:
+    """The path (`SOFTMAX_PATHS`) of a softmax layer's call of queries q_shape [B, HQ, T, D] over keys
+    k_shape [B, H, S, D] (the cache's slots and the new ones) of `dtype` on `device`: the layer's
+    `window` and `sinks`, the cache's `sink_slots` and whether it holds a window ring before the new
+    tokens (`banded`), `sdpa` (SDPA, not the eager attention or weights asked for), `causal_rows` (T =
+    S, every real query's keys the slots up to its own), `causal` (`SequenceInfo.causal`), `dropout`
+    (attention dropout), `grad` (gradients on) and the model's `backend`. A caller sets
+    `window_kernel` (where the window's path is taken: its kernels or not) or the `path` itself.
+
+    A window shorter than the new tokens over causal rows (or after a window ring) runs O(T W): the
+    Triton kernels by `utils.resolve_backend` ("auto" on CUDA for inputs they take, not with dropout),
+    else the banded form; calls whose queries see every slot up to their own run SDPA without a mask;
+    the rest build the mask: one query (no dropout) `decode_attention`, a chunk `grouped_query_attention`
+    where it packs the groups (`grouped_query_packs`), else SDPA, or the eager function."""
+    if path is not None:
+        if path not in SOFTMAX_PATHS:
+            raise ValueError(f"a softmax path must be one of {SOFTMAX_PATHS}, got {path!r}")
+        return path
+    T, S = q_shape[2], k_shape[2]
+    if sdpa and window and T > window and (causal_rows or S == T + window + sink_slots and banded):
+        if causal_rows and window_kernel is None:
+            why = "attention dropout" if dropout else window_shapes_unsupported(q_shape, k_shape, dtype, window, sinks)
+            window_kernel = resolve_backend(backend, torch.device(device), op="sliding-window attention",
+                                            has_triton=True, has_naive=True, unsupported=why) == "triton"
+        return "window_kernel" if causal_rows and window_kernel else "banded"
+    if sdpa and (causal_rows or causal and T == 1) and (not window or S <= window):
+        return "causal"
+    if sdpa and T == 1 and not dropout:
+        return "decode"
+    if sdpa and grouped_query_packs(q_shape, k_shape, grad):
+        return "grouped"
+    return "masked" if sdpa else "eager"
+
+
+def grouped_query_packs(q: torch.Tensor | tuple[int, ...], k: torch.Tensor | tuple[int, ...],
+                        grad: bool | None = None) -> bool:
+    """Whether `grouped_query_attention` serves a masked call of q [B, HQ, T, D] over k [B, H, S, D] (tensors
+    or their shapes): no gradients (`grad`; None: grad mode; a chunk of new tokens over a cache; training
+    keeps Transformers' function), grouped queries (HQ > H) and a mask copied G = HQ / H times that is
+    smaller than the keys and values repeated G times (T < 2 H D)."""
+    HQ, T, D = tuple(q if isinstance(q, tuple) else q.shape)[1:]
+    H = (k if isinstance(k, tuple) else k.shape)[1]
+    grad = torch.is_grad_enabled() if grad is None else grad
+    return not grad and HQ != H and HQ % H == 0 and T < 2 * H * D
 
 
 class SoftmaxAttention(AttentionBase):
@@ -324,14 +397,6 @@ class SoftmaxAttention(AttentionBase):
         self.window = config.sliding_window if kind == "sliding_attention" else None
         self.sinks = 0  # with a window: the first `sinks` tokens stay visible (a state mixer's window branch)
 
-    def window_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
-        """Whether the window of causal rows runs on `kernels.window_attention` (Triton), by the model's
-        `kernel_backend` as every op decides (`resolve_backend`): "auto" on CUDA for inputs the kernels
-        take; "torch" and "naive" the banded PyTorch form (exact); "triton" the kernels, or an error."""
-        why = "attention dropout" if dropout else window_unsupported(q, k, v, self.window, self.sinks)
-        return resolve_backend(self.config.kernel_backend, q.device, op="sliding-window attention", has_triton=True,
-                               has_naive=True, unsupported=why) == "triton"
-
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer=None,
                 inputs: dict[str, torch.Tensor] | None = None):
         """`inputs`: the q / k / v projections of hidden_states when another module computed them (a
@@ -339,21 +404,23 @@ class SoftmaxAttention(AttentionBase):
         q, k, v, packed = self.project_rows(hidden_states, position_embeddings, seq, inputs)
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)
-        sdpa = self.config._attn_implementation != "eager" and seq.attentions is None
-        T, S = q.shape[2], k.shape[2]
-        W, sink_slots = self.window, getattr(cache_layer, "sink_slots", 0)
+        sink_slots = getattr(cache_layer, "sink_slots", 0)
         dropout = self.attention_dropout if self.training else 0.0
+        T, S = q.shape[2], k.shape[2]
         # a packed batch's documents run one per right-padded row with no cache: each real query's keys
         # are the slots up to its own (padding only after them), as in a causal call
-        causal_rows = T == S and (seq.causal or seq.documents is not None)
-        if sdpa and W and T > W and (causal_rows or S == T + W + sink_slots and getattr(cache_layer, "banded", False)):
-            # a window shorter than the new tokens, no earlier keys or a window ring before them: O(T W)
-            if causal_rows and self.window_kernel(q, k, v, dropout):  # the Triton kernels (CUDA)
-                o = window_attention(q, k, v, W, self.scaling, self.sinks, precision=self.config.kernel_precision)
-            else:
-                o = banded_window_attention(q, k, v, seq.positions, seq.key_positions, W, self.scaling, dropout,
-                                            self.sinks, sink_slots)
-        elif sdpa and (causal_rows or seq.causal and T == 1) and (not self.window or S <= self.window):
+        path = seq.plan("softmax", plan_softmax, tuple(q.shape), tuple(k.shape), dtype=q.dtype, device=q.device,
+                        window=self.window, sinks=self.sinks, sink_slots=sink_slots,
+                        banded=getattr(cache_layer, "banded", False),
+                        sdpa=self.config._attn_implementation != "eager" and seq.attentions is None,
+                        causal_rows=T == S and (seq.causal or seq.documents is not None), causal=seq.causal,
+                        dropout=bool(dropout), grad=torch.is_grad_enabled(), backend=self.config.kernel_backend)
+        if path == "window_kernel":  # a window shorter than the new tokens over causal rows: O(T W)
+            o = window_attention(q, k, v, self.window, self.scaling, self.sinks, precision=self.config.kernel_precision)
+        elif path == "banded":  # the same, or a window ring before the new tokens
+            o = banded_window_attention(q, k, v, seq.positions, seq.key_positions, self.window, self.scaling, dropout,
+                                        self.sinks, sink_slots)
+        elif path == "causal":
             # the queries the last T: causal (T = S; padding only after the real tokens, whose outputs
             # are zeroed below) or every key (one query, every slot real), no mask
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -361,15 +428,15 @@ class SoftmaxAttention(AttentionBase):
             o, _ = sdpa_attention_forward(self, q, k, v, None, dropout=dropout, scaling=self.scaling, is_causal=T > 1)
         else:
             allowed = window_keys(seq.positions, seq.key_positions, self.window, self.sinks, sink_slots)
-            if sdpa and T == 1 and not dropout:  # a decode step under a mask (a static cache's): split over the keys
+            if path == "decode":  # a decode step under a mask (a static cache's): split over the keys
                 o = decode_attention(q, k, v, allowed[:, 0], self.scaling, self.config.kernel_backend,
                                      self.config.kernel_precision).transpose(1, 2)
             else:
                 mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
                 mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None]
-                if sdpa and grouped_query_packs(q, k):
+                if path == "grouped":
                     o = grouped_query_attention(q, k, v, mask, self.scaling, dropout)
-                elif sdpa:
+                elif path == "masked":
                     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
                     o, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=dropout, scaling=self.scaling)
@@ -441,6 +508,12 @@ class KeptCache:
 
     def __reduce__(self):
         return KeptCache, ()
+
+
+#: The ops that plan once per forward and whose plans a caller may set (`set_plan`): SSE
+#: (`kernels.sse.plan_sse`), HLA (`kernels.hla.plan_hla`), the window branch (`window.plan_window`) and the
+#: softmax layers (`plan_softmax`).
+PLANNED_OPS = ("sse", "hla", "window", "softmax")
 
 
 class SubquadraticPreTrainedModel(PreTrainedModel):
@@ -519,6 +592,20 @@ class SubquadraticPreTrainedModel(PreTrainedModel):
         """The indices of the layers whose mixer forms attention weights: the entries of `attentions`."""
         return [i for i, kind in enumerate(self.config.mixer_types) if mixer(kind).computes_attention_weights]
 
+    def set_plan(self, op: str, **fields) -> None:
+        """Set fields of `op`'s plan (one of PLANNED_OPS) for every later forward of this model (a test's or
+        a benchmark's explicit choice of a path): the keywords of its planner, e.g. `set_plan("sse",
+        path="masked")`, or `set_plan("sse", device="cuda")` to plan the CUDA paths on any machine; no
+        fields: plan from the inputs again. A CUDA graph captured before keeps the plans it was captured
+        with."""
+        if op not in PLANNED_OPS:
+            raise ValueError(f"set_plan: op must be one of {', '.join(PLANNED_OPS)}; got {op!r}")
+        settings = self.base_model.plan_settings
+        if fields:
+            settings[op] = dict(fields)
+        else:
+            settings.pop(op, None)
+
     def new_cache(self, max_length: int | None = None, cuda_graph: bool = True, fuse: bool = True) -> SubquadraticCache:
         """An empty cache with one state layer per decoder layer: growing, or with `max_length` static
         (allocated once for that many tokens; on CUDA, with `cuda_graph`, one-token steps of the
@@ -596,6 +683,9 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        #: Fields the caller sets on the plans of every forward, by op (`SequenceInfo.plan_settings`,
+        #: `set_plan`); empty: every op plans from its inputs.
+        self.plan_settings: dict[str, dict] = {}
         self.post_init()
 
     def forward(
@@ -663,7 +753,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
                            attentions={} if output_attentions else None,
                            consecutive=causal or (cache is not None and cache.static is not None),
                            length=cache.length if cache is not None and causal else None,
-                           new_real=T == 1 and cache is not None and cache.static is not None and cache.length > 1)
+                           new_real=T == 1 and cache is not None and cache.static is not None and cache.length > 1,
+                           plan_settings=self.plan_settings)
 
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, cache,
                                                          output_hidden_states)
@@ -705,7 +796,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         # RoPE of the packed positions, and of each document's row (for the mixers given their input so)
         packed_rope = self.rotary_emb(inputs_embeds, position_ids.to(valid.device).expand(docs.shape))
         position_embeddings = tuple(docs.unpack(t) for t in packed_rope)
-        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos, documents=docs, packed_rope=packed_rope)
+        seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos, documents=docs, packed_rope=packed_rope,
+                           plan_settings=self.plan_settings)
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, None,
                                                          output_hidden_states)
         if docs.flat.numel() < docs.shape[0] * docs.shape[1]:  # the packed batch's own padding (a right-padded

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.utils import scoped
+
 #: Rows of the packed weight each member's slot is rounded up to (zero rows between slots): 16 elements,
 #: 32 bytes in bf16.
 ALIGN = 16
@@ -270,9 +272,14 @@ def input_projections(owner: nn.Module, x: torch.Tensor, names: Sequence[str] | 
     return {n: mods[n](x) for n in wanted}
 
 
-#: Whether the pack also serves calls with gradients (set False to compare with the separate or concatenated
-#: members).
+#: Whether the pack also serves calls with gradients (`packing_with_grad(False)`: the separate or concatenated
+#: members, to compare with).
 PACK_WITH_GRAD = True
+
+
+def packing_with_grad(enabled: bool):
+    """Within the block calls with gradients take the pack (`enabled`) or not (`PACK_WITH_GRAD`)."""
+    return scoped(globals(), "PACK_WITH_GRAD", enabled)
 
 
 def packed_members(owner: nn.Module, y: torch.Tensor) -> dict[str, torch.Tensor]:

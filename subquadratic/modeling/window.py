@@ -147,6 +147,41 @@ class FreshRing:
         return k, v
 
 
+#: The paths of a window branch's call (`plan_window`): "rows" (no cache: the window over the new tokens'
+#: causal rows, the O(T W) forms), "steady" (`steady_window_step`), "static" (`static_window_step`),
+#: "fresh" (a first call of real tokens: causal rows, the ring filled from them, `FreshRing`) and "ring"
+#: (the masked path over the ring, `WindowRing`: any call).
+WINDOW_PATHS = ("rows", "steady", "static", "fresh", "ring")
+
+
+def plan_window(T: int, *, cached: bool, whole: bool, length: int | None, causal: bool, weights: bool, grad: bool,
+                sdpa: bool, window: int, sinks: int, ring: bool, sink_ring: bool, path: str | None = None) -> str:
+    """The path (`WINDOW_PATHS`) of a window branch's call on T new tokens: `cached` (a cache layer),
+    `whole` (a static cache's whole buffers), `length` (`SequenceInfo.length`), `causal`, `weights` (the
+    caller asked for attention weights), `grad` (gradients on), `sdpa` (not the eager attention), the
+    branch's `window` and `sinks`, and whether its ring (`ring`) and sinks (`sink_ring`) are made.
+    `path`: the caller's, as it is (a test's "ring", say).
+
+    A one-token step without gradients or attention weights under SDPA, with the ring (and sinks) made,
+    is "steady" where every token so far is real with the count known on the host and at least W +
+    sinks of them come before it (the ring and the sinks full, every slot in view), else "static" on a
+    static cache's whole buffers; a first call of real tokens with no ring yet is "fresh"."""
+    if path is not None:
+        if path not in WINDOW_PATHS:
+            raise ValueError(f"a window path must be one of {WINDOW_PATHS}, got {path!r}")
+        return path
+    if not cached:
+        return "rows"
+    step = T == 1 and not weights and not grad and sdpa and ring and (not sinks or sink_ring)
+    if step and length is not None and length > window + sinks:
+        return "steady"
+    if step and whole:
+        return "static"
+    if causal and length == T and not ring:
+        return "fresh"
+    return "ring"
+
+
 class WindowBranch:
     """Mixin of a state mixer with an optional sliding-window softmax branch (`self.swa`)."""
 
@@ -164,49 +199,34 @@ class WindowBranch:
     def window_attention(self, x: torch.Tensor, position_embeddings, seq: SequenceInfo, cache_layer,
                          inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Softmax attention over the last `self.window` tokens, through the shared `SoftmaxAttention`,
-        with the window's keys/values in the cache layer's ring (`WindowRing`). `inputs`: the mixer's
-        q / k / v projections of x when the branch reads those (`add_window` without `own_qkv`)."""
-        if cache_layer is None:
+        with the window's keys/values in the cache layer's ring (`WindowRing`), on the path `plan_window`
+        gives. `inputs`: the mixer's q / k / v projections of x when the branch reads those (`add_window`
+        without `own_qkv`)."""
+        t = {} if cache_layer is None else cache_layer.tensors
+        path = seq.plan("window", plan_window, x.shape[1], cached=cache_layer is not None,
+                        whole=cache_layer is not None and cache_layer.whole, length=seq.length, causal=seq.causal,
+                        weights=seq.attentions is not None, grad=torch.is_grad_enabled(),
+                        sdpa=self.config._attn_implementation != "eager", window=self.window, sinks=self.swa.sinks,
+                        ring="swa_k" in t, sink_ring="swa_sink_k" in t)
+        if path == "rows":
             # a packed batch's documents (one per right-padded row) keep their causal rows: the O(T W) forms
-            window_seq = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=seq.causal,
-                                      documents=seq.documents, packed_rope=seq.packed_rope)
+            window_seq = seq.branch(seq.positions, seq.valid, seq.positions, causal=seq.causal,
+                                    documents=seq.documents, packed_rope=seq.packed_rope)
             return self.swa(x, position_embeddings, window_seq, None, inputs=inputs)[0]
-        if self._steady_step(x, seq, cache_layer):
+        if path == "steady":
             return self.steady_window_step(x, position_embeddings, seq.length - 1, cache_layer, inputs)
-        if self._static_step(x, seq, cache_layer):
+        if path == "static":
             return self.static_window_step(x, position_embeddings, seq.positions[:, 0], cache_layer, inputs)
-        if self._fresh_prefill(x, seq, cache_layer):
+        if path == "fresh":
             # a first call of real tokens (a prefill): causal rows over the new tokens, the ring filled from them
-            fresh = SequenceInfo(seq.positions, seq.valid, seq.positions, causal=True)
+            fresh = seq.branch(seq.positions, seq.valid, seq.positions, causal=True)
             ring = FreshRing(cache_layer, self.window, self.swa.sinks, fused_backend(self.config.kernel_backend))
             return self.swa(x, position_embeddings, fresh, ring, inputs=inputs)[0]
         ring = WindowRing(cache_layer, seq.positions, self.window, no_padding=seq.causal, consecutive=seq.consecutive,
                           sinks=self.swa.sinks)
-        out, _ = self.swa(x, position_embeddings, SequenceInfo(seq.positions, seq.valid, ring.key_positions()), ring,
+        out, _ = self.swa(x, position_embeddings, seq.branch(seq.positions, seq.valid, ring.key_positions()), ring,
                           inputs=inputs)
         return out
-
-    def _fresh_prefill(self, x: torch.Tensor, seq: SequenceInfo, cache_layer) -> bool:
-        """Whether this call is each row's first T tokens, all real (`FreshRing`): every token real
-        with the count known on the host, no earlier token, the ring not yet made."""
-        return seq.causal and seq.length == x.shape[1] and "swa_k" not in cache_layer.tensors
-
-    def _steady_step(self, x: torch.Tensor, seq: SequenceInfo, cache_layer) -> bool:
-        """Whether this call is a one-token step that `steady_window_step` may take: no gradients, SDPA,
-        every token so far real with the count known on the host (`seq.length`), and at least W +
-        sinks tokens before it, so that the ring and the sinks are full and every slot is in view."""
-        t = cache_layer.tensors
-        return (x.shape[1] == 1 and seq.length is not None and seq.length > self.window + self.swa.sinks
-                and seq.attentions is None and not torch.is_grad_enabled() and "swa_k" in t
-                and (not self.swa.sinks or "swa_sink_k" in t) and self.config._attn_implementation != "eager")
-
-    def _static_step(self, x: torch.Tensor, seq: SequenceInfo, cache_layer) -> bool:
-        """Whether this call is a static cache's one-token step (`static_window_step`): whole buffers
-        (a real new token per row, the static cache's rule), no gradients, SDPA, the ring made."""
-        t = cache_layer.tensors
-        return (x.shape[1] == 1 and cache_layer.whole and seq.attentions is None and not torch.is_grad_enabled()
-                and "swa_k" in t and (not self.swa.sinks or "swa_sink_k" in t)
-                and self.config._attn_implementation != "eager")
 
     def static_window_step(self, x: torch.Tensor, position_embeddings, position: torch.Tensor,
                            cache_layer, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:

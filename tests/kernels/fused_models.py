@@ -15,18 +15,23 @@ def perturb(model) -> None:
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
 
 
-def forced_kernel_matches(model, monkeypatch, gates: list[tuple[object, str, object]], fn_owner, fn_name: str) -> int:
+def forced_kernel_matches(model, monkeypatch, gates: list, fn_owner, fn_name: str) -> int:
     """Run `model` on fixed ids with labels (forward and backward) as it is, then with each
-    (module, name, predicate) of `gates` patched in (the kernel taken) and `fn_owner.fn_name`
-    counted; assert the logits and every parameter gradient agree. Returns the kernel's calls. The
-    model moves to the GPU where there is one (the kernels need CUDA tensors without the interpreter)."""
+    (module, name, predicate) of `gates` patched in (the kernel taken), or each callable of `gates`
+    called with True before (False before the first run: a plan setting, `set_plan`), and
+    `fn_owner.fn_name` counted; assert the logits and every parameter gradient agree. Returns the
+    kernel's calls. The model moves to the GPU where there is one (the kernels need CUDA tensors
+    without the interpreter)."""
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0)).to(model.device)
     results, calls, real = [], [], getattr(fn_owner, fn_name)
     for forced in (False, True):
+        for gate in gates:
+            if callable(gate):
+                gate(forced)
+            elif forced:
+                monkeypatch.setattr(*gate)
         if forced:
-            for module, name, predicate in gates:
-                monkeypatch.setattr(module, name, predicate)
             monkeypatch.setattr(fn_owner, fn_name, lambda *a: calls.append(1) or real(*a))
         model.zero_grad()
         out = model(ids, labels=ids, use_cache=False)

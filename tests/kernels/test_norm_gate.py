@@ -131,24 +131,18 @@ def test_bf16_real_shapes_on_gpu():
 @pytest.mark.parametrize("family", ["hla", "sse"])
 def test_mixers_take_the_kernel_with_the_values_and_gradients_of_their_pytorch_form(family, monkeypatch, one_thread):
     """HLA's and SSE's output norm and gate through the kernel (as on CUDA for several tokens; here
-    forced, on a GPU or under the interpreter): the logits and gradients of the PyTorch form, and the
-    kernel runs once per layer and forward."""
+    forced by their plans' field, on a GPU or under the interpreter): the logits and gradients of the
+    PyTorch form, and the kernel runs once per layer and forward."""
     from subquadratic import HLAForCausalLM
-    from subquadratic.families.hla import modeling as hla_modeling
     from subquadratic.families.hla.configuration import tiny_hla_config
-    from subquadratic.families.sse import modeling as sse_modeling
-    from subquadratic.kernels import norm_gate as ng
     from subquadratic.kernels import triton_norm_gate as tng
 
     from ..models.sse.test_modeling_sse import model as sse_model
 
     torch.manual_seed(0)
-    if family == "hla":
-        module, model = hla_modeling, HLAForCausalLM(tiny_hla_config()).eval()
-    else:
-        module, model = sse_modeling, sse_model("tiny", 0)
+    model = HLAForCausalLM(tiny_hla_config()).eval() if family == "hla" else sse_model("tiny", 0)
+    gate = lambda kernel: model.set_plan(family, norm_gate="kernel" if kernel else "torch")  # noqa: E731
     perturb(model)
-    gate = (module, "norm_gate_takes_kernel", lambda x, w, g: ng.norm_gate_unsupported(x, w, g) is None)
     assert forced_kernel_matches(model, monkeypatch, [gate], tng.NormGate, "apply") == model.config.num_hidden_layers
 
 

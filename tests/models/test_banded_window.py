@@ -179,7 +179,6 @@ def test_the_window_kernels_give_the_banded_forms_values_in_a_model(monkeypatch)
     default, here also in the CPU interpreter) against the banded PyTorch form, fp32 with exact dots: a
     training forward and backward without a cache, and a prefill into a cache followed by decode steps."""
     pytest.importorskip("triton")
-    from subquadratic.kernels.window_attention import window_unsupported
     from subquadratic.modeling import base
 
     from .sse.test_modeling_sse import lively
@@ -193,10 +192,8 @@ def test_the_window_kernels_give_the_banded_forms_values_in_a_model(monkeypatch)
     real = base.window_attention
     monkeypatch.setattr(base, "window_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
-    def run(kernel: bool):  # the kernels where they take the inputs (on the CPU too: the interpreter), or not at all
-        monkeypatch.setattr(base.SoftmaxAttention, "window_kernel",
-                            lambda self, q, k, v, d: kernel and not d and window_unsupported(q, k, v, self.window,
-                                                                                           self.sinks) is None)
+    def run(kernel: bool):  # the kernels where the window's path is taken (on the CPU too: the interpreter), or not
+        m.set_plan("softmax", window_kernel=kernel)
         m.zero_grad()
         logits = m(ids, labels=ids)
         logits.loss.backward()
@@ -221,19 +218,26 @@ def test_the_window_kernels_give_the_banded_forms_values_in_a_model(monkeypatch)
 
 
 def test_the_window_kernels_are_chosen_by_the_kernel_backend():
-    """The window takes its path by `kernel_backend` as every op does (`resolve_backend`): on the CPU
-    "auto", "torch" and "naive" run the banded form, an explicit "triton" says in one line what it
-    needs; attention dropout is a reason the kernels do not apply."""
-    from .sse.test_modeling_sse import lively
+    """The window takes its path by `kernel_backend` as every op decides (`resolve_backend`, in the softmax
+    layer's plan): on the CPU "auto", "torch" and "naive" run the banded form, an explicit "triton" says in
+    one line what it needs; attention dropout is a reason the kernels do not apply; a caller's
+    `window_kernel` is taken as it is."""
+    from subquadratic.kernels.utils import triton_available
+    from subquadratic.modeling.base import plan_softmax
 
-    attn = lively("tiny-swa", 0, sse_window_merge="sum", sse_window_sinks=2).float().model.layers[0].self_attn.swa
-    q, k = torch.zeros(1, 4, 20, 16), torch.zeros(1, 2, 20, 16)
+    def plan(device="cpu", dtype=torch.float32, **kw):  # causal rows of 20 tokens, a window of 8 and 2 sinks
+        kw = {**dict(window=8, sinks=2, sink_slots=0, banded=False, sdpa=True, causal_rows=True, causal=True,
+                     dropout=False, grad=True, backend="auto"), **kw}
+        return plan_softmax((1, 4, 20, 16), (1, 2, 20, 16), dtype, device, **kw)
+
     for backend in ("auto", "torch", "naive"):
-        attn.config.kernel_backend = backend
-        assert not attn.window_kernel(q, k, k, 0.0)
-    attn.config.kernel_backend = "triton"
+        assert plan(backend=backend) == "banded"
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        attn.window_kernel(q, k, k, 0.0)
-    if torch.cuda.is_available():
+        plan(backend="triton")
+    assert plan(window_kernel=True) == "window_kernel" and plan(device="cuda", window_kernel=False) == "banded"
+    if triton_available():  # the plans of a CUDA device, on any machine
+        assert plan(device="cuda") == "window_kernel"
+        assert plan(device="cuda", dropout=True) == "banded"
+        assert plan(device="cuda", dtype=torch.float64) == "banded"
         with pytest.raises(ValueError, match="attention dropout"):
-            attn.window_kernel(q.cuda(), k.cuda(), k.cuda(), 0.1)
+            plan(device="cuda", backend="triton", dropout=True)

@@ -74,7 +74,7 @@ def test_steady_steps_equal_the_masked_path_and_the_forward(make, sinks, monkeyp
     # the steps at positions W + sinks .. end take it (each window layer), the earlier ones do not
     assert sorted(set(steps)) == list(range(W + sinks, ids.shape[1]))
     assert len(steps) == window_layers * (ids.shape[1] - W - sinks)
-    monkeypatch.setattr(window_module.WindowBranch, "_steady_step", lambda *a: False)
+    m.set_plan("window", path="ring")  # the masked path at every call
     masked, masked_cache = decode(m, ids, prefill=5)
     torch.testing.assert_close(fast, masked, rtol=0, atol=1e-12)
     with torch.no_grad():
@@ -127,7 +127,7 @@ def test_a_fresh_prefill_fills_the_ring_as_the_masked_path_does(make, sinks, pre
     monkeypatch.setattr(window_module.FreshRing, "update", lambda self, *a: fills.append(1) or real(self, *a))
     fresh, fresh_cache = decode(m, ids, prefill=n)
     assert len(fills) == sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
-    monkeypatch.setattr(window_module.WindowBranch, "_fresh_prefill", lambda *a: False)
+    m.set_plan("window", path="ring")  # the masked path at every call
     masked, masked_cache = decode(m, ids, prefill=n)
     torch.testing.assert_close(fresh, masked, rtol=0, atol=1e-12 if fill == "torch" else 1e-4)
     for a, b in zip(fresh_cache.layers, masked_cache.layers, strict=True):
@@ -158,7 +158,7 @@ def test_static_steps_equal_the_masked_path(make, sinks, prefill, monkeypatch):
     fast, fast_cache = decode(m, ids, prefill, mask, cache=m.new_cache(max_length=T))
     window_layers = sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
     assert len(steps) == window_layers * (T - prefill)
-    monkeypatch.setattr(window_module.WindowBranch, "_static_step", lambda *a: False)
+    m.set_plan("window", path="ring")  # the masked path at every call
     masked, masked_cache = decode(m, ids, prefill, mask, cache=m.new_cache(max_length=T))
     real_rows = mask[:, :, None].bool()
     torch.testing.assert_close(fast * real_rows, masked * real_rows, rtol=0, atol=1e-12)
@@ -193,7 +193,7 @@ def test_static_steps_on_the_kernel_equal_the_masked_path(make, sinks, monkeypat
     fast, fast_cache = decode(m, ids, 2, mask, cache=m.new_cache(max_length=T, cuda_graph=False))
     window_layers = sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
     assert len(launches) == window_layers * (T - 2)
-    monkeypatch.setattr(window_module.WindowBranch, "_static_step", lambda *a: False)
+    m.set_plan("window", path="ring")  # the masked path at every call
     masked, masked_cache = decode(m, ids, 2, mask, cache=m.new_cache(max_length=T, cuda_graph=False))
     real_rows = mask[:, :, None].bool()
     torch.testing.assert_close(fast * real_rows, masked * real_rows, rtol=0, atol=2e-5)
@@ -201,3 +201,48 @@ def test_static_steps_on_the_kernel_equal_the_masked_path(make, sinks, monkeypat
         for name in window_module.WINDOW_FIELDS:
             if name in b.tensors:
                 torch.testing.assert_close(a.tensors[name], b.tensors[name], rtol=0, atol=2e-5, msg=name)
+
+
+#: (plan_window's keywords over STEP, the path): STEP is a steady one-token step past the window and sinks
+STEP = dict(T=1, cached=True, whole=False, length=20, causal=True, weights=False, grad=False, sdpa=True, window=8,
+            sinks=2, ring=True, sink_ring=True)
+WINDOW_PLANS = [
+    ({}, "steady"),
+    (dict(cached=False, T=7), "rows"),
+    (dict(length=10), "ring"),  # not past W + sinks: some slot may be out of view
+    (dict(length=None, causal=False), "ring"),  # a padded batch: the count is not known on the host
+    (dict(length=None, causal=False, whole=True), "static"),
+    (dict(length=10, whole=True), "static"),
+    (dict(grad=True), "ring"),
+    (dict(weights=True), "ring"),
+    (dict(sdpa=False), "ring"),
+    (dict(sink_ring=False), "ring"),
+    (dict(sinks=0, sink_ring=False), "steady"),
+    (dict(T=5, length=5, ring=False, sink_ring=False), "fresh"),  # a first call of real tokens
+    (dict(T=5, length=5), "ring"),  # the ring made already
+    (dict(T=5, length=None, causal=False, ring=False, sink_ring=False), "ring"),
+    (dict(path="ring"), "ring"),  # a caller's path
+]
+
+
+@pytest.mark.parametrize("given,want", WINDOW_PLANS)
+def test_the_window_path_of_each_call(given, want):
+    kw = {**STEP, **given}
+    assert window_module.plan_window(kw.pop("T"), **kw) == want
+
+
+def test_a_bad_window_path_is_refused():
+    with pytest.raises(ValueError, match="window path"):
+        window_module.plan_window(**{**STEP, "path": "fast"})
+
+
+def test_the_window_plans_once_per_forward(monkeypatch):
+    """Every window branch of a forward takes one plan, made once (each call of a decode loop plans anew)."""
+    m = sse_window(2)
+    made, real = [], window_module.plan_window
+    monkeypatch.setattr(window_module, "plan_window", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    window_layers = sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
+    assert window_layers >= 2
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    decode(m, ids, prefill=20)
+    assert made == ["fresh"] + ["steady"] * 10

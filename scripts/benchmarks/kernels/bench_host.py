@@ -52,16 +52,12 @@ def triton_rows(dev: torch.device, calls: int) -> dict[str, float]:
     rows = {"triton kernel, 4 arguments": host_us(lambda: add_one[(1,)](x, y, 64, 64), calls)}
     q, k = (torch.randn(1, 64, 32, 64, device=dev, dtype=torch.bfloat16) for _ in range(2))
     g = -torch.rand(1, 64, 32, 64, device=dev)
-    saved = tu.AUTOTUNE
-    try:
-        for tuned in (True, False):
-            tu.AUTOTUNE = tuned
-            how = "autotuned" if tuned else "fixed settings"
+    for tuned in (True, False):
+        how = "autotuned" if tuned else "fixed settings"
+        with tu.autotuning(tuned):
             rows[f"chunk_linear_attention, per-key decay, {how}"] = host_us(lambda: chunk_linear_attention(q, k, k, g),
                                                                             calls)
             rows[f"chunk_linear_attention, no decay, {how}"] = host_us(lambda: chunk_linear_attention(q, k, k), calls)
-    finally:
-        tu.AUTOTUNE = saved
     return rows
 
 

@@ -11,7 +11,7 @@ dense model runs in the same process as the peer.
 The speed-ups (each a setting a user never needs to touch; on by default):
   fast-launch  Triton launches through the kept compiled kernel (`kernels.triton_launch`);
   rms-norm     the decoder's RMSNorm and the residual add before it as one kernel (`kernels.rms_norm`);
-  router       SSE's router softmax and top-K as one kernel (`kernels.sse.router`);
+  router       SSE's router softmax and top-K as one kernel (`kernels.sse.router`; a field of SSE's plans);
   packed-grad  (training) the input projections as one matmul with gradients (`modeling.projections`);
   swiglu-grad  (training) the MLP's SiLU product forward and backward as kernels (`kernels.swiglu`).
 Per first token: the median host time the call took to return before its synchronisation and the
@@ -22,6 +22,7 @@ each (the kernels' summed time, `common.profile.kernel_table`) for new and old.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -33,7 +34,6 @@ import torch
 from scripts.benchmarks.models.bench_model import train_call
 from scripts.common.models import LLAMA_1B, TINY, dense_and_conversions, load_converted, log, sync, versions
 from scripts.common.profile import kernel_table
-from subquadratic.kernels.sse import router
 from subquadratic.modeling import fused, projections
 
 try:
@@ -43,18 +43,29 @@ except ImportError:  # no Triton (a CPU smoke run): no launches to speed up
 
 SPEEDUPS = ("fast-launch", "rms-norm", "router")
 TRAINING_SPEEDUPS = ("packed-grad", "swiglu-grad")
-_REAL = dict(rms=fused.rms_norm_takes_kernel, router=router.router_unsupported,
+_REAL = dict(rms=fused.rms_norm_takes_kernel,
              fast=triton_launch is not None and triton_launch.ENABLED, swiglu=fused.silu_mul_packed_takes_kernel)
 
 
-def setting(off: tuple[str, ...]) -> None:
-    """Turn the speed-ups named in `off` off and the others back on."""
-    if triton_launch is not None:
-        triton_launch.ENABLED = _REAL["fast"] and "fast-launch" not in off
-    fused.rms_norm_takes_kernel = (lambda *a: False) if "rms-norm" in off else _REAL["rms"]
-    router.router_unsupported = (lambda *a: "turned off") if "router" in off else _REAL["router"]
-    projections.PACK_WITH_GRAD = "packed-grad" not in off
-    fused.silu_mul_packed_takes_kernel = (lambda *a: False) if "swiglu-grad" in off else _REAL["swiglu"]
+@contextlib.contextmanager
+def setting(off: tuple[str, ...], model):
+    """Within the block the speed-ups named in `off` are off and the others on (SSE's router: a field of
+    `model`'s plans); after it, all on."""
+    with contextlib.ExitStack() as stack:
+        if triton_launch is not None:
+            stack.enter_context(triton_launch.fast_launch(_REAL["fast"] and "fast-launch" not in off))
+        stack.enter_context(projections.packing_with_grad("packed-grad" not in off))
+        fused.rms_norm_takes_kernel = (lambda *a: False) if "rms-norm" in off else _REAL["rms"]
+        fused.silu_mul_packed_takes_kernel = (lambda *a: False) if "swiglu-grad" in off else _REAL["swiglu"]
+        plans = getattr(model, "set_plan", None)  # a subquadratic model's (not the dense peer's)
+        if plans is not None:
+            plans("sse", **({"router": "torch"} if "router" in off else {}))
+        try:
+            yield
+        finally:
+            fused.rms_norm_takes_kernel, fused.silu_mul_packed_takes_kernel = _REAL["rms"], _REAL["swiglu"]
+            if plans is not None:
+                plans("sse")
 
 
 def settings(family: str, training: bool = False) -> dict[str, tuple[str, ...]]:
@@ -66,18 +77,19 @@ def settings(family: str, training: bool = False) -> dict[str, tuple[str, ...]]:
     return {"new": (), "old": tuple(own), **{f"no-{s}": (s,) for s in own}}
 
 
-def alternate(calls: dict, repeats: int, device: torch.device) -> dict:
-    """Median (host s, wall s) of each named call over `repeats` rounds, the order reversed every round."""
+def alternate(calls: dict, repeats: int, device: torch.device, model) -> dict:
+    """Median (host s, wall s) of each named call of `model` over `repeats` rounds, the order reversed every
+    round."""
     names = list(calls)
     times: dict = {n: [] for n in names}
     for i in range(repeats):
         for n in names if i % 2 else names[::-1]:
-            setting(calls[n][1])
-            sync(device)
-            t0 = time.perf_counter()
-            calls[n][0]()
-            t1 = time.perf_counter()
-            sync(device)
+            with setting(calls[n][1], model):
+                sync(device)
+                t0 = time.perf_counter()
+                calls[n][0]()
+                t1 = time.perf_counter()
+                sync(device)
             times[n].append((t1 - t0, time.perf_counter() - t0))
     return {n: dict(host_ms=1e3 * statistics.median(a for a, _ in v), wall_ms=1e3 * statistics.median(b for _, b in v))
             for n, v in times.items()}
@@ -124,34 +136,33 @@ def main() -> None:
                     return model(x, use_cache=True, logits_to_keep=1).logits
 
             for off in named.values():  # compile and autotune each setting's kernels first
-                setting(off)
-                first_token()
-            times = alternate({n: (first_token, off) for n, off in named.items()}, args.repeats, device)
+                with setting(off, model):
+                    first_token()
+            times = alternate({n: (first_token, off) for n, off in named.items()}, args.repeats, device, model)
             for n, t in times.items():
                 gpu = None
                 if device.type == "cuda" and n in ("new", "old"):
-                    setting(named[n])
-                    gpu = kernel_table(first_token, calls=1)[1]
+                    with setting(named[n], model):
+                        gpu = kernel_table(first_token, calls=1)[1]
                 row(model=name, measure="ttft", T=T, setting=n, gpu_ms=gpu, **t)
         if train_len:
             model.train()
             step = train_call(model, ids[:, :train_len])
             trained = {"new": ()} if name == "dense" else settings(name, training=True)
             for off in trained.values():
-                setting(off)
-                step()
+                with setting(off, model):
+                    step()
             for n, t in alternate({n: (step, off) for n, off in trained.items()}, max(2, args.repeats // 2),
-                                  device).items():
+                                  device, model).items():
                 gpu = None
                 if device.type == "cuda" and n in ("new", "old"):
-                    setting(trained[n])
-                    gpu = kernel_table(step, calls=1)[1]
+                    with setting(trained[n], model):
+                        gpu = kernel_table(step, calls=1)[1]
                 row(model=name, measure="train", T=train_len, setting=n, gpu_ms=gpu, wall_ms=t["wall_ms"])
             model.eval()
         model.cpu()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    setting(())
     dense_ms = {(r["measure"], r["T"]): r["wall_ms"] for r in results["rows"] if r["model"] == "dense"}
     print("| model | measure | T | setting | host ms | wall ms | GPU ms | dense wall ms | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -20,15 +20,9 @@ from torch import nn
 from transformers import GenerationMixin
 from transformers import initialization as init
 
-from ...kernels.hla import HLAState, hla_attention
-from ...kernels.hla.features import (
-    decay_unsupported,
-    hla_features,
-    hla_features_and_decay,
-    hla_features_takes_kernel,
-    log_alpha_reference,
-)
-from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel
+from ...kernels.hla import HLAPlan, HLAState, hla_attention, plan_hla
+from ...kernels.hla.features import hla_features, hla_features_and_decay, log_alpha_reference
+from ...kernels.norm_gate import norm_gate
 from ...modeling.base import (
     AttentionBase,
     SequenceInfo,
@@ -41,10 +35,6 @@ from ...modeling.fused import HeadNorm
 from ...modeling.projections import QKV, input_projections, linear_plus
 from ...modeling.window import WINDOW_FIELDS, WindowBranch
 from .configuration import HLAConfig
-
-#: The kernel_backend values whose HLA layers take the fused q / k / v kernel (`kernels.hla.features`);
-#: "torch" keeps the PyTorch ops.
-FEATURE_KERNEL_BACKENDS = ("auto", "triton")
 
 
 class HLALayer(RecurrentLayer):
@@ -133,7 +123,19 @@ class HLAAttention(WindowBranch, AttentionBase):
         proj = None if projected is None else projected.to(dtype)
         return log_alpha_reference(self.decay_bias.to(dtype), proj, (*x.shape[:2], self.num_heads))
 
+    def plan(self, q: torch.Tensor, seq: SequenceInfo, packed: bool) -> HLAPlan:
+        """This call's `HLAPlan` (`plan_hla`), made once per forward for every HLA layer
+        (`SequenceInfo.plan`), from the shape and dtype of the queries q, the layer's settings and the
+        caller's `plan_settings`."""
+        cfg = self.config
+        return seq.plan("hla", plan_hla, tuple(q.shape), dtype=q.dtype, device=q.device,
+                        chunk_size=cfg.hla_chunk_size, backend=cfg.kernel_backend, precision=cfg.kernel_precision,
+                        grad=torch.is_grad_enabled(), packed=packed, qk_norm_l2=cfg.qk_norm_l2,
+                        output_norm_gate=cfg.output_norm and cfg.output_gate)
+
     def forward(self, hidden_states, position_embeddings, seq: SequenceInfo, cache_layer: HLALayer | None = None):
+        """hidden_states [B, T, hidden] -> (out [B, T, hidden], None): project, features, HLA, norm and
+        gate, window, on the paths of this forward's `HLAPlan`."""
         cfg = self.config
         B, T, _ = hidden_states.shape
         # q [B, T, HQ, D], k, v [B, T, H, D]: the source's qk-norm, RoPE only with hla_rope
@@ -141,19 +143,17 @@ class HLAAttention(WindowBranch, AttentionBase):
         rope = (seq.packed_rope if packed else position_embeddings) if cfg.hla_rope else None
         p = input_projections(self, hidden_states)  # without gradients one matmul
         q, k, v = self.project(hidden_states, rope, heads_first=False, inputs=p)
+        plan = self.plan(q, seq, packed)
         # qk_norm_l2: q and k L2-normalised and scaled, in the projections' dtype (CUDA autocast computes
         # the norm in fp32); one state per query head: k, v [B, T, H, D] -> [B, T, HQ, D] (KV head j
-        # serves query heads jG..jG+G-1). On CUDA with a kernel_backend in FEATURE_KERNEL_BACKENDS one
-        # kernel forward and one backward (`kernels.hla.features`).
-        kernel = (cfg.qk_norm_l2 and cfg.kernel_backend in FEATURE_KERNEL_BACKENDS
-                  and hla_features_takes_kernel(q, k, v))
+        # serves query heads jG..jG+G-1). On the kernel one launch forward and one backward, with
+        # log alpha [B, T, HQ] (the decay projection read from the packed projection in place).
         proj = self.decay_logits(hidden_states, p)
-        if kernel and decay_unsupported(q, self.decay_bias, proj) is None:
-            # log alpha [B, T, HQ] from the same kernel (read from the packed projection in place)
+        if plan.features == "kernel":
             q, k, v, log_alpha = hla_features_and_decay(q, k, v, cfg.qk_scale, self.decay_bias, proj,
                                                         backend="triton")
         else:
-            q, k, v = hla_features(q, k, v, cfg.qk_scale, cfg.qk_norm_l2, backend="triton" if kernel else "torch")
+            q, k, v = hla_features(q, k, v, cfg.qk_scale, cfg.qk_norm_l2, backend="torch")
             log_alpha = self.log_alpha(hidden_states, proj)  # [B, T, HQ]
         if packed:  # the recurrence runs one document per right-padded row
             q, k, v, log_alpha = (seq.documents.unpack(t) for t in (q, k, v, log_alpha))
@@ -168,7 +168,7 @@ class HLAAttention(WindowBranch, AttentionBase):
         state = cache_layer.read() if cache_layer is not None else None
         o, state = hla_attention(
             q, k, v, log_alpha, state, chunk_size=cfg.hla_chunk_size, normalize=cfg.hla_normalize,
-            eps=cfg.hla_eps, variant=cfg.hla_variant, backend=cfg.kernel_backend, precision=cfg.kernel_precision,
+            eps=cfg.hla_eps, variant=cfg.hla_variant, plan=plan,
         )  # o: [B, T, HQ, D]
         if cache_layer is not None:
             cache_layer.write(state)
@@ -176,9 +176,7 @@ class HLAAttention(WindowBranch, AttentionBase):
             o = seq.documents.pack(o)
 
         gate = p["g_proj"].view(B, T, self.num_heads, self.head_dim) if cfg.output_gate else None
-        if (cfg.output_norm and gate is not None and cfg.kernel_backend in ("auto", "triton")
-                and norm_gate_takes_kernel(o, self.o_norm.weight, gate)):
-            # on CUDA: the norm and the gate in one kernel, the values of the two lines below
+        if plan.norm_gate == "kernel":  # the norm and the gate in one kernel, the values of the two lines below
             o = norm_gate(o, self.o_norm.weight, gate, self.o_norm.eps, backend="triton")
         else:
             if cfg.output_norm:

@@ -27,10 +27,10 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from ...kernels.norm_gate import norm_gate, norm_gate_takes_kernel, norm_gate_unsupported
-from ...kernels.sse import SSEState, router_topk, sse_attention, sse_from_projections, sse_from_projections_takes
-from ...kernels.sse.features import sse_gla_features, sse_gla_features_takes_kernel
-from ...kernels.utils import acc_dtype, fused_backend
+from ...kernels.norm_gate import norm_gate
+from ...kernels.sse import SSEPlan, SSEState, plan_sse, router_topk, sse_attention, sse_from_projections
+from ...kernels.sse.features import sse_gla_features
+from ...kernels.utils import acc_dtype
 from ...modeling.base import (
     AttentionBase,
     SequenceInfo,
@@ -212,16 +212,6 @@ class SSEAttention(WindowBranch, AttentionBase):
         keep = torch.zeros_like(kf, dtype=torch.bool).scatter(-1, kf.topk(top, dim=-1).indices, True)
         return kf.masked_fill(~keep, float("-inf")).softmax(-1).to(k.dtype)
 
-    def features_take_kernel(self, xs: tuple[torch.Tensor | None, ...], q2_mode: str = "full") -> bool:
-        """Whether the GLA base's feature maps and decays run fused (`kernels.sse.features`, the
-        values of the PyTorch ops below): the Triton backend on CUDA, inputs it takes (not fp64), no
-        `sse_key_topk`. xs: q1, k1, q2, k2, v, the decay projections z1, z2 and the decay biases, q2 /
-        k2 as `q2_mode` says."""
-        cfg = self.config
-        top = cfg.sse_key_topk
-        return (cfg.kernel_backend in ("auto", "triton") and not (top and top < self.head_dim)
-                and sse_gla_features_takes_kernel(*xs, q2_mode=q2_mode))
-
     def decays(self, x: torch.Tensor, projected: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Log decays (fp32, fp64 for fp64 inputs; <= 0) of the shared state and the partitions, and
@@ -242,6 +232,58 @@ class SSEAttention(WindowBranch, AttentionBase):
         g1, g2 = a.split(self.num_heads, dim=-1)
         return g1, g2, torch.sigmoid(self.b_proj(x).to(dt))
 
+    def plan(self, x: torch.Tensor, inputs: dict[str, torch.Tensor], seq: SequenceInfo,
+             cache_layer: SSELayer | None) -> SSEPlan:
+        """This call's `SSEPlan` (`plan_sse`), made once per forward for every SSE layer (`SequenceInfo.plan`),
+        from the shapes and dtype of x's projections `inputs`, the layer's settings and the caller's
+        `plan_settings`."""
+        cfg = self.config
+        return seq.plan("sse", plan_sse, (*x.shape[:2], self.num_heads, self.head_dim), dtype=inputs[QKV[0]].dtype,
+                        device=x.device, num_partitions=cfg.sse_num_partitions, base=cfg.sse_base,
+                        chunk_size=cfg.sse_chunk_size, backend=cfg.kernel_backend, precision=cfg.kernel_precision,
+                        grad=torch.is_grad_enabled(), cached=cache_layer is not None, packed=seq.is_packed(x),
+                        key_topk=cfg.sse_key_topk, qk_norm=cfg.qk_norm, lora=bool(cfg.lora_rank))
+
+    def features(self, x: torch.Tensor, p: dict[str, torch.Tensor], plan: SSEPlan
+                 ) -> tuple[tuple, torch.Tensor | None, torch.Tensor | None]:
+        """(xs, beta, gate) of x and its `input_projections` p as `plan` says: xs the inputs of the SSE op,
+        (q1, k1, q2, k2, v, g1, g2) after the feature maps and decays, or where `plan.fused` the
+        projections the SSE kernels compute them from (q1, k1, q2, k2 as `plan.q2_mode` says, v, z1, z2
+        and the decay biases); beta the GDN write strength (None for GLA); gate the output gate's up
+        projection where it ran stacked with the low-rank offsets' (else None)."""
+        cfg = self.config
+        if cfg.sse_base == "gdn":
+            q1, k1, q2, k2, v = self.project_sse(x, p)
+            q1, q2, k1, k2 = (F.normalize(F.silu(t), dim=-1) for t in (q1, q2, k1, k2))
+            g1, g2, beta = self.decays(x)
+            return (q1, k1, q2, k2, F.silu(v), g1, g2), beta, None
+        # the low-rank up projections of one width run as one batched matmul each (with gradients too)
+        z = stacked_linears(self, ("g1_up", "g2_up"), (p["g1_down"], p["g2_down"]))
+        z1, z2 = z or (self.g1_up(p["g1_down"]), self.g2_up(p["g2_down"]))
+        q1, k1, v = self.qkv(x, p)
+        offsets, gate = None, None
+        if cfg.lora_rank:
+            B, T, _ = x.shape
+            downs = (p["q2_down"], p["k2_down"], p["g_proj.0"])
+            ups = (stacked_linears(self, ("q2_up", "k2_up", "g_proj.1"), downs)
+                   or stacked_linears(self, ("q2_up", "k2_up"), downs[:2]))
+            shape = (B, T, self.num_heads, self.head_dim)
+            offsets = (ups[0].view(shape), ups[1].view(shape)) if ups else self.lora_offsets(x, p)
+            gate = ups[2] if ups and len(ups) == 3 else None
+        if plan.features == "kernel" and plan.q2_mode != "full":
+            # the kernel reads q1 / k1 / v where the projection wrote them, K / V at their own heads and q2 / k2
+            # as q1 / k1 plus their low-rank offsets (no repeat, no add)
+            xs = (q1, k1, *(offsets or (None, None)), v, z1, z2, self.g1_bias, self.g2_bias)
+        else:  # qk-norm (applied to q2 / k2 after the offsets) on `project_sse`'s outputs
+            xs = (*self.project_sse(x, p, offsets), z1, z2, self.g1_bias, self.g2_bias)
+        if plan.fused:  # the features computed inside the SSE kernels (padding's zeroed there)
+            return xs, None, gate
+        if plan.features == "kernel":
+            return sse_gla_features(*xs, cfg.sse_gate_normalizer, backend="triton", q2_mode=plan.q2_mode), None, gate
+        q1, k1, q2, k2, v = xs[:5]
+        g1, g2, _ = self.decays(x, (z1, z2))
+        return (F.silu(q1), self.key_map(k1), F.silu(q2), self.key_map(k2), F.silu(v), g1, g2), None, gate
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -249,106 +291,55 @@ class SSEAttention(WindowBranch, AttentionBase):
         seq: SequenceInfo,
         cache_layer: SSELayer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden_states [B, T, hidden] -> (out [B, T, hidden], load-balance loss in training else None).
+        """hidden_states [B, T, hidden] -> (out [B, T, hidden], load-balance loss in training else None):
+        project, features, route, SSE, norm and gate, window, on the paths of this forward's `SSEPlan`.
         position_embeddings (cos, sin) are used by the sliding-window branch only. With a cache, the
         states are read from and written back to `cache_layer` (in place at decode, without grad)."""
         cfg = self.config
         x = hidden_states
         B, T, _ = x.shape
         p = input_projections(self, x)  # without gradients one matmul
-        packed = seq.is_packed(x)
-        from_projections = False
-        gate = None
-        if cfg.sse_base == "gla":
-            # the low-rank up projections of one width run as one batched matmul each (with gradients too)
-            z = stacked_linears(self, ("g1_up", "g2_up"), (p["g1_down"], p["g2_down"]))
-            z1, z2 = z or (self.g1_up(p["g1_down"]), self.g2_up(p["g2_down"]))
-            # CUDA: one kernel forward, one backward, reading q1 / k1 / v where the projection wrote them, K / V
-            # at their own heads and q2 / k2 as q1 / k1 plus their low-rank offsets (no repeat, no add); with
-            # qk-norm (applied to q2 / k2 after the offsets) on `project_sse`'s outputs
-            q1, k1, v = self.qkv(x, p)
-            offsets = None
-            if cfg.lora_rank:
-                downs = (p["q2_down"], p["k2_down"], p["g_proj.0"])
-                ups = (stacked_linears(self, ("q2_up", "k2_up", "g_proj.1"), downs)
-                       or stacked_linears(self, ("q2_up", "k2_up"), downs[:2]))
-                shape = (B, T, self.num_heads, self.head_dim)
-                offsets = (ups[0].view(shape), ups[1].view(shape)) if ups else self.lora_offsets(x, p)
-                gate = ups[2] if ups and len(ups) == 3 else None
-            mode = "offset" if offsets else "same"
-            xs = (q1, k1, *(offsets or (None, None)), v, z1, z2, self.g1_bias, self.g2_bias)
-            kernel = not cfg.qk_norm and self.features_take_kernel(xs, mode)
-            if not kernel:
-                q1, k1, q2, k2, v = self.project_sse(x, p, offsets)
-                xs, mode = (q1, k1, q2, k2, v, z1, z2, self.g1_bias, self.g2_bias), "full"
-                kernel = self.features_take_kernel(xs, mode)
-            # the features computed inside the SSE kernels (padding's zeroed there)
-            from_projections = kernel and sse_from_projections_takes(q1, v, cfg.sse_chunk_size, cfg.kernel_backend)
-            if kernel and not from_projections:
-                q1, k1, q2, k2, v, g1, g2 = sse_gla_features(*xs, cfg.sse_gate_normalizer, backend="triton",
-                                                             q2_mode=mode)
-            elif not kernel:
-                q1, q2, k1, k2, v = F.silu(q1), F.silu(q2), self.key_map(k1), self.key_map(k2), F.silu(v)
-                g1, g2, _ = self.decays(x, (z1, z2))
-            beta = None
-        else:
-            q1, k1, q2, k2, v = self.project_sse(x, p)
-            q1, q2, k1, k2 = (F.normalize(F.silu(t), dim=-1) for t in (q1, q2, k1, k2))
-            v = F.silu(v)
-            g1, g2, beta = self.decays(x)
+        plan = self.plan(x, p, seq, cache_layer)
+        xs, beta, gate = self.features(x, p, plan)
         logits = p["router"]
-        if packed and from_projections:  # the recurrence runs one document per right-padded row
-            xs = (*(None if t is None else seq.documents.unpack(t) for t in xs[:7]), *xs[7:])  # not the biases
-            logits = seq.documents.unpack(logits)
-        elif packed:
-            q1, k1, q2, k2, v, g1, g2, logits = (seq.documents.unpack(t) for t in (q1, k1, q2, k2, v, g1, g2, logits))
-            beta = None if beta is None else seq.documents.unpack(beta)
-        # [B, T, N], sel False at padding
-        # in training also the load-balancing loss over the valid tokens (all of them where seq.causal)
-        # with the SSE kernels also the grouping's selection counts (its first launch, in the router's)
+        if plan.packed:  # the recurrence runs one document per right-padded row (not the decay biases)
+            unpack = seq.documents.unpack
+            xs = (*(None if t is None else unpack(t) for t in xs[:7]), *xs[7:])
+            logits, beta = unpack(logits), None if beta is None else unpack(beta)
+        # [B, T, N], sel False at padding; in training also the load-balancing loss over the valid tokens (all of
+        # them where seq.causal); fused also the grouping's selection counts (its first launch, in the router's)
         probs, sel, *aux = router_topk(logits, cfg.sse_top_k, None if seq.causal else seq.valid,
-                                       backend=fused_backend(cfg.kernel_backend),
-                                       aux=self.training, counts=from_projections)
-        counts = aux.pop() if from_projections else None
-
-        # padding: no read, no write, no decay (nothing to mask where no real token reads the padding)
+                                       backend="triton" if plan.router == "kernel" else "torch",
+                                       aux=self.training, counts=plan.fused)
+        counts = aux.pop() if plan.fused else None
         valid = seq.valid
         tok = valid[:, :, None, None]
-        if not seq.padding_unread and not from_projections:
-            q1, k1, q2, k2, v = (torch.where(tok, t, 0.0) for t in (q1, k1, q2, k2, v))
-            gmask = tok if g1.dim() == 4 else valid[:, :, None]
-            g1, g2 = torch.where(gmask, g1, 0.0), torch.where(gmask, g2, 0.0)
-            if beta is not None:
-                beta = torch.where(valid[:, :, None], beta, 0.0)
+        if not seq.padding_unread and not plan.fused:
+            # padding: no read, no write, no decay (nothing to mask where no real token reads the padding)
+            gmask = tok if xs[5].dim() == 4 else valid[:, :, None]
+            xs = (*(torch.where(tok, t, 0.0) for t in xs[:5]), *(torch.where(gmask, g, 0.0) for g in xs[5:]))
+            beta = None if beta is None else torch.where(valid[:, :, None], beta, 0.0)
 
         state = cache_layer.read() if cache_layer is not None else None
         gate = (self.g_proj[1](p["g_proj.0"]) if gate is None else gate).view(B, T, self.num_heads, self.head_dim)
         w, eps = self.o_norm.weight, self.o_norm.variance_epsilon
-        # without gradients the output norm and gate run in the kernel that combines each token's rows
-        gated = (w, gate, eps) if (from_projections and not packed and not torch.is_grad_enabled()
-                                   and gate.is_contiguous() and gate.dtype == q1.dtype
-                                   and norm_gate_unsupported(gate, w, gate) is None) else None
-        if from_projections:
-            # padding zeroed in the kernels: a packed batch's too (unread, but zero keeps the two-step values)
-            o, state = sse_from_projections(*xs, cfg.sse_gate_normalizer, probs, sel, state, q2_mode=mode,
+        if plan.fused:  # padding zeroed in the kernels: a packed batch's too (unread; zero keeps the two-step values)
+            o, state = sse_from_projections(*xs, cfg.sse_gate_normalizer, probs, sel, state, q2_mode=plan.q2_mode,
                                             chunk_size=cfg.sse_chunk_size, topk=cfg.sse_top_k,
-                                            precision=cfg.kernel_precision,
-                                            valid=None if seq.causal or seq.new_real else valid, norm_gate=gated,
+                                            precision=plan.precision,
+                                            valid=None if seq.causal or seq.new_real else valid,
+                                            norm_gate=(w, gate, eps) if plan.norm_gate == "combine" else None,
                                             counts=counts)
         else:
-            o, state = sse_attention(
-                q1, k1, q2, k2, v, g1, g2, probs, sel, state, base=cfg.sse_base, beta=beta,
-                chunk_size=cfg.sse_chunk_size, backend=cfg.kernel_backend, topk=cfg.sse_top_k,
-                inplace=cache_layer is not None and not torch.is_grad_enabled(), precision=cfg.kernel_precision,
-            )  # o: [B, T, HQ, D]
+            o, state = sse_attention(*xs, probs, sel, state, base=cfg.sse_base, beta=beta,
+                                     chunk_size=cfg.sse_chunk_size, topk=cfg.sse_top_k, plan=plan)  # [B, T, HQ, D]
         if cache_layer is not None:
             cache_layer.write(state)
-        if packed:
+        if plan.packed:
             o = seq.documents.pack(o)
-
-        if gated is None and cfg.kernel_backend in ("auto", "triton") and norm_gate_takes_kernel(o, w, gate):
-            o = norm_gate(o, w, gate, eps, backend="triton")  # on CUDA: one kernel (a decode step's too), same values
-        elif gated is None:
+        if plan.norm_gate == "kernel":
+            o = norm_gate(o, w, gate, eps, backend="triton")  # one kernel (a decode step's too), the same values
+        elif plan.norm_gate == "torch":
             o = self.o_norm(o) * F.silu(gate)
         o = (o if seq.padding_unread else o * tok).reshape(B, T, -1)
         if not self.window:

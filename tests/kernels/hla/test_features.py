@@ -91,20 +91,18 @@ def test_dispatch():
 @pytest.mark.parametrize("window", [0, 8])
 def test_the_mixer_takes_the_kernel_with_the_values_and_gradients_of_its_pytorch_form(window, monkeypatch,
                                                                                       one_thread):
-    """HLA's q / k normalisation and repeat through the kernel (as on CUDA with a kernel_backend in
-    FEATURE_KERNEL_BACKENDS; here forced, on a GPU or under the interpreter): the logits and every
+    """HLA's q / k normalisation and repeat through the kernel (as on CUDA under kernel_backend "auto" or
+    "triton"; here its plans' field, on a GPU or under the interpreter): the logits and every
     parameter's gradient of the PyTorch ops, the kernel once per HLA layer and forward."""
     from subquadratic import HLAForCausalLM
-    from subquadratic.families.hla import modeling as hla_modeling
     from subquadratic.families.hla.configuration import tiny_hla_config
-    from subquadratic.kernels.hla import features, triton_features
+    from subquadratic.kernels.hla import triton_features
 
     torch.manual_seed(0)
     model = HLAForCausalLM(tiny_hla_config(hla_sliding_window=window)).eval()
     perturb(model)
-    gates = [(hla_modeling, "hla_features_takes_kernel", lambda *xs: features.hla_features_unsupported(*xs) is None),
-             (hla_modeling, "FEATURE_KERNEL_BACKENDS", ("auto", "triton"))]
-    calls = forced_kernel_matches(model, monkeypatch, gates, triton_features.HLAFeatures, "apply")
+    features = lambda kernel: model.set_plan("hla", features="kernel" if kernel else "torch")  # noqa: E731
+    calls = forced_kernel_matches(model, monkeypatch, [features], triton_features.HLAFeatures, "apply")
     assert calls == model.config.mixer_types.count("hla") > 0
 
 

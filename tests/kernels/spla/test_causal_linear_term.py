@@ -161,11 +161,8 @@ def test_residual_term_is_the_difference_with_dropped_rows_zero(dtype, G):
     drop = (torch.rand(B, T, H, generator=g) < 0.4).to(DEV)
     drop[0, 0, 0], drop[1, 1, 1] = True, False
     w = torch.randn(B, T, H * G, D, generator=g).to(DEV)
-    old, utils.POISON_OUTPUTS = utils.POISON_OUTPUTS, True
-    try:
+    with utils.poisoned_outputs():
         got = residual_term(a, b, drop, dtype)
-    finally:
-        utils.POISON_OUTPUTS = old
     want = residual_term_reference(a, b, drop, dtype)
     assert got.dtype == dtype and torch.isfinite(got).all()
     rows = drop.repeat_interleave(G, dim=2)  # [B, T, HQ]

@@ -195,24 +195,24 @@ def test_bf16_real_shapes_on_gpu():
 @pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
 def test_the_mixer_takes_the_kernel_with_the_values_and_gradients_of_its_pytorch_form(preset, monkeypatch,
                                                                                       one_thread):
-    """SSE's feature maps and decays through the kernel (as on CUDA; here forced, on a GPU or under the
+    """SSE's feature maps and decays through the kernel (its plans' choice, on a GPU or under the
     interpreter): the logits and every parameter's gradient of the PyTorch ops, the kernel once per
-    SSE layer and forward, and `sse_key_topk` keeps the PyTorch ops."""
-    from subquadratic.families.sse import modeling as sse_modeling
-    from subquadratic.kernels.sse import features, triton_features
+    SSE layer and forward, and `sse_key_topk` keeps the PyTorch ops where the plans are CUDA's."""
+    from subquadratic.kernels.sse import triton_features
 
     from ...models.sse.test_modeling_sse import model as sse_model
 
     model = sse_model(preset, 0)
     perturb(model)
-    takes = lambda *xs, **kw: features.sse_gla_features_unsupported(*xs, **kw) is None  # noqa: E731
-    gate = (sse_modeling, "sse_gla_features_takes_kernel", takes)
-    # the feature kernel itself, not its copy inside the SSE kernels (`sse_from_projections`, on CUDA)
-    monkeypatch.setattr(sse_modeling, "sse_from_projections_takes", lambda *a: False)
-    calls = forced_kernel_matches(model, monkeypatch, [gate], triton_features.SSEFeatures, "apply")
+
+    def features(kernel: bool) -> None:  # the feature kernel itself, not its copy inside the SSE kernels
+        model.set_plan("sse", features="kernel" if kernel else "torch", fused=False)
+
+    calls = forced_kernel_matches(model, monkeypatch, [features], triton_features.SSEFeatures, "apply")
     assert calls == model.config.mixer_types.count("sse") > 0
     assert any("g1_bias" in n for n, p in model.named_parameters() if p.grad is not None)
     model.config.sse_key_topk = 4
+    model.set_plan("sse", device="cuda", path="torch", fused=False, router="torch", norm_gate="torch")
     with monkeypatch.context() as m:
         m.setattr(triton_features.SSEFeatures, "apply", lambda *a: pytest.fail("the kernel ran with sse_key_topk"))
         model(torch.randint(3, 128, (1, 9), device=model.device), use_cache=False)
@@ -262,22 +262,22 @@ def test_generation_through_the_kernel_equals_the_full_forward(kv_heads, monkeyp
     query head's KV head)."""
     from subquadratic.families.sse import modeling as sse_modeling
     from subquadratic.kernels import rope as rope_module
-    from subquadratic.kernels.sse import features
     from subquadratic.modeling import fused
 
     from ...models.common import GEN, left_pad
     from ...models.sse.test_modeling_sse import lively
 
-    calls = []
+    calls, real = [], sse_modeling.sse_gla_features
 
-    def takes(*xs, **kw):
+    def spy(*xs, **kw):
         calls.append(kw.get("q2_mode"))
-        return features.sse_gla_features_unsupported(*xs, **kw) is None
+        return real(*xs, **kw)
 
-    monkeypatch.setattr(sse_modeling, "sse_gla_features_takes_kernel", takes)
+    monkeypatch.setattr(sse_modeling, "sse_gla_features", spy)
     monkeypatch.setattr(fused, "rope_takes_kernel", lambda *a: rope_module.rope_unsupported(*a) is None)
     monkeypatch.setattr(fused, "ROPE_KERNEL_BACKENDS", ("auto", "triton"))
     m = lively("tiny-h", 0, sse_kv_heads=kv_heads).to(DEV)
+    m.set_plan("sse", features="kernel", fused=False)
     g = torch.Generator().manual_seed(0)
     ids, mask = left_pad([torch.randint(3, 128, (n,), generator=g) for n in (30, 17)])
     ids, mask = ids.to(DEV), mask.to(DEV)
@@ -290,5 +290,6 @@ def test_generation_through_the_kernel_equals_the_full_forward(kv_heads, monkeyp
         logits = m(out[:, :-1], attention_mask=full_mask).logits
     assert torch.equal(logits[:, ids.shape[1] - 1:].argmax(-1), out[:, ids.shape[1]:])
     monkeypatch.undo()  # the PyTorch forms: the same logits
+    m.set_plan("sse", features="torch", fused=False)
     with torch.no_grad():
         torch.testing.assert_close(m(out[:, :-1], attention_mask=full_mask).logits, logits, rtol=1e-4, atol=1e-4)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from subquadratic.kernels.norm_gate import norm_gate, norm_gate_unsupported  # noqa: E402
+from subquadratic.kernels.norm_gate import norm_gate  # noqa: E402
 from subquadratic.kernels.sse import SSEState, router_topk, sse_recurrent  # noqa: E402
 from subquadratic.kernels.sse.features import sse_gla_features  # noqa: E402
 from subquadratic.kernels.sse.triton_sse import sse_triton, sse_triton_from_projections  # noqa: E402
@@ -208,7 +208,7 @@ MODELS = [("tiny-swa", dict(sse_kv_heads="source", sse_window_qkv="shared", sse_
 
 @pytest.mark.parametrize("preset,overrides,full", MODELS)
 def test_the_model_takes_it_with_the_two_step_values(preset, overrides, full, monkeypatch, one_thread):
-    """Every token real (as on CUDA; here the kernels forced under the interpreter): the SSE layers take
+    """Every token real (the plans as on CUDA; on the CPU the kernels under the interpreter): the SSE layers take
     `sse_from_projections`, and a prefill's logits and cached states, the greedy continuation from that
     cache, a left-padded prefill's logits, and a training step's loss and every parameter's gradient, of a
     plain batch and a packed one (documents one per right-padded row inside the layer), equal the two-step
@@ -216,30 +216,12 @@ def test_the_model_takes_it_with_the_two_step_values(preset, overrides, full, mo
     where the norm and gate run in the combining kernel) (the second case, a
     window branch with K / V at the query heads: the plain prefill and training step only)."""
     from subquadratic.families.sse import modeling as sse_modeling
-    from subquadratic.kernels import sse as sse_kernels
-    from subquadratic.kernels.sse import features
-    from subquadratic.kernels.utils import resolve_precision
 
     from ...models.common import GEN
     from ...models.sse.test_modeling_sse import lively
 
-    real_attention, real_from = sse_modeling.sse_attention, sse_modeling.sse_from_projections
-
-    def two_step(q1, k1, q2, k2, v, g1, g2, probs, sel, state, **kw):  # the SSE kernels for a chunk, as on CUDA
-        if q1.shape[1] == 1:
-            return real_attention(q1, k1, q2, k2, v, g1, g2, probs, sel, state, **kw)
-        return sse_triton(q1, k1, q2, k2, v, g1, g2, probs, sel, state, chunk_size=kw["chunk_size"], topk=kw["topk"],
-                          precision=resolve_precision(kw["precision"], q1.device, q1.dtype))  # TF32 on a GPU
-
-    def takes(q1, v, chunk_size, backend):
-        return q1.shape[1] > 1 and sse_kernels.triton_unsupported(q1, v, "gla", chunk_size) is None
-
-    calls = []
-    monkeypatch.setattr(sse_modeling, "sse_gla_features_takes_kernel",
-                        lambda *xs, **kw: features.sse_gla_features_unsupported(*xs, **kw) is None)
-    monkeypatch.setattr(sse_modeling, "sse_attention", two_step)
-    # the output norm and gate on the kernel, as on CUDA (the fused path computes them in its combining kernel)
-    monkeypatch.setattr(sse_modeling, "norm_gate_takes_kernel", lambda x, w, g: norm_gate_unsupported(x, w, g) is None)
+    real_from = sse_modeling.sse_from_projections
+    calls = []  # a spy: the path is the plan's
     monkeypatch.setattr(sse_modeling, "sse_from_projections", lambda *a, **kw: calls.append(1) or real_from(*a, **kw))
     from subquadratic.kernels.sse import triton_sse
 
@@ -260,8 +242,11 @@ def test_the_model_takes_it_with_the_two_step_values(preset, overrides, full, mo
     mask[1, :4] = 0
     padded = {"input_ids": ids, "attention_mask": mask}
     results = []
+    # the CUDA plans (the features, the norm and gate on their kernels; the SSE kernels for a chunk); on the CPU
+    # the router's PyTorch form and exact dots, as there; the two-step run: the fused path left out
+    cuda = {} if DEV == "cuda" else {"device": "cuda", "router": "torch", "precision": "ieee"}
     for fused in (True, False):
-        monkeypatch.setattr(sse_modeling, "sse_from_projections_takes", takes if fused else lambda *a: False)
+        m.set_plan("sse", **cuda, **({} if fused else {"fused": False}))
         with torch.no_grad():
             out = m(ids, use_cache=True)
             padded_logits = m(**padded, use_cache=True).logits if full else None

@@ -12,10 +12,9 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import subquadratic  # noqa: F401  (registers the Auto classes)
 from subquadratic import HLAConfig, HLAForCausalLM
-from subquadratic.families.hla import modeling as hla_modeling
 from subquadratic.families.hla.configuration import tiny_hla_config
 from subquadratic.families.hla.modeling import HLAAttention
-from subquadratic.kernels.hla import hla_attention, hla_chunked, hla_naive, hla_recurrent
+from subquadratic.kernels.hla import hla_attention, hla_chunked, hla_recurrent
 from subquadratic.modeling.base import SequenceInfo
 from subquadratic.modeling.cache import RecurrentLayer, positions_from_mask
 
@@ -109,7 +108,7 @@ def test_fresh_init_decays_and_names():
 
 @pytest.mark.parametrize("variant", ["hla2", "ahla"])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_mixer_three_forms_agree_fp64(variant, normalize, monkeypatch):
+def test_mixer_three_forms_agree_fp64(variant, normalize):
     """The mixer through the chunked form, the recurrence and the O(T^3) definition (fp64)."""
     cfg = tiny_hla_config(hla_variant=variant, hla_normalize=normalize, hla_chunk_size=4, hla_rope=True)
     torch.manual_seed(0)
@@ -124,12 +123,9 @@ def test_mixer_three_forms_agree_fp64(variant, normalize, monkeypatch):
     for backend in ("torch", "naive"):
         cfg.kernel_backend = backend
         outs[backend] = attn(x, cos_sin, seq)[0]
-
-    def naive(q, k, v, log_alpha, state, *, chunk_size, normalize, eps, variant, backend, precision):
-        return hla_naive(q, k, v, log_alpha, variant=variant, normalize=normalize, eps=eps), None
-
-    monkeypatch.setattr(hla_modeling, "hla_attention", naive)
-    ref = attn(x, cos_sin, seq)[0]
+    definition = SequenceInfo(positions=pos, valid=valid, key_positions=pos,
+                              plan_settings={"hla": {"path": "definition"}})  # the O(T^3) definition
+    ref = attn(x, cos_sin, definition)[0]
     for backend, o in outs.items():
         err = ((o - ref).abs().max() / ref.abs().max()).item()
         assert err <= 1e-10, (backend, err)

@@ -9,10 +9,9 @@ import torch
 
 import subquadratic  # noqa: F401  (registers the model types)
 from subquadratic import SSEConfig, SSEForCausalLM
-from subquadratic.families.sse import modeling as sse_modeling
 from subquadratic.families.sse.configuration import PRESETS, sse_config, sse_h_mixer_types
 from subquadratic.families.sse.modeling import SSEAttention, SSELayer
-from subquadratic.kernels.sse import SSEState, router_topk, sse_attention, sse_masked
+from subquadratic.kernels.sse import SSEState, router_topk, sse_attention
 from subquadratic.kernels.utils import resolve_backend
 from subquadratic.modeling.base import CACHE_FIELD, SequenceInfo
 
@@ -24,16 +23,12 @@ PRESET_CASES = ["tiny", "tiny-h", "tiny-swa", "tiny-gdn"]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def use_form(monkeypatch, model, form: str) -> None:
-    """Run the model's SSE layers on kernel_backend `form`, or on the masked (N+1)-heads form."""
-    monkeypatch.undo()
-    if form == "masked":
-        def masked(*args, chunk_size, backend, inplace, topk, precision, **kw):
-            return sse_masked(*args, chunk_size, **kw)
-
-        monkeypatch.setattr(sse_modeling, "sse_attention", masked)
-        form = "torch"
-    model.config.kernel_backend = form
+def use_form(model, form: str) -> dict:
+    """Run the model's SSE layers on kernel_backend `form`, or on the masked (N+1)-heads form (its plans'
+    path); returns the model's plan settings (for a layer called with a `SequenceInfo` of its own)."""
+    model.set_plan("sse", **({"path": "masked"} if form == "masked" else {}))
+    model.config.kernel_backend = "torch" if form == "masked" else form
+    return model.model.plan_settings
 
 
 def model(preset: str = "tiny", seed: int = 0, **overrides) -> SSEForCausalLM:
@@ -83,7 +78,7 @@ def preset_model(preset: str) -> SSEForCausalLM:
 
 
 @pytest.mark.parametrize("preset", PRESET_CASES + ["keytopk"])
-def test_sse_layer_forms_match_recurrent_oracle_fp64(preset, monkeypatch):
+def test_sse_layer_forms_match_recurrent_oracle_fp64(preset):
     """One SSE layer in fp64, from a non-zero cached state, with a left-padded row: the sorted
     variable-length and the masked forms equal the serial recurrence (outputs and new states)."""
     m = preset_model(preset).double()
@@ -99,10 +94,11 @@ def test_sse_layer_forms_match_recurrent_oracle_fp64(preset, monkeypatch):
     results = {}
     with torch.no_grad():
         for backend in ("naive", "torch", "masked"):
-            use_form(monkeypatch, m, backend)
+            settings = use_form(m, backend)
             cache = SSELayer()
-            sa(x0, m.model.rotary_emb(x0, pos0), SequenceInfo(pos0, pos0 >= 0, pos0), cache)
-            out, _ = sa(x, m.model.rotary_emb(x, pos.clamp(min=0)), SequenceInfo(pos, valid, pos), cache)
+            sa(x0, m.model.rotary_emb(x0, pos0), SequenceInfo(pos0, pos0 >= 0, pos0, plan_settings=settings), cache)
+            out, _ = sa(x, m.model.rotary_emb(x, pos.clamp(min=0)),
+                        SequenceInfo(pos, valid, pos, plan_settings=settings), cache)
             results[backend] = (out, cache.state)
     ref, ref_state = results["naive"]
     assert ref.abs().max().item() > 0.1
@@ -115,13 +111,13 @@ def test_sse_layer_forms_match_recurrent_oracle_fp64(preset, monkeypatch):
 
 
 @pytest.mark.parametrize("preset", PRESET_CASES + ["keytopk"])
-def test_model_forms_agree_fp32(preset, monkeypatch):
+def test_model_forms_agree_fp32(preset):
     m = preset_model(preset)
     ids = tokens(2, 37)
     logits = {}
     with torch.no_grad():
         for backend in ("naive", "torch", "masked", "auto"):
-            use_form(monkeypatch, m, backend)
+            use_form(m, backend)
             logits[backend] = m(ids, use_cache=False).logits
     for backend in ("torch", "masked", "auto"):
         assert (logits[backend] - logits["naive"]).abs().max().item() <= 1e-4, backend

@@ -1,0 +1,65 @@
+"""The softmax layers' plan (`base.plan_softmax`): the path of each kind of call (a table of inputs and the
+path they give), a caller's path, and one plan per forward for every softmax layer that plans alike (the
+window branches' included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subquadratic.modeling import base
+from subquadratic.modeling.base import plan_softmax
+
+#: (plan_softmax's keywords over CALL, the path): CALL is a training call of causal rows, no window
+CALL = dict(q_shape=(2, 4, 20, 16), k_shape=(2, 2, 20, 16), window=None, sinks=0, sink_slots=0, banded=False,
+            sdpa=True, causal_rows=True, causal=True, dropout=False, grad=True, backend="auto")
+PLANS = [
+    ({}, "causal"),
+    (dict(sdpa=False), "eager"),
+    (dict(window=8), "banded"),  # a window shorter than the new tokens: O(T W), the kernels on CUDA only
+    (dict(window=32), "causal"),  # a window longer than them: every causal key in view
+    (dict(window=8, window_kernel=True), "window_kernel"),
+    # a window ring of 8 slots and 2 sink slots before 20 new tokens
+    (dict(window=8, sinks=2, sink_slots=2, banded=True, causal_rows=False, k_shape=(2, 2, 30, 16)), "banded"),
+    (dict(window=8, causal_rows=False, k_shape=(2, 2, 30, 16)), "masked"),  # a ring that is not banded
+    # one query: over every slot when all are real, else under a mask (no dropout)
+    (dict(q_shape=(2, 4, 1, 16), causal_rows=False), "causal"),
+    (dict(q_shape=(2, 4, 1, 16), causal_rows=False, causal=False), "decode"),
+    (dict(q_shape=(2, 4, 1, 16), causal_rows=False, causal=False, dropout=True), "masked"),
+    # a chunk over a padded cache: the grouped form without gradients where the mask copy is the smaller
+    (dict(causal_rows=False, causal=False, k_shape=(2, 2, 40, 16)), "masked"),
+    (dict(causal_rows=False, causal=False, k_shape=(2, 2, 40, 16), grad=False), "grouped"),
+    (dict(causal_rows=False, causal=False, k_shape=(2, 4, 40, 16), grad=False), "masked"),  # no groups
+    (dict(path="eager"), "eager"),
+]
+
+
+@pytest.mark.parametrize("given,want", PLANS)
+def test_the_softmax_path_of_each_call(given, want):
+    kw = {**CALL, **given}
+    assert plan_softmax(kw.pop("q_shape"), kw.pop("k_shape"), torch.float32, "cpu", **kw) == want
+
+
+def test_a_bad_softmax_path_is_refused():
+    with pytest.raises(ValueError, match="softmax path"):
+        plan_softmax(**{**CALL, "dtype": torch.float32, "device": "cpu", "path": "fast"})
+
+
+def test_the_softmax_layers_plan_once_per_forward(monkeypatch):
+    """The window branches of every layer share one plan per forward; a caller's path reaches them all
+    (the eager function: the same logits)."""
+    from .sse.test_modeling_sse import lively
+
+    m = lively("tiny-swa", 0, sse_window_merge="sum").float()
+    window_layers = sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
+    assert window_layers >= 2
+    made, real = [], base.plan_softmax
+    monkeypatch.setattr(base, "plan_softmax", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = m(ids, use_cache=False).logits
+        assert made == ["banded"]
+        m.set_plan("softmax", path="eager")
+        got = m(ids, use_cache=False).logits
+    assert made == ["banded", "eager"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
