@@ -32,7 +32,7 @@ from ..kernels.window_attention import window_attention, window_shapes_unsupport
 from ..registry import mixer, register_mixer
 from .cache import KVLayer, StateLayer, SubquadraticCache, all_real, positions_from_mask
 from .cuda_graph import decode_step, replays_decode
-from .fused import MLP, HeadNorm, RMSNorm, apply_rope
+from .fused import MLP, FusedPlan, HeadNorm, RMSNorm, apply_rope, forward_plan
 from .packing import find_documents, positions_from_cu_seqlens
 from .projections import QKV, PackedInputs, input_projections
 
@@ -221,16 +221,17 @@ class AttentionBase(PackedInputs, nn.Module):
 
     def project(
         self, x: torch.Tensor, position_embeddings=None, heads_first: bool = True,
-        inputs: dict[str, torch.Tensor] | None = None,
+        inputs: dict[str, torch.Tensor] | None = None, plan: FusedPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, hidden] -> q [B, T, HQ, D], k, v [B, T, H, D] with the source's qk-norm, and RoPE
-        when `position_embeddings` (cos, sin) are given, in the autocast dtype under autocast
-        (`autocast_operands`); `heads_first` returns them as [B, heads, T, D]. `inputs`: as `qkv`."""
+        when `position_embeddings` (cos, sin) are given (on the path of the forward's fused `plan`, none:
+        planned for the call), in the autocast dtype under autocast (`autocast_operands`); `heads_first`
+        returns them as [B, heads, T, D]. `inputs`: as `qkv`."""
         q, k, v = self.qkv(x, inputs)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if position_embeddings is not None:
-            q, k = apply_rope(q, k, *position_embeddings, backend=self.config.kernel_backend)
+            q, k = apply_rope(q, k, *position_embeddings, backend=self.config.kernel_backend, plan=plan)
         q, k, v = autocast_operands(q, k, v)
         if heads_first:
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -242,10 +243,11 @@ class AttentionBase(PackedInputs, nn.Module):
         packed batch's own layout (`seq.is_packed`, a mixer that `takes_packed`): then the projections
         run on the packed tokens and q, k, v are laid out one document per right-padded row. `inputs`:
         as `qkv`."""
+        plan = forward_plan(seq, self.config, x, self.o_proj.weight)
         if seq.is_packed(x):
-            q, k, v = self.project(x, seq.packed_rope, heads_first=False, inputs=inputs)
+            q, k, v = self.project(x, seq.packed_rope, heads_first=False, inputs=inputs, plan=plan)
             return (*(seq.documents.unpack(t).transpose(1, 2) for t in (q, k, v)), True)
-        return (*self.project(x, position_embeddings, inputs=inputs), False)
+        return (*self.project(x, position_embeddings, inputs=inputs, plan=plan), False)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """o: [B, HQ, T, D] -> [B, T, hidden]."""
@@ -467,11 +469,13 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, pending=None, position_embeddings=None, seq=None, cache_layer=None, **kwargs):
         """(residual stream, this layer's MLP output, aux loss or None): the MLP output is left for the next
         norm to add (`pending`: the previous layer's, added here before this layer's input norm, in one
-        kernel with it on CUDA), so that the stream is hidden_states + pending."""
+        kernel with it on CUDA), so that the stream is hidden_states + pending. The norms and the MLP run on
+        the paths of this forward's `FusedPlan` (`fused.forward_plan`; without `seq`, each plans its call)."""
+        plan = None if seq is None else forward_plan(seq, self.mlp.config, hidden_states, self.input_layernorm.weight)
         if pending is None:
-            x = self.input_layernorm(hidden_states)
+            x = self.input_layernorm(hidden_states, plan)
         else:
-            hidden_states, x = self.input_layernorm.add_and_norm(hidden_states, pending)
+            hidden_states, x = self.input_layernorm.add_and_norm(hidden_states, pending, plan)
         docs = seq.documents if seq is not None else None
         if docs is None or getattr(self.self_attn, "takes_packed", False):
             # a mixer that `takes_packed` keeps a packed batch's documents apart itself
@@ -479,8 +483,8 @@ class SubquadraticDecoderLayer(GradientCheckpointingLayer):
         else:  # a packed batch: only the mixer runs one document per right-padded row, the rest on the real tokens
             h, aux = self.self_attn(docs.unpack(x), position_embeddings, seq, cache_layer)
             h = docs.pack(h)
-        hidden_states, x = self.post_attention_layernorm.add_and_norm(hidden_states, h)  # residual add, norm
-        return hidden_states, self.mlp(x), aux
+        hidden_states, x = self.post_attention_layernorm.add_and_norm(hidden_states, h, plan)  # residual add, norm
+        return hidden_states, self.mlp(x, plan), aux
 
 
 @dataclass
@@ -511,9 +515,9 @@ class KeptCache:
 
 
 #: The ops that plan once per forward and whose plans a caller may set (`set_plan`): SSE
-#: (`kernels.sse.plan_sse`), HLA (`kernels.hla.plan_hla`), the window branch (`window.plan_window`) and the
-#: softmax layers (`plan_softmax`).
-PLANNED_OPS = ("sse", "hla", "window", "softmax")
+#: (`kernels.sse.plan_sse`), HLA (`kernels.hla.plan_hla`), the window branch (`window.plan_window`), the
+#: softmax layers (`plan_softmax`) and the decoder's fused elementwise ops (`fused.plan_fused`).
+PLANNED_OPS = ("sse", "hla", "window", "softmax", "fused")
 
 
 class SubquadraticPreTrainedModel(PreTrainedModel):
@@ -782,7 +786,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
                 aux_total = aux if aux_total is None else aux_total + aux
             if output_hidden_states:
                 all_hidden += (restore(hidden + pending),)
-        hidden = self.norm(hidden) if pending is None else self.norm.add_and_norm(hidden, pending)[1]
+        plan = forward_plan(seq, self.config, hidden, self.norm.weight)
+        hidden = self.norm(hidden, plan) if pending is None else self.norm.add_and_norm(hidden, pending, plan)[1]
         if output_hidden_states:
             all_hidden = all_hidden[:-1] + (restore(hidden),)
         return hidden, all_hidden, aux_total

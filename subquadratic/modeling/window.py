@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ..kernels.utils import fused_backend
 from ..kernels.window_attention import fresh_ring, window_step
 from .base import SequenceInfo, SoftmaxAttention
+from .fused import FusedPlan, forward_plan
 
 #: The cache layer's tensors of the window branch.
 WINDOW_FIELDS = ("swa_k", "swa_v", "swa_pos", "swa_sink_k", "swa_sink_v", "swa_sink_pos")
@@ -214,9 +215,11 @@ class WindowBranch:
                                     documents=seq.documents, packed_rope=seq.packed_rope)
             return self.swa(x, position_embeddings, window_seq, None, inputs=inputs)[0]
         if path == "steady":
-            return self.steady_window_step(x, position_embeddings, seq.length - 1, cache_layer, inputs)
+            fused = forward_plan(seq, self.config, x, self.swa.o_proj.weight)
+            return self.steady_window_step(x, position_embeddings, seq.length - 1, cache_layer, inputs, fused)
         if path == "static":
-            return self.static_window_step(x, position_embeddings, seq.positions[:, 0], cache_layer, inputs)
+            fused = forward_plan(seq, self.config, x, self.swa.o_proj.weight)
+            return self.static_window_step(x, position_embeddings, seq.positions[:, 0], cache_layer, inputs, fused)
         if path == "fresh":
             # a first call of real tokens (a prefill): causal rows over the new tokens, the ring filled from them
             fresh = seq.branch(seq.positions, seq.valid, seq.positions, causal=True)
@@ -229,29 +232,31 @@ class WindowBranch:
         return out
 
     def static_window_step(self, x: torch.Tensor, position_embeddings, position: torch.Tensor,
-                           cache_layer, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                           cache_layer, inputs: dict[str, torch.Tensor] | None = None,
+                           plan: FusedPlan | None = None) -> torch.Tensor:
         """One decode step of the window with the positions on the device (position [B], each row's new
         token, real), as a captured step runs it: the new key / value / position go into ring slot
         position % W (and into the sinks while position < sinks) in place, and the query attends over
         the sinks and the ring under the mask `window_keys` gives (ring slots of the last W positions,
         sink copies W or more back): `kernels.window_attention.window_step`, on CUDA one kernel. The
-        values of the masked path (`WindowRing`)."""
+        values of the masked path (`WindowRing`). `plan`: this forward's `fused.FusedPlan` (RoPE's path)."""
         attn, t = self.swa, cache_layer.tensors
-        q, k, v = attn.project(x, position_embeddings, inputs=inputs)  # [B, heads, 1, D]
+        q, k, v = attn.project(x, position_embeddings, inputs=inputs, plan=plan)  # [B, heads, 1, D]
         sinks = [t[n] for n in ("swa_sink_k", "swa_sink_v", "swa_sink_pos")] if attn.sinks else [None] * 3
         o = window_step(q, k, v, t["swa_k"], t["swa_v"], t["swa_pos"], *sinks, position, self.window, attn.scaling,
                         self.config.kernel_backend, self.config.kernel_precision)
         return attn.o_proj(o.transpose(1, 2).reshape(x.shape[0], 1, -1))
 
     def steady_window_step(self, x: torch.Tensor, position_embeddings, position: int, cache_layer,
-                           inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                           inputs: dict[str, torch.Tensor] | None = None,
+                           plan: FusedPlan | None = None) -> torch.Tensor:
         """One decode step of the window at `position` >= W + sinks, every token so far real: the new
         key/value goes into its ring slot in place, and the query attends over the sinks and the whole
         ring with no mask (every slot holds one of the last W tokens, the sinks are W or more back and
         the ring holds none of them). The values of the masked path (`WindowRing`) with far fewer
-        operations, as a step on the CPU or an uncaptured one on a GPU needs."""
+        operations, as a step on the CPU or an uncaptured one on a GPU needs. `plan`: as `static_window_step`'s."""
         attn, t = self.swa, cache_layer.tensors
-        q, k, v = attn.project(x, position_embeddings, inputs=inputs)  # [B, heads, 1, D]
+        q, k, v = attn.project(x, position_embeddings, inputs=inputs, plan=plan)  # [B, heads, 1, D]
         slot = position % self.window
         t["swa_k"][:, :, slot] = k[:, :, 0]
         t["swa_v"][:, :, slot] = v[:, :, 0]

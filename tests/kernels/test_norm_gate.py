@@ -178,13 +178,13 @@ def test_spla_takes_the_add_norm_kernel_with_the_values_and_gradients_of_its_pyt
     """SPLA's o + RMSNorm_gamma(o_rla) through the kernel (as on CUDA; here forced, on a GPU or under the
     interpreter), past the budget so that the residual term counts: the logits and gradients of the
     PyTorch form, the kernel once per layer and forward."""
-    from subquadratic.kernels import norm_gate as ng
     from subquadratic.kernels import triton_norm_gate as tng
-    from subquadratic.modeling import fused
 
     from ..models.spla.tiny import tiny_spla
 
     model = tiny_spla(block_size=4, top_k_blocks=2, num_sink_blocks=1, num_local_blocks=1)
     perturb(model)
-    gate = (fused, "add_norm_takes_kernel", lambda o, x, w: ng.norm_gate_unsupported(x, w, o) is None)
+    def gate(forced: bool) -> None:
+        model.set_plan("fused", **({"add_norm": "kernel"} if forced else {}))
+
     assert forced_kernel_matches(model, monkeypatch, [gate], tng.AddNorm, "apply") == model.config.num_hidden_layers

@@ -122,26 +122,24 @@ def test_refused_inputs():
                                rms_norm_reference(x.double() + 1, torch.ones(8, dtype=torch.float64), EPS))
 
 
-class Config:
-    kernel_backend = "auto"
-
-
 @pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_the_model_norm_takes_the_kernel_where_the_backend_allows(backend, monkeypatch):
-    """The decoder's norm module: the kernels where its config's kernel_backend allows them and they take
-    the inputs (forced here on the CPU, as on CUDA), LlamaRMSNorm itself otherwise; the same values."""
+def test_the_model_norm_takes_the_kernel_where_the_plan_says(backend, monkeypatch):
+    """The decoder's norm module: the kernels where the forward's plan says rms_norm="kernel" (planned here
+    for CUDA under the model's kernel_backend, run on the CPU under the interpreter), LlamaRMSNorm itself
+    otherwise; the same values. A residual of another dtype (autocast) takes the PyTorch form."""
     calls = []
     real = fused.add_rms_norm_kernel
-    monkeypatch.setattr(fused, "rms_norm_takes_kernel", lambda *a: True)
     monkeypatch.setattr(fused, "add_rms_norm_kernel", lambda *a, **k: calls.append(1) or real(*a, **k))
-    cfg = Config()
-    cfg.kernel_backend = backend
-    norm = fused.RMSNorm(48, eps=EPS, config=cfg).to(device())
+    plan = fused.plan_fused(torch.float32, "cuda", backend=backend, hidden_size=48)
+    assert plan.rms_norm == ("kernel" if backend == "auto" else "torch")
+    norm = fused.RMSNorm(48, eps=EPS).to(device())
     x, h, _ = inputs((2, 9, 48), torch.float32, 6)
-    s, y = norm.add_and_norm(x, h)
+    s, y = norm.add_and_norm(x, h, plan)
     assert len(calls) == (backend == "auto")
     torch.testing.assert_close(y, LlamaRMSNorm.forward(norm, x + h), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(norm(x), LlamaRMSNorm.forward(norm, x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(norm(x, plan), LlamaRMSNorm.forward(norm, x), atol=1e-5, rtol=1e-5)
+    norm.add_and_norm(x, h.double(), plan)  # a residual of another dtype: the PyTorch form
+    assert len(calls) == (backend == "auto")
     assert torch.equal(fused.RMSNorm(48, eps=EPS)(x.cpu()), LlamaRMSNorm.forward(norm.cpu(), x.cpu()))  # no config
 
 
@@ -149,15 +147,15 @@ def test_the_model_norm_takes_the_kernel_where_the_backend_allows(backend, monke
 def test_a_model_through_the_kernels_keeps_its_logits_and_gradients(preset, monkeypatch):
     """A model's norms through the kernels (as on CUDA; here forced, on a GPU or under the interpreter):
     the logits and every parameter's gradient of LlamaRMSNorm's form, and kernel_backend="torch" keeps it."""
-    from subquadratic.kernels import rms_norm as rms_module
     from subquadratic.kernels import triton_rms_norm
 
     from ..models.sse.test_modeling_sse import model as sse_model
     from .fused_models import forced_kernel_matches
 
     model = sse_model(preset, 0)
-    gates = [(fused, "rms_norm_takes_kernel", lambda x, w, h=None: rms_module.rms_norm_unsupported(x, w, h) is None)]
+    gates = [lambda forced: model.set_plan("fused", **({"rms_norm": "kernel"} if forced else {}))]
     assert forced_kernel_matches(model, monkeypatch, gates, triton_rms_norm.RMSNormFn, "apply") > 0
+    model.set_plan("fused")
     model.config.kernel_backend = "torch"
     with monkeypatch.context() as m:
         m.setattr(triton_rms_norm.RMSNormFn, "apply",

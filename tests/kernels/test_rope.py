@@ -124,16 +124,14 @@ def test_models_take_the_kernel_with_the_values_and_gradients_of_transformers(pr
     """A model's RoPE through the kernel (as on CUDA with a kernel_backend in ROPE_KERNEL_BACKENDS;
     here forced, on a GPU or under the interpreter): the logits and every parameter's gradient of
     Transformers' form, and kernel_backend="torch" keeps that form."""
-    from subquadratic.kernels import rope as rope_module
     from subquadratic.kernels import triton_rope
-    from subquadratic.modeling import fused
 
     from ..models.sse.test_modeling_sse import model as sse_model
 
     model = sse_model(preset, 0)
-    gates = [(fused, "rope_takes_kernel", lambda *a: rope_module.rope_unsupported(*a) is None),
-             (fused, "ROPE_KERNEL_BACKENDS", ("auto", "triton"))]
+    gates = [lambda forced: model.set_plan("fused", **({"rope": "kernel"} if forced else {}))]
     assert forced_kernel_matches(model, monkeypatch, gates, triton_rope.Rope, "apply") > 0
+    model.set_plan("fused")
     model.config.kernel_backend = "torch"
     with monkeypatch.context() as m:
         m.setattr(triton_rope.Rope, "apply", lambda *a: pytest.fail("the kernel ran with kernel_backend='torch'"))

@@ -64,7 +64,6 @@ def test_the_mlps_take_it_without_gradients(monkeypatch, one_thread):
     from subquadratic import HLAForCausalLM
     from subquadratic.families.hla.configuration import tiny_hla_config
     from subquadratic.kernels import triton_swiglu
-    from subquadratic.modeling import fused
 
     from .fused_models import perturb
 
@@ -76,7 +75,7 @@ def test_the_mlps_take_it_without_gradients(monkeypatch, one_thread):
     with torch.no_grad():
         plain = model(ids, use_cache=False).logits
         calls, real = [], triton_swiglu.silu_mul_triton
-        monkeypatch.setattr(fused, "silu_mul_takes_kernel", lambda g, u: silu_mul_unsupported(g, u) is None)
+        model.set_plan("fused", silu_mul="kernel")
         monkeypatch.setattr(triton_swiglu, "silu_mul_triton", lambda *a: calls.append(a[0].is_contiguous()) or real(*a))
         forced = model(ids, use_cache=False).logits
     torch.testing.assert_close(forced, plain, rtol=1e-5, atol=1e-5)
@@ -123,16 +122,14 @@ def test_the_mlps_take_it_in_training(monkeypatch, one_thread):
     (forced here as on CUDA): the logits and every parameter gradient of the PyTorch forms."""
     from subquadratic import HLAForCausalLM
     from subquadratic.families.hla.configuration import tiny_hla_config
-    from subquadratic.kernels import swiglu, triton_swiglu
-    from subquadratic.modeling import fused
+    from subquadratic.kernels import triton_swiglu
 
     from .fused_models import forced_kernel_matches, perturb
 
     torch.manual_seed(0)
     model = HLAForCausalLM(tiny_hla_config()).train()
     perturb(model)
-    gates = [(fused, "silu_mul_packed_takes_kernel", lambda y, g0, u0, w: silu_mul_packed_unsupported(
-        y, g0, u0, w) is None), (swiglu, "fused_kernel", lambda b, d, op, u: u is None and b != "torch")]
+    gates = [lambda forced: model.set_plan("fused", **({"silu_mul": "kernel"} if forced else {}))]
     calls = forced_kernel_matches(model, monkeypatch, gates, triton_swiglu.SiluMulPacked, "apply")
     assert calls == model.config.num_hidden_layers
 

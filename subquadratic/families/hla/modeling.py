@@ -31,7 +31,7 @@ from ...modeling.base import (
     decay_spread,
 )
 from ...modeling.cache import RecurrentLayer
-from ...modeling.fused import HeadNorm
+from ...modeling.fused import HeadNorm, forward_plan
 from ...modeling.projections import QKV, input_projections, linear_plus
 from ...modeling.window import WINDOW_FIELDS, WindowBranch
 from .configuration import HLAConfig
@@ -142,7 +142,8 @@ class HLAAttention(WindowBranch, AttentionBase):
         packed = seq.is_packed(hidden_states)
         rope = (seq.packed_rope if packed else position_embeddings) if cfg.hla_rope else None
         p = input_projections(self, hidden_states)  # without gradients one matmul
-        q, k, v = self.project(hidden_states, rope, heads_first=False, inputs=p)
+        q, k, v = self.project(hidden_states, rope, heads_first=False, inputs=p,
+                               plan=forward_plan(seq, cfg, hidden_states, self.o_proj.weight))
         plan = self.plan(q, seq, packed)
         # qk_norm_l2: q and k L2-normalised and scaled, in the projections' dtype (CUDA autocast computes
         # the norm in fp32); one state per query head: k, v [B, T, H, D] -> [B, T, HQ, D] (KV head j

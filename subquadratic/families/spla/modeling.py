@@ -27,7 +27,7 @@ from ...modeling.base import (
     SubquadraticModel,
 )
 from ...modeling.cache import StateLayer
-from ...modeling.fused import HeadNorm, recording
+from ...modeling.fused import HeadNorm, forward_plan, recording
 from .configuration import SPLAConfig
 
 
@@ -153,7 +153,9 @@ class SPLAAttention(AttentionBase):
             cache_layer.set_sbar(sbar)
         o = o_sp.transpose(1, 2)  # [B, HQ, T, D]
         if o_rla is not None:
-            o = self.rla_norm.add(o, o_rla.transpose(1, 2), cfg.kernel_backend)  # o + RMSNorm_gamma(o_rla)
+            # o + RMSNorm_gamma(o_rla), on the path of this forward's fused plan
+            fused = forward_plan(seq, cfg, hidden_states, self.o_proj.weight)
+            o = self.rla_norm.add(o, o_rla.transpose(1, 2), plan=fused)
         elif torch.is_grad_enabled() and self.rla_norm.weight.requires_grad:
             # the residual term is exactly zero here (inside the budget, or use_rla=False): gamma joins
             # the graph through an exact zero (an empty sum), so every parameter receives a gradient

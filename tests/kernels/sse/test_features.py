@@ -261,8 +261,6 @@ def test_generation_through_the_kernel_equals_the_full_forward(kv_heads, monkeyp
     are the PyTorch forms', with K / V at the query heads or at the source's (the kernel reading each
     query head's KV head)."""
     from subquadratic.families.sse import modeling as sse_modeling
-    from subquadratic.kernels import rope as rope_module
-    from subquadratic.modeling import fused
 
     from ...models.common import GEN, left_pad
     from ...models.sse.test_modeling_sse import lively
@@ -274,9 +272,8 @@ def test_generation_through_the_kernel_equals_the_full_forward(kv_heads, monkeyp
         return real(*xs, **kw)
 
     monkeypatch.setattr(sse_modeling, "sse_gla_features", spy)
-    monkeypatch.setattr(fused, "rope_takes_kernel", lambda *a: rope_module.rope_unsupported(*a) is None)
-    monkeypatch.setattr(fused, "ROPE_KERNEL_BACKENDS", ("auto", "triton"))
     m = lively("tiny-h", 0, sse_kv_heads=kv_heads).to(DEV)
+    m.set_plan("fused", rope="kernel")
     m.set_plan("sse", features="kernel", fused=False)
     g = torch.Generator().manual_seed(0)
     ids, mask = left_pad([torch.randint(3, 128, (n,), generator=g) for n in (30, 17)])
@@ -291,5 +288,6 @@ def test_generation_through_the_kernel_equals_the_full_forward(kv_heads, monkeyp
     assert torch.equal(logits[:, ids.shape[1] - 1:].argmax(-1), out[:, ids.shape[1]:])
     monkeypatch.undo()  # the PyTorch forms: the same logits
     m.set_plan("sse", features="torch", fused=False)
+    m.set_plan("fused", rope="torch")
     with torch.no_grad():
         torch.testing.assert_close(m(out[:, :-1], attention_mask=full_mask).logits, logits, rtol=1e-4, atol=1e-4)
