@@ -87,13 +87,17 @@ def launches(c: collections.Counter) -> int:
     return sum(n for op, n in c.items() if op not in NO_LAUNCH)
 
 
+#: The ops whose plans a model makes as for a CUDA device (`set_plan(op, device="cuda")`): the mixers', the
+#: softmax layers' and the decoder's fused elementwise ops.
+CUDA_PLANS = ("sse", "hla", "softmax", "fused")
+
+
 @contextlib.contextmanager
 def cuda_paths():
-    """Make "auto" resolve as on CUDA (the Triton kernels, under the interpreter) for the model's
-    dispatch functions, SPLA's plans as for a CUDA device, and the fused elementwise kernels (output
-    norm and gate, feature maps, RoPE) as on CUDA. (SSE and HLA plan as on CUDA by their plan settings:
-    `_count_model`.)"""
-    from subquadratic.kernels import norm_gate, utils, window_attention
+    """What has no model plan yet, as on CUDA (the Triton kernels, under the interpreter): SPLA's plans
+    (`plan_spla` for a CUDA device) and the window branch's decode-step and ring-fill kernels ("auto" as on
+    CUDA). The other ops plan as on CUDA by their plan settings (`CUDA_PLANS`, `_count_model`)."""
+    from subquadratic.kernels import utils, window_attention
     from subquadratic.kernels.spla import plan
 
     real = utils.resolve_backend
@@ -110,18 +114,8 @@ def cuda_paths():
     def fused(backend, device, op, unsupported):
         return real_fused(backend, torch.device("cuda") if device.type == "cpu" else device, op, unsupported)
 
-    import subquadratic.kernels.hla.features as hla_features
-    import subquadratic.kernels.rms_norm as rms_norm
-    import subquadratic.kernels.rope as rope
-    import subquadratic.kernels.sse.features as sse_features
-    import subquadratic.kernels.sse.router as router
-
-    patched = [(m, "fused_kernel", fused)
-               for m in (hla_features, sse_features, norm_gate, rope, rms_norm, router, window_attention)]
-    from subquadratic.modeling import base as model_base
-
-    patched += [(model_base, "resolve_backend", resolve)]  # the softmax layers' and window branches' kernels
-    patched += [(plan, "resolve_backend", resolve), (window_attention, "resolve_backend", resolve)]
+    patched = [(window_attention, "fused_kernel", fused), (window_attention, "resolve_backend", resolve),
+               (plan, "resolve_backend", resolve)]
     import subquadratic.kernels.spla as spla
 
     patched.append((spla, "plan_spla", plan_cuda))
@@ -169,7 +163,7 @@ def count_model(family: str, T: int = 64, cuda: bool = True,
 def _count_model(family: str, T: int, dtype: torch.dtype, cuda: bool) -> dict[str, collections.Counter]:
     model = build_model(family, dtype)
     if cuda:
-        for op in ("sse", "hla"):  # their plans as for a CUDA device
+        for op in CUDA_PLANS:  # their plans as for a CUDA device
             model.set_plan(op, device="cuda")
     mixer = model.model.layers[0].self_attn
     ids = torch.randint(0, SHAPE["vocab_size"], (1, T))

@@ -206,7 +206,7 @@ def plan_settings(config, weight: torch.Tensor, grad: bool | None = None) -> dic
 def forward_plan(seq, config, x: torch.Tensor, weight: torch.Tensor) -> FusedPlan:
     """This forward's plan (`seq.plan("fused", plan_fused, ...)`, made once per forward) for a residual
     stream like `x` (its dtype and device) of a model of `config` whose norms have `weight`."""
-    return seq.plan("fused", plan_fused, x.dtype, x.device, **plan_settings(config, weight))
+    return seq.plan("fused", plan_fused, dtype=x.dtype, device=x.device, **plan_settings(config, weight))
 
 
 def own_plan(config, x: torch.Tensor, weight: torch.Tensor) -> FusedPlan:

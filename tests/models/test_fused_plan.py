@@ -84,6 +84,26 @@ def test_the_plan_is_made_once_per_forward_and_read_by_the_modules(monkeypatch):
     assert made[-1].rms_norm == "torch" and len(norms) in (0, 2 * model.config.num_hidden_layers + 1)
 
 
+@pytest.mark.skipif(not triton_available(), reason="the kernels run under Triton's interpreter")
+def test_a_model_planned_as_on_cuda_takes_every_kernel_with_the_same_logits(monkeypatch):
+    """`set_plan("fused", device="cuda")`: every fused op on its kernel (under the interpreter), the logits
+    of the PyTorch forms."""
+    from subquadratic.kernels import triton_rms_norm, triton_rope
+
+    from .sse.test_modeling_sse import model as sse_model
+
+    model = sse_model("tiny-h", 0)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    plain = model(ids, use_cache=False).logits  # with gradients: the kernels' autograd functions run
+    calls = []
+    for owner in (triton_rms_norm.RMSNormFn, triton_rope.Rope):
+        monkeypatch.setattr(owner, "apply", lambda *a, _real=owner.apply: calls.append(1) or _real(*a))
+    model.set_plan("fused", device="cuda")
+    forced = model(ids, use_cache=False).logits
+    assert len(calls) > 2 * model.config.num_hidden_layers
+    torch.testing.assert_close(forced, plain, rtol=1e-5, atol=1e-5)
+
+
 def test_set_plan_names_the_fused_op():
     from .sse.test_modeling_sse import model as sse_model
 

@@ -10,10 +10,12 @@ dense model runs in the same process as the peer.
 
 The speed-ups (each a setting a user never needs to touch; on by default):
   fast-launch  Triton launches through the kept compiled kernel (`kernels.triton_launch`);
-  rms-norm     the decoder's RMSNorm and the residual add before it as one kernel (`kernels.rms_norm`);
+  rms-norm     the decoder's RMSNorm and the residual add before it as one kernel (`kernels.rms_norm`; a
+               field of the fused ops' plans, `modeling.fused.FusedPlan`);
   router       SSE's router softmax and top-K as one kernel (`kernels.sse.router`; a field of SSE's plans);
   packed-grad  (training) the input projections as one matmul with gradients (`modeling.projections`);
-  swiglu-grad  (training) the MLP's SiLU product forward and backward as kernels (`kernels.swiglu`).
+  swiglu-grad  (training) the MLP's SiLU product forward and backward as kernels (`kernels.swiglu`; a field
+               of the same plans).
 Per first token: the median host time the call took to return before its synchronisation and the
 median wall time; per training step: the median wall time; with a GPU, the device time of one call of
 each (the kernels' summed time, `common.profile.kernel_table`) for new and old.
@@ -34,7 +36,7 @@ import torch
 from scripts.benchmarks.models.bench_model import train_call
 from scripts.common.models import LLAMA_1B, TINY, dense_and_conversions, load_converted, log, sync, versions
 from scripts.common.profile import kernel_table
-from subquadratic.modeling import fused, projections
+from subquadratic.modeling import projections
 
 try:
     from subquadratic.kernels import triton_launch
@@ -43,29 +45,28 @@ except ImportError:  # no Triton (a CPU smoke run): no launches to speed up
 
 SPEEDUPS = ("fast-launch", "rms-norm", "router")
 TRAINING_SPEEDUPS = ("packed-grad", "swiglu-grad")
-_REAL = dict(rms=fused.rms_norm_takes_kernel,
-             fast=triton_launch is not None and triton_launch.ENABLED, swiglu=fused.silu_mul_packed_takes_kernel)
+FAST_LAUNCH = triton_launch is not None and triton_launch.ENABLED
 
 
 @contextlib.contextmanager
 def setting(off: tuple[str, ...], model):
-    """Within the block the speed-ups named in `off` are off and the others on (SSE's router: a field of
-    `model`'s plans); after it, all on."""
+    """Within the block the speed-ups named in `off` are off and the others on (SSE's router, the norms' and
+    the MLP's kernels: fields of `model`'s plans); after it, all on."""
     with contextlib.ExitStack() as stack:
         if triton_launch is not None:
-            stack.enter_context(triton_launch.fast_launch(_REAL["fast"] and "fast-launch" not in off))
+            stack.enter_context(triton_launch.fast_launch(FAST_LAUNCH and "fast-launch" not in off))
         stack.enter_context(projections.packing_with_grad("packed-grad" not in off))
-        fused.rms_norm_takes_kernel = (lambda *a: False) if "rms-norm" in off else _REAL["rms"]
-        fused.silu_mul_packed_takes_kernel = (lambda *a: False) if "swiglu-grad" in off else _REAL["swiglu"]
         plans = getattr(model, "set_plan", None)  # a subquadratic model's (not the dense peer's)
         if plans is not None:
             plans("sse", **({"router": "torch"} if "router" in off else {}))
+            plans("fused", **({"rms_norm": "torch"} if "rms-norm" in off else {}),
+                  **({"silu_mul": "torch"} if "swiglu-grad" in off else {}))
         try:
             yield
         finally:
-            fused.rms_norm_takes_kernel, fused.silu_mul_packed_takes_kernel = _REAL["rms"], _REAL["swiglu"]
             if plans is not None:
                 plans("sse")
+                plans("fused")
 
 
 def settings(family: str, training: bool = False) -> dict[str, tuple[str, ...]]:
