@@ -79,11 +79,6 @@ def add_norm_reference(o: Tensor, x: Tensor, weight: Tensor, eps: float) -> Tens
     return o + (xf * weight.to(xf.dtype)).to(x.dtype)
 
 
-def add_norm_takes_kernel(o: Tensor, x: Tensor, weight: Tensor) -> bool:
-    """Whether `add_norm(..., backend="auto")` runs the Triton kernels on these inputs."""
-    return fused_kernel("auto", x.device, "add-norm", norm_gate_unsupported(x, weight, o))
-
-
 def add_norm(o: Tensor, x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> Tensor:
     """o + RMSNorm_weight(x), the values of `add_norm_reference`: o, x [..., H, D] of one dtype,
     weight [H, D] or [D]; backends as `norm_gate`'s. Differentiable in o, x and weight."""

@@ -46,11 +46,6 @@ def rms_norm_unsupported(x: Tensor, weight: Tensor, h: Tensor | None = None) -> 
     return None
 
 
-def rms_norm_takes_kernel(x: Tensor, weight: Tensor, h: Tensor | None = None) -> bool:
-    """Whether the "auto" backend runs the kernels on these inputs (CUDA, Triton installed, inputs they take)."""
-    return fused_kernel("auto", x.device, "rms-norm", rms_norm_unsupported(x, weight, h))
-
-
 def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> Tensor:
     """LlamaRMSNorm(x) with this weight [D] and eps, the values of `rms_norm_reference`. backend: "auto" runs
     the Triton kernels on CUDA for inputs they take (`rms_norm_unsupported`), else the PyTorch form;

@@ -36,12 +36,6 @@ def rope_unsupported(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> str | No
     return None
 
 
-def rope_takes_kernel(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
-    """Whether `rope(..., backend="auto")` runs the Triton kernels: CUDA, Triton installed, inputs
-    it takes."""
-    return fused_kernel("auto", q.device, "RoPE", rope_unsupported(q, k, cos, sin))
-
-
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str = "auto") -> tuple[Tensor, Tensor]:
     """RoPE of q [B, T, HQ, D] and k [B, T, H, D] (cos, sin [B or 1, T, D]): the values of
     `rope_reference`. backend: "auto" runs the Triton kernels on CUDA for inputs they take, else

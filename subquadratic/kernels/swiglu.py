@@ -41,11 +41,6 @@ def silu_mul_unsupported(gate: Tensor, up: Tensor) -> str | None:
     return None
 
 
-def silu_mul_takes_kernel(gate: Tensor, up: Tensor, backend: str = "auto") -> bool:
-    """Whether `silu_mul(gate, up, backend)` runs the Triton kernel on these inputs."""
-    return fused_kernel(backend, gate.device, "silu-mul", silu_mul_unsupported(gate, up))
-
-
 def silu_mul(gate: Tensor, up: Tensor, backend: str = "auto") -> Tensor:
     """SiLU(gate) * up [B, T, I] (contiguous), the values of `silu_mul_reference`. gate, up: [B, T, I]
     of one dtype whose tokens are one stride apart (column slices of a packed output, or contiguous).
@@ -71,11 +66,6 @@ def silu_mul_packed_unsupported(y: Tensor, g0: int, u0: int, width: int) -> str 
     if token_stride(y) is None:
         return "each token's entries must be contiguous, the tokens one stride apart"
     return None
-
-
-def silu_mul_packed_takes_kernel(y: Tensor, g0: int, u0: int, width: int, backend: str = "auto") -> bool:
-    """Whether `silu_mul_packed(y, g0, u0, width, backend)` runs the Triton kernels on these inputs."""
-    return fused_kernel(backend, y.device, "silu-mul", silu_mul_packed_unsupported(y, g0, u0, width))
 
 
 def silu_mul_packed(y: Tensor, g0: int, u0: int, width: int, backend: str = "auto") -> Tensor:
