@@ -8,7 +8,8 @@ from subquadratic.kernels import utils
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
+def poisoned_outputs():
     """Every kernel output starts as NaN (or -1 for indices): anything a kernel leaves unwritten
     fails the test."""
-    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
+    with utils.poisoned_outputs(True):
+        yield

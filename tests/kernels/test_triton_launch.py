@@ -52,10 +52,10 @@ class Kernel:
 def kernel(monkeypatch):
     monkeypatch.setattr(L, "_device", lambda: 0)
     monkeypatch.setattr(L, "_stream", lambda dev: 1234 + dev)
-    monkeypatch.setattr(L, "ENABLED", True)  # off under the interpreter
     k = Kernel()
     k.run = L.FastRun(k)
-    return k
+    with L.fast_launch(True):  # off under the interpreter
+        yield k
 
 
 def bound(*args, **kwargs) -> tuple:
@@ -126,8 +126,8 @@ def test_calls_the_key_does_not_model_go_through_triton(kernel, monkeypatch):
     kernel.run(x, 9, 0.5, 64, grid=(1,), warmup=False)
     assert len(kernel.slow_calls) == 10
     monkeypatch.setattr(L, "_hooks", lambda: False)
-    monkeypatch.setattr(L, "ENABLED", False)  # switched off at run time
-    kernel.run(x, 9, 0.5, 64, grid=(1,), warmup=False)
+    with L.fast_launch(False):  # switched off at run time
+        kernel.run(x, 9, 0.5, 64, grid=(1,), warmup=False)
     assert len(kernel.slow_calls) == 11
 
 
@@ -169,19 +169,19 @@ def test_tuned_returns_the_autotuners_own_cached_choice(monkeypatch):
     launched = []
     monkeypatch.setattr(tuner, "_bench", lambda *a, config, **kw: 1.0 if config.kwargs["BK"] == 32 else 2.0)
     monkeypatch.setattr(jit, "run", lambda *a, **kw: launched.append(kw))
-    monkeypatch.setattr(L, "ENABLED", True)
-    x = torch.zeros(8)
-    assert L.tuned(tuner, (x, 5, 64), {}) is None  # nothing picked yet
-    tuner.run(x, 5, 64, grid=(1,), warmup=False)  # the installed Triton's autotuner picks and keeps BK=32
-    assert launched[-1]["BK"] == 32
-    assert L.tuned(tuner, (x, 5, 64), {}) is configs[1]
-    assert L.tuned(tuner, (x, 5), {"K": 64}) is configs[1]
-    assert L.tuned(tuner, (x, 6, 64), {}) is None  # another key
-    assert L.tuned(tuner, (x.half(), 5, 64), {}) is None  # another dtype
-    monkeypatch.setattr(configs[1], "pre_hook", lambda nargs: None)
-    assert L.tuned(tuner, (x, 5, 64), {}) is None
-    monkeypatch.setattr(L, "ENABLED", False)
-    assert L.tuned(tuner, (x, 5, 64), {}) is None
+    with L.fast_launch(True):
+        x = torch.zeros(8)
+        assert L.tuned(tuner, (x, 5, 64), {}) is None  # nothing picked yet
+        tuner.run(x, 5, 64, grid=(1,), warmup=False)  # the installed Triton's autotuner picks and keeps BK=32
+        assert launched[-1]["BK"] == 32
+        assert L.tuned(tuner, (x, 5, 64), {}) is configs[1]
+        assert L.tuned(tuner, (x, 5), {"K": 64}) is configs[1]
+        assert L.tuned(tuner, (x, 6, 64), {}) is None  # another key
+        assert L.tuned(tuner, (x.half(), 5, 64), {}) is None  # another dtype
+        monkeypatch.setattr(configs[1], "pre_hook", lambda nargs: None)
+        assert L.tuned(tuner, (x, 5, 64), {}) is None
+    with L.fast_launch(False):
+        assert L.tuned(tuner, (x, 5, 64), {}) is None
 
 
 @pytest.mark.gpu

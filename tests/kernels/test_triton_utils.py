@@ -103,29 +103,29 @@ def test_launch_hands_the_kernel_a_tuple_grid(autotune, monkeypatch):
     from subquadratic.kernels import triton_launch
 
     config = triton.Config({"BK": 32}, num_warps=8, num_stages=3)
-    monkeypatch.setattr(triton_utils, "AUTOTUNE", autotune)
-    monkeypatch.setattr(triton_launch, "tuned", lambda kernel, args, kwargs: config)
-    seen = []
+    with triton_utils.autotuning(autotune):  # the setting under test, restored after the block
+        monkeypatch.setattr(triton_launch, "tuned", lambda kernel, args, kwargs: config)
+        seen = []
 
-    def grid(meta):
-        seen.append(meta)
-        return (meta["K"] // meta["BK"], meta["n"])
+        def grid(meta):
+            seen.append(meta)
+            return (meta["K"] // meta["BK"], meta["n"])
 
-    kernel, x = _Tuner(), torch.zeros(4)
-    triton_utils.launch(kernel, grid, (x, 5), {"BK": 16}, 4, K=64)
-    (args, got, warmup, kwargs), = kernel.fn.calls
-    assert args == (x, 5) and not warmup and kwargs["K"] == 64
-    if autotune:
-        assert got == (2, 5) and kwargs["BK"] == 32 and kwargs["num_warps"] == 8 and kwargs["num_stages"] == 3
-    else:
-        assert got == (4, 5) and kwargs["BK"] == 16 and kwargs["num_warps"] == 4 and kwargs["num_stages"] == 2
-    assert seen[0]["X"] is x and seen[0]["n"] == 5
-    triton_utils.launch(kernel, (7,), (x, 5), {"BK": 16}, 4, K=64)
-    assert kernel.fn.calls[-1][1] == (7,)
-    if autotune:
-        monkeypatch.setattr(triton_launch, "tuned", lambda kernel, args, kwargs: None)
+        kernel, x = _Tuner(), torch.zeros(4)
         triton_utils.launch(kernel, grid, (x, 5), {"BK": 16}, 4, K=64)
-        assert kernel.tuner_calls == [(grid, (x, 5), {"K": 64})] and len(kernel.fn.calls) == 2
+        (args, got, warmup, kwargs), = kernel.fn.calls
+        assert args == (x, 5) and not warmup and kwargs["K"] == 64
+        if autotune:
+            assert got == (2, 5) and kwargs["BK"] == 32 and kwargs["num_warps"] == 8 and kwargs["num_stages"] == 3
+        else:
+            assert got == (4, 5) and kwargs["BK"] == 16 and kwargs["num_warps"] == 4 and kwargs["num_stages"] == 2
+        assert seen[0]["X"] is x and seen[0]["n"] == 5
+        triton_utils.launch(kernel, (7,), (x, 5), {"BK": 16}, 4, K=64)
+        assert kernel.fn.calls[-1][1] == (7,)
+        if autotune:
+            monkeypatch.setattr(triton_launch, "tuned", lambda kernel, args, kwargs: None)
+            triton_utils.launch(kernel, grid, (x, 5), {"BK": 16}, 4, K=64)
+            assert kernel.tuner_calls == [(grid, (x, 5), {"K": 64})] and len(kernel.fn.calls) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.int64])
