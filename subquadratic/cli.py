@@ -32,7 +32,13 @@ from .families import convert_targets, converted_model_types
 
 #: evaluation.suite.TASKS and DEFAULT_LENGTHS, readable without torch (a test keeps them equal)
 EVAL_TASKS = ("ppl", "passkey", "niah", "mv-niah", "vt", "copy", "mqar", "kl")
-EVAL_LENGTHS = (512, 1024, 2048)
+EVAL_LENGTHS = (1024, 2048)
+#: `eval`'s defaults of --max-windows, --trials and --mqar-examples: with them and EVAL_LENGTHS one 135M
+#: model against a reference (--data, --reference) forwards 86,016 tokens, timed as EVAL_MEASURED says
+#: (docs/benchmarks.md, "CPU")
+EVAL_MAX_WINDOWS, EVAL_TRIALS, EVAL_MQAR_EXAMPLES = 4, 1, 4
+EVAL_MEASURED = ("3 min 42 s for SmolLM2-135M on this project's quiet 2-core CPU (399 tokens/s; 15 min 17 s "
+                 "while two other jobs shared it)")
 context_length = int_at_least(2, "L")
 
 
@@ -120,8 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Evaluate checkpoint folders (dense or converted): one progress bar over the "
                                    "whole run, a table, and on request JSON (written after each task), one PNG "
                                    "per metric with a line per model, and the model cards' Evaluation section. "
-                                   "The defaults take a few minutes for a 135M model on a 2-core CPU; a task "
-                                   "is left out at the lengths too short for it, and one line says so.")
+                                   "With the defaults one 135M model against a --reference, with --data, "
+                                   f"forwards 86k tokens: {EVAL_MEASURED}. The bar's estimate of the time left "
+                                   "covers the whole run. A task is left out at the lengths too short for it, "
+                                   "and one line says so.")
     e.add_argument("models", nargs="+", metavar="MODEL", help="checkpoint folder(s) with tokenizer files")
     e.add_argument("--data", metavar="FILE", help="held-out .txt/.jsonl/.json/.parquet file (tasks ppl, kl, copy)")
     e.add_argument("--text-field", default="text", metavar="NAME",
@@ -139,18 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the table into each MODEL's README.md card (its ## Evaluation section)")
     e.add_argument("--device", default="auto", metavar="DEVICE", help="cpu, cuda, cuda:N or auto (default auto)")
     e.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights dtype (default: the folder's)")
-    e.add_argument("--max-windows", type=nonnegative_int, default=8, metavar="N",
-                   help="ppl / kl: at most N windows per length (default 8; 0: every window)")
+    e.add_argument("--max-windows", type=nonnegative_int, default=EVAL_MAX_WINDOWS, metavar="N",
+                   help=f"ppl / kl: at most N windows per length (default {EVAL_MAX_WINDOWS}; 0: every window)")
     e.add_argument("--batch-size", type=positive_int, default=1, metavar="B",
                    help="ppl / kl windows per forward (default 1)")
-    e.add_argument("--trials", type=positive_int, default=2, metavar="N",
-                   help="passkey / niah / mv-niah / vt: prompts per length and depth (3 depths; default 2)")
+    e.add_argument("--trials", type=positive_int, default=EVAL_TRIALS, metavar="N",
+                   help=f"passkey / niah / mv-niah / vt: prompts per length and depth (3 depths; default "
+                        f"{EVAL_TRIALS})")
     e.add_argument("--template", default="prose", choices=["prose", "code"],
                    help="retrieval prompts: prose or code (for models trained on source code; default prose)")
     e.add_argument("--needles", type=int_at_least(1), default=4, metavar="N",
                    help="niah / mv-niah: needles (keys, or one key's values) per prompt, 1 to 16 (default 4)")
-    e.add_argument("--mqar-examples", type=positive_int, default=8, metavar="N",
-                   help="mqar: sequences per length (default 8)")
+    e.add_argument("--mqar-examples", type=positive_int, default=EVAL_MQAR_EXAMPLES, metavar="N",
+                   help=f"mqar: sequences per length (default {EVAL_MQAR_EXAMPLES})")
     e.add_argument("--seed", type=int, default=0, metavar="N",
                    help="seed of the retrieval and MQAR prompts (default 0)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -29,6 +29,25 @@ def test_eval_help_is_fast_and_imports_no_torch():
     for flag in ("--data", "--seq-len", "--tasks", "--reference", "--json", "--plot-dir", "--card", "--device"):
         assert flag in r.stdout
     assert time.perf_counter() - t0 < 2.0
+    text = " ".join(r.stdout.split())
+    from subquadratic.cli import EVAL_MEASURED
+
+    assert f"forwards 86k tokens: {EVAL_MEASURED}." in text and "(default 1024 2048)" in text
+    assert "(default 4; 0: every window)" in text and "3 depths; default 1)" in text and "(default 4)" in text
+
+
+def test_the_defaults_forward_what_was_timed(tokenizer):
+    """`eval`'s defaults, one model against a reference with --data, plan the tokens of the run timed for
+    the help's figure (docs/benchmarks.md): 86,016 forwarded, the reference's KL windows included."""
+    from subquadratic.cli import EVAL_LENGTHS, EVAL_MAX_WINDOWS, EVAL_MQAR_EXAMPLES, EVAL_TRIALS, build_parser
+    from subquadratic.evaluation.suite import plan
+
+    args = build_parser().parse_args(["eval", "MODEL", "--data", "held.txt", "--reference", "DENSE"])
+    assert (args.seq_len, args.max_windows, args.trials, args.mqar_examples) == (
+        list(EVAL_LENGTHS), EVAL_MAX_WINDOWS, EVAL_TRIALS, EVAL_MQAR_EXAMPLES)
+    jobs, skipped = plan(tokenizer, ["ppl", "passkey", "niah", "mqar", "kl"], args.seq_len, stream_tokens=10 ** 6,
+                         max_windows=args.max_windows, trials=args.trials, mqar_examples=args.mqar_examples)
+    assert not skipped and sum(j.tokens for j in jobs) == 86_016
 
 
 def test_eval_writes_table_json_plots_and_cards(checkpoints, corpus, tokenizer, tmp_path, capsys, one_thread):
@@ -44,8 +63,8 @@ def test_eval_writes_table_json_plots_and_cards(checkpoints, corpus, tokenizer, 
     out = captured.out
     assert "| model | length | perplexity | KL to reference | passkey acc | passkey log p | MQAR acc | measured on |" \
         in out
-    assert f"| {L} |" in out and "| 2 windows, 3 passkey prompts, 8 MQAR sequences |" in out
-    assert "| 2 windows, 8 MQAR sequences |" in out  # at 32 tokens: no passkey prompt fits
+    assert f"| {L} |" in out and "| 2 windows, 3 passkey prompts, 4 MQAR sequences |" in out
+    assert "| 2 windows, 4 MQAR sequences |" in out  # at 32 tokens: no passkey prompt fits
     skipped = [line for line in captured.err.splitlines() if line.startswith("skipped:")]
     assert skipped == [f"skipped: passkey at 32 (a prompt needs {L} tokens)"]
     results = json.loads((tmp_path / "r.json").read_text())
@@ -141,7 +160,7 @@ def test_one_progress_bar_covers_every_task_of_every_model(checkpoints, corpus, 
     assert main(argv) == 0
     (bar,) = Bar.made  # one bar, made before the first task, for the whole run
     windows = 2 * (32 + 64)
-    assert bar.total == bar.n == 2 * (windows + 8 * (32 + 64) + 2 * windows)  # ppl + mqar + kl (two models each)
+    assert bar.total == bar.n == 2 * (windows + 4 * (32 + 64) + 2 * windows)  # ppl + mqar + kl (two models each)
     assert bar.descriptions[0] == "eval"
     assert bar.descriptions[1:] == [f"{m}: {t} @ {L}" for m in ("spla", "dense") for t in ("ppl", "mqar", "kl")
                                     for L in (32, 64)]

@@ -19,6 +19,7 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ...kernels.spla import BlockStats, SPLAParams, append_token, spla_attention, spla_parallel
+from ...kernels.spla.dense import fold_state
 from ...kernels.spla.plan import UnionHint
 from ...modeling.base import (
     AttentionBase,
@@ -35,10 +36,28 @@ class SPLALayer(StateLayer):
     """SPLA cache: post-RoPE keys k and values v [B, H, S, D], running block sums (sum_k, sum_k2
     [B, H, NB, D], count [B, NB]) and the residual linear state sbar [B, H, D, D], all updated with the
     new tokens only. K, V and the block sums grow in place in preallocated buffers (`GrowingBuffer`);
-    sbar (constant size) is replaced each step (written in place in a static cache)."""
+    sbar (constant size) is replaced each step (written in place in a static cache).
 
-    def update(self, k, v, pos, block_size, backend: str = "auto"):
-        """Append new keys/values at logical positions pos [B, T]; returns (K, V, stats incl. new, sbar before).
+    A growing cache defers the block sums and sbar while the context fits the budget (calls that run
+    exact attention over every key need neither): the tokens since the last fold wait in K, V with
+    their positions, and are folded in, in one pass, by the first call past the budget, or when the
+    state is read (`state`, `nbytes`) or reordered, so every later call sees what incremental
+    updates would have kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folded, self.pending = 0, []
+
+    def reset(self) -> None:
+        super().reset()
+        self.folded = 0  # token slots included in the block sums and sbar
+        self.pending: list[torch.Tensor] = []  # positions [B, T] of the slots after them, call by call
+
+    def update(self, k, v, pos, block_size, backend: str = "auto", defer_within: int | None = None):
+        """Append new keys/values at logical positions pos [B, T]; returns (K, V, stats incl. new, sbar
+        before), or (K, V, None, None) where the call is deferred: `defer_within` given (the budget, for a
+        call that runs exact attention inside it and updates no sbar), a growing cache and no more slots
+        than that. A later call that is not deferred folds the deferred tokens in first.
 
         The stats have ceil(S / block_size) blocks for S cached slots (padding included): an upper
         bound of every row's blocks known without reading pos on the host. Blocks past a row's current
@@ -54,24 +73,59 @@ class SPLALayer(StateLayer):
                 "count": self.new_buffer(1, block_size),
             }
             self.tensors["sbar"] = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
+            self.block_size = block_size
         bufs = self.buffers
         if self.static is None:
             K, V = bufs["k"].append(k), bufs["v"].append(v)
+            if defer_within is not None and K.shape[2] <= defer_within and not torch.is_grad_enabled():
+                self.pending.append(pos)
+                return K, V, None, None
+            self.fold()
         else:
             K, V = bufs["k"].claim(k), bufs["v"].claim(v)
-        nb = -(-K.shape[2] // block_size)
-        like = k.new_empty(B, H, 0, D, dtype=self.tensors["sbar"].dtype)  # shape, dtype and device of the sums
-        stats = BlockStats(
-            bufs["sum_k"].extend(nb, like), bufs["sum_k2"].extend(nb, like), bufs["count"].extend(nb, like[:, 0, :, 0])
-        )
+        stats = self._stats(K.shape[2], k)
         if self.static is None:
             stats.add_(k.transpose(1, 2), pos, block_size)
+            self.folded = K.shape[2]
         else:
             append_token(K, V, stats, k, v, self.static.index, pos, block_size, backend=backend)
         return K, V, stats, self.tensors["sbar"]
 
-    def set_sbar(self, sbar: torch.Tensor) -> None:
-        self.tensors["sbar"] = sbar
+    def _stats(self, slots: int, like: torch.Tensor) -> BlockStats:
+        """The block sums over `slots` token slots, extended with zero blocks as needed."""
+        bufs, nb = self.buffers, -(-slots // self.block_size)
+        like = like.new_empty(like.shape[0], like.shape[1], 0, like.shape[3], dtype=self.tensors["sbar"].dtype)
+        return BlockStats(bufs["sum_k"].extend(nb, like), bufs["sum_k2"].extend(nb, like),
+                          bufs["count"].extend(nb, like[:, 0, :, 0]))
+
+    def fold(self) -> None:
+        """Fold the deferred tokens (the slots after `folded`) into the block sums and sbar, in one pass."""
+        if not self.pending:
+            return
+        pos = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
+        start, n = self.folded, pos.shape[1]
+        k = self.buffers["k"].view().narrow(2, start, n).transpose(1, 2)  # [B, n, H, D]
+        v = self.buffers["v"].view().narrow(2, start, n).transpose(1, 2)
+        self._stats(start + n, k.transpose(1, 2)).add_(k, pos, self.block_size)
+        self.tensors["sbar"] = fold_state(self.tensors["sbar"], k, v, pos)
+        self.folded, self.pending = start + n, []
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        self.fold()
+        return super().state
+
+    def nbytes(self, allocated: bool = False) -> int:
+        self.fold()
+        return super().nbytes(allocated)
+
+    def _apply(self, fn) -> None:
+        self.fold()
+        super()._apply(fn)
+
+    def set_sbar(self, sbar: torch.Tensor | None) -> None:
+        if sbar is not None:
+            self.tensors["sbar"] = sbar
 
 
 class SPLAAttention(AttentionBase):
@@ -119,8 +173,13 @@ class SPLAAttention(AttentionBase):
         cfg = self.config
         q, k, v, packed = self.project_rows(hidden_states, position_embeddings, seq)
         new_kv = None
+        params = SPLAParams.from_config(cfg)
         if cache_layer is not None:
-            K, V, stats, sbar = cache_layer.update(k, v, seq.positions, cfg.block_size, cfg.kernel_backend)
+            # inside the budget the "auto" / "torch" paths run exact attention (`plan.plan_spla`): the
+            # block sums and sbar wait in the cache until a call leaves the budget
+            exact = seq.attentions is None and cfg.kernel_backend in ("auto", "torch")
+            K, V, stats, sbar = cache_layer.update(k, v, seq.positions, cfg.block_size, cfg.kernel_backend,
+                                                   defer_within=params.budget_tokens if exact else None)
             if cache_layer.whole:  # the new tokens sit at their slots of the whole buffers, not last
                 new_kv = (k.transpose(1, 2), v.transpose(1, 2))
         else:
@@ -131,7 +190,6 @@ class SPLAAttention(AttentionBase):
             stats = BlockStats.empty(B, H, D, k.device, acc, num_blocks=nb).add_(
                 k.transpose(1, 2), seq.positions, cfg.block_size)
             sbar = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
-        params = SPLAParams.from_config(cfg)
         if params.use_rla and not torch.is_grad_enabled() and self.gamma_is_zero():
             # gamma = 0 (a converted model): o + RMSNorm_0(o_rla) is o exactly, so the residual term is not
             # computed (Sbar is still kept)

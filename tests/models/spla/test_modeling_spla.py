@@ -133,6 +133,76 @@ def test_zero_gamma_shortcut_is_off_while_a_decode_step_is_recorded(monkeypatch)
         assert set(seen) == {False}
 
 
+def decode_run(model, x, split: int, eager: bool, reorder_at: int | None = None):
+    """Logits per call of a no-grad prefill of x[:, :split] then one-token steps, and the cache; `eager`:
+    every call updates the block sums and sbar (the deferral of `SPLALayer.update` turned off);
+    `reorder_at`: the rows swapped (beam search's `reorder_cache`) before that step."""
+    from subquadratic.families.spla import modeling
+
+    real = modeling.SPLALayer.update
+    patch = pytest.MonkeyPatch()
+    if eager:
+        patch.setattr(modeling.SPLALayer, "update", lambda self, *a, defer_within=None, **kw: real(self, *a, **kw))
+    try:
+        with torch.no_grad():
+            out = model(x[:, :split], use_cache=True)
+            steps, cache = [out.logits], cache_of(out)
+            for t in range(split, x.shape[1]):
+                if t == reorder_at:
+                    cache.reorder_cache(torch.tensor([1, 0]))
+                    x = x.flip(0)
+                out = model(x[:, t:t + 1], use_cache=True, **{CACHE_FIELD: cache})
+                steps.append(out.logits)
+    finally:
+        patch.undo()
+    return steps, cache
+
+
+@pytest.mark.parametrize("gamma", [None, 1.0])
+def test_inside_the_budget_the_state_waits_and_later_tokens_see_the_same(gamma):
+    """A growing cache inside the budget (32 tokens here) updates neither the block sums nor Sbar: the
+    logits there are bitwise those of the eager updates, the deferred tokens are folded in by the first
+    step past the budget, and from there the logits (gamma = 0: the residual term skipped; gamma != 0: it
+    reads Sbar) and the state equal the eager run's. A reorder while deferred reorders what waits."""
+    model = tiny_spla(gamma=gamma)
+    x = torch.randint(1, 128, (2, 70))
+    for reorder_at in (None, 25):
+        lazy, cache = decode_run(model, x, 10, eager=False, reorder_at=reorder_at)
+        eager, cache_eager = decode_run(model, x, 10, eager=True, reorder_at=reorder_at)
+        inside = 32 - 10 + 1  # the prefill and the steps up to 32 slots
+        for a, b in zip(lazy[:inside], eager[:inside], strict=True):
+            assert torch.equal(a, b)
+        assert (torch.cat(lazy[inside:], 1) - torch.cat(eager[inside:], 1)).abs().max() < 1e-5
+        for a, b in zip(cache.layers, cache_eager.layers, strict=True):
+            assert a.folded == 70 and not a.pending
+            for name in ("sbar", "sum_k", "sum_k2", "count"):
+                torch.testing.assert_close(a.state[name], b.state[name], rtol=1e-5, atol=1e-5)
+
+
+def test_inside_the_budget_reading_the_state_folds_it():
+    """While deferred, `state` and `nbytes` fold the waiting tokens first: Sbar and the block sums are
+    those of a recomputation from the cached keys and values, and the next step goes on from there."""
+    from subquadratic.kernels.spla.dense import fold_state
+
+    model = tiny_spla(gamma=1.0)
+    x = torch.randint(1, 128, (2, 20))
+    with torch.no_grad():
+        cache = cache_of(model(x[:, :12], use_cache=True))
+        model(x[:, 12:13], use_cache=True, **{CACHE_FIELD: cache})
+    layer = cache.layers[0]
+    assert layer.folded == 0 and len(layer.pending) == 2
+    nbytes = cache.layers[1].nbytes()
+    assert cache.layers[1].folded == 13 and nbytes == cache.layers[1].nbytes()
+    k, v = layer.buffers["k"].view().transpose(1, 2), layer.buffers["v"].view().transpose(1, 2)
+    pos = torch.arange(13).expand(2, 13)
+    state = layer.state
+    assert layer.folded == 13 and not layer.pending
+    torch.testing.assert_close(state["sbar"], fold_state(torch.zeros_like(state["sbar"]), k, v, pos))
+    fresh = BlockStats.empty(2, k.shape[2], k.shape[3], "cpu", num_blocks=2).add_(k, pos, 8)
+    torch.testing.assert_close(state["sum_k"], fresh.sum_k)
+    torch.testing.assert_close(state["count"], fresh.count)
+
+
 class TestSPLASparse(ModelTesterMixin):
     """Budget 3 blocks x 4 = 12 tokens (sink, most recent, one chosen by score) under 40-token inputs:
     the selection and the residual linear term both shape every check."""
