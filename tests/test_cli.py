@@ -347,11 +347,13 @@ def test_a_real_ctrl_c_during_convert_is_one_line_exit_130_and_leaves_nothing(tm
     make_dense("llama", vocab_size=len(tok), pad_token_id=tok.pad_token_id).save_pretrained(tmp_path / "dense")
     tok.save_pretrained(tmp_path / "dense")
     data = tmp_path / "held.txt"
-    data.write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(200_000)))
+    # enough text that the evaluation outlasts the signal's delay by far on any CPU (3000 windows of
+    # 64 tokens took about a second on a quiet one, so the conversion could finish first)
+    data.write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(1_000_000)))
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "subquadratic", "convert", str(tmp_path / "dense"), str(out),
                              "--to", "spla", "--no-progress", "--eval-data", str(data), "--eval-seq-len", "64",
-                             "--eval-max-windows", "3000"], cwd=ROOT, stdout=subprocess.PIPE,
+                             "--eval-max-windows", "15000"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.time() + 120
     while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.time() < deadline:
