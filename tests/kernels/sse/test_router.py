@@ -79,10 +79,9 @@ def test_refused_inputs():
 
 
 def test_a_model_through_the_router_kernel_keeps_its_logits_and_gradients(monkeypatch):
-    """An SSE-H model's router through the kernel (as on CUDA; here forced), in training (its
-    load-balancing loss in the loss): the logits and every parameter's gradient of the PyTorch ops (random
-    logits: no equal probabilities)."""
-    from subquadratic.kernels.sse import router as router_module
+    """An SSE-H model's router through the kernel (as on CUDA; here set through the SSE plan), in training
+    (its load-balancing loss in the loss): the logits and every parameter's gradient of the PyTorch ops
+    (random logits: no equal probabilities)."""
     from subquadratic.kernels.sse import triton_router
 
     from ...models.sse.test_modeling_sse import model as sse_model
@@ -90,9 +89,9 @@ def test_a_model_through_the_router_kernel_keeps_its_logits_and_gradients(monkey
 
     model = sse_model("tiny-h", 0).train()  # with the load-balancing loss in the loss
     assert model.config.aux_loss_weight
-    real = router_module.fused_kernel
-    gates = [(router_module, "fused_kernel", lambda b, d, op, u: real(b, torch.device("cuda"), op, u))]
+    gates = [lambda on: model.set_plan("sse", router="kernel" if on else "torch")]
     assert forced_kernel_matches(model, monkeypatch, gates, triton_router.Router, "apply") > 0
+    model.set_plan("sse")
 
 
 @pytest.mark.parametrize("N,k", [(4, 1), (5, 2), (16, 4)])
