@@ -220,6 +220,10 @@ class StateLayer:
     is_sliding = False
     supports_early_init = False
     record_past = False
+    #: whether the layer may keep work pending in Python between calls (SPLA's deferred block sums and
+    #: Sbar inside its budget): a layer rebuilt from its tensors at every call (vLLM's slots, the
+    #: plugin's layout probe) is made with False, so that each call leaves its tensors complete
+    defer_updates = True
 
     def __init__(self) -> None:
         self.static: StaticSlots | None = None

@@ -103,6 +103,7 @@ def _state_layout(config_json: str, model_type: str, dtype: torch.dtype, max_len
     with torch.device("cpu"), torch.no_grad():
         mixer = mixer_class(config.mixer_types[0])(config, 0).to(dtype).eval()
         layer = mixer.cache_layer_cls()
+        layer.defer_updates = False  # every tensor written by the probe's call
         x = torch.randn(1, 2, config.hidden_size, dtype=dtype)
         pos = torch.arange(2)[None]
         rope = LlamaRotaryEmbedding(config=config)(x, pos)
@@ -174,6 +175,7 @@ class StateMixer(nn.Module, MambaBase):
         """The package's cache layer of these slots after `length` tokens each (None: fresh sequences,
         an empty layer); a single slot's tensors are views of the slot, so in-place updates land there."""
         layer = self.mixer.cache_layer_cls()
+        layer.defer_updates = False  # rebuilt from the slots at every call: nothing may wait in Python
         if length is None and not self.grows:
             return layer
         if length is None:

@@ -56,8 +56,9 @@ class SPLALayer(StateLayer):
     def update(self, k, v, pos, block_size, backend: str = "auto", defer_within: int | None = None):
         """Append new keys/values at logical positions pos [B, T]; returns (K, V, stats incl. new, sbar
         before), or (K, V, None, None) where the call is deferred: `defer_within` given (the budget, for a
-        call that runs exact attention inside it and updates no sbar), a growing cache and no more slots
-        than that. A later call that is not deferred folds the deferred tokens in first.
+        call that runs exact attention inside it and updates no sbar), a growing cache that may defer
+        (`defer_updates`) and no more slots than that. A later call that is not deferred folds the
+        deferred tokens in first.
 
         The stats have ceil(S / block_size) blocks for S cached slots (padding included): an upper
         bound of every row's blocks known without reading pos on the host. Blocks past a row's current
@@ -73,11 +74,12 @@ class SPLALayer(StateLayer):
                 "count": self.new_buffer(1, block_size),
             }
             self.tensors["sbar"] = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
-            self.block_size = block_size
+        self.block_size = block_size  # also where the buffers were handed in (vLLM's slots)
         bufs = self.buffers
         if self.static is None:
             K, V = bufs["k"].append(k), bufs["v"].append(v)
-            if defer_within is not None and K.shape[2] <= defer_within and not torch.is_grad_enabled():
+            if (defer_within is not None and self.defer_updates and K.shape[2] <= defer_within
+                    and not torch.is_grad_enabled()):
                 self.pending.append(pos)
                 return K, V, None, None
             self.fold()
