@@ -117,6 +117,27 @@ class _RecordlessCtx:
         pass
 
 
+class KeepingCtx:
+    """A stand-in context for a Function's forward and backward called inside another Function's
+    backward (a recomputation): what the forward saves is kept as `saved_tensors`, the attributes it
+    sets stay on it, and `needs_input_grad` is what the caller sets (every input by default)."""
+
+    saved_tensors: tuple = ()
+    needs_input_grad: tuple = ()
+
+    def __init__(self, **attributes) -> None:
+        self.__dict__.update(attributes)
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass
+
+
 def records(ctx) -> bool:
     """Whether a Function's forward runs for a backward that may follow (`apply`), not on `run_function`'s
     context that keeps nothing (grad mode off): where the forward may read its inputs in place instead of

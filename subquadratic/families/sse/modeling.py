@@ -329,7 +329,7 @@ class SSEAttention(WindowBranch, AttentionBase):
                                             precision=plan.precision,
                                             valid=None if seq.causal or seq.new_real else valid,
                                             norm_gate=(w, gate, eps) if plan.norm_gate == "combine" else None,
-                                            counts=counts)
+                                            counts=counts, recompute=plan.recompute)
         else:
             o, state = sse_attention(*xs, probs, sel, state, base=cfg.sse_base, beta=beta,
                                      chunk_size=cfg.sse_chunk_size, topk=cfg.sse_top_k, plan=plan)  # [B, T, HQ, D]

@@ -288,7 +288,10 @@ class ChunkLinearAttention(torch.autograd.Function):
         dev = q.device
         do = q.new_zeros(M, HQ, V) if do is None else do.to(q.dtype).contiguous()
         dht = None if dht is None else dht.float().contiguous()
-        h, _ = _walk(k, v, gc, h0, ch, G, decay, prec, False)
+        g = getattr(ctx, "g", None)
+        if gc is None and g is not None:  # a caller that kept the log decays g, not gc: the walk writes gc again
+            gc = new_output(g.shape, dev)
+        h, _ = _walk(k, v, gc, h0, ch, G, decay, prec, False, g, ctx.gs)
         dh = new_output(h.shape, dev, h.dtype)
         dh0 = new_output(h0.shape, dev) if h0 is not None and ctx.needs_input_grad[4] else None
         launch(chunk_bwd_dh, lambda m: (cdiv(K, m["BK"]), cdiv(V, m["BV"]), ch.N * H),
@@ -315,6 +318,14 @@ class ChunkLinearAttention(torch.autograd.Function):
                (q, k, v, gc, h, do, dh, dq_in, dk_in, dq, dk, dg, *ch.chunk_args(), ctx.gs, H, G, K, V, C, decay,
                 ch.varlen, prec, BK), {"BV": min(BV_DQK, block_size(V))}, WARPS_WIDE)
         return dq, dk, dv, dg, dh0, None, None, None, None, None
+
+
+def varlen_chunks(cu_seqlens: Tensor, M: int, chunk_size: int, kind: str = "key") -> Chunks:
+    """The chunk table of M packed tokens in the sequences cu_seqlens [S + 1] (on the device, no host
+    synchronisation), with the split walk's pieces where decays of `kind` ("none", "head", "key") split
+    (`SPLIT_DECAYS`): what `ChunkLinearAttention` takes for a packed call."""
+    ch = chunk_table(cu_seqlens.to(torch.int32).contiguous(), M, chunk_size, PIECE if kind in SPLIT_DECAYS else 0)
+    return with_pieces(ch, M) if kind in SPLIT_DECAYS and ch.pieces is None else ch
 
 
 def chunk_linear_attention(
@@ -375,8 +386,7 @@ def chunk_linear_attention(
         B, T = lead
         ch = Chunks(chunk_size, B, B * cdiv(T, chunk_size), T=T, NT=cdiv(T, chunk_size))
     else:
-        # with the split walk's pieces in the same launch
-        ch = chunk_table(cu_seqlens.to(torch.int32).contiguous(), M, chunk_size, PIECE if kind in SPLIT_DECAYS else 0)
+        ch = varlen_chunks(cu_seqlens, M, chunk_size, kind)
     if kind in SPLIT_DECAYS and ch.pieces is None:
         ch = with_pieces(ch, M)
     if initial_state is not None:

@@ -74,7 +74,8 @@ def sse_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: Tensor |
                          z2: Tensor, bias1: Tensor, bias2: Tensor, normalizer: float, probs: Tensor, sel: Tensor,
                          state: SSEState | None = None, *, q2_mode: str = "full", chunk_size: int = 64,
                          topk: int | None = None, precision: str = "auto", valid: Tensor | None = None,
-                         norm_gate: tuple | None = None, counts: Tensor | None = None) -> tuple[Tensor, SSEState]:
+                         norm_gate: tuple | None = None, counts: Tensor | None = None,
+                         recompute: bool = True) -> tuple[Tensor, SSEState]:
     """The GLA base's SSE of a chunk of tokens from the projections: `sse_attention` on
     `features.sse_gla_features(q1, k1, q2, k2, v, z1, z2, bias1, bias2, normalizer, q2_mode=q2_mode)`, with
     the features computed inside the SSE kernels, forward and backward
@@ -82,13 +83,14 @@ def sse_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: Tensor |
     makes them for `sse_attention`. Only where the plan says so (`SSEPlan.fused`). `norm_gate` = (weight, gate,
     eps), without gradients: the output is `norm_gate(o, weight, gate, eps)`'s, in the same kernels.
     `counts`: the router kernel's selection counts of `sel` (`router_topk(..., counts=True)`), which spare
-    the grouping its counting launch."""
+    the grouping its counting launch. `recompute` (`SSEPlan.recompute`): with gradients, the backward
+    writes the merged rows again instead of keeping them (`triton_sse.RecomputedRows`)."""
     from .triton_sse import sse_triton_from_projections
 
     return sse_triton_from_projections(q1, k1, q2, k2, v, z1, z2, bias1, bias2, normalizer, probs, sel, state,
                                        q2_mode=q2_mode, chunk_size=chunk_size, topk=topk,
                                        precision=resolve_precision(precision, q1.device, q1.dtype), valid=valid,
-                                       norm_gate=norm_gate, counts=counts)
+                                       norm_gate=norm_gate, counts=counts, recompute=recompute)
 
 
 def triton_unsupported(q1: Tensor, v: Tensor, base: str, chunk_size: int) -> str | None:

@@ -54,7 +54,9 @@ class SSEPlan:
     `precision`: the dot precision of the Triton chunked kernels for fp32 operands ("tf32" or
     "ieee"); `inplace`: the one-token forms write the new states into the cache's tensors (a cache
     without gradients); `packed`: the mixer's input is a packed batch's layout, which it unpacks to one
-    document per row around the op."""
+    document per row around the op; `recompute`: a `fused` call with gradients keeps the projections only
+    and its backward writes the merged rows (features, (1 + K) rows a token) again, instead of keeping
+    them (`triton_sse.RecomputedRows`: a training step's activations, one elementwise launch more)."""
 
     path: str
     features: str = "torch"
@@ -65,6 +67,7 @@ class SSEPlan:
     precision: str = "ieee"
     inplace: bool = False
     packed: bool = False
+    recompute: bool = True
 
     def __post_init__(self) -> None:
         check_plan(self, (("path", PATHS), ("features", FEATURES), ("q2_mode", Q2_MODES), ("router", ROUTERS),

@@ -31,13 +31,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..gla.triton_chunk import chunk_linear_attention
+from ..gla.triton_chunk import ChunkLinearAttention, chunk_linear_attention, varlen_chunks
 from ..triton_launch import jit
 from ..triton_math import logsigmoid
 from ..triton_norm_gate import norm_gate_rows
 from ..triton_rms_norm import rms_inverse
-from ..triton_utils import block_size, cdiv, next_power_of_2, read_in_place, rows_per_program
-from ..utils import import_triton, new_output, new_outputs, run_function
+from ..triton_utils import block_size, cdiv, dot_precision, next_power_of_2, read_in_place, rows_per_program
+from ..utils import KeepingCtx, _RecordlessCtx, import_triton, new_output, new_outputs, run_function
 from .recurrent import SSEState, setup
 from .triton_features import (
     _ld,
@@ -207,13 +207,26 @@ def _merged_gla(qa: Tensor, ka: Tensor, va: Tensor, ga: Tensor, src: Tensor, cu:
     """Steps 2 and 3 of the module docstring on the merged rows [B T + R, H, D] (`PackRows`' layout): the
     chunked GLA call from the SSE states (None: zeros) and each token's output summed from its rows (with
     `norm_gate` = (weight, gate, eps), no gradients: then its norm and gate, `combine_rows_gated`)."""
-    H, Dk, Dv = qa.shape[1], qa.shape[2], va.shape[2]
-    h0 = None
-    if state is not None:
-        h0 = torch.cat([state.shared.float(), state.parts.float().reshape(B * N, H, Dk, Dv),
-                        state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
-    o_all, h = chunk_linear_attention(qa, ka, va, ga, cu_seqlens=cu, initial_state=h0, chunk_size=chunk_size,
-                                      out_dtype=torch.float32, precision=precision)
+    o_all, h = chunk_linear_attention(qa, ka, va, ga, cu_seqlens=cu, initial_state=_initial_states(state, B, N),
+                                      chunk_size=chunk_size, out_dtype=torch.float32, precision=precision)
+    return _combined(o_all, h, src, cu, inv, B, T, N, dtype, norm_gate)
+
+
+def _initial_states(state: SSEState | None, B: int, N: int) -> Tensor | None:
+    """The chunked call's initial states [B + B N + 1, H, Dk, Dv] fp32 of the merged rows' segments (the
+    shared rows', each partition's, the trailing segment's zeros), or None for zero states."""
+    if state is None:
+        return None
+    H, Dk, Dv = state.shared.shape[1:]
+    return torch.cat([state.shared.float(), state.parts.float().reshape(B * N, H, Dk, Dv),
+                      state.shared.new_zeros(1, H, Dk, Dv, dtype=torch.float32)])
+
+
+def _combined(o_all: Tensor, h: Tensor, src: Tensor, cu: Tensor, inv: Tensor, B: int, T: int, N: int,
+              dtype: torch.dtype, norm_gate: tuple | None) -> tuple[Tensor, SSEState]:
+    """Step 3: each token's output summed from its rows of o_all [B T + R, H, Dv] (with `norm_gate`: then
+    its norm and gate), and the new SSEState from the segments' final states h."""
+    H, Dk, Dv = h.shape[1], h.shape[2], o_all.shape[2]
     if norm_gate is not None:
         weight, gate, eps = norm_gate
         o = combine_rows_gated(o_all, inv, B * T, dtype, weight, gate, eps)
@@ -227,7 +240,7 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
                                 sel: Tensor, state: SSEState | None = None, *, q2_mode: str = "full",
                                 chunk_size: int = 64, topk: int | None = None, precision: str = "ieee",
                                 valid: Tensor | None = None, norm_gate: tuple | None = None,
-                                counts: Tensor | None = None) -> tuple[Tensor, SSEState]:
+                                counts: Tensor | None = None, recompute: bool = True) -> tuple[Tensor, SSEState]:
     """`sse_triton` on the GLA base's feature maps and decays of the projections, `sse_gla_features(q1, k1,
     q2, k2, v, z1, z2, bias1, bias2, normalizer, q2_mode=q2_mode)`, with the same values and gradients: the
     features are computed where the merged rows are written (`PackFeatures`: one kernel in place of the
@@ -238,8 +251,10 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
     (it neither reads, writes nor decays a state; sel must be False there). Differentiable in every tensor but
     sel. `norm_gate` = (weight [D] or [H, D], gate [B, T, H, D] contiguous in q1's dtype, eps), without
     gradients only: o is `norm_gate(o, weight, gate, eps)`'s, computed in the kernel that sums each token's
-    rows. `counts`: the router kernel's selection counts of `sel` (`group_rows`). Returns (o [B, T, H, D] in
-    q1's dtype, new SSEState (fp32))."""
+    rows. `counts`: the router kernel's selection counts of `sel` (`group_rows`). `recompute` (with
+    gradients): the backward writes the merged rows again instead of keeping them (`RecomputedRows`: the
+    same values and gradients, about (1 + K) x 10 bytes less kept per token and query-head dim for one more
+    elementwise launch). Returns (o [B, T, H, D] in q1's dtype, new SSEState (fp32))."""
     from .features import MAX_DIM, Q2_MODES
 
     if q2_mode not in Q2_MODES:
@@ -262,10 +277,15 @@ def sse_triton_from_projections(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: T
         q2 = k2 = q1  # placeholders the kernels do not read
     grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs))
-    qa, ka, va, ga = run_function(PackFeatures, q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs, src, cu, inv,
-                                  valid, float(normalizer), q2_mode, grad)
     if norm_gate is not None and grad:
         raise ValueError("norm_gate (the output norm and gate in the combining kernel) takes no gradients")
+    if grad and recompute and B * T:
+        o_all, h = RecomputedRows.apply(q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs, src, cu, inv, valid,
+                                        float(normalizer), q2_mode, _initial_states(state, B, N), chunk_size,
+                                        dot_precision(q1.dtype, precision))
+        return _combined(o_all, h, src, cu, inv, B, T, N, q1.dtype, None)
+    qa, ka, va, ga = run_function(PackFeatures, q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs, src, cu, inv,
+                                  valid, float(normalizer), q2_mode, grad)
     return _merged_gla(qa, ka, va, ga, src, cu, inv, state, B, T, N, q1.dtype, chunk_size, precision, norm_gate)
 
 
@@ -321,6 +341,41 @@ class PackFeatures(torch.autograd.Function):
         return (*feature_grads(outs, HK, mode, (z1, z2), (bias1, bias2), ctx.needs_input_grad[7:9]),
                 dp.view(probs_shape).to(probs_dtype),
                 None, None, None, None, None, None, None)
+
+
+class RecomputedRows(torch.autograd.Function):
+    """`PackFeatures` then the chunked GLA on the merged rows (`ChunkLinearAttention`, per-key decays, o_all
+    fp32 and the segments' final states), with gradients, keeping only what `PackFeatures` keeps (the
+    projections it reads, in place) and the initial states: the merged rows (q, k, v in the inputs' dtype
+    and the fp32 log decays, (1 + K) rows a token) are written again by the backward, one `_pack_features`
+    launch, and the state walk it runs anyway writes their in-chunk cumulative decays again. The same
+    values and gradients as the two Functions applied one after the other."""
+
+    @staticmethod
+    def forward(ctx, q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs, src, cu, inv, valid, normalizer, q2_mode,
+                h0, chunk_size, prec):
+        qa, ka, va, ga = PackFeatures.forward(_RecordlessCtx(), q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs, src,
+                                              cu, inv, valid, normalizer, q2_mode, False)
+        ch = varlen_chunks(cu, qa.shape[0], chunk_size)
+        o_all, ht = ChunkLinearAttention.forward(_RecordlessCtx(), qa, ka, va, ga, h0, ch, prec, torch.float32,
+                                                 True, 1.0)
+        ctx.save_for_backward(q1, k1, q2, k2, v, z1, z2, bias1, bias2, probs, src, cu, inv, valid, h0)
+        ctx.rest = (normalizer, q2_mode, ch, prec)
+        ctx.set_materialize_grads(False)
+        return o_all, ht
+
+    @staticmethod
+    def backward(ctx, do_all, dht):
+        *inputs, h0 = ctx.saved_tensors
+        normalizer, q2_mode, ch, prec = ctx.rest
+        pack = KeepingCtx(needs_input_grad=(*ctx.needs_input_grad[:16], False))
+        qa, ka, va, ga = PackFeatures.forward(pack, *inputs, normalizer, q2_mode, True)
+        gla = KeepingCtx(saved_tensors=(qa, ka, va, None, h0), g=ga, ch=ch, prec=prec, decay=2, gs=1.0,
+                         needs_input_grad=(True, True, True, True, ctx.needs_input_grad[16]))
+        dqa, dka, dva, dga, dh0 = ChunkLinearAttention.backward(gla, do_all, dht)[:5]
+        del qa, ka, va, ga, gla
+        grads = PackFeatures.backward(pack, dqa, dka, dva, dga)
+        return (*grads[:16], dh0, None, None)
 
 
 @jit

@@ -138,6 +138,51 @@ def test_equals_features_then_sse_triton(dtype, mode, H, HK, N, topk, pad, chunk
                                     chunk_size=chunk, topk=topk, valid=mask, norm_gate=(weight, gate, 1e-5))
 
 
+def saved_bytes(fn):
+    """(fn()'s result, bytes of the distinct storages autograd saved for the backward while it ran)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype,carried", [(torch.float32, True), (torch.bfloat16, False)])
+def test_recomputed_rows_keep_less_and_give_the_kept_rows_values_and_gradients(dtype, carried):
+    """`recompute` (the default): the backward writes the merged rows again instead of keeping them. The
+    same outputs, states and gradients of every input (the carried state's too) as with the rows kept,
+    while autograd keeps at least the merged rows' bytes less: (T + R) rows of q, k, v and fp32 decays."""
+    B, T, H, HK, D, N, topk, mode = 2, 40, 4, 2, 16, 4, 2, "offset"
+    cut, leaves, logits, valid = projections(B, T, H, HK, D, N, seed=5, dtype=dtype, mode=mode, pad=3)
+    g = torch.Generator().manual_seed(11)
+    state = None
+    if carried:
+        state = SSEState(torch.randn(B, H, D, D, generator=g).to(DEV), torch.randn(B, N, H, D, D, generator=g).to(DEV))
+    logits = logits.to(dtype)
+    runs = {}
+    for recompute in (False, True):
+        def call(x, p, s, st, recompute=recompute):
+            return sse_triton_from_projections(*x, 16.0, p, s, st, q2_mode=mode, chunk_size=16, topk=topk,
+                                               valid=valid, recompute=recompute)
+        runs[recompute] = saved_bytes(lambda call=call: outputs_and_grads(call, cut, leaves, logits, valid, state,
+                                                                          topk))
+    (want, want_g), kept = runs[False]
+    (got, got_g), recomputed = runs[True]
+    for name, a, b in zip(("o", "shared", "parts"), got, want, strict=True):
+        assert torch.equal(a, b), f"{name}: max diff {(a.double() - b.double()).abs().max().item():.3e}"
+    assert len(got_g) == len(want_g) == len(leaves) + 1 + 2 * carried
+    for i, (a, b) in enumerate(zip(got_g, want_g, strict=True)):
+        assert a is not None and b is not None, i
+        same_or_rounding(a, b, 1e-6 if dtype == torch.float32 else 1e-2, f"gradient {i}")
+    rows = B * T + B * T * topk  # merged rows: a token's shared one and its K partitions'
+    merged = rows * H * D * (3 * dtype.itemsize + 4)  # q, k, v in the inputs' dtype, decays fp32
+    assert kept - recomputed >= merged, (kept, recomputed, merged)
+
+
 def test_values_and_gradients_against_the_fp64_recurrence():
     """The composition's meaning: fp32 from the projections against the fp64 recurrence on the PyTorch
     features (a check that does not go through the kernels it replaces), every token real as in the model's
