@@ -242,16 +242,19 @@ def blocks_out_kernel(
 
 @jit
 def blocks_split_kernel(
-    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE_SLOT, PART, PART_T,
+    Q, K, V, PAIRS, SEG_KEY, SEG_FIRST, SEG_COUNT, QPOS, KOFF, ROWMAX, LSE_SLOT, PART, PART_T, OT,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     T, H, NW, NB, NSEL, S, scale,
     G: tl.constexpr, R: tl.constexpr, BMQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+    USE_RLA: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, RLA_ATOMIC: tl.constexpr,
+    ATOMICS: tl.constexpr,
 ):
     """The split forward's one pass, one segment: for each (token, head, slot) row e * G + g its
     block's softmax output O_i = softmax(S) V into PART, its log-sum-exp into LSE_SLOT and, with
     USE_RLA, otilde_i = (phi(q) phi(k)^T masked) V into PART_T (PART, PART_T: [B, T, H, NSEL, G, D];
-    rows of pairs without a causal key are left as they are)."""
+    rows of pairs without a causal key are left as they are), or with RLA_ATOMIC added to its
+    (token, head) row of OT [B, T, HQ, D] fp32 (zeroed by the caller) with fp32 atomics: otilde is a
+    plain sum over the slots, so it needs no partials."""
     b, h, first, count, pos, kload, b64, slot, k, v = segment_kv(
         SEG_KEY, SEG_FIRST, SEG_COUNT, KOFF, ROWMAX, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
         stride_vs, NW, NB, H, S, BS, BS, D)
@@ -261,7 +264,7 @@ def blocks_split_kernel(
     d = tl.arange(0, D)
     for c0 in range(0, count, BMQ):
         e, t, tpos, g, ok = chunk_rows(PAIRS, QPOS, first, c0, count, T, H, NSEL, b, G, R, BMQ)
-        q, _ = query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
+        q, row = query_rows(Q, b64, h, t, g, ok, stride_qb, stride_qh, stride_qt, T, H, G, D)
         mask = ok[:, None] & (pos[None, :] <= tpos[:, None])
         p, mx, lsum = _block_softmax(q, kt, mask, scale, F32, PREC)
         prow = e.to(tl.int64) * G + g
@@ -270,7 +273,10 @@ def blocks_split_kernel(
         tl.store(PART + prow[:, None] * D + d[None, :], o.to(PART.dtype.element_ty), mask=ok[:, None])
         if USE_RLA:
             ot = _residual_rows(q, phikt, v, mask, F32, PREC)
-            tl.store(PART_T + prow[:, None] * D + d[None, :], ot.to(PART_T.dtype.element_ty), mask=ok[:, None])
+            if RLA_ATOMIC:
+                add_rows(OT, row, ot, ok, D, ATOMICS)
+            else:
+                tl.store(PART_T + prow[:, None] * D + d[None, :], ot.to(PART_T.dtype.element_ty), mask=ok[:, None])
 
 
 @jit
@@ -384,7 +390,7 @@ def split_bytes(q, nsel: int, use_rla: bool, plan: BlocksPlan) -> int:
     """Bytes of the split forward's partials for q [B, HQ, T, D] with nsel slots."""
     B, HQ, T, D = q.shape
     per = partial_dtype(q, plan).itemsize
-    return B * T * HQ * nsel * D * per * (2 if use_rla else 1)
+    return B * T * HQ * nsel * D * per * (2 if use_rla and plan.rla_sum == "partials" else 1)
 
 
 def query_chunk(q, nsel: int, use_rla: bool, plan: BlocksPlan) -> int:
@@ -408,18 +414,21 @@ def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool,
     pdtype = partial_dtype(q, plan)
     lse_slot = torch.full((B, T, H, nsel, G), float("-inf"), device=dev, dtype=torch.float32)
     part = new_output((B, T, H, nsel, G, D), dev, pdtype)
-    part_t = new_output((B, T, H, nsel, G, D), dev, pdtype) if use_rla else part
-    blocks_split_kernel[grid](
-        q, k, v, *seg, qpos, koff, row_max(qpos), lse_slot, part, part_t,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), *common, USE_RLA=use_rla, **meta,
-    )
+    atomic = use_rla and plan.rla_sum == "atomic"  # otilde added to its rows, no partials
+    part_t = new_output((B, T, H, nsel, G, D), dev, pdtype) if use_rla and not atomic else part
     o = new_output((B, T, HQ, D), dev, o_dtype)
-    ot = new_output((B, T, HQ, D), dev) if use_rla else o
+    ot = (torch.zeros((B, T, HQ, D), device=dev, dtype=torch.float32) if atomic
+          else new_output((B, T, HQ, D), dev) if use_rla else o)
+    blocks_split_kernel[grid](
+        q, k, v, *seg, qpos, koff, row_max(qpos), lse_slot, part, part_t, ot,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *common, USE_RLA=use_rla, RLA_ATOMIC=atomic,
+        ATOMICS=ATOMIC_MODES[plan.atomics], **meta,
+    )
     lse = new_output((B, T, HQ), dev)
     if B * T * H:
         blocks_combine_kernel[(B * T * H,)](lse_slot, part, part_t, o, ot, lse, nsel, G=G,
-                                            GP=next_power_of_2(G), D=D, USE_RLA=use_rla,
+                                            GP=next_power_of_2(G), D=D, USE_RLA=use_rla and not atomic,
                                             num_warps=4 if G * D >= 1024 else 2)
     return o, (ot if use_rla else None), lse
 

@@ -39,7 +39,9 @@ class BlocksPlan:
     where it has 16 bits, else fp32), "fp32" or "bf16"; dq: "atomic" (the backward adds each pair's dq
     to its (token, head) row with atomics) or "pairs" (each pair's dq stored in a row of its own, fp32,
     then summed over the slots: no atomics, T x HQ x NSEL x D floats; past `DQ_PAIR_BYTES` the atomic
-    form). The defaults are `blocks_plan`'s at d128."""
+    form); rla_sum: how the split form sums the correction otilde over a token's slots, "partials" (stored
+    per slot like O's, summed by the combine) or "atomic" (added to the token's row with fp32 atomics: a
+    plain sum, no partials written and read back). The defaults are `blocks_plan`'s at d128."""
 
     rows: int = 64
     bwd_rows: int = 32
@@ -61,6 +63,7 @@ class BlocksPlan:
     forward: str = "split"
     partials: str = "input"
     dq: str = "atomic"
+    rla_sum: str = "partials"
 
     def tokens(self, G: int, backward: bool = False) -> int:
         """Tokens of one chunk: rows // G, at least 1."""
@@ -123,6 +126,8 @@ def blocks_plan(G: int, D: int, device: torch.device | str, use_rla: bool = True
         raise ValueError(f"forward must be 'split' or 'atomic', got {plan.forward!r}")
     if plan.dq not in ("atomic", "pairs"):
         raise ValueError(f"dq must be 'atomic' or 'pairs', got {plan.dq!r}")
+    if plan.rla_sum not in ("partials", "atomic"):
+        raise ValueError(f"rla_sum must be 'partials' or 'atomic', got {plan.rla_sum!r}")
     if plan.partials not in ("input", "fp32", "bf16"):
         raise ValueError(f"partials must be 'input', 'fp32' or 'bf16', got {plan.partials!r}")
     for name in ("rows", "bwd_rows", "lse_rows", "dkdv_keys", "dq_keys"):

@@ -194,7 +194,22 @@ def test_forward_matches_definition(case, atomics, forward):
             assert rel(a, b) <= 1e-5, (name, rel(a, b))
 
 
+@pytest.mark.parametrize("case,atomics", [(c, "scalar") for c in CASES] + [(CASES[1], "v4-split")])
+def test_split_forward_adds_the_correction_with_atomics(case, atomics):
+    """rla_sum="atomic": the split form adds each pair's otilde to its token's row (no otilde partials):
+    the fp64 definition within fp32 rounding, O as with the partials."""
+    _, want, _, got, _ = run(case, False, plan_kw=dict(TINY, atomics=atomics, forward="split", rla_sum="atomic"))
+    _, _, _, kept, _ = run(case, False, plan_kw=dict(TINY, atomics=atomics, forward="split"))
+    assert (got[1] is None) == (want[1] is None)
+    assert torch.equal(got[0], kept[0])
+    for name, a, b in zip(["o_sp", "otilde"], got, want, strict=True):
+        if b is not None:
+            assert a.dtype == torch.float32 and torch.isfinite(a).all(), name
+            assert rel(a, b) <= 1e-5, (name, rel(a, b))
+
+
 BWD = [(c, {}) for c in CASES[:4] + CASES[5:]] + [  # (case, plan overrides of TINY)
+    (CASES[0], dict(rla_sum="atomic")), (CASES[6], dict(rla_sum="atomic", atomics="v4-split")),
     (CASES[0], dict(bwd="split")), (CASES[4], dict(bwd="split")), (CASES[6], dict(bwd="split", dq_keys=16)),
     (CASES[2], dict(atomics="v4-split")), (CASES[3], dict(bwd="split", atomics="v4-split")),
     (CASES[5], dict(bwd="split", window=8)), (CASES[0], dict(forward="atomic")), (CASES[4], dict(forward="atomic")),
@@ -340,6 +355,8 @@ def test_bad_inputs_are_refused_with_a_reason():
         triton_blocks.blocks_plan(2, 16, DEV, bwd="both")
     with pytest.raises(ValueError, match="forward must be"):
         triton_blocks.blocks_plan(2, 16, DEV, forward="fused")
+    with pytest.raises(ValueError, match="rla_sum must be"):
+        triton_blocks.blocks_plan(2, 16, DEV, rla_sum="sum")
     with pytest.raises(ValueError, match="partials must be"):
         triton_blocks.blocks_plan(2, 16, DEV, partials="fp8")
     with pytest.raises(ValueError, match="dq must be"):
