@@ -139,6 +139,15 @@ def autocast_operands(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(x.to(dtype) if x.is_floating_point() and x.dtype != torch.float64 else x for x in xs)
 
 
+def operand_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype `autocast_operands` gives a tensor of x's dtype and device (a plan's question: the
+    dtype of the kernels' operands before they are computed)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 #: generate() modes that take the static cache by default on CUDA (`generation_cache`); the beam
 #: and assisted modes reorder or roll back their caches and keep the growing one.
 STATIC_DEFAULT_MODES = ("greedy_search", "sample")
