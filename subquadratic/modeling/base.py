@@ -26,7 +26,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, eager_attention_forward
 
 from ..configuration.base import SubquadraticConfig
-from ..kernels.decode_attention import decode_attention, grouped_query_attention
+from ..kernels.decode_attention import decode_attention, decode_shapes_unsupported, grouped_query_attention
 from ..kernels.utils import allowed_keys, resolve_backend, slot_offsets
 from ..kernels.window_attention import window_attention, window_shapes_unsupported
 from ..registry import mixer, register_mixer
@@ -334,29 +334,33 @@ def banded_window_attention(q, k, v, q_pos, k_pos, window: int, scaling: float, 
 #: The paths of a softmax layer's call (`plan_softmax`): "window_kernel" (causal rows over a window shorter
 #: than them: `kernels.window_attention`), "banded" (the same in PyTorch, or a window ring before the new
 #: tokens: `banded_window_attention`), "causal" (SDPA without a mask: causal rows, or one query over every
-#: slot, all real), "decode" (one query under a mask: `decode_attention`), "grouped" (a chunk under a mask
-#: without gradients: `grouped_query_attention`), "masked" (SDPA under a mask) and "eager" (Transformers'
-#: eager attention, which also gives the weights).
-SOFTMAX_PATHS = ("window_kernel", "banded", "causal", "decode", "grouped", "masked", "eager")
+#: slot, all real), "decode_kernel" (one query under a mask: `decode_attention`'s Triton kernels),
+#: "decode" (the same in PyTorch), "grouped" (a chunk under a mask without gradients:
+#: `grouped_query_attention`), "masked" (SDPA under a mask) and "eager" (Transformers' eager attention,
+#: which also gives the weights).
+SOFTMAX_PATHS = ("window_kernel", "banded", "causal", "decode_kernel", "decode", "grouped", "masked", "eager")
 
 
 def plan_softmax(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
                  *, window: int | None, sinks: int, sink_slots: int, banded: bool, sdpa: bool, causal_rows: bool,
                  causal: bool, dropout: bool, grad: bool, backend: str, window_kernel: bool | None = None,
-                 path: str | None = None) -> str:
+                 decode_kernel: bool | None = None, path: str | None = None) -> str:
     """The path (`SOFTMAX_PATHS`) of a softmax layer's call of queries q_shape [B, HQ, T, D] over keys
     k_shape [B, H, S, D] (the cache's slots and the new ones) of `dtype` on `device`: the layer's
     `window` and `sinks`, the cache's `sink_slots` and whether it holds a window ring before the new
     tokens (`banded`), `sdpa` (SDPA, not the eager attention or weights asked for), `causal_rows` (T =
     S, every real query's keys the slots up to its own), `causal` (`SequenceInfo.causal`), `dropout`
     (attention dropout), `grad` (gradients on) and the model's `backend`. A caller sets
-    `window_kernel` (where the window's path is taken: its kernels or not) or the `path` itself.
+    `window_kernel` (where the window's path is taken: its kernels or not), `decode_kernel` (likewise
+    where a masked query is: the decode kernels, on the CPU under Triton's interpreter, or not) or the
+    `path` itself.
 
     A window shorter than the new tokens over causal rows (or after a window ring) runs O(T W): the
     Triton kernels by `utils.resolve_backend` ("auto" on CUDA for inputs they take, not with dropout),
     else the banded form; calls whose queries see every slot up to their own run SDPA without a mask;
-    the rest build the mask: one query (no dropout) `decode_attention`, a chunk `grouped_query_attention`
-    where it packs the groups (`grouped_query_packs`), else SDPA, or the eager function."""
+    the rest build the mask: one query (no dropout) `decode_attention` (its Triton kernels by
+    `utils.resolve_backend` likewise: "decode_kernel"), a chunk `grouped_query_attention` where it packs
+    the groups (`grouped_query_packs`), else SDPA, or the eager function."""
     if path is not None:
         if path not in SOFTMAX_PATHS:
             raise ValueError(f"a softmax path must be one of {SOFTMAX_PATHS}, got {path!r}")
@@ -371,7 +375,11 @@ def plan_softmax(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: torc
     if sdpa and (causal_rows or causal and T == 1) and (not window or S <= window):
         return "causal"
     if sdpa and T == 1 and not dropout:
-        return "decode"
+        if decode_kernel is None:
+            decode_kernel = resolve_backend(backend, torch.device(device), op="decode attention", has_triton=True,
+                                            has_naive=True,
+                                            unsupported=decode_shapes_unsupported(q_shape, k_shape, dtype)) == "triton"
+        return "decode_kernel" if decode_kernel else "decode"
     if sdpa and grouped_query_packs(q_shape, k_shape, grad):
         return "grouped"
     return "masked" if sdpa else "eager"
@@ -439,9 +447,9 @@ class SoftmaxAttention(AttentionBase):
             o, _ = sdpa_attention_forward(self, q, k, v, None, dropout=dropout, scaling=self.scaling, is_causal=T > 1)
         else:
             allowed = window_keys(seq.positions, seq.key_positions, self.window, self.sinks, sink_slots)
-            if path == "decode":  # a decode step under a mask (a static cache's): split over the keys
-                o = decode_attention(q, k, v, allowed[:, 0], self.scaling, self.config.kernel_backend,
-                                     self.config.kernel_precision).transpose(1, 2)
+            if path in ("decode_kernel", "decode"):  # a decode step under a mask (a static cache's)
+                o = decode_attention(q, k, v, allowed[:, 0], self.scaling, kernel=path == "decode_kernel",
+                                     precision=self.config.kernel_precision).transpose(1, 2)
             else:
                 mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
                 mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None]
