@@ -721,8 +721,11 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         cache: SubquadraticCache | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        plan_settings: dict | None = None,
         **kwargs,
     ) -> SubquadraticModelOutput | tuple:
+        """`plan_settings`: fields set on this call's plans, by op, over the model's (`set_plan`): a
+        captured decode step's (`fused.captured_step`)."""
         cache = cache if cache is not None else past_key_values
         output_hidden_states, output_attentions, return_dict = self.output_options(
             output_hidden_states, output_attentions, return_dict
@@ -749,7 +752,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
             if output_attentions:
                 raise ValueError("output_attentions is not available for a packed batch (position_ids restarting "
                                  "inside a row); pass one document per row")
-            return self._forward_documents(docs, inputs_embeds, position_ids, output_hidden_states, return_dict)
+            return self._forward_documents(docs, inputs_embeds, position_ids, output_hidden_states, return_dict,
+                                           plan_settings)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
@@ -775,7 +779,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
                            consecutive=causal or (cache is not None and cache.static is not None),
                            length=cache.length if cache is not None and causal else None,
                            new_real=T == 1 and cache is not None and cache.static is not None and cache.length > 1,
-                           plan_settings=self.plan_settings)
+                           plan_settings=self.call_plan_settings(plan_settings))
 
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, cache,
                                                          output_hidden_states)
@@ -809,7 +813,16 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
             all_hidden = all_hidden[:-1] + (restore(hidden),)
         return hidden, all_hidden, aux_total
 
-    def _forward_documents(self, docs, inputs_embeds, position_ids, output_hidden_states, return_dict):
+    def call_plan_settings(self, settings: dict | None) -> dict:
+        """The plan settings of a call: the model's (`plan_settings`) with the call's `settings` over them,
+        op by op."""
+        if not settings:
+            return self.plan_settings
+        return {op: {**self.plan_settings.get(op, {}), **settings.get(op, {})}
+                for op in {*self.plan_settings, *settings}}
+
+    def _forward_documents(self, docs, inputs_embeds, position_ids, output_hidden_states, return_dict,
+                           plan_settings=None):
         """A packed batch (`packing.py`): the residual stream, the norms and the MLPs stay on the packed
         tokens; each mixer runs one document per right-padded row (`SubquadraticDecoderLayer`), so the
         padding of the longest document costs only inside the mixers."""
@@ -819,7 +832,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         packed_rope = self.rotary_emb(inputs_embeds, position_ids.to(valid.device).expand(docs.shape))
         position_embeddings = tuple(docs.unpack(t) for t in packed_rope)
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos, documents=docs, packed_rope=packed_rope,
-                           plan_settings=self.plan_settings)
+                           plan_settings=self.call_plan_settings(plan_settings))
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, None,
                                                          output_hidden_states)
         if docs.flat.numel() < docs.shape[0] * docs.shape[1]:  # the packed batch's own padding (a right-padded
@@ -849,10 +862,12 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
     def new_cache(self, max_length: int | None = None, cuda_graph: bool = True, fuse: bool = True) -> SubquadraticCache:
         return self.model.new_cache(max_length, cuda_graph, fuse)
 
-    def decode_logits(self, input_ids: torch.LongTensor, cache: SubquadraticCache) -> torch.Tensor:
+    def decode_logits(self, input_ids: torch.LongTensor, cache: SubquadraticCache,
+                      plan_settings: dict | None = None) -> torch.Tensor:
         """Logits [B, 1, V] of one real new token per row on `cache`, eagerly: the step that
-        `cuda_graph.DecodeGraph` captures."""
-        hidden = self.model(input_ids=input_ids, cache=cache, use_cache=True, return_dict=True).last_hidden_state
+        `cuda_graph.DecodeGraph` captures, with its `plan_settings` (`fused.captured_step`)."""
+        hidden = self.model(input_ids=input_ids, cache=cache, use_cache=True, return_dict=True,
+                            plan_settings=plan_settings).last_hidden_state
         return self.lm_head(hidden[:, -1:])
 
     def forward(
