@@ -289,9 +289,10 @@ def test_generate_with_cache_implementation_static_builds_the_static_cache(monke
 
 
 def test_fused_chains_equal_the_modules_they_stand_for(monkeypatch):
-    """Inside `compiled_step` every elementwise chain of the step runs its fused form (here eagerly:
-    compiling needs the GPU path) and gives the plain modules' logits; outside it none runs; a chain
-    whose compile fails warns and runs eagerly."""
+    """Under a captured step's plan settings (`fused.captured_step`, which the capture passes: the fused plan's
+    `compiled`) every elementwise chain of the step runs its fused form (here eagerly: compiling needs the GPU
+    path) and gives the plain modules' logits; without `fuse` none runs; a chain whose compile fails warns
+    and runs eagerly."""
     from subquadratic.modeling import fused
 
     chains = ("rms_norm", "add_rms_norm", "rope", "add_head_norm", "silu_mul")
@@ -305,8 +306,9 @@ def test_fused_chains_equal_the_modules_they_stand_for(monkeypatch):
         cache = model.new_cache(max_length=30)
         _, cache = run(model, ids[:, :20], cache=cache, start=0)
         calls.update(dict.fromkeys(chains, 0))
-        with fused.compiled_step(fuse_step):  # what the captured step enters
-            got[fuse_step], _ = run(model, ids, cache=cache, start=20)
+        model.set_plan("fused", **fused.captured_step(fuse_step)["fused"])  # what the capture sets on its steps
+        got[fuse_step], _ = run(model, ids, cache=cache, start=20)
+        model.set_plan("fused")
         steps, layers = 10, len(MIXED)
         # per step and layer: the residual add + norm before the mixer (the first layer's a plain norm: the
         # previous layer's MLP output added there) and after it, RoPE, the MLP gate; the SPLA layer's head

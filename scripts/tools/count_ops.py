@@ -88,16 +88,16 @@ def launches(c: collections.Counter) -> int:
 
 
 #: The ops whose plans a model makes as for a CUDA device (`set_plan(op, device="cuda")`): the mixers', the
-#: softmax layers' and the decoder's fused elementwise ops.
-CUDA_PLANS = ("sse", "hla", "softmax", "fused")
+#: window branches' (decode step and ring fill), the softmax layers' and the decoder's fused elementwise ops.
+CUDA_PLANS = ("sse", "hla", "window", "softmax", "fused")
 
 
 @contextlib.contextmanager
 def cuda_paths():
-    """What has no model plan yet, as on CUDA (the Triton kernels, under the interpreter): SPLA's plans
-    (`plan_spla` for a CUDA device) and the window branch's decode-step and ring-fill kernels ("auto" as on
-    CUDA). The other ops plan as on CUDA by their plan settings (`CUDA_PLANS`, `_count_model`)."""
-    from subquadratic.kernels import utils, window_attention
+    """What has no model plan setting yet, as on CUDA (the Triton kernels, under the interpreter): SPLA's
+    plans (`plan_spla` for a CUDA device). The other ops plan as on CUDA by their plan settings
+    (`CUDA_PLANS`, `_count_model`)."""
+    from subquadratic.kernels import utils
     from subquadratic.kernels.spla import plan
 
     real = utils.resolve_backend
@@ -109,13 +109,7 @@ def cuda_paths():
     def plan_cuda(q_shape, k_shape, dtype, device, params, **kw):
         return real_plan(q_shape, k_shape, dtype, "cuda", params, **kw)
 
-    real_fused = utils.fused_kernel
-
-    def fused(backend, device, op, unsupported):
-        return real_fused(backend, torch.device("cuda") if device.type == "cpu" else device, op, unsupported)
-
-    patched = [(window_attention, "fused_kernel", fused), (window_attention, "resolve_backend", resolve),
-               (plan, "resolve_backend", resolve)]
+    patched = [(plan, "resolve_backend", resolve)]
     import subquadratic.kernels.spla as spla
 
     patched.append((spla, "plan_spla", plan_cuda))

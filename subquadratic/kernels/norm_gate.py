@@ -51,12 +51,6 @@ def norm_gate_unsupported(x: Tensor, weight: Tensor, gate: Tensor) -> str | None
     return None
 
 
-def norm_gate_takes_kernel(x: Tensor, weight: Tensor, gate: Tensor) -> bool:
-    """Whether `norm_gate(..., backend="auto")` runs the Triton kernels on these inputs (CUDA, Triton
-    installed, inputs it takes)."""
-    return fused_kernel("auto", x.device, "norm-gate", norm_gate_unsupported(x, weight, gate))
-
-
 def norm_gate(x: Tensor, weight: Tensor, gate: Tensor, eps: float, backend: str = "auto") -> Tensor:
     """RMSNorm_weight(x) * SiLU(gate), the values of `norm_gate_reference` (module docstring).
 

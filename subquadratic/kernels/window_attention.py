@@ -5,10 +5,10 @@ the caller drops). That is the attention of a window branch (`modeling/window.py
 layers of converted Mistral / Qwen models at prefill and in training: O(T W) work and memory, no mask
 tensor, forward and backward. `window_step` is a static cache's one-token step of a window branch (the
 new key written into the window's ring, the query over the ring and the sinks) as one kernel, and
-`fresh_ring` a first call's ring and sinks, filled from its keys / values in one kernel.
-`modeling.base.banded_window_attention` is the PyTorch form the model
-runs where the kernels do not apply (the CPU, padding before real tokens, a window ring holding earlier
-keys, attention dropout).
+`fresh_ring` a first call's ring and sinks, filled from its keys / values in one kernel (each where
+the window branch's plan takes it: `modeling.window.plan_window`). `modeling.base.banded_window_attention`
+is the PyTorch form the model runs where the kernels do not apply (the CPU, padding before real tokens,
+a window ring holding earlier keys, attention dropout).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .triton_utils import TRITON_DTYPES
-from .utils import fused_kernel, resolve_backend, resolve_precision, run_function
+from .utils import fused_kernel, resolve_precision, run_function
 
 #: The largest head dim the kernels take.
 MAX_DIM = 256
@@ -105,36 +105,50 @@ def window_step_reference(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sin
                                           enable_gqa=q.shape[1] != H)
 
 
+def window_step_shapes_unsupported(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: torch.dtype,
+                                   sinks: int) -> str | None:
+    """Why the step kernel cannot take one token's queries q_shape [B, HQ, 1, D] over keys k_shape
+    [B, H, 1, D] of `dtype` with `sinks` sinks (a plan's question: no tensor at hand), or None."""
+    if dtype not in TRITON_DTYPES:
+        return f"dtype {dtype} (one of {TRITON_DTYPES})"
+    if len(q_shape) != 4 or len(k_shape) != 4 or q_shape[2] != 1 or q_shape[1] % k_shape[1]:
+        return f"q {list(q_shape)} over k {list(k_shape)} (one token, H dividing HQ)"
+    if q_shape[-1] > MAX_DIM or sinks > MAX_SINKS:
+        return f"head dim {q_shape[-1]} (at most {MAX_DIM}) or more than {MAX_SINKS} sinks"
+    return None
+
+
 def window_step_unsupported(q: Tensor, k: Tensor, v: Tensor, ring_k: Tensor, ring_v: Tensor, sink_k: Tensor | None,
                             sink_v: Tensor | None) -> str | None:
     """Why the step kernel cannot take these inputs, or None."""
     tensors = (q, k, v, ring_k, ring_v) + (() if sink_k is None else (sink_k, sink_v))
     if q.dtype not in TRITON_DTYPES or any(x.dtype != q.dtype for x in tensors):
         return f"dtypes {[x.dtype for x in tensors]} (one of {TRITON_DTYPES}, alike)"
-    if q.shape[2] != 1 or q.shape[1] % k.shape[1]:
-        return f"q {list(q.shape)} over k {list(k.shape)} (one token, H dividing HQ)"
-    if q.shape[-1] > MAX_DIM or (sink_k is not None and sink_k.shape[2] > MAX_SINKS):
-        return f"head dim {q.shape[-1]} (at most {MAX_DIM}) or more than {MAX_SINKS} sinks"
-    if any(x.stride(-1) != 1 for x in tensors):
+    why = window_step_shapes_unsupported(tuple(q.shape), tuple(k.shape), q.dtype,
+                                         0 if sink_k is None else sink_k.shape[2])
+    if why is None and any(x.stride(-1) != 1 for x in tensors):
         return "a tensor without unit stride in the head dim"
-    return None
+    return why
 
 
 def window_step(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window: int,
-                scaling: float, backend: str = "auto", precision: str = "auto") -> Tensor:
+                scaling: float, kernel: bool = False, precision: str = "auto") -> Tensor:
     """One decode token of a sliding window with sinks over a ring, the step a captured decode replays:
     the new key / value (k, v [B, H, 1, D]) and position (`position` [B], each row's new token, real)
     go into ring slot position % W of ring_k, ring_v [B, H, W, D] / ring_pos [B, W] and, while position
     < sinks, into sink slot position of sink_k, sink_v [B, H, sinks, D] / sink_pos [B, sinks] (None:
     no sinks), in place; the query q [B, HQ, 1, D] attends over the ring's keys 0 <= position - p < W
-    and the sinks W or more back (slots of position -1 are empty). Returns o [B, HQ, 1, D]. `backend`
-    as every op's ("auto": the Triton kernel on CUDA, one launch); fp32 dots exact unless `precision`
-    is "tf32" (`decode_attention.exact_decode_dots`); no gradients (a decode step)."""
-    why = window_step_unsupported(q, k, v, ring_k, ring_v, sink_k, sink_v)
-    if resolve_backend(backend, q.device, op="window decode step", has_triton=True, has_naive=True,
-                       unsupported=why) != "triton":
+    and the sinks W or more back (slots of position -1 are empty). Returns o [B, HQ, 1, D]. `kernel`:
+    the Triton kernel (one launch; on the CPU under Triton's interpreter), as the window branch's plan
+    decides (`modeling.window.WindowPlan.step_kernel`; a ValueError where the kernel does not take
+    these inputs), else `window_step_reference`; fp32 dots exact unless `precision` is "tf32"
+    (`decode_attention.exact_decode_dots`); no gradients (a decode step)."""
+    if not kernel:
         return window_step_reference(q, k, v, ring_k, ring_v, ring_pos, sink_k, sink_v, sink_pos, position, window,
                                      scaling)
+    why = window_step_unsupported(q, k, v, ring_k, ring_v, sink_k, sink_v)
+    if why is not None:
+        raise ValueError(f"the window decode step kernel does not take these inputs: {why}; call it with kernel=False")
     from .decode_attention import exact_decode_dots
     from .triton_window import window_step_triton
 
@@ -182,18 +196,28 @@ def fresh_ring_reference(k: Tensor, v: Tensor, window: int, sinks: int = 0) -> t
             sink_pos.expand(B, sinks).clone(memory_format=torch.contiguous_format))
 
 
+def fresh_ring_shapes_unsupported(k_shape: tuple[int, ...], dtype: torch.dtype, window: int,
+                                  sinks: int) -> str | None:
+    """Why the fill kernel cannot take keys and values k_shape [B, H, T, D] of `dtype` (a plan's question:
+    no tensor at hand), or None."""
+    if dtype not in TRITON_DTYPES:
+        return f"dtype {dtype} (one of {TRITON_DTYPES})"
+    if len(k_shape) != 4 or k_shape[-1] > MAX_DIM or window < 1 or not 0 <= sinks <= MAX_SINKS:
+        return (f"shape {list(k_shape)} ([B, H, T, D], head dim at most {MAX_DIM}), window {window} (>= 1), "
+                f"sinks {sinks} (at most {MAX_SINKS})")
+    return None
+
+
 def fresh_ring_unsupported(k: Tensor, v: Tensor, window: int, sinks: int) -> str | None:
     """Why the fill kernel cannot take these inputs, or None."""
     if k.dtype not in TRITON_DTYPES or v.dtype != k.dtype:
         return f"dtypes {k.dtype} / {v.dtype} (one of {TRITON_DTYPES}, alike)"
     if k.dim() != 4 or v.shape != k.shape:
         return f"shapes {list(k.shape)} / {list(v.shape)} ([B, H, T, D] twice)"
-    if k.shape[-1] > MAX_DIM or window < 1 or not 0 <= sinks <= MAX_SINKS:
-        return (f"head dim {k.shape[-1]} (at most {MAX_DIM}), window {window} (>= 1), sinks {sinks} "
-                f"(at most {MAX_SINKS})")
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
+    why = fresh_ring_shapes_unsupported(tuple(k.shape), k.dtype, window, sinks)
+    if why is None and (k.stride(-1) != 1 or v.stride(-1) != 1):
         return "a tensor without unit stride in the head dim"
-    return None
+    return why
 
 
 def fresh_ring(k: Tensor, v: Tensor, window: int, sinks: int = 0, backend: str = "auto") -> tuple:

@@ -26,7 +26,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, eager_attention_forward
 
 from ..configuration.base import SubquadraticConfig
-from ..kernels.decode_attention import decode_attention, grouped_query_attention
+from ..kernels.decode_attention import decode_attention, decode_shapes_unsupported, grouped_query_attention
 from ..kernels.utils import allowed_keys, resolve_backend, slot_offsets
 from ..kernels.window_attention import window_attention, window_shapes_unsupported
 from ..registry import mixer, register_mixer
@@ -137,6 +137,15 @@ def autocast_operands(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return xs
     dtype = torch.get_autocast_dtype(device)
     return tuple(x.to(dtype) if x.is_floating_point() and x.dtype != torch.float64 else x for x in xs)
+
+
+def operand_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype `autocast_operands` gives a tensor of x's dtype and device (a plan's question: the
+    dtype of the kernels' operands before they are computed)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return x.dtype
 
 
 #: generate() modes that take the static cache by default on CUDA (`generation_cache`); the beam
@@ -325,29 +334,33 @@ def banded_window_attention(q, k, v, q_pos, k_pos, window: int, scaling: float, 
 #: The paths of a softmax layer's call (`plan_softmax`): "window_kernel" (causal rows over a window shorter
 #: than them: `kernels.window_attention`), "banded" (the same in PyTorch, or a window ring before the new
 #: tokens: `banded_window_attention`), "causal" (SDPA without a mask: causal rows, or one query over every
-#: slot, all real), "decode" (one query under a mask: `decode_attention`), "grouped" (a chunk under a mask
-#: without gradients: `grouped_query_attention`), "masked" (SDPA under a mask) and "eager" (Transformers'
-#: eager attention, which also gives the weights).
-SOFTMAX_PATHS = ("window_kernel", "banded", "causal", "decode", "grouped", "masked", "eager")
+#: slot, all real), "decode_kernel" (one query under a mask: `decode_attention`'s Triton kernels),
+#: "decode" (the same in PyTorch), "grouped" (a chunk under a mask without gradients:
+#: `grouped_query_attention`), "masked" (SDPA under a mask) and "eager" (Transformers' eager attention,
+#: which also gives the weights).
+SOFTMAX_PATHS = ("window_kernel", "banded", "causal", "decode_kernel", "decode", "grouped", "masked", "eager")
 
 
 def plan_softmax(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
                  *, window: int | None, sinks: int, sink_slots: int, banded: bool, sdpa: bool, causal_rows: bool,
                  causal: bool, dropout: bool, grad: bool, backend: str, window_kernel: bool | None = None,
-                 path: str | None = None) -> str:
+                 decode_kernel: bool | None = None, path: str | None = None) -> str:
     """The path (`SOFTMAX_PATHS`) of a softmax layer's call of queries q_shape [B, HQ, T, D] over keys
     k_shape [B, H, S, D] (the cache's slots and the new ones) of `dtype` on `device`: the layer's
     `window` and `sinks`, the cache's `sink_slots` and whether it holds a window ring before the new
     tokens (`banded`), `sdpa` (SDPA, not the eager attention or weights asked for), `causal_rows` (T =
     S, every real query's keys the slots up to its own), `causal` (`SequenceInfo.causal`), `dropout`
     (attention dropout), `grad` (gradients on) and the model's `backend`. A caller sets
-    `window_kernel` (where the window's path is taken: its kernels or not) or the `path` itself.
+    `window_kernel` (where the window's path is taken: its kernels or not), `decode_kernel` (likewise
+    where a masked query is: the decode kernels, on the CPU under Triton's interpreter, or not) or the
+    `path` itself.
 
     A window shorter than the new tokens over causal rows (or after a window ring) runs O(T W): the
     Triton kernels by `utils.resolve_backend` ("auto" on CUDA for inputs they take, not with dropout),
     else the banded form; calls whose queries see every slot up to their own run SDPA without a mask;
-    the rest build the mask: one query (no dropout) `decode_attention`, a chunk `grouped_query_attention`
-    where it packs the groups (`grouped_query_packs`), else SDPA, or the eager function."""
+    the rest build the mask: one query (no dropout) `decode_attention` (its Triton kernels by
+    `utils.resolve_backend` likewise: "decode_kernel"), a chunk `grouped_query_attention` where it packs
+    the groups (`grouped_query_packs`), else SDPA, or the eager function."""
     if path is not None:
         if path not in SOFTMAX_PATHS:
             raise ValueError(f"a softmax path must be one of {SOFTMAX_PATHS}, got {path!r}")
@@ -362,7 +375,11 @@ def plan_softmax(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: torc
     if sdpa and (causal_rows or causal and T == 1) and (not window or S <= window):
         return "causal"
     if sdpa and T == 1 and not dropout:
-        return "decode"
+        if decode_kernel is None:
+            decode_kernel = resolve_backend(backend, torch.device(device), op="decode attention", has_triton=True,
+                                            has_naive=True,
+                                            unsupported=decode_shapes_unsupported(q_shape, k_shape, dtype)) == "triton"
+        return "decode_kernel" if decode_kernel else "decode"
     if sdpa and grouped_query_packs(q_shape, k_shape, grad):
         return "grouped"
     return "masked" if sdpa else "eager"
@@ -430,9 +447,9 @@ class SoftmaxAttention(AttentionBase):
             o, _ = sdpa_attention_forward(self, q, k, v, None, dropout=dropout, scaling=self.scaling, is_causal=T > 1)
         else:
             allowed = window_keys(seq.positions, seq.key_positions, self.window, self.sinks, sink_slots)
-            if path == "decode":  # a decode step under a mask (a static cache's): split over the keys
-                o = decode_attention(q, k, v, allowed[:, 0], self.scaling, self.config.kernel_backend,
-                                     self.config.kernel_precision).transpose(1, 2)
+            if path in ("decode_kernel", "decode"):  # a decode step under a mask (a static cache's)
+                o = decode_attention(q, k, v, allowed[:, 0], self.scaling, kernel=path == "decode_kernel",
+                                     precision=self.config.kernel_precision).transpose(1, 2)
             else:
                 mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
                 mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None]
@@ -704,8 +721,11 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         cache: SubquadraticCache | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        plan_settings: dict | None = None,
         **kwargs,
     ) -> SubquadraticModelOutput | tuple:
+        """`plan_settings`: fields set on this call's plans, by op, over the model's (`set_plan`): a
+        captured decode step's (`fused.captured_step`)."""
         cache = cache if cache is not None else past_key_values
         output_hidden_states, output_attentions, return_dict = self.output_options(
             output_hidden_states, output_attentions, return_dict
@@ -732,7 +752,8 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
             if output_attentions:
                 raise ValueError("output_attentions is not available for a packed batch (position_ids restarting "
                                  "inside a row); pass one document per row")
-            return self._forward_documents(docs, inputs_embeds, position_ids, output_hidden_states, return_dict)
+            return self._forward_documents(docs, inputs_embeds, position_ids, output_hidden_states, return_dict,
+                                           plan_settings)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
@@ -758,7 +779,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
                            consecutive=causal or (cache is not None and cache.static is not None),
                            length=cache.length if cache is not None and causal else None,
                            new_real=T == 1 and cache is not None and cache.static is not None and cache.length > 1,
-                           plan_settings=self.plan_settings)
+                           plan_settings=self.call_plan_settings(plan_settings))
 
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, cache,
                                                          output_hidden_states)
@@ -792,7 +813,16 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
             all_hidden = all_hidden[:-1] + (restore(hidden),)
         return hidden, all_hidden, aux_total
 
-    def _forward_documents(self, docs, inputs_embeds, position_ids, output_hidden_states, return_dict):
+    def call_plan_settings(self, settings: dict | None) -> dict:
+        """The plan settings of a call: the model's (`plan_settings`) with the call's `settings` over them,
+        op by op."""
+        if not settings:
+            return self.plan_settings
+        return {op: {**self.plan_settings.get(op, {}), **settings.get(op, {})}
+                for op in {*self.plan_settings, *settings}}
+
+    def _forward_documents(self, docs, inputs_embeds, position_ids, output_hidden_states, return_dict,
+                           plan_settings=None):
         """A packed batch (`packing.py`): the residual stream, the norms and the MLPs stay on the packed
         tokens; each mixer runs one document per right-padded row (`SubquadraticDecoderLayer`), so the
         padding of the longest document costs only inside the mixers."""
@@ -802,7 +832,7 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         packed_rope = self.rotary_emb(inputs_embeds, position_ids.to(valid.device).expand(docs.shape))
         position_embeddings = tuple(docs.unpack(t) for t in packed_rope)
         seq = SequenceInfo(positions=q_pos, valid=valid, key_positions=q_pos, documents=docs, packed_rope=packed_rope,
-                           plan_settings=self.plan_settings)
+                           plan_settings=self.call_plan_settings(plan_settings))
         hidden, all_hidden, aux_total = self._run_layers(inputs_embeds, position_embeddings, seq, None,
                                                          output_hidden_states)
         if docs.flat.numel() < docs.shape[0] * docs.shape[1]:  # the packed batch's own padding (a right-padded
@@ -832,10 +862,12 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
     def new_cache(self, max_length: int | None = None, cuda_graph: bool = True, fuse: bool = True) -> SubquadraticCache:
         return self.model.new_cache(max_length, cuda_graph, fuse)
 
-    def decode_logits(self, input_ids: torch.LongTensor, cache: SubquadraticCache) -> torch.Tensor:
+    def decode_logits(self, input_ids: torch.LongTensor, cache: SubquadraticCache,
+                      plan_settings: dict | None = None) -> torch.Tensor:
         """Logits [B, 1, V] of one real new token per row on `cache`, eagerly: the step that
-        `cuda_graph.DecodeGraph` captures."""
-        hidden = self.model(input_ids=input_ids, cache=cache, use_cache=True, return_dict=True).last_hidden_state
+        `cuda_graph.DecodeGraph` captures, with its `plan_settings` (`fused.captured_step`)."""
+        hidden = self.model(input_ids=input_ids, cache=cache, use_cache=True, return_dict=True,
+                            plan_settings=plan_settings).last_hidden_state
         return self.lm_head(hidden[:, -1:])
 
     def forward(

@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from .fused import compiled_step
+from .fused import captured_step
 
 
 class DecodeGraph:
@@ -65,14 +65,12 @@ class DecodeGraph:
         return self.logits.clone()
 
     def _warm_up_and_capture(self) -> torch.Tensor:
-        with compiled_step(self.cache.fuse):  # the elementwise chains compiled (fused.py), where asked
-            return self._run_and_record()
-
-    def _run_and_record(self) -> torch.Tensor:
+        # the plans of a captured step: recorded, the elementwise chains compiled (fused.py) where asked
+        settings = captured_step(self.cache.fuse)
         side = torch.cuda.Stream(device=self.ids.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # a real step, eagerly: compiles the kernels, initialises cuBLAS
-            logits = self.model.decode_logits(self.ids, self.cache)
+            logits = self.model.decode_logits(self.ids, self.cache, settings)
         torch.cuda.current_stream().wait_stream(side)
         logits.record_stream(torch.cuda.current_stream())
         if not self.cache.has_room(self.ids.shape[1]):
@@ -81,7 +79,7 @@ class DecodeGraph:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):  # recorded, not run
-                self.logits = self.model.decode_logits(self.ids, self.cache)
+                self.logits = self.model.decode_logits(self.ids, self.cache, settings)
         except RuntimeError as e:
             self.cache.set_host_counters(before)
             if self.cache.eager_fallback:  # generate()'s default cache: keep decoding, eagerly

@@ -6,10 +6,11 @@ Eagerly each chain is a handful of tiny kernels; at one token per row a CUDA gra
 model still pays for every kernel node, so these chains, not the matmuls, set the step's time. The
 fused forms compute what the modules compute (LlamaRMSNorm, LlamaMLP, `apply_rotary_pos_emb`,
 `HeadNorm`) and take the weights as arguments, so one compiled graph serves every layer. They run
-only inside `compiled_step()`, which `cuda_graph.DecodeGraph` enters while it warms up and records a
-step of a cache built with `fuse=True`; the layer code calls the modules and never asks which form
-runs. A chain that fails to compile warns once and runs eagerly from then on. `recording()` tells
-any layer that it runs inside such a warm-up or recording (fused or not). Outside a captured step,
+only where the forward's `FusedPlan` says `compiled`, which `cuda_graph.DecodeGraph` sets on the plans
+of the step it warms up and records for a cache built with `fuse=True` (`captured_step`, passed as the
+forward's `plan_settings`); the layer code hands the plan to the modules and never asks which form
+runs. A chain that fails to compile warns once and runs eagerly from then on. `FusedPlan.recorded`
+tells any layer that it runs inside such a warm-up or recording (fused or not). Outside a captured step,
 RoPE and the RMSNorms (with the residual add before them) on CUDA run as one Triton kernel forward and
 one backward each with Transformers' values (`kernels.rope`, `kernels.rms_norm`; kernel_backend "auto"
 or "triton").
@@ -29,8 +30,6 @@ broadcast over the batch (`[1, T, D]`); where they do, the PyTorch form runs.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -49,34 +48,6 @@ from ..kernels.swiglu import silu_mul_packed
 from ..kernels.triton_utils import TRITON_DTYPES
 from ..kernels.utils import check_plan, check_plan_fields, triton_available
 from .projections import PackedInputs, input_projections, packed_members, packed_output
-
-
-class _Step:
-    """Whether the running step is one `cuda_graph.DecodeGraph` warms up or records (`recorded`), and
-    whether its chains run fused (`compiled`); set by `compiled_step` alone (class attributes, not
-    context variables, so that torch.compile and torch.export trace the modules that read them)."""
-
-    compiled = False
-    recorded = False
-
-
-@contextmanager
-def compiled_step(enabled: bool = True) -> Iterator[None]:
-    """The block is the warm-up or the recording of a captured step: the modules of this file run
-    their fused forms inside it (with `enabled`), and `recording()` is true."""
-    before = _Step.compiled, _Step.recorded
-    _Step.compiled, _Step.recorded = enabled, True
-    try:
-        yield
-    finally:
-        _Step.compiled, _Step.recorded = before
-
-
-def recording() -> bool:
-    """Whether the running step is the warm-up or the recording of a captured decode step: a layer
-    must take the same path in both (the warm-up compiles what the recording replays) and one that
-    stays right on every later replay (no shortcut decided from the current weights)."""
-    return _Step.recorded
 
 
 class Compiled:
@@ -154,13 +125,21 @@ class FusedPlan:
     (`FUSED_PATHS`): `rms_norm` (RMSNorm, and the residual add before it: `kernels.rms_norm`), `silu_mul`
     (the MLP's SiLU(gate) * up: on a packed output's slices forward and backward, on separate gate and up
     only without gradients: `kernels.swiglu`), `rope` (`kernels.rope`) and `add_norm` (`HeadNorm.add`:
-    `kernels.norm_gate.add_norm`); `grad`: whether gradients were on when it was made."""
+    `kernels.norm_gate.add_norm`); `grad`: whether gradients were on when it was made.
+
+    Inside a captured decode step (set by its capture, `captured_step`): `recorded`, the forward is the
+    warm-up or the recording of the step, so a layer takes the same path in both (the warm-up compiles
+    what the recording replays) and one that stays right on every later replay (no shortcut decided
+    from the current weights); `compiled`, each chain runs its torch.compile'd form (module docstring)
+    instead of the four fields' paths."""
 
     rms_norm: str = "torch"
     silu_mul: str = "torch"
     rope: str = "torch"
     add_norm: str = "torch"
     grad: bool = False
+    compiled: bool = False
+    recorded: bool = False
 
     def __post_init__(self) -> None:
         check_plan(self, tuple((name, FUSED_PATHS) for name in ("rms_norm", "silu_mul", "rope", "add_norm")))
@@ -190,7 +169,14 @@ def plan_fused(dtype: torch.dtype, device: torch.device | str, *, backend: str =
 
     return FusedPlan(rms_norm=path("rms_norm", hidden_size <= RMS_NORM_MAX_DIM), silu_mul=path("silu_mul", silu),
                      rope=path("rope", head_dim % 2 == 0), add_norm=path("add_norm", head_dim <= NORM_GATE_MAX_DIM),
-                     grad=fields_set.get("grad", grad))
+                     grad=fields_set.get("grad", grad), compiled=fields_set.get("compiled", False),
+                     recorded=fields_set.get("recorded", False))
+
+
+def captured_step(fuse: bool) -> dict:
+    """The plan settings (`SequenceInfo.plan_settings`) of a captured decode step's warm-up and recording:
+    `FusedPlan.recorded`, and `compiled` where the cache asks to `fuse` the elementwise chains."""
+    return {"fused": {"compiled": fuse, "recorded": True}}
 
 
 def plan_settings(config, weight: torch.Tensor, grad: bool | None = None) -> dict:
@@ -228,9 +214,10 @@ class RMSNorm(LlamaRMSNorm):
         self.config = config
 
     def forward(self, x: torch.Tensor, plan: FusedPlan | None = None) -> torch.Tensor:
-        if _Step.compiled:
+        plan = plan or own_plan(self.config, x, self.weight)
+        if plan.compiled:
             return rms_norm(x, self.weight, self.variance_epsilon)
-        if (plan or own_plan(self.config, x, self.weight)).rms_norm == "kernel":
+        if plan.rms_norm == "kernel":
             return rms_norm_kernel(x, self.weight, self.variance_epsilon, backend="triton")
         return super().forward(x)
 
@@ -238,9 +225,10 @@ class RMSNorm(LlamaRMSNorm):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, this norm of x + h): a residual add and the norm after it. The kernel also needs h of x's
         dtype (a mixer's output under autocast may not be: then the PyTorch form)."""
-        if _Step.compiled:
+        plan = plan or own_plan(self.config, x, self.weight)
+        if plan.compiled:
             return add_rms_norm(x, h, self.weight, self.variance_epsilon)
-        if (plan or own_plan(self.config, x, self.weight)).rms_norm == "kernel" and h.dtype == x.dtype:
+        if plan.rms_norm == "kernel" and h.dtype == x.dtype:
             return add_rms_norm_kernel(x, h, self.weight, self.variance_epsilon, backend="triton")
         y = x + h
         return y, super().forward(y)
@@ -257,8 +245,9 @@ class MLP(PackedInputs, LlamaMLP):
 
     def forward(self, x: torch.Tensor, plan: FusedPlan | None = None) -> torch.Tensor:
         silu = self.config.hidden_act == "silu"
-        kernels = not _Step.compiled and (plan or own_plan(self.config, x, x)).silu_mul == "kernel"
-        y = None if _Step.compiled else packed_output(self, x)
+        plan = plan or own_plan(self.config, x, x)
+        kernels = not plan.compiled and plan.silu_mul == "kernel"
+        y = None if plan.compiled else packed_output(self, x)
         if y is None:
             p = input_projections(self, x)
         else:
@@ -271,9 +260,9 @@ class MLP(PackedInputs, LlamaMLP):
             p = packed_members(self, y)
         gate, up = p["gate_proj"], p["up_proj"]
         if silu:
-            if _Step.compiled:
+            if plan.compiled:
                 return self.down_proj(silu_mul(gate, up))
-            if kernels and gate.dim() == 3 and not (plan.grad if plan else torch.is_grad_enabled()):
+            if kernels and gate.dim() == 3 and not plan.grad:
                 return self.down_proj(silu_mul_kernel(gate, up, backend="triton"))
         return self.down_proj(self.act_fn(gate) * up)
 
@@ -285,9 +274,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     kernel_backend) says rope="kernel", one Triton kernel forward and one backward with the values of that
     form (`kernels.rope`) for inputs it takes (cos / sin broadcast otherwise than over the batch: that
     form); else that form."""
-    if _Step.compiled:
-        return rope(q, k, cos, sin)
     plan = plan or plan_fused(q.dtype, q.device, backend=backend, head_dim=q.shape[-1])
+    if plan.compiled:
+        return rope(q, k, cos, sin)
     if plan.rope == "kernel" and rope_unsupported(q, k, cos, sin) is None:
         return rope_kernel(q, k, cos, sin, backend="triton")
     return _rope(q, k, cos, sin)
@@ -313,10 +302,10 @@ class HeadNorm(nn.Module):
         forward and one backward with the PyTorch form's values (`kernels.norm_gate.add_norm`, on the
         [B, T, heads, dim] layout) for inputs it takes (o and x of two branches may differ in dtype under
         autocast: then the PyTorch form)."""
-        if _Step.compiled:
-            return add_head_norm(o, x, self.weight, self.eps)
         plan = plan or plan_fused(x.dtype, x.device, backend=backend, weight_dtype=self.weight.dtype,
                                   head_dim=x.shape[-1])
+        if plan.compiled:
+            return add_head_norm(o, x, self.weight, self.eps)
         if plan.add_norm == "kernel":
             ot, xt = o.transpose(1, 2), x.transpose(1, 2)
             if norm_gate_unsupported(xt, self.weight, ot) is None:

@@ -10,12 +10,19 @@ is the conversion's half: the source's attention tensors of a converted layer, c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from ..kernels.utils import fused_backend
-from ..kernels.window_attention import fresh_ring, window_step
-from .base import SequenceInfo, SoftmaxAttention
+from ..kernels.utils import fused_backend, fused_kernel, resolve_backend
+from ..kernels.window_attention import (
+    fresh_ring,
+    fresh_ring_shapes_unsupported,
+    window_step,
+    window_step_shapes_unsupported,
+)
+from .base import SequenceInfo, SoftmaxAttention, operand_dtype
 from .fused import FusedPlan, forward_plan
 
 #: The cache layer's tensors of the window branch.
@@ -134,13 +141,14 @@ class FreshRing:
 
     sink_slots = 0  # the keys `update` returns are the new tokens alone
 
-    def __init__(self, layer, window: int, sinks: int = 0, backend: str = "auto") -> None:
-        self.layer, self.window, self.sinks, self.backend = layer, window, sinks, backend
+    def __init__(self, layer, window: int, sinks: int = 0, kernel: bool = False) -> None:
+        self.layer, self.window, self.sinks, self.kernel = layer, window, sinks, kernel
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, H, T, D] (post-RoPE) -> themselves, after writing the ring and the sinks
-        (`kernels.window_attention.fresh_ring`: on CUDA one kernel)."""
-        ring_k, ring_v, pos, sink_k, sink_v, sink_pos = fresh_ring(k, v, self.window, self.sinks, self.backend)
+        (`kernels.window_attention.fresh_ring`: one kernel where `kernel`, `WindowPlan.ring_kernel`)."""
+        ring_k, ring_v, pos, sink_k, sink_v, sink_pos = fresh_ring(k, v, self.window, self.sinks,
+                                                                   "triton" if self.kernel else "torch")
         t = self.layer.tensors
         t.update(swa_k=ring_k, swa_v=ring_v, swa_pos=pos)
         if self.sinks:
@@ -155,22 +163,68 @@ class FreshRing:
 WINDOW_PATHS = ("rows", "steady", "static", "fresh", "ring")
 
 
+@dataclass(frozen=True)
+class WindowPlan:
+    """The path of one window branch's call. `path`: one of WINDOW_PATHS; `step_kernel`: the "static"
+    step runs `kernels.window_attention.window_step`'s Triton kernel (else its PyTorch form);
+    `ring_kernel`: the "fresh" call fills the ring and the sinks with `fresh_ring`'s kernel (else its
+    PyTorch ops). Each kernel field is False on the other paths."""
+
+    path: str
+    step_kernel: bool = False
+    ring_kernel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.path not in WINDOW_PATHS:
+            raise ValueError(f"a window path must be one of {WINDOW_PATHS}, got {self.path!r}")
+        if self.step_kernel and self.path != "static" or self.ring_kernel and self.path != "fresh":
+            raise ValueError(f"WindowPlan: step_kernel is a 'static' path's and ring_kernel a 'fresh' one's; got "
+                             f"path {self.path!r}, step_kernel {self.step_kernel}, ring_kernel {self.ring_kernel}")
+
+
 def plan_window(T: int, *, cached: bool, whole: bool, length: int | None, causal: bool, weights: bool, grad: bool,
-                sdpa: bool, window: int, sinks: int, ring: bool, sink_ring: bool, path: str | None = None) -> str:
-    """The path (`WINDOW_PATHS`) of a window branch's call on T new tokens: `cached` (a cache layer),
+                sdpa: bool, window: int, sinks: int, ring: bool, sink_ring: bool, heads: tuple[int, int, int],
+                dtype: torch.dtype, device: torch.device | str, backend: str, path: str | None = None,
+                step_kernel: bool | None = None, ring_kernel: bool | None = None) -> WindowPlan:
+    """The plan (`WindowPlan`) of a window branch's call on T new tokens: `cached` (a cache layer),
     `whole` (a static cache's whole buffers), `length` (`SequenceInfo.length`), `causal`, `weights` (the
     caller asked for attention weights), `grad` (gradients on), `sdpa` (not the eager attention), the
-    branch's `window` and `sinks`, and whether its ring (`ring`) and sinks (`sink_ring`) are made.
-    `path`: the caller's, as it is (a test's "ring", say).
+    branch's `window` and `sinks`, whether its ring (`ring`) and sinks (`sink_ring`) are made, its
+    `heads` (query heads, key / value heads, head dim), the `dtype` of its operands, `device` (a device
+    type is enough: "cuda" plans the CUDA paths on any machine, the kernels then running under Triton's
+    interpreter) and the model's `backend`. A caller sets the `path` (a test's "ring", say),
+    `step_kernel` or `ring_kernel` (taken on their own path only), as they are.
 
     A one-token step without gradients or attention weights under SDPA, with the ring (and sinks) made,
     is "steady" where every token so far is real with the count known on the host and at least W +
     sinks of them come before it (the ring and the sinks full, every slot in view), else "static" on a
-    static cache's whole buffers; a first call of real tokens with no ring yet is "fresh"."""
-    if path is not None:
-        if path not in WINDOW_PATHS:
-            raise ValueError(f"a window path must be one of {WINDOW_PATHS}, got {path!r}")
-        return path
+    static cache's whole buffers; a first call of real tokens with no ring yet is "fresh". The static
+    step takes its kernel by `utils.resolve_backend` ("auto": CUDA with Triton, for operands it takes;
+    an explicit "triton" raises where it cannot), the fresh fill as a fused op does (`utils.fused_kernel`
+    under `utils.fused_backend`)."""
+    if path is None:
+        path = _window_path(T, cached, whole, length, causal, weights, grad, sdpa, window, sinks, ring, sink_ring)
+    elif path not in WINDOW_PATHS:
+        raise ValueError(f"a window path must be one of {WINDOW_PATHS}, got {path!r}")
+    device = torch.device(device)
+    HQ, H, D = heads
+    if path != "static":
+        step_kernel = False
+    elif step_kernel is None:
+        why = window_step_shapes_unsupported((1, HQ, 1, D), (1, H, 1, D), dtype, sinks)
+        step_kernel = resolve_backend(backend, device, op="window decode step", has_triton=True, has_naive=True,
+                                      unsupported=why) == "triton"
+    if path != "fresh":
+        ring_kernel = False
+    elif ring_kernel is None:
+        why = fresh_ring_shapes_unsupported((1, H, T, D), dtype, window, sinks)
+        ring_kernel = fused_kernel(fused_backend(backend), device, "window ring fill", why)
+    return WindowPlan(path, step_kernel=bool(step_kernel), ring_kernel=bool(ring_kernel))
+
+
+def _window_path(T: int, cached: bool, whole: bool, length: int | None, causal: bool, weights: bool, grad: bool,
+                 sdpa: bool, window: int, sinks: int, ring: bool, sink_ring: bool) -> str:
+    """`plan_window`'s path of a call (its docstring)."""
     if not cached:
         return "rows"
     step = T == 1 and not weights and not grad and sdpa and ring and (not sinks or sink_ring)
@@ -203,12 +257,15 @@ class WindowBranch:
         with the window's keys/values in the cache layer's ring (`WindowRing`), on the path `plan_window`
         gives. `inputs`: the mixer's q / k / v projections of x when the branch reads those (`add_window`
         without `own_qkv`)."""
-        t = {} if cache_layer is None else cache_layer.tensors
-        path = seq.plan("window", plan_window, x.shape[1], cached=cache_layer is not None,
+        t, attn = {} if cache_layer is None else cache_layer.tensors, self.swa
+        plan = seq.plan("window", plan_window, x.shape[1], cached=cache_layer is not None,
                         whole=cache_layer is not None and cache_layer.whole, length=seq.length, causal=seq.causal,
                         weights=seq.attentions is not None, grad=torch.is_grad_enabled(),
-                        sdpa=self.config._attn_implementation != "eager", window=self.window, sinks=self.swa.sinks,
-                        ring="swa_k" in t, sink_ring="swa_sink_k" in t)
+                        sdpa=self.config._attn_implementation != "eager", window=self.window, sinks=attn.sinks,
+                        ring="swa_k" in t, sink_ring="swa_sink_k" in t,
+                        heads=(attn.num_heads, attn.num_kv_heads, attn.head_dim), dtype=operand_dtype(x),
+                        device=x.device, backend=self.config.kernel_backend)
+        path = plan.path
         if path == "rows":
             # a packed batch's documents (one per right-padded row) keep their causal rows: the O(T W) forms
             window_seq = seq.branch(seq.positions, seq.valid, seq.positions, causal=seq.causal,
@@ -219,11 +276,12 @@ class WindowBranch:
             return self.steady_window_step(x, position_embeddings, seq.length - 1, cache_layer, inputs, fused)
         if path == "static":
             fused = forward_plan(seq, self.config, x, self.swa.o_proj.weight)
-            return self.static_window_step(x, position_embeddings, seq.positions[:, 0], cache_layer, inputs, fused)
+            return self.static_window_step(x, position_embeddings, seq.positions[:, 0], cache_layer, inputs, fused,
+                                           kernel=plan.step_kernel)
         if path == "fresh":
             # a first call of real tokens (a prefill): causal rows over the new tokens, the ring filled from them
             fresh = seq.branch(seq.positions, seq.valid, seq.positions, causal=True)
-            ring = FreshRing(cache_layer, self.window, self.swa.sinks, fused_backend(self.config.kernel_backend))
+            ring = FreshRing(cache_layer, self.window, self.swa.sinks, plan.ring_kernel)
             return self.swa(x, position_embeddings, fresh, ring, inputs=inputs)[0]
         ring = WindowRing(cache_layer, seq.positions, self.window, no_padding=seq.causal, consecutive=seq.consecutive,
                           sinks=self.swa.sinks)
@@ -233,18 +291,19 @@ class WindowBranch:
 
     def static_window_step(self, x: torch.Tensor, position_embeddings, position: torch.Tensor,
                            cache_layer, inputs: dict[str, torch.Tensor] | None = None,
-                           plan: FusedPlan | None = None) -> torch.Tensor:
+                           plan: FusedPlan | None = None, kernel: bool = False) -> torch.Tensor:
         """One decode step of the window with the positions on the device (position [B], each row's new
         token, real), as a captured step runs it: the new key / value / position go into ring slot
         position % W (and into the sinks while position < sinks) in place, and the query attends over
         the sinks and the ring under the mask `window_keys` gives (ring slots of the last W positions,
-        sink copies W or more back): `kernels.window_attention.window_step`, on CUDA one kernel. The
-        values of the masked path (`WindowRing`). `plan`: this forward's `fused.FusedPlan` (RoPE's path)."""
+        sink copies W or more back): `kernels.window_attention.window_step`, on its kernel where `kernel`
+        (`WindowPlan.step_kernel`: one launch). The values of the masked path (`WindowRing`). `plan`: this
+        forward's `fused.FusedPlan` (RoPE's path)."""
         attn, t = self.swa, cache_layer.tensors
         q, k, v = attn.project(x, position_embeddings, inputs=inputs, plan=plan)  # [B, heads, 1, D]
         sinks = [t[n] for n in ("swa_sink_k", "swa_sink_v", "swa_sink_pos")] if attn.sinks else [None] * 3
         o = window_step(q, k, v, t["swa_k"], t["swa_v"], t["swa_pos"], *sinks, position, self.window, attn.scaling,
-                        self.config.kernel_backend, self.config.kernel_precision)
+                        kernel=kernel, precision=self.config.kernel_precision)
         return attn.o_proj(o.transpose(1, 2).reshape(x.shape[0], 1, -1))
 
     def steady_window_step(self, x: torch.Tensor, position_embeddings, position: int, cache_layer,

@@ -15,6 +15,7 @@ from subquadratic.kernels import triton_decode  # noqa: E402
 from subquadratic.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     decode_attention_reference,
+    decode_shapes_unsupported,
     decode_unsupported,
     exact_decode_dots,
 )
@@ -69,9 +70,16 @@ def test_spans_cover_the_keys_in_whole_tiles():
             assert -(-S // span) <= max(1, -(-2 * 132 // rows))  # about two programs per multiprocessor, at most
 
 
-def test_dispatch_and_precision():
+def test_the_kernels_are_taken_as_asked_and_check_their_inputs(monkeypatch):
+    """`kernel` (the softmax plan's "decode_kernel" path) picks the kernels or the PyTorch form, which agree;
+    the kernels refuse inputs they do not take in one line; the plan's shape check agrees with the tensors'."""
     q, k, v, allowed = make(1, 4, 2, 20, 16, "random", 0)
     assert decode_unsupported(q, k, v, allowed) is None
+    assert decode_shapes_unsupported(tuple(q.shape), tuple(k.shape), q.dtype) is None
+    assert "dtype" in decode_shapes_unsupported(tuple(q.shape), tuple(k.shape), torch.float64)
+    assert "head dim" in decode_shapes_unsupported((1, 4, 1, 512), (1, 2, 20, 512), q.dtype)
+    assert "query heads a KV head" in decode_shapes_unsupported((1, 130, 1, 16), (1, 2, 20, 16), q.dtype)
+    assert "shapes" in decode_shapes_unsupported((1, 4, 2, 16), (1, 2, 20, 16), q.dtype)
     assert "shapes" in decode_unsupported(q.expand(1, 4, 2, 16), k, v, allowed)
     assert "dtypes" in decode_unsupported(q.double(), k, v, allowed)
     assert "allowed" in decode_unsupported(q, k, v, allowed.long())
@@ -80,17 +88,22 @@ def test_dispatch_and_precision():
     assert not exact_decode_dots(torch.bfloat16, "ieee")
     with pytest.raises(ValueError, match="kernel_precision"):
         exact_decode_dots(torch.float32, "fast")
-    if DEV == "cpu":
-        with pytest.raises(ValueError, match="CUDA"):
-            decode_attention(q, k, v, allowed, 0.25, backend="triton")
-    out = decode_attention(q, k, v, allowed, 0.25)
-    torch.testing.assert_close(out, decode_attention_reference(q, k, v, allowed, 0.25), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="decode attention kernels do not take these inputs: dtypes"):
+        decode_attention(q.double(), k, v, allowed, 0.25, kernel=True)
+    calls, real = [], triton_decode.decode_triton
+    monkeypatch.setattr(triton_decode, "decode_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = decode_attention(q, k, v, allowed, 0.25, kernel=True, precision="ieee")
+    assert len(calls) == 1
+    ref = decode_attention(q, k, v, allowed, 0.25)  # kernel=False: the PyTorch form
+    assert len(calls) == 1
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ref, decode_attention_reference(q, k, v, allowed, 0.25), atol=0, rtol=0)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_at_real_shapes():
     q, k, v, allowed = make(2, 32, 8, 40000, 64, "random", 1, torch.bfloat16)
-    got = decode_attention(q, k, v, allowed, 0.125)
+    got = decode_attention(q, k, v, allowed, 0.125, kernel=True)
     want = definition(q.double(), k.double(), v.double(), allowed, 0.125)
     assert (got.double() - want).abs().max() < 2e-2

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from subquadratic.kernels.window_attention import (  # noqa: E402
     fresh_ring,
     fresh_ring_reference,
+    fresh_ring_shapes_unsupported,
     fresh_ring_unsupported,
 )
 
@@ -72,6 +73,11 @@ def test_fresh_ring_refuses_what_the_kernel_does_not_take():
     assert "sinks" in fresh_ring_unsupported(k, k, 8, 65)
     strided = torch.randn(1, 2, 16, 4).transpose(2, 3)  # [1, 2, 4, 16], stride 4 along D
     assert "unit stride" in fresh_ring_unsupported(strided, strided, 8, 2)
+    # the window plan's question (`plan_window`'s ring_kernel), on shapes alone
+    assert fresh_ring_shapes_unsupported(tuple(k.shape), k.dtype, 8, 2) is None
+    assert "dtype" in fresh_ring_shapes_unsupported(tuple(k.shape), torch.float64, 8, 2)
+    assert "head dim at most" in fresh_ring_shapes_unsupported((1, 2, 4, 512), k.dtype, 8, 2)
+    assert "sinks 65" in fresh_ring_shapes_unsupported(tuple(k.shape), k.dtype, 8, 65)
     with pytest.raises(ValueError, match="window ring fill kernel does not take"):
         fresh_ring(k.double(), k.double(), 8, 2, backend="triton")
     # "auto" off CUDA and "torch" take the PyTorch ops

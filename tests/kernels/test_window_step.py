@@ -81,22 +81,38 @@ def test_steps_match_the_definition_and_write_what_the_torch_step_writes(case):
             assert a is None and r is None or torch.equal(a, r)
 
 
-def test_dispatch_takes_the_kernel_on_cuda_only_and_checks_its_inputs():
+def test_the_kernel_is_taken_as_asked_and_checks_its_inputs(monkeypatch):
+    """`kernel` (the window plan's `step_kernel`) picks the kernel or the PyTorch step, which agree; the kernel
+    refuses inputs it does not take in one line; the plan's shape check agrees with the tensors'."""
+    from subquadratic.kernels import triton_window
+    from subquadratic.kernels.window_attention import window_step_shapes_unsupported
+
     B, H, W, D = 1, 2, 8, 16
-    q, k, v = torch.randn(B, 4, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+    q, k, v = (torch.randn(B, h, 1, D).to(DEV) for h in (4, H, H))
     bufs = buffers(B, H, W, D, 2, torch.float32)
-    if DEV == "cpu":
-        bufs = [x.cpu() for x in bufs]
-        with pytest.raises(ValueError, match="CUDA"):
-            window_step(q, k, v, *bufs, torch.tensor([0]), W, 0.25, backend="triton")
     ring_k, ring_v, _, sink_k, sink_v, _ = bufs
     assert window_step_unsupported(q, k, v, ring_k, ring_v, sink_k, sink_v) is None
+    assert window_step_shapes_unsupported(tuple(q.shape), tuple(k.shape), q.dtype, 2) is None
     assert "dtypes" in window_step_unsupported(q.double(), k, v, ring_k, ring_v, sink_k, sink_v)
-    strided_v = torch.randn(B, H, 1, 2 * D)[..., ::2]
+    strided_v = torch.randn(B, H, 1, 2 * D, device=DEV)[..., ::2]
     assert "unit stride" in window_step_unsupported(q, k, strided_v, ring_k, ring_v, sink_k, sink_v)
-    q, k, v = q.to(DEV), k.to(DEV), v.to(DEV)
-    out = window_step(q, k, v, *buffers(B, H, W, D, 2, torch.float32), torch.tensor([0], device=DEV), W, 0.25)
+    assert "dtype" in window_step_shapes_unsupported(tuple(q.shape), tuple(k.shape), torch.float64, 2)
+    assert "H dividing HQ" in window_step_shapes_unsupported((B, 4, 1, D), (B, 3, 1, D), q.dtype, 2)
+    assert "sinks" in window_step_shapes_unsupported(tuple(q.shape), tuple(k.shape), q.dtype, 65)
+    with pytest.raises(ValueError, match="window decode step kernel does not take these inputs: dtypes"):
+        window_step(q.double(), k, v, *bufs, torch.tensor([0], device=DEV), W, 0.25, kernel=True)
+    calls, real = [], triton_window.window_step_triton
+    monkeypatch.setattr(triton_window, "window_step_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    pos = torch.tensor([0], device=DEV)
+    out = window_step(q, k, v, *bufs, pos, W, 0.25, kernel=True, precision="ieee")
+    assert len(calls) == 1
+    ref_bufs = buffers(B, H, W, D, 2, torch.float32)
+    ref = window_step(q, k, v, *ref_bufs, pos, W, 0.25)  # kernel=False: the PyTorch step
+    assert len(calls) == 1
     assert out.shape == (B, 4, 1, D) and torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+    for a, r in zip(bufs, ref_bufs, strict=True):
+        assert torch.equal(a, r)
 
 
 @pytest.mark.gpu

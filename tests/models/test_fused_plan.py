@@ -112,3 +112,25 @@ def test_set_plan_names_the_fused_op():
     assert model.model.plan_settings["fused"] == {"rope": "kernel"}
     model.set_plan("fused")
     assert "fused" not in model.model.plan_settings
+
+
+def test_a_call_sets_fields_over_the_models_settings(monkeypatch):
+    """A forward's `plan_settings` (what a captured step's capture passes, `fused.captured_step`) set fields
+    over the model's (`set_plan`), op by op, for that call only; the model's settings stay as they were."""
+    from .sse.test_modeling_sse import model as sse_model
+
+    model = sse_model("tiny-h", 0)
+    model.set_plan("fused", rope="torch")
+    model.set_plan("softmax", path="eager")
+    made, real = [], fused.plan_fused
+    monkeypatch.setattr(fused, "plan_fused", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    settings = fused.captured_step(True)
+    assert settings == {"fused": {"compiled": True, "recorded": True}}
+    merged = model.model.call_plan_settings(settings)
+    assert merged == {"fused": {"rope": "torch", "compiled": True, "recorded": True}, "softmax": {"path": "eager"}}
+    with torch.no_grad():
+        model.model(ids, use_cache=False, plan_settings=fused.captured_step(False))
+        assert made[-1] == FusedPlan(recorded=True)  # the model's rope="torch", the call's two fields
+        model.model(ids, use_cache=False)
+    assert made[-1] == FusedPlan() and model.model.plan_settings["fused"] == {"rope": "torch"}

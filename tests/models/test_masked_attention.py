@@ -56,10 +56,9 @@ def test_packs_only_grouped_queries_with_a_mask_smaller_than_the_repeat_without_
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
 def test_static_steps_of_a_softmax_layer_take_the_decode_attention_and_match_the_full_forward(kernel, monkeypatch):
     """A static cache's one-token steps of a grouped softmax layer run `decode_attention` (on its Triton
-    kernels as on CUDA: here forced, under the interpreter, fp32; else the PyTorch form, fp64) and give
-    the full forward's logits; a chunk of several tokens after the prefill takes the grouped form."""
-    from subquadratic.kernels import decode_attention as da
-
+    kernels as on CUDA: here forced by the softmax plan, `decode_kernel`, under the interpreter, fp32; else
+    the PyTorch form, fp64) and give the full forward's logits; a chunk of several tokens after the prefill
+    takes the grouped form."""
     from .sse.test_modeling_sse import lively
 
     dev = "cuda" if kernel and torch.cuda.is_available() else "cpu"
@@ -70,10 +69,15 @@ def test_static_steps_of_a_softmax_layer_take_the_decode_attention_and_match_the
     real_decode, real_grouped = base.decode_attention, base.grouped_query_attention
     monkeypatch.setattr(base, "decode_attention", lambda *a, **kw: steps.append(1) or real_decode(*a, **kw))
     monkeypatch.setattr(base, "grouped_query_attention", lambda *a, **kw: chunks.append(1) or real_grouped(*a, **kw))
+    on_kernel = []  # the kernels' wrapper, one call a step
     if kernel:
         pytest.importorskip("triton")
-        forced = lambda *a, unsupported=None, **kw: "torch" if unsupported else "triton"  # noqa: E731
-        monkeypatch.setattr(da, "resolve_backend", forced)
+        from subquadratic.kernels import triton_decode
+
+        real_kernel = triton_decode.decode_triton
+        monkeypatch.setattr(triton_decode, "decode_triton",
+                            lambda *a, **kw: on_kernel.append(1) or real_kernel(*a, **kw))
+    model.set_plan("softmax", decode_kernel=kernel)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 128, (2, 24), generator=g).to(dev)
     with torch.no_grad():
@@ -84,6 +88,7 @@ def test_static_steps_of_a_softmax_layer_take_the_decode_attention_and_match_the
         logits += [model(ids[:, t:t + 1], **{CACHE_FIELD: cache}).logits for t in range(20, 23)]
     softmax_layers = len(model.config.softmax_layers)
     assert len(steps) == 3 * softmax_layers and len(chunks) == softmax_layers
+    assert len(on_kernel) == (len(steps) if kernel else 0)  # each step on the kernels asked for
     torch.testing.assert_close(torch.cat(logits, 1), full[:, 15:23], atol=1e-4 if kernel else 1e-9, rtol=0)
 
 

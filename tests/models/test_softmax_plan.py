@@ -1,6 +1,6 @@
 """The softmax layers' plan (`base.plan_softmax`): the path of each kind of call (a table of inputs and the
-path they give), a caller's path, and one plan per forward for every softmax layer that plans alike (the
-window branches' included)."""
+path they give; where a masked query takes the decode kernels), a caller's path, and one plan per forward
+for every softmax layer that plans alike (the window branches' included)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,25 @@ PLANS = [
     (dict(path="eager"), "eager"),
 ]
 
+#: one query under a mask (a static cache's step) as CALL's keywords
+STEP = dict(q_shape=(2, 4, 1, 16), k_shape=(2, 2, 40, 16), causal_rows=False, causal=False, grad=False)
+#: (plan_softmax's keywords over CALL, the path, whether the row plans for a CUDA device with Triton
+#: installed): where a masked query takes the decode kernels
+DECODE_PLANS = [
+    (STEP, "decode", False),  # the CPU: the PyTorch form
+    ({**STEP, "device": "cuda"}, "decode_kernel", True),
+    ({**STEP, "device": "cuda", "dtype": torch.bfloat16}, "decode_kernel", True),
+    ({**STEP, "device": "cuda", "backend": "torch"}, "decode", False),
+    ({**STEP, "device": "cuda", "backend": "naive"}, "decode", False),
+    ({**STEP, "device": "cuda", "dtype": torch.float64}, "decode", False),  # not a kernel dtype
+    ({**STEP, "device": "cuda", "q_shape": (2, 4, 1, 512), "k_shape": (2, 2, 40, 512)}, "decode", False),  # dim
+    ({**STEP, "device": "cuda", "q_shape": (1, 130, 1, 16), "k_shape": (1, 2, 40, 16)}, "decode", False),  # group
+    ({**STEP, "decode_kernel": True}, "decode_kernel", False),  # a caller's, as it is (the interpreter)
+    ({**STEP, "device": "cuda", "decode_kernel": False}, "decode", False),
+    ({**STEP, "device": "cuda", "dropout": True, "grad": True}, "masked", False),  # no decode path with dropout
+    ({**STEP, "device": "cuda", "decode_kernel": True, "causal": True}, "causal", False),  # no mask at all
+]
+
 
 @pytest.mark.parametrize("given,want", PLANS)
 def test_the_softmax_path_of_each_call(given, want):
@@ -40,9 +59,22 @@ def test_the_softmax_path_of_each_call(given, want):
     assert plan_softmax(kw.pop("q_shape"), kw.pop("k_shape"), torch.float32, "cpu", **kw) == want
 
 
+@pytest.mark.parametrize("given,want,needs_triton", DECODE_PLANS)
+def test_the_decode_kernels_of_each_step(given, want, needs_triton):
+    from subquadratic.kernels.utils import triton_available
+
+    if needs_triton and not triton_available():
+        pytest.skip("plans the Triton kernels only where Triton is installed")
+    kw = {**CALL, "dtype": torch.float32, "device": "cpu", **given}
+    assert plan_softmax(kw.pop("q_shape"), kw.pop("k_shape"), kw.pop("dtype"), kw.pop("device"), **kw) == want
+
+
 def test_a_bad_softmax_path_is_refused():
     with pytest.raises(ValueError, match="softmax path"):
         plan_softmax(**{**CALL, "dtype": torch.float32, "device": "cpu", "path": "fast"})
+    kw = {**CALL, **STEP, "backend": "triton"}  # the kernels asked for on the CPU: one line saying what they need
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        plan_softmax(kw.pop("q_shape"), kw.pop("k_shape"), torch.float32, "cpu", **kw)
 
 
 def test_the_softmax_layers_plan_once_per_forward(monkeypatch):

@@ -154,7 +154,7 @@ def test_static_steps_equal_the_masked_path(make, sinks, prefill, monkeypatch):
     steps = []
     real = window_module.WindowBranch.static_window_step
     monkeypatch.setattr(window_module.WindowBranch, "static_window_step",
-                        lambda self, *a: steps.append(1) or real(self, *a))
+                        lambda self, *a, **kw: steps.append(1) or real(self, *a, **kw))
     fast, fast_cache = decode(m, ids, prefill, mask, cache=m.new_cache(max_length=T))
     window_layers = sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
     assert len(steps) == window_layers * (T - prefill)
@@ -173,11 +173,11 @@ def test_static_steps_equal_the_masked_path(make, sinks, prefill, monkeypatch):
 
 @pytest.mark.parametrize("make, sinks", [(sse_window, 3), (hla_window_sinks, 2)])
 def test_static_steps_on_the_kernel_equal_the_masked_path(make, sinks, monkeypatch):
-    """The same steps with the window step on its Triton kernel (as on CUDA; here forced, on a GPU or
-    under the interpreter), fp32: the masked path's logits, ring and sinks, one launch a layer a step."""
+    """The same steps with the window step on its Triton kernel (as on CUDA; here forced by the window's
+    plan, `step_kernel`, on a GPU or under the interpreter), fp32: the masked path's logits, ring and sinks,
+    one launch a layer a step."""
     pytest.importorskip("triton")
     from subquadratic.kernels import triton_window
-    from subquadratic.kernels import window_attention as wa
 
     m = on_kernel_device(make(sinks))
     W = m.model.layers[0].self_attn.window
@@ -188,7 +188,7 @@ def test_static_steps_on_the_kernel_equal_the_masked_path(make, sinks, monkeypat
     launches = []
     real = triton_window.window_step_triton
     monkeypatch.setattr(triton_window, "window_step_triton", lambda *a, **kw: launches.append(1) or real(*a, **kw))
-    monkeypatch.setattr(wa, "resolve_backend", lambda *a, unsupported=None, **kw: "torch" if unsupported else "triton")
+    m.set_plan("window", step_kernel=True)
     # eager steps: on a GPU a captured step would replay its launches without calling the wrapper again
     fast, fast_cache = decode(m, ids, 2, mask, cache=m.new_cache(max_length=T, cuda_graph=False))
     window_layers = sum(1 for layer in m.model.layers if getattr(layer.self_attn, "window", 0))
@@ -203,9 +203,10 @@ def test_static_steps_on_the_kernel_equal_the_masked_path(make, sinks, monkeypat
                 torch.testing.assert_close(a.tensors[name], b.tensors[name], rtol=0, atol=2e-5, msg=name)
 
 
-#: (plan_window's keywords over STEP, the path): STEP is a steady one-token step past the window and sinks
+#: (plan_window's keywords over STEP, the path): STEP is a steady one-token step past the window and sinks,
+#: 4 query heads over 2 key / value heads of dim 16, fp32 on the CPU
 STEP = dict(T=1, cached=True, whole=False, length=20, causal=True, weights=False, grad=False, sdpa=True, window=8,
-            sinks=2, ring=True, sink_ring=True)
+            sinks=2, ring=True, sink_ring=True, heads=(4, 2, 16), dtype=torch.float32, device="cpu", backend="auto")
 WINDOW_PLANS = [
     ({}, "steady"),
     (dict(cached=False, T=7), "rows"),
@@ -228,12 +229,61 @@ WINDOW_PLANS = [
 @pytest.mark.parametrize("given,want", WINDOW_PLANS)
 def test_the_window_path_of_each_call(given, want):
     kw = {**STEP, **given}
-    assert window_module.plan_window(kw.pop("T"), **kw) == want
+    assert window_module.plan_window(kw.pop("T"), **kw).path == want
 
 
-def test_a_bad_window_path_is_refused():
+#: a static cache's one-token step (the positions on the device) and a first call of real tokens
+STATIC = dict(length=None, causal=False, whole=True)
+FRESH = dict(T=5, length=5, ring=False, sink_ring=False)
+#: (plan_window's keywords over STEP, (path, step_kernel, ring_kernel), whether the row plans for a CUDA
+#: device with Triton installed): where the step and the ring fill take their Triton kernels
+WINDOW_KERNELS = [
+    (STATIC, ("static", False, False), False),  # the CPU: the PyTorch forms
+    ({**STATIC, "device": "cuda"}, ("static", True, False), True),
+    ({**STATIC, "device": "cuda", "dtype": torch.bfloat16}, ("static", True, False), True),
+    ({**STATIC, "device": "cuda", "backend": "torch"}, ("static", False, False), False),
+    ({**STATIC, "device": "cuda", "backend": "naive"}, ("static", False, False), False),
+    ({**STATIC, "device": "cuda", "dtype": torch.float64}, ("static", False, False), False),  # not a kernel dtype
+    ({**STATIC, "device": "cuda", "heads": (4, 3, 16)}, ("static", False, False), False),  # 3 KV heads for 4
+    ({**STATIC, "device": "cuda", "heads": (4, 2, 512)}, ("static", False, False), False),  # head dim over 256
+    ({**STATIC, "device": "cuda", "sinks": 65}, ("static", False, False), False),  # sinks over one key tile
+    ({**STATIC, "step_kernel": True}, ("static", True, False), False),  # a caller's, as it is (the interpreter)
+    ({**STATIC, "device": "cuda", "step_kernel": False}, ("static", False, False), False),
+    ({"device": "cuda"}, ("steady", False, False), False),  # the steady step has no kernel
+    ({"step_kernel": True, "ring_kernel": True}, ("steady", False, False), False),  # taken on their path only
+    (FRESH, ("fresh", False, False), False),
+    ({**FRESH, "device": "cuda"}, ("fresh", False, True), True),
+    ({**FRESH, "device": "cuda", "backend": "triton"}, ("fresh", False, True), True),
+    ({**FRESH, "device": "cuda", "backend": "torch"}, ("fresh", False, False), False),
+    ({**FRESH, "device": "cuda", "dtype": torch.float64}, ("fresh", False, False), False),
+    ({**FRESH, "ring_kernel": True}, ("fresh", False, True), False),
+    ({**FRESH, "device": "cuda", "path": "ring"}, ("ring", False, False), False),  # a caller's path
+]
+
+
+@pytest.mark.parametrize("given,want,needs_triton", WINDOW_KERNELS)
+def test_the_window_kernels_of_each_call(given, want, needs_triton):
+    from subquadratic.kernels.utils import triton_available
+
+    if needs_triton and not triton_available():
+        pytest.skip("plans the Triton kernels only where Triton is installed")
+    kw = {**STEP, **given}
+    plan = window_module.plan_window(kw.pop("T"), **kw)
+    assert (plan.path, plan.step_kernel, plan.ring_kernel) == want
+
+
+def test_a_bad_window_plan_is_refused():
     with pytest.raises(ValueError, match="window path"):
         window_module.plan_window(**{**STEP, "path": "fast"})
+    with pytest.raises(ValueError, match="window path"):
+        window_module.WindowPlan("fast")
+    with pytest.raises(ValueError, match="step_kernel is a 'static' path's"):
+        window_module.WindowPlan("steady", step_kernel=True)
+    with pytest.raises(ValueError, match="ring_kernel"):
+        window_module.WindowPlan("static", ring_kernel=True)
+    kw = {**STEP, **STATIC, "backend": "triton"}  # the kernel asked for on the CPU: one line saying what it needs
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        window_module.plan_window(kw.pop("T"), **kw)
 
 
 def test_the_window_plans_once_per_forward(monkeypatch):
@@ -245,4 +295,4 @@ def test_the_window_plans_once_per_forward(monkeypatch):
     assert window_layers >= 2
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
     decode(m, ids, prefill=20)
-    assert made == ["fresh"] + ["steady"] * 10
+    assert [plan.path for plan in made] == ["fresh"] + ["steady"] * 10

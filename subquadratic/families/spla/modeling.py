@@ -28,7 +28,7 @@ from ...modeling.base import (
     SubquadraticModel,
 )
 from ...modeling.cache import StateLayer
-from ...modeling.fused import HeadNorm, forward_plan, recording
+from ...modeling.fused import HeadNorm, forward_plan
 from .configuration import SPLAConfig
 
 
@@ -149,16 +149,16 @@ class SPLAAttention(AttentionBase):
         """gamma = 0: a fresh or converted model is exactly sparse attention."""
         init.zeros_(self.rla_norm.weight)
 
-    def gamma_is_zero(self) -> bool:
+    def gamma_is_zero(self, recorded: bool = False) -> bool:
         """Whether gamma is exactly 0 (a converted model before adaptation), read on the host once per
         value of the weight: the answer is kept with the weight's storage and in-place version counter
         (an optimizer step, `load_state_dict` or any in-place write bumps it), so steady-state calls
         never synchronise with the device. False (the residual term is computed) while compiling, or
-        warming up and recording a captured decode step (`fused.recording`; the warm-up then
-        compiles what the recording needs), or capturing any CUDA graph: a compiled or captured step
-        then stays right for any later gamma."""
+        warming up and recording a captured decode step (`recorded`: the forward's
+        `fused.FusedPlan.recorded`; the warm-up then compiles what the recording needs), or capturing
+        any CUDA graph: a compiled or captured step then stays right for any later gamma."""
         w = self.rla_norm.weight
-        if torch.compiler.is_compiling() or recording() or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if torch.compiler.is_compiling() or recorded or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
             return False
         try:
             key = (w.data_ptr(), w.device, w._version)
@@ -192,7 +192,8 @@ class SPLAAttention(AttentionBase):
             stats = BlockStats.empty(B, H, D, k.device, acc, num_blocks=nb).add_(
                 k.transpose(1, 2), seq.positions, cfg.block_size)
             sbar = torch.zeros(B, H, D, D, device=k.device, dtype=acc)
-        if params.use_rla and not torch.is_grad_enabled() and self.gamma_is_zero():
+        if params.use_rla and not torch.is_grad_enabled() and self.gamma_is_zero(
+                forward_plan(seq, cfg, hidden_states, self.o_proj.weight).recorded):
             # gamma = 0 (a converted model): o + RMSNorm_0(o_rla) is o exactly, so the residual term is not
             # computed (Sbar is still kept)
             cached = getattr(self, "_without_rla", None)  # (params, the same without the residual term)

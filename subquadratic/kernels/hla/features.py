@@ -48,12 +48,6 @@ def hla_features_unsupported(q: Tensor, k: Tensor, v: Tensor) -> str | None:
     return None
 
 
-def hla_features_takes_kernel(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether `hla_features(..., backend="auto")` runs the Triton kernels: CUDA, Triton installed,
-    inputs it takes."""
-    return fused_kernel("auto", q.device, "HLA feature", hla_features_unsupported(q, k, v))
-
-
 def hla_features(q: Tensor, k: Tensor, v: Tensor, scale: float, normalize: bool = True,
                  backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """(q', k', v') of the module docstring, the values of `hla_features_reference` up to the input

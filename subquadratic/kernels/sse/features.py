@@ -91,12 +91,6 @@ def sse_gla_features_unsupported(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: 
     return None
 
 
-def sse_gla_features_takes_kernel(*xs: Tensor | None, q2_mode: str = "full") -> bool:
-    """Whether `sse_gla_features(..., backend="auto")` runs the Triton kernels on these inputs (q1, k1,
-    q2, k2, v, z1, z2, bias1, bias2): CUDA, Triton installed, inputs it takes."""
-    return fused_kernel("auto", xs[0].device, "SSE feature", sse_gla_features_unsupported(*xs, q2_mode=q2_mode))
-
-
 def sse_gla_features(q1: Tensor, k1: Tensor, q2: Tensor | None, k2: Tensor | None, v: Tensor, z1: Tensor, z2: Tensor,
                      bias1: Tensor, bias2: Tensor, normalizer: float, backend: str = "auto",
                      q2_mode: str = "full") -> tuple[Tensor, ...]:

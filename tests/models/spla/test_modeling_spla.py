@@ -109,9 +109,10 @@ def test_zero_gamma_check_follows_in_place_writes(monkeypatch):
 
 
 def test_zero_gamma_shortcut_is_off_while_a_decode_step_is_recorded(monkeypatch):
-    """While a captured decode step warms up and records (inside `fused.compiled_step`, fused chains
-    or not), a converted model computes its residual term: the warm-up then compiles what the
-    recording runs, and the graph stays right for any later gamma; outside, the shortcut holds."""
+    """While a captured decode step warms up and records (the plan settings its capture passes,
+    `fused.captured_step`: the fused plan's `recorded`, fused chains or not), a converted model computes its
+    residual term: the warm-up then compiles what the recording runs, and the graph stays right for any
+    later gamma; outside, the shortcut holds."""
     from subquadratic.families.spla import modeling
     from subquadratic.modeling import fused
 
@@ -120,15 +121,14 @@ def test_zero_gamma_shortcut_is_off_while_a_decode_step_is_recorded(monkeypatch)
     seen = []
     real = modeling.spla_attention
     monkeypatch.setattr(modeling, "spla_attention", lambda *a, **kw: seen.append(a[7].use_rla) or real(*a, **kw))
-    with fused.compiled_step(True):  # with the fused chains (compiled on the GPU) too
-        assert fused.recording()
+    for fuse in (True, False):  # with the fused chains (compiled on the GPU) or not
+        plan = fused.plan_fused(torch.float32, "cpu", **fused.captured_step(fuse)["fused"])
+        assert plan.recorded and plan.compiled == fuse
+    assert not fused.plan_fused(torch.float32, "cpu").recorded
     with torch.no_grad():
-        with fused.compiled_step(False):
-            assert fused.recording()
-            model(x)
+        model.model(x, plan_settings=fused.captured_step(False))  # as `decode_logits` calls it
         assert set(seen) == {True}
         seen.clear()
-        assert not fused.recording()
         model(x)
         assert set(seen) == {False}
 
