@@ -89,38 +89,7 @@ def launches(c: collections.Counter) -> int:
 
 #: The ops whose plans a model makes as for a CUDA device (`set_plan(op, device="cuda")`): the mixers', the
 #: window branches' (decode step and ring fill), the softmax layers' and the decoder's fused elementwise ops.
-CUDA_PLANS = ("sse", "hla", "window", "softmax", "fused")
-
-
-@contextlib.contextmanager
-def cuda_paths():
-    """What has no model plan setting yet, as on CUDA (the Triton kernels, under the interpreter): SPLA's
-    plans (`plan_spla` for a CUDA device). The other ops plan as on CUDA by their plan settings
-    (`CUDA_PLANS`, `_count_model`)."""
-    from subquadratic.kernels import utils
-    from subquadratic.kernels.spla import plan
-
-    real = utils.resolve_backend
-    real_plan = plan.plan_spla
-
-    def resolve(backend, device, **kw):
-        return real(backend, torch.device("cuda") if device.type == "cpu" else device, **kw)
-
-    def plan_cuda(q_shape, k_shape, dtype, device, params, **kw):
-        return real_plan(q_shape, k_shape, dtype, "cuda", params, **kw)
-
-    patched = [(plan, "resolve_backend", resolve)]
-    import subquadratic.kernels.spla as spla
-
-    patched.append((spla, "plan_spla", plan_cuda))
-    saved = [(m, n, getattr(m, n)) for m, n, _ in patched]
-    for m, n, f in patched:
-        setattr(m, n, f)
-    try:
-        yield
-    finally:
-        for m, n, f in saved:
-            setattr(m, n, f)
+CUDA_PLANS = ("sse", "hla", "window", "softmax", "fused", "spla")
 
 
 def build_model(family: str, dtype: torch.dtype = torch.float32):
@@ -149,12 +118,7 @@ def build_model(family: str, dtype: torch.dtype = torch.float32):
 def count_model(family: str, T: int = 64, cuda: bool = True,
                 dtype: torch.dtype = torch.float32) -> dict[str, collections.Counter]:
     """{"forward": ops, "forward+grad": ops, "backward": ops} of one mixer layer at B = 1, T tokens;
-    `cuda`: the CUDA paths (`cuda_paths`)."""
-    with cuda_paths() if cuda else contextlib.nullcontext():
-        return _count_model(family, T, dtype, cuda)
-
-
-def _count_model(family: str, T: int, dtype: torch.dtype, cuda: bool) -> dict[str, collections.Counter]:
+    `cuda`: every op planned as for a CUDA device (`CUDA_PLANS`)."""
     model = build_model(family, dtype)
     if cuda:
         for op in CUDA_PLANS:  # their plans as for a CUDA device

@@ -533,8 +533,10 @@ class KeptCache:
 
 #: The ops that plan once per forward and whose plans a caller may set (`set_plan`): SSE
 #: (`kernels.sse.plan_sse`), HLA (`kernels.hla.plan_hla`), the window branch (`window.plan_window`), the
-#: softmax layers (`plan_softmax`) and the decoder's fused elementwise ops (`fused.plan_fused`).
-PLANNED_OPS = ("sse", "hla", "window", "softmax", "fused")
+#: softmax layers (`plan_softmax`), the decoder's fused elementwise ops (`fused.plan_fused`) and SPLA
+#: (`kernels.spla.plan_spla`; without settings each SPLA call plans itself, as `spla_attention` does, so
+#: that rows with padding in the middle take the PyTorch form; with them, the rows must be consecutive).
+PLANNED_OPS = ("sse", "hla", "window", "softmax", "fused", "spla")
 
 
 class SubquadraticPreTrainedModel(PreTrainedModel):

@@ -20,7 +20,7 @@ from transformers import initialization as init
 
 from ...kernels.spla import BlockStats, SPLAParams, append_token, spla_attention, spla_parallel
 from ...kernels.spla.dense import fold_state
-from ...kernels.spla.plan import UnionHint
+from ...kernels.spla.plan import UnionHint, plan_spla
 from ...modeling.base import (
     AttentionBase,
     SequenceInfo,
@@ -207,9 +207,15 @@ class SPLAAttention(AttentionBase):
             o_sp, o_rla, sbar, seq.attentions[self.layer_idx] = spla_parallel(*args, new_kv=new_kv,
                                                                              return_weights=True)
         else:
+            plan = None
+            if seq.plan_settings.get("spla"):  # a caller's fields (`set_plan("spla", ...)`): planned with them
+                grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+                plan = seq.plan("spla", plan_spla, tuple(args[0].shape), tuple(args[1].shape), q.dtype,
+                                device=q.device, params=params, backend=cfg.kernel_backend, grad=grad,
+                                precision=cfg.kernel_precision)
             o_sp, o_rla, sbar = spla_attention(*args, backend=cfg.kernel_backend, k_offsets=seq.key_offsets,
                                                new_kv=new_kv, causal=seq.causal, precision=cfg.kernel_precision,
-                                               union_hint=seq.shared.setdefault("spla_union", UnionHint()))
+                                               union_hint=seq.shared.setdefault("spla_union", UnionHint()), plan=plan)
         if cache_layer is not None:
             cache_layer.set_sbar(sbar)
         o = o_sp.transpose(1, 2)  # [B, HQ, T, D]

@@ -246,3 +246,36 @@ def test_zero_gamma_params_follow_a_config_change(monkeypatch):
         model(x)
     assert len(first) == 1 and {p.top_k_blocks for p in seen} == {first.pop() + 1}
     assert not any(p.use_rla for p in seen)
+
+
+def test_set_plan_spla_takes_the_caller_fields(monkeypatch):
+    """`set_plan("spla", ...)` plans SPLA's calls with the caller's fields, once per forward for the layers
+    that plan alike: device="cuda" takes the Triton kernels on this machine (the interpreter on a CPU) with
+    the PyTorch form's logits, path="torch" the PyTorch form; no fields: the model plans itself again. An
+    unknown field is refused by the planner."""
+    pytest.importorskip("triton")
+    import subquadratic.kernels.spla.plan as spla_plan
+    import subquadratic.kernels.spla.triton_parallel as tp
+
+    model = tiny_spla(block_size=16, top_k_blocks=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    x = torch.randint(1, 128, (2, 80), generator=torch.Generator().manual_seed(3))
+    plans, kernels = [], []
+    real_plan, real_kernel = spla_plan.plan_spla, tp.spla_parallel_triton
+    monkeypatch.setattr("subquadratic.families.spla.modeling.plan_spla",
+                        lambda *a, **kw: plans.append(kw) or real_plan(*a, **kw))
+    monkeypatch.setattr(tp, "spla_parallel_triton", lambda *a, **kw: kernels.append(1) or real_kernel(*a, **kw))
+    with torch.no_grad():
+        want = model(x).logits  # CPU: the PyTorch form, no settings: nothing planned by the model
+        assert plans == [] and kernels == []
+        model.set_plan("spla", device="cuda")
+        got = model(x).logits
+        assert len(plans) == 1 and plans[0]["device"] == "cuda"  # one plan for both layers
+        assert len(kernels) == model.config.num_hidden_layers
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+        model.set_plan("spla", path="torch")
+        assert torch.equal(model(x).logits, want) and len(kernels) == model.config.num_hidden_layers
+        model.set_plan("spla")
+        assert torch.equal(model(x).logits, want) and len(plans) == 2
+        model.set_plan("spla", form="wide")
+        with pytest.raises(ValueError, match="form"):
+            model(x)
