@@ -354,7 +354,10 @@ def test_a_real_ctrl_c_during_convert_is_one_line_exit_130_and_leaves_nothing(tm
     proc = subprocess.Popen([sys.executable, "-m", "subquadratic", "convert", str(tmp_path / "dense"), str(out),
                              "--to", "spla", "--no-progress", "--eval-data", str(data), "--eval-seq-len", "64",
                              "--eval-max-windows", "15000"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            # SIGINT as a terminal delivers it, even where this run was started in the
+                            # background (`cmd &` in a script starts its children with SIGINT ignored)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
