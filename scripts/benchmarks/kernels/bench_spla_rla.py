@@ -3,8 +3,9 @@ conversion, gamma = 0, whose inference skips the term): one layer's attention op
 (B1 HQ32 H8 d64, 16 blocks of 64, bf16, fresh random data, triton.testing.do_bench medians), the op
 with the term (`use_rla=True`, then o + RMSNorm_gamma(o_rla)) against the op without it (`use_rla=False`),
 for a prefill without gradients, a forward + backward and a decode step, and the stages of the term
-apart (the sparse kernel with and without the correction, the feature maps, the causal linear term,
-the dropped rows, the subtraction and the norm-add).
+apart (the sparse kernel with and without the correction, the block-major one with the correction added
+with atomics instead of per-slot partials, the feature maps, the causal linear term, the dropped rows, the
+subtraction and the norm-add), and the prefill op on the block-major form whatever the plan picks.
 
   python -m scripts.benchmarks.kernels.bench_spla_rla [--lengths 4096,16384,32768] [--decode 131072]
                                                    [--out r.json]
@@ -44,8 +45,8 @@ def layer_case(T: int, S: int, B: int = 1, HQ: int = 32, H: int = 8, D: int = 64
     with_rla = SPLAParams(block_size=bs, top_k_blocks=top, num_sink_blocks=1, num_local_blocks=2)
     without = dataclasses.replace(with_rla, use_rla=False)
 
-    def op(params):
-        plan = plan_spla(q.shape, k.shape, dt, q.device, params, backend="triton", grad=backward)
+    def op(params, **fields):
+        plan = plan_spla(q.shape, k.shape, dt, q.device, params, backend="triton", grad=backward, **fields)
 
         def run():
             o_sp, o_rla, _ = spla_attention(q, k, v, qpos, pos, stats, sbar, params, plan=plan, k_offsets=koff,
@@ -61,6 +62,8 @@ def layer_case(T: int, S: int, B: int = 1, HQ: int = 32, H: int = 8, D: int = 64
     if not backward:
         with torch.no_grad():
             out = {"op with the term": bench(op(with_rla)), "op without the term": bench(op(without))}
+            if T >= 16:  # the plan's form against the block-major one (what an adapted model's union may pick)
+                out["op with the term, block-major form"] = bench(op(with_rla, form="blocks"))
             out.update(stages(q, k, v, qpos, pos, stats, sbar, koff, with_rla, norm) if T > 1 else {})
         return out
     return {"op with the term": bench(op(with_rla)), "op without the term": bench(op(without))}
@@ -71,6 +74,7 @@ def stages(q, k, v, qpos, pos, stats, sbar, koff, params, norm) -> dict[str, flo
     from subquadratic.kernels.spla import select_indices_stream
     from subquadratic.kernels.spla.plan import plan_spla
     from subquadratic.kernels.spla.triton_blocks import blocks_sparse_attention
+    from subquadratic.kernels.spla.triton_blocks_common import blocks_plan
     from subquadratic.kernels.spla.triton_common import key_features
     from subquadratic.kernels.spla.triton_parallel import causal_linear_term, feature_rows, residual_term
     from subquadratic.kernels.spla.triton_tile import query_tile_union, tile_sparse_attention
@@ -96,6 +100,9 @@ def stages(q, k, v, qpos, pos, stats, sbar, koff, params, norm) -> dict[str, flo
             kq, kk, kv, idx, qi, koff, True, bs, precision=plan.precision, o_dtype=q.dtype)),
         "block-major sparse kernel without it": bench(lambda: blocks_sparse_attention(
             kq, kk, kv, idx, qi, koff, False, bs, precision=plan.precision, o_dtype=q.dtype)),
+        "block-major sparse kernel, the correction added with atomics (rla_sum='atomic')": bench(
+            lambda: blocks_sparse_attention(kq, kk, kv, idx, qi, koff, True, bs, o_dtype=q.dtype, plan=blocks_plan(
+                HQ // H, D, q.device, True, precision=plan.precision, dtype=q.dtype, rla_sum="atomic"))),
     }
     kt, vt = k[:, -T:], v[:, -T:]
     phiq, phik = feature_rows(q, q.dtype), feature_rows(kt, q.dtype)
