@@ -103,9 +103,8 @@ def triton_available() -> bool:
     return True
 
 
-class _RecordlessCtx:
-    """The context a Function's forward gets from `run_function` when no gradient is recorded: what a
-    forward may call on it does nothing (nothing is kept for a backward that will not run)."""
+class _StandInCtx:
+    """What a Function's forward may call on its context, for a forward called outside `apply`: no-ops."""
 
     def save_for_backward(self, *tensors) -> None:
         pass
@@ -117,7 +116,12 @@ class _RecordlessCtx:
         pass
 
 
-class KeepingCtx:
+class _RecordlessCtx(_StandInCtx):
+    """The context a Function's forward gets from `run_function` when no gradient is recorded: what a
+    forward may call on it does nothing (nothing is kept for a backward that will not run)."""
+
+
+class KeepingCtx(_StandInCtx):
     """A stand-in context for a Function's forward and backward called inside another Function's
     backward (a recomputation): what the forward saves is kept as `saved_tensors`, the attributes it
     sets stay on it, and `needs_input_grad` is what the caller sets (every input by default)."""
@@ -130,12 +134,6 @@ class KeepingCtx:
 
     def save_for_backward(self, *tensors) -> None:
         self.saved_tensors = tensors
-
-    def set_materialize_grads(self, value: bool) -> None:
-        pass
-
-    def mark_non_differentiable(self, *tensors) -> None:
-        pass
 
 
 def records(ctx) -> bool:

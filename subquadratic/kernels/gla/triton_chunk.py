@@ -385,10 +385,10 @@ def chunk_linear_attention(
     if dense:
         B, T = lead
         ch = Chunks(chunk_size, B, B * cdiv(T, chunk_size), T=T, NT=cdiv(T, chunk_size))
+        if kind in SPLIT_DECAYS:
+            ch = with_pieces(ch, M)
     else:
-        ch = varlen_chunks(cu_seqlens, M, chunk_size, kind)
-    if kind in SPLIT_DECAYS and ch.pieces is None:
-        ch = with_pieces(ch, M)
+        ch = varlen_chunks(cu_seqlens, M, chunk_size, kind)  # with the split walk's pieces where they split
     if initial_state is not None:
         if initial_state.shape != (ch.N, H, K, V):
             raise ValueError(f"initial_state must be [N={ch.N}, H={H}, K={K}, V={V}]; got "
