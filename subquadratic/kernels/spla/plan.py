@@ -233,7 +233,9 @@ def plan_spla(
     forward and backward faster than the tile and per-token forms on every input measured) and the
     tile kernels without (prefill: faster forward on real selections, whose query tiles share
     blocks), or, for prefill calls from UNION_MIN_TQ tokens over more than UNION_MIN_BLOCKS key
-    blocks, "union" (tile or block-major by the measured union: one host read); below TILE_MIN_TQ
+    blocks, the block-major kernels with the residual term (its correction costs the tile kernels
+    more, and the form then needs no host read) and "union" without it (tile or block-major by the
+    measured union: one host read); below TILE_MIN_TQ
     the per-token kernels. From TILE_MIN_TQ tokens, bf16 / fp16 inputs
     on CUDA select with the streamed selection (`STREAM_DTYPES`), fp32 ones with the tile selection
     in tf32x3 (exact up to fp32 rounding); select="tile" asks for the latter on any dtype."""
@@ -256,9 +258,10 @@ def plan_spla(
             form = "token"
         elif grad:
             form = "blocks"
-        else:  # prefill: tile, or tile / block-major by the measured union for long calls over many blocks
+        else:  # prefill: tile, or for long calls over many blocks block-major with the residual term
+            # (no host read) and without it tile / block-major by the measured union
             long_prefill = Tq >= UNION_MIN_TQ and -(-S // params.block_size) > UNION_MIN_BLOCKS
-            form = "union" if long_prefill else "tile"
+            form = ("blocks" if params.use_rla else "union") if long_prefill else "tile"
         splits = 1
         if not grad and Tq <= SPLIT_K_MAX_TQ:
             splits = max(1, min(params.num_selected, SPLIT_K_PROGRAMS // max(1, B * H * Tq)))

@@ -74,11 +74,13 @@ def test_cuda_beyond_the_budget_takes_the_kernels(with_triton):
     train = planned(16, 100, grad=True)  # training: the block-major kernels, forward and backward
     assert (train.form, train.select, train.tile_rows, train.grad) == ("blocks", "stream", 64, True)
     assert planned(4096, 4096, grad=True).form == "blocks"
-    # a long prefill over many blocks: tile or block-major by the measured union; shorter ones the tile form
-    assert planned(4096, 4096).form == "union" and planned(4095, 8192).form == "tile"
+    # a long prefill over many blocks: block-major with the residual term, without it tile or block-major by
+    # the measured union; shorter ones the tile form
+    no_rla = SPLAParams(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1, use_rla=False)
+    assert planned(4096, 4096).form == "blocks" and planned(4095, 8192).form == "tile"
+    assert planned(4096, 4096, params=no_rla).form == "union" and planned(4095, 8192, params=no_rla).form == "tile"
     assert planned(15, 100, grad=True).form == "token"
     assert not planned(64, 100).precompute_phik and planned(65, 100).precompute_phik
-    no_rla = SPLAParams(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1, use_rla=False)
     assert not planned(65, 100, params=no_rla).precompute_phik
     assert planned(16, 100, "cpu", backend="auto").path == "torch"
 

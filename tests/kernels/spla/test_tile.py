@@ -9,6 +9,8 @@ padding, cached prefixes, budgets smaller than the context. On CPU under TRITON_
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -234,9 +236,10 @@ def test_bf16_real_shapes_on_gpu(G, D, kernel, kernel_calls):
 
 @pytest.mark.parametrize("tile_max,form", [(0.0, "blocks"), (1e9, "tile")])
 def test_the_union_form_picks_by_the_measured_union(monkeypatch, kernel_calls, tile_max, form):
-    """A long prefill call without gradients plans form "union": it measures its query tiles'
-    unions and runs the block-major kernels past UNION_TILE_MAX blocks per tile, the tile kernels
-    below, with the reference's values either way (chunked prefill over a cached prefix)."""
+    """A long prefill call without gradients or residual term plans form "union" (with the term:
+    block-major): it measures its query tiles' unions and runs the block-major kernels past
+    UNION_TILE_MAX blocks per tile, the tile kernels below, with the reference's values either way
+    (chunked prefill over a cached prefix; the term computed, the union form asked for)."""
     from subquadratic.kernels.spla import plan as plan_mod
     from subquadratic.kernels.spla import plan_spla
 
@@ -244,7 +247,9 @@ def test_the_union_form_picks_by_the_measured_union(monkeypatch, kernel_calls, t
     monkeypatch.setattr(plan_mod, "UNION_MIN_BLOCKS", 2)
     monkeypatch.setattr(triton_parallel, "UNION_TILE_MAX", tile_max)
     params = SPLAParams(block_size=16, top_k_blocks=3, num_sink_blocks=1, num_local_blocks=1)
-    assert plan_spla((1, 53, 4, 16), (1, 90, 2, 16), torch.float32, "cuda", params).form == "union"
+    no_rla = dataclasses.replace(params, use_rla=False)
+    assert plan_spla((1, 53, 4, 16), (1, 90, 2, 16), torch.float32, "cuda", no_rla).form == "union"
+    assert plan_spla((1, 53, 4, 16), (1, 90, 2, 16), torch.float32, "cuda", params).form == "blocks"
     assert plan_spla((1, 53, 4, 16), (1, 90, 2, 16), torch.float32, "cuda", params, grad=True).form == "blocks"
     case = (1, 4, 2, 90, 16, 16, 3, 1, 1, True, 0, 37)
     q, k, v, pos, stats, sbar = make(*case[:6], case[10], seed=sum(case[:5]))
@@ -252,7 +257,7 @@ def test_the_union_form_picks_by_the_measured_union(monkeypatch, kernel_calls, t
     stats64 = BlockStats(*(x.double() for x in (stats.sum_k, stats.sum_k2, stats.count)))
     want = spla_parallel(q.double(), k.double(), v.double(), qpos, pos, stats64, sbar.double(), params)
     with torch.no_grad():
-        got = spla_triton(q, k, v, qpos, pos, stats, sbar, params)
+        got = spla_triton(q, k, v, qpos, pos, stats, sbar, params, form="union")
     assert kernel_calls[form] == 1 and sum(kernel_calls.values()) == 1, kernel_calls
     for a, b in zip(got, want, strict=True):
         assert rel(a, b) <= 1e-4
