@@ -76,7 +76,8 @@ def stages(q, k, v, qpos, pos, stats, sbar, koff, params, norm) -> dict[str, flo
     from subquadratic.kernels.spla.triton_blocks import blocks_sparse_attention
     from subquadratic.kernels.spla.triton_blocks_common import blocks_plan
     from subquadratic.kernels.spla.triton_common import key_features
-    from subquadratic.kernels.spla.triton_parallel import causal_linear_term, feature_rows, residual_term
+    from subquadratic.kernels.spla.triton_parallel import (causal_linear_term, dropped_rows, dropped_rows_reference,
+                                                          feature_rows, residual_term)
     from subquadratic.kernels.spla.triton_tile import query_tile_union, tile_sparse_attention
 
     B, T, HQ, D = q.shape
@@ -111,14 +112,9 @@ def stages(q, k, v, qpos, pos, stats, sbar, koff, params, norm) -> dict[str, flo
     out["causal linear term (chunked)"] = bench(lambda: causal_linear_term(phiq, phik, vt, sbar, None, "tf32"))
     o_lin, _ = causal_linear_term(phiq, phik, vt, sbar, None, "tf32")
 
-    def dropped():
-        start = idx.long() * bs
-        tp = qpos[:, :, None, None].long()
-        n_sel = torch.where(idx >= 0, (tp - start + 1).clamp(0, bs), 0).sum(-1)
-        return n_sel == (qpos[:, :, None] + 1)
-
-    out["dropped rows (n_sel == t + 1, PyTorch)"] = bench(dropped)
-    drop = dropped()
+    out["dropped rows (PyTorch form)"] = bench(lambda: dropped_rows_reference(idx, qpos, bs))
+    out["dropped rows (dropped_rows, one launch)"] = bench(lambda: dropped_rows(idx, qi, bs))
+    drop = dropped_rows(idx, qi, bs)
     otilde = torch.randn_like(o_lin)
     out["o_lin - otilde (residual_term)"] = bench(lambda: residual_term(o_lin, otilde, drop, q.dtype))
     o_rla = residual_term(o_lin, otilde, drop, q.dtype)

@@ -39,8 +39,8 @@ from .triton_tile import query_tile_union, select_indices_fast, tile_sparse_atte
 
 triton, tl = import_triton()
 
-__all__ = ["FeatureRows", "ResidualTerm", "SparseAttention", "causal_linear_term", "feature_rows", "key_features",
-           "residual_term", "residual_term_reference", "sparse_forward", "spla_parallel_triton"]
+__all__ = ["FeatureRows", "ResidualTerm", "SparseAttention", "causal_linear_term", "dropped_rows",
+           "dropped_rows_reference", "feature_rows", "key_features", "residual_term", "residual_term_reference", "sparse_forward", "spla_parallel_triton"]
 
 
 @jit
@@ -149,6 +149,47 @@ def residual_term(o_lin, otilde, drop, out_dtype):
     if out_dtype == torch.float64:
         return residual_term_reference(o_lin, otilde, drop, out_dtype)
     return ResidualTerm.apply(o_lin, otilde, drop, out_dtype)
+
+
+@jit
+def dropped_rows_kernel(IDX, QPOS, DROP, N, H, NSEL, BS, ROWS: tl.constexpr, KP: tl.constexpr):
+    """DROP[r] = 1 where (token, KV head) row r = (b * T + t) * H + h of IDX [B, T, H, NSEL] selects every
+    causal key of its token (sum over the slots of the causal keys each holds == tpos + 1) or is a
+    padded query (tpos < 0), else 0."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = r < N
+    r64 = r.to(tl.int64)
+    tpos = tl.load(QPOS + r64 // H, mask=ok, other=-1)
+    i = tl.arange(0, KP)
+    blk = tl.load(IDX + r64[:, None] * NSEL + i[None, :], mask=ok[:, None] & (i[None, :] < NSEL), other=-1)
+    held = tl.minimum(tl.maximum(tpos[:, None] - blk * BS + 1, 0), BS)
+    n_sel = tl.sum(tl.where(blk >= 0, held, 0), 1)
+    drop = (n_sel == tpos + 1) | (tpos < 0)
+    tl.store(DROP + r64, drop.to(tl.uint8), mask=ok)
+
+
+def dropped_rows_reference(idx: torch.Tensor, q_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`dropped_rows` in PyTorch: bool [B, T, H]."""
+    start = idx.long() * block_size  # [B, T, H, K]
+    tp = q_pos[:, :, None, None].long()
+    n_sel = torch.where(idx >= 0, (tp - start + 1).clamp(0, block_size), 0).sum(-1)  # [B, T, H]
+    return (n_sel == (q_pos[:, :, None] + 1)) | (q_pos < 0)[:, :, None]
+
+
+def dropped_rows(idx: torch.Tensor, q_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Which (token, KV head) rows the residual term is exactly 0 on, bool [B, T, H]: the row's selection
+    idx [B, T, H, NSEL] (int32, -1 = none) holds every causal key of its token at position q_pos [B, T]
+    (nothing is left for the linear term: not a cancellation), or the token is padding (q_pos < 0). One
+    Triton launch (`dropped_rows_kernel`) in place of the PyTorch form's six."""
+    B, T, H, K = idx.shape
+    drop = torch.empty(B, T, H, device=idx.device, dtype=torch.bool)
+    n = B * T * H
+    if n:
+        rows = 128
+        dropped_rows_kernel[(cdiv(n, rows),)](idx.contiguous(), q_pos.to(torch.int32).contiguous(),
+                                              drop.view(torch.uint8), n, H, K, block_size, ROWS=rows,
+                                              KP=max(2, next_power_of_2(K)), num_warps=4)
+    return drop
 
 
 @jit
@@ -345,11 +386,5 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
         feature_rows(q, kq.dtype), feature_rows(k_tok, kq.dtype), v_tok, sbar.to(acc),
         None if causal else q_pos >= 0, prec)
     # every causal key selected -> the residual term is exactly zero (not a cancellation); padding -> 0
-    start = idx.long() * block_size  # [B, Tq, H, K]
-    tp = q_pos[:, :, None, None].long()
-    n_sel = torch.where(idx >= 0, (tp - start + 1).clamp(0, block_size), 0).sum(-1)  # [B, Tq, H]
-    drop = n_sel == (q_pos[:, :, None] + 1)  # [B, Tq, H]
-    if q_ok is not None:
-        drop = drop | (q_pos < 0)[:, :, None]
-    o_rla = residual_term(o_lin, otilde, drop, out_dtype)  # [B, Tq, HQ, D]
+    o_rla = residual_term(o_lin, otilde, dropped_rows(idx, q_pos, block_size), out_dtype)  # [B, Tq, HQ, D]
     return o_sp.to(out_dtype), o_rla, sbar_new

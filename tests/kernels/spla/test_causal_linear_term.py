@@ -210,3 +210,26 @@ def test_feature_rows_are_the_softmax_feature_map(dtype):
     (gx,) = torch.autograd.grad((got.float() * w).sum(), x)
     (wx,) = torch.autograd.grad((want.float() * w).sum(), x)
     assert gx.dtype == dtype and rel(gx, wx) <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("K", [1, 3, 5])
+def test_dropped_rows_match_the_definition(K):
+    """`dropped_rows` (one Triton launch): the (token, KV head) rows whose selection holds every causal
+    key of their token, or whose token is padding, against the PyTorch form, on selections built to
+    hit both cases (the first tokens' blocks all selected, repeated and -1 slots, blocks after the
+    token, padded queries)."""
+    from subquadratic.kernels.spla.triton_parallel import dropped_rows, dropped_rows_reference
+
+    g = torch.Generator().manual_seed(K)
+    B, T, H, bs = 2, 37, 3, 4
+    pos = torch.arange(T).repeat(B, 1)
+    pos[1, :5] = -1  # left padding
+    pos[1, 5:] -= 5
+    idx = torch.randint(-1, T // bs + 1, (B, T, H, K), generator=g)
+    first = pos[..., None, None].clamp(min=0) // bs - torch.arange(K)  # the token's block and those before
+    full = torch.rand(B, T, H, 1, generator=g) < 0.5
+    idx = torch.where(full, torch.where(first >= 0, first, -1), idx).to(torch.int32)
+    want = dropped_rows_reference(idx, pos, bs)
+    got = dropped_rows(idx.to(DEV), pos.to(DEV), bs).cpu()
+    assert got.dtype == torch.bool and torch.equal(got, want)
+    assert want.any() and (~want).any() and want[1, :5].all()
