@@ -5,7 +5,8 @@ with the term (`use_rla=True`, then o + RMSNorm_gamma(o_rla)) against the op wit
 for a prefill without gradients, a forward + backward and a decode step, and the stages of the term
 apart (the sparse kernel with and without the correction, the block-major one with the correction added
 with atomics instead of per-slot partials, the feature maps, the causal linear term, the dropped rows, the
-subtraction and the norm-add), and the prefill op on the block-major form whatever the plan picks.
+subtraction and the norm-add), and the prefill op on the block-major form whatever the plan picks,
+with and without the norm-add in the combine (`SPLAPlan.fuse_norm`).
 
   python -m scripts.benchmarks.kernels.bench_spla_rla [--lengths 4096,16384,32768] [--decode 131072]
                                                    [--out r.json]
@@ -49,8 +50,9 @@ def layer_case(T: int, S: int, B: int = 1, HQ: int = 32, H: int = 8, D: int = 64
         plan = plan_spla(q.shape, k.shape, dt, q.device, params, backend="triton", grad=backward, **fields)
 
         def run():
+            # as the SPLA mixer calls it: without gradients the kernels may add the norm themselves
             o_sp, o_rla, _ = spla_attention(q, k, v, qpos, pos, stats, sbar, params, plan=plan, k_offsets=koff,
-                                            causal=True)
+                                            causal=True, rla_norm=None if backward else (norm.weight, norm.eps))
             o = o_sp.transpose(1, 2)
             if o_rla is not None:
                 o = norm.add(o, o_rla.transpose(1, 2), "triton")
@@ -62,8 +64,10 @@ def layer_case(T: int, S: int, B: int = 1, HQ: int = 32, H: int = 8, D: int = 64
     if not backward:
         with torch.no_grad():
             out = {"op with the term": bench(op(with_rla)), "op without the term": bench(op(without))}
-            if T >= 16:  # the plan's form against the block-major one (what an adapted model's union may pick)
+            if T >= 16:  # the plan's form against the block-major one
                 out["op with the term, block-major form"] = bench(op(with_rla, form="blocks"))
+                out["op with the term, block-major, the norm-add in the combine (fuse_norm=True)"] = bench(
+                    op(with_rla, form="blocks", fuse_norm=True))
             out.update(stages(q, k, v, qpos, pos, stats, sbar, koff, with_rla, norm) if T > 1 else {})
         return out
     return {"op with the term": bench(op(with_rla)), "op without the term": bench(op(without))}

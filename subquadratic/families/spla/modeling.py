@@ -213,9 +213,13 @@ class SPLAAttention(AttentionBase):
                 plan = seq.plan("spla", plan_spla, tuple(args[0].shape), tuple(args[1].shape), q.dtype,
                                 device=q.device, params=params, backend=cfg.kernel_backend, grad=grad,
                                 precision=cfg.kernel_precision)
+            # without gradients the kernels may add o + RMSNorm_gamma(o_rla) themselves (`SPLAPlan.fuse_norm`;
+            # then o_rla is None)
+            rla_norm = None if torch.is_grad_enabled() else (self.rla_norm.weight, self.rla_norm.eps)
             o_sp, o_rla, sbar = spla_attention(*args, backend=cfg.kernel_backend, k_offsets=seq.key_offsets,
                                                new_kv=new_kv, causal=seq.causal, precision=cfg.kernel_precision,
-                                               union_hint=seq.shared.setdefault("spla_union", UnionHint()), plan=plan)
+                                               union_hint=seq.shared.setdefault("spla_union", UnionHint()), plan=plan,
+                                               rla_norm=rla_norm)
         if cache_layer is not None:
             cache_layer.set_sbar(sbar)
         o = o_sp.transpose(1, 2)  # [B, HQ, T, D]

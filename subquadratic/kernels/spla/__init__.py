@@ -90,7 +90,7 @@ def append_token(K, V, stats: BlockStats, k, v, index, pos, block_size: int, *, 
 
 def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, params: SPLAParams, *, backend: str = "auto",
                    k_offsets=None, new_kv=None, causal: bool = False, plan: SPLAPlan | None = None,
-                   precision: str = "auto", union_hint=None):
+                   precision: str = "auto", union_hint=None, rla_norm=None):
     """SPLA attention of the new tokens over the cache. Returns (o_sp [B, Tq, HQ, D], o_rla [B, Tq, HQ, D]
     or None (inside the budget, or with use_rla=False), new sbar).
 
@@ -106,7 +106,10 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, params: SPLAParams, *, ba
     last (`SequenceInfo.causal`), so the dense and Triton paths may skip the masks. `precision`: the dot precision
     of the Triton kernels for fp32 operands (`utils.KERNEL_PRECISIONS`; "auto": TF32 on CUDA) of a
     plan made here. `union_hint` (`plan.UnionHint`, shared by the layers of one forward): how the form
-    "union" reads its measurement."""
+    "union" reads its measurement. `rla_norm`: (weight [HQ, D], eps) of the norm the caller adds to
+    the output, o_sp + RMSNorm_weight(o_rla); a path that fuses it (`SPLAPlan.fuse_norm`: the
+    block-major kernels without gradients) returns that sum as o_sp and None as o_rla, so the
+    caller adds nothing."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     given = plan is not None
     if not given:
@@ -137,4 +140,4 @@ def spla_attention(q, k, v, q_pos, k_pos, stats, sbar, params: SPLAParams, *, ba
     from .triton_parallel import spla_parallel_triton
 
     return spla_parallel_triton(q, k, v, q_pos, k_pos, stats, sbar, koff, params, plan, new_kv=new_kv, causal=causal,
-                                union_hint=union_hint)
+                                union_hint=union_hint, rla_norm=rla_norm)

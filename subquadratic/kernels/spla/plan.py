@@ -149,7 +149,10 @@ class SPLAPlan:
     `select_prec` (dot precision of the selection: "ieee" or "tf32x3"; "stream" also takes its
     16-bit operands "bf16" and "fp16"), `precision` (dot
     precision of the attention kernels and the causal linear term for fp32 operands: "tf32" or
-    "ieee"; 16-bit operands always run on the tensor cores with fp32 accumulation) and `launch` (the
+    "ieee"; 16-bit operands always run on the tensor cores with fp32 accumulation), `fuse_norm`
+    (the block-major form without gradients, given the caller's norm: its combine subtracts the
+    correction from the causal linear term and adds o_sp + RMSNorm_gamma(o_rla) itself,
+    `triton_blocks.RLAEpilogue`; off by default until it is timed on a GPU) and `launch` (the
     launch settings; None: `Launch()`)."""
 
     path: str
@@ -161,6 +164,7 @@ class SPLAPlan:
     tile_rows: int = 64
     select_prec: str = "ieee"
     precision: str = "ieee"
+    fuse_norm: bool = False
     launch: Launch | None = None
 
     def __post_init__(self) -> None:

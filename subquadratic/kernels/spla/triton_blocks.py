@@ -69,6 +69,7 @@ from .triton_blocks_common import (
     ATOMIC_MODES,
     BlockPairs,
     BlocksPlan,
+    RLAEpilogue,
     add_rows,
     blocks_plan,
     chunk_rows,
@@ -85,7 +86,7 @@ from .triton_common import NEG, softmax_rows
 
 triton, tl = import_triton()
 
-__all__ = ["BlockPairs", "BlocksPlan", "BlocksSparseAttention", "block_pairs", "blocks_plan",
+__all__ = ["BlockPairs", "BlocksPlan", "BlocksSparseAttention", "RLAEpilogue", "block_pairs", "blocks_plan",
            "blocks_sparse_attention", "blocks_sparse_forward", "lse_pass", "out_pass", "segments", "split_pass"]
 
 
@@ -280,11 +281,14 @@ def blocks_split_kernel(
 
 
 @jit
-def blocks_combine_kernel(LSE_SLOT, PART, PART_T, OUT, OT, LSE, NSEL,
-                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, USE_RLA: tl.constexpr):
+def blocks_combine_kernel(LSE_SLOT, PART, PART_T, OUT, OT, LSE, NSEL, O_LIN, DROP, W, eps, H,
+                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, USE_RLA: tl.constexpr,
+                          EPILOGUE: tl.constexpr = False):
     """The split forward's combine, one (token, KV head) (b * T + t) * H + h: its G rows over the NSEL
     slots, O = sum_i exp(lse_i - lse) O_i, lse = logsumexp_i lse_i (0 and O = 0 where no slot holds a
-    causal key: lse_i = -inf), otilde = sum_i otilde_i; partials of such slots are never read."""
+    causal key: lse_i = -inf), otilde = sum_i otilde_i; partials of such slots are never read.
+    EPILOGUE (`RLAEpilogue`): OUT = O + RMSNorm_W(o_rla) with o_rla = O_LIN - otilde (0 where DROP
+    [B, T, H] is set), in fp32 and rounded once; OT is not written."""
     pid = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GP)
     gok = g < G
@@ -308,9 +312,15 @@ def blocks_combine_kernel(LSE_SLOT, PART, PART_T, OUT, OT, LSE, NSEL,
         if USE_RLA:
             acc_t += tl.load(PART_T + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     out = pid * G + g  # (b * T + t) * HQ + h * G + g
-    tl.store(OUT + out[:, None] * D + d[None, :], acc / tl.maximum(lsum, 1e-30)[:, None], mask=gok[:, None])
+    o = acc / tl.maximum(lsum, 1e-30)[:, None]
+    if EPILOGUE:
+        x = tl.load(O_LIN + out[:, None] * D + d[None, :], mask=gok[:, None], other=0.0) - acc_t
+        x = tl.where(tl.load(DROP + pid) != 0, 0.0, x)
+        w = tl.load(W + ((pid % H) * G + g)[:, None] * D + d[None, :], mask=gok[:, None], other=0.0).to(tl.float32)
+        o += x * (1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps))[:, None] * w
+    tl.store(OUT + out[:, None] * D + d[None, :], o, mask=gok[:, None])
     tl.store(LSE + out, tl.where(has, m + tl.log(tl.maximum(lsum, 1e-30)), 0.0), mask=gok)
-    if USE_RLA:
+    if USE_RLA and not EPILOGUE:
         tl.store(OT + out[:, None] * D + d[None, :], acc_t, mask=gok[:, None])
 
 
@@ -402,10 +412,12 @@ def query_chunk(q, nsel: int, use_rla: bool, plan: BlocksPlan) -> int:
 
 
 def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool, block_size: int,
-               plan: BlocksPlan, f32: bool, launch=None, o_dtype: torch.dtype = torch.float32):
+               plan: BlocksPlan, f32: bool, launch=None, o_dtype: torch.dtype = torch.float32,
+               epilogue: RLAEpilogue | None = None):
     """The split forward (module docstring): (o_sp, otilde or None, lse) [B, T, HQ, D] / [B, T, HQ]
     from one pass storing per-slot partials (`plan.partials`' dtype) and their combine; o_sp in
-    `o_dtype` (the combine rounds it once), otilde and lse fp32."""
+    `o_dtype` (the combine rounds it once), otilde and lse fp32. With `epilogue` (and use_rla, the
+    correction as partials): (o_sp + RMSNorm(o_rla) from the combine, None, lse)."""
     B, HQ, T, D = q.shape
     H = k.shape[1]
     G = HQ // H
@@ -426,23 +438,30 @@ def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool,
         ATOMICS=ATOMIC_MODES[plan.atomics], **meta,
     )
     lse = new_output((B, T, HQ), dev)
+    epi = epilogue is not None and use_rla and not atomic
     if B * T * H:
-        blocks_combine_kernel[(B * T * H,)](lse_slot, part, part_t, o, ot, lse, nsel, G=G,
+        o_lin, drop, w, eps = (epilogue.o_lin.contiguous(), epilogue.drop.contiguous().view(torch.uint8),
+                               epilogue.weight.contiguous(), float(epilogue.eps)) if epi else (o, o, o, 0.0)
+        blocks_combine_kernel[(B * T * H,)](lse_slot, part, part_t, o, ot, lse, nsel, o_lin, drop, w, eps, H, G=G,
                                             GP=next_power_of_2(G), D=D, USE_RLA=use_rla and not atomic,
-                                            num_warps=4 if G * D >= 1024 else 2)
-    return o, (ot if use_rla else None), lse
+                                            EPILOGUE=epi, num_warps=4 if G * D >= 1024 else 2)
+    if epilogue is not None and not epi:
+        return epilogue.apply(o, ot), None, lse
+    return o, (None if epi or not use_rla else ot), lse
 
 
 def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: int, plan: BlocksPlan | None = None,
                           pairs: BlockPairs | None = None, chunk_queries: bool = False,
-                          o_dtype: torch.dtype = torch.float32):
+                          o_dtype: torch.dtype = torch.float32, epilogue: RLAEpilogue | None = None):
     """The sparse branch and the correction over the selected pairs (module docstring), same operands
     as `triton_parallel.sparse_forward`. Returns (o_sp [B, T, HQ, D] normalised, otilde or None
     [B, T, HQ, D], lse [B, T, HQ]; fp32, o_sp in `o_dtype`) and the inverted selection (`BlockPairs`, for the backward).
     Rows without a causal selected key (padded queries) get o_sp = otilde = 0 and lse = 0.
     `chunk_queries` (a call without a backward, which needs no inverted selection: then None): where
     the split form's partials would pass SPLIT_BYTES, the split form runs over consecutive query
-    chunks that each stay within it (`query_chunk`), instead of the atomic form over all of them."""
+    chunks that each stay within it (`query_chunk`), instead of the atomic form over all of them.
+    `epilogue` (`RLAEpilogue`, with use_rla): the first output is o_sp + RMSNorm(o_rla) and the
+    second None (the split form's combine computes it; the atomic form in PyTorch after)."""
     _check(q, k, v, idx, qpos, koff, block_size)
     q, k, v, f32 = kernel_operands(q, k, v)
     B, HQ, T, D = q.shape
@@ -454,7 +473,7 @@ def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: i
     if step < T:
         outs = [blocks_sparse_forward(q[:, :, t:t + step], k, v, idx[:, t:t + step],
                                       qpos[:, t:t + step].contiguous(), koff, use_rla, block_size, plan,
-                                      o_dtype=o_dtype)[:3]
+                                      o_dtype=o_dtype, epilogue=epilogue and epilogue.rows(t, t + step))[:3]
                 for t in range(0, T, step)]
         o, ot, lse = (None if parts[0] is None else torch.cat(parts, 1) for parts in zip(*outs, strict=True))
         return o, ot, lse, None
@@ -462,10 +481,13 @@ def blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla: bool, block_size: i
         pairs = block_pairs(idx, qpos, cdiv(S, block_size), block_size, plan.window, plan.sort)
     launch = _launch(q, k, pairs, nsel, block_size, plan, f32)
     if plan.forward == "split" and split_bytes(q, nsel, use_rla, plan) <= SPLIT_BYTES:
-        o, ot, lse = split_pass(q, k, v, pairs, qpos, koff, nsel, use_rla, block_size, plan, f32, launch, o_dtype)
+        o, ot, lse = split_pass(q, k, v, pairs, qpos, koff, nsel, use_rla, block_size, plan, f32, launch, o_dtype,
+                                epilogue)
         return o, ot, lse, pairs
     lse = lse_pass(q, k, pairs, qpos, koff, nsel, block_size, plan, f32, launch)
     o, ot = out_pass(q, k, v, pairs, qpos, koff, lse, nsel, use_rla, block_size, plan, f32, launch)
+    if epilogue is not None:
+        return epilogue.apply(o, ot).to(o_dtype), None, lse, pairs
     return o.to(o_dtype), ot, lse, pairs
 
 
@@ -495,14 +517,16 @@ class BlocksSparseAttention(torch.autograd.Function):
 
 def blocks_sparse_attention(q, k, v, idx, qpos, koff, use_rla: bool, block_size: int, *,
                             precision: str | None = None, plan: BlocksPlan | None = None,
-                            o_dtype: torch.dtype = torch.float32):
+                            o_dtype: torch.dtype = torch.float32, epilogue: RLAEpilogue | None = None):
     """The block-major form of `triton_tile.tile_sparse_attention` (same operands: q [B, HQ, T, D],
     k, v [B, H, S, D] views with unit stride in D, idx [B, T, H, NSEL] int32, qpos [B, T] int32, koff
     [B] int32): (o_sp, otilde or None) [B, T, HQ, D] (otilde fp32, o_sp in `o_dtype`: the caller's dtype
     saves a cast each way), differentiable w.r.t. q, k, v through
     `BlocksSparseAttention` when gradients are needed, else the forward alone. `precision` of fp32
     inputs' dots: "tf32" (default on CUDA) or "ieee" (default elsewhere); fp64 inputs run in fp32
-    with "ieee" dots. `plan`: launch settings (default `blocks_plan` of the shapes)."""
+    with "ieee" dots. `plan`: launch settings (default `blocks_plan` of the shapes). `epilogue`
+    (`RLAEpilogue`; use_rla, no gradients): returns (o_sp + RMSNorm(o_rla), None) in `o_dtype`, the
+    residual term's subtraction and norm-add done by the combine."""
     B, HQ, T, D = q.shape
     G = HQ // k.shape[1]
     if q.dtype == torch.float64:
@@ -511,8 +535,12 @@ def blocks_sparse_attention(q, k, v, idx, qpos, koff, use_rla: bool, block_size:
         plan = blocks_plan(G, D, q.device, use_rla, precision=precision, dtype=q.dtype)
     elif precision is not None:
         plan = replace(plan, precision=precision)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if epilogue is not None and (grad or not use_rla or epilogue.weight.requires_grad and torch.is_grad_enabled()):
+        raise ValueError("the block-major kernels' epilogue (o_sp + RMSNorm(o_rla)) serves calls with the residual "
+                         "term and without gradients only; add the norm after the call instead")
+    if grad:
         return BlocksSparseAttention.apply(q, k, v, idx, qpos, koff, use_rla, block_size, plan, o_dtype)
     o, ot, _, _ = blocks_sparse_forward(q, k, v, idx, qpos, koff, use_rla, block_size, plan, chunk_queries=True,
-                                        o_dtype=o_dtype)
+                                        o_dtype=o_dtype, epilogue=epilogue)
     return o, ot

@@ -146,6 +146,30 @@ def _v4_covers(plan: BlocksPlan, D: int) -> bool:
     return all(r * (D // 4) >= 32 * w for r, w in rows)
 
 
+class RLAEpilogue(NamedTuple):
+    """What the split forward's combine needs to return o_sp + RMSNorm_weight(o_rla) instead of otilde (the
+    SPLA mixer's norm-add, fused for calls without gradients): o_rla = o_lin - otilde, 0 on the dropped
+    rows. o_lin [B, T, HQ, D] fp32 (the causal linear term), drop [B, T, H] bool (`dropped_rows`),
+    weight [HQ, D] (the per-head norm weight, gamma), eps."""
+
+    o_lin: torch.Tensor
+    drop: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    def rows(self, start: int, stop: int) -> RLAEpilogue:
+        """The epilogue of the query rows [start, stop)."""
+        return self._replace(o_lin=self.o_lin[:, start:stop], drop=self.drop[:, start:stop])
+
+    def apply(self, o_sp: torch.Tensor, otilde: torch.Tensor) -> torch.Tensor:
+        """The PyTorch form: o_sp + RMSNorm_weight(o_rla) in fp32, rounded once to o_sp's dtype."""
+        B, T, HQ, D = o_sp.shape
+        drop = self.drop.repeat_interleave(HQ // self.drop.shape[2], dim=2)[..., None]  # [B, T, HQ, 1]
+        x = (self.o_lin.float() - otilde.float()).masked_fill(drop, 0.0)
+        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
+        return (o_sp.float() + x * self.weight.float()).to(o_sp.dtype)
+
+
 class BlockPairs(NamedTuple):
     """The selection inverted: `pairs` int32 [P] holds flat indices e = ((b*T + t)*H + h)*NSEL + i of
     idx, sorted by key ((b*H + h)*NW + t // window)*NB + idx[e] (valid pairs first, ascending t within

@@ -30,7 +30,7 @@ from ..triton_utils import cdiv, half_or_fp32, next_power_of_2, rows_per_program
 from ..utils import acc_dtype, import_triton, new_output
 from .plan import UNION_TILE_MAX, SPLAParams, SPLAPlan, UnionHint
 from .stats import BlockStats, feature_map, new_tokens, state_increment
-from .triton_blocks import blocks_sparse_attention
+from .triton_blocks import RLAEpilogue, blocks_sparse_attention
 from .triton_common import key_features, selected_blocks, softmax_rows
 from .triton_parallel_bwd import sparse_backward
 from .triton_select import select_indices
@@ -327,7 +327,7 @@ class SparseAttention(torch.autograd.Function):
 
 
 def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, params: SPLAParams, plan: SPLAPlan,
-                         new_kv=None, causal: bool = False, union_hint: UnionHint | None = None):
+                         new_kv=None, causal: bool = False, union_hint: UnionHint | None = None, rla_norm=None):
     """SPLA of the new tokens with the Triton kernels the plan names, the contract of
     `parallel.spla_parallel`: q [B, Tq, HQ, D], k, v [B, S, H, D] (any strides with unit stride in D)
     with the new tokens last; koff [B] int32: the slot of each row's position 0 (`slot_offsets`, not
@@ -336,7 +336,9 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     fp32 (exact dots). `new_kv`: as in `parallel.spla_parallel`. `causal`: every query is a real token
     (`SequenceInfo.causal`), so no output or new key needs the padding mask. `union_hint`: the form
     "union" decides by the previous layer's measurement it holds (`plan.UnionHint`), else by this call's
-    (one host read)."""
+    (one host read). `rla_norm`: (weight [HQ, D], eps) of the norm the caller adds, o_sp +
+    RMSNorm_weight(o_rla); with `plan.fuse_norm`, on the block-major form without gradients, the
+    combine adds it (`triton_blocks.RLAEpilogue`) and the call returns (that sum, None, new Sbar)."""
     B, Tq, HQ, D = q.shape
     H = k.shape[2]
     G = HQ // H
@@ -360,6 +362,17 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
         mean = union[2].float().mean()
         form = "blocks" if (float(mean) if union_hint is None else union_hint.decide(mean)) > UNION_TILE_MAX else "tile"
     out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
+    acc = acc_dtype(sbar)
+    k_tok, v_tok = new_tokens(k, v, Tq, new_kv)  # [B, Tq, H, D]
+    if (plan.fuse_norm and form == "blocks" and use_rla and rla_norm is not None and not plan.grad
+            and out_dtype != torch.float64):
+        # the residual term's subtraction and the norm-add in the sparse kernels' combine
+        o_lin, sbar_new = causal_linear_term(feature_rows(q, kq.dtype), feature_rows(k_tok, kq.dtype), v_tok,
+                                             sbar.to(acc), None if causal else q_pos >= 0, prec)
+        epilogue = RLAEpilogue(o_lin, dropped_rows(idx, q_pos, block_size), *rla_norm)
+        o, _ = blocks_sparse_attention(kq, kk, kv, idx, qpos, koff, True, block_size, precision=prec,
+                                       o_dtype=half_or_fp32(q.dtype), epilogue=epilogue)
+        return o.to(out_dtype), None, sbar_new
     if form == "blocks":  # differentiable when gradients are needed; else the forward alone
         o_sp, otilde = blocks_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, precision=prec,
                                                o_dtype=half_or_fp32(q.dtype))
@@ -374,8 +387,6 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     q_ok = None if causal else (q_pos >= 0)[:, :, None, None]
     if q_ok is not None:
         o_sp = o_sp * q_ok  # [B, Tq, HQ, D]
-    acc = acc_dtype(sbar)
-    k_tok, v_tok = new_tokens(k, v, Tq, new_kv)  # [B, Tq, H, D]
     if not use_rla:
         k_new, v_new = (x.transpose(1, 2) for x in (k_tok, v_tok))  # [B, H, Tq, D]
         phik = feature_map(k_new).to(acc)

@@ -208,6 +208,68 @@ def test_split_forward_adds_the_correction_with_atomics(case, atomics):
             assert rel(a, b) <= 1e-5, (name, rel(a, b))
 
 
+def epilogue_case(case, seed=0):
+    """An `RLAEpilogue` for `case`'s shapes: random o_lin, dropped rows (padded queries always), weight."""
+    B, HQ, H, T, D = case[:5]
+    g = torch.Generator().manual_seed(seed)
+    drop = torch.rand(B, T, H, generator=g) < 0.3
+    return triton_blocks_common.RLAEpilogue(torch.randn(B, T, HQ, D, generator=g).to(DEV),
+                                            drop.to(DEV), (0.5 + torch.rand(HQ, D, generator=g)).to(DEV), 1e-5)
+
+
+def epilogue_definition(want, epi, qpos):
+    """fp64: o_sp + RMSNorm_weight(o_lin - otilde), the residual term 0 on dropped rows and padded queries."""
+    o_sp, otilde = want
+    drop = (epi.drop.to(o_sp.device) | (qpos < 0)[:, :, None]).repeat_interleave(o_sp.shape[2] // epi.drop.shape[2], 2)
+    x = (epi.o_lin.double() - otilde).masked_fill(drop[..., None], 0.0)
+    return o_sp + x * torch.rsqrt(x.square().mean(-1, keepdim=True) + epi.eps) * epi.weight.double()
+
+
+@pytest.mark.parametrize("over", [{}, dict(forward="atomic"), dict(rla_sum="atomic"), dict(atomics="v4-split")])
+@pytest.mark.parametrize("case", [c for c in CASES if c[7]])
+def test_the_epilogue_adds_the_normed_residual_term(case, over):
+    """With an `RLAEpilogue` the call returns (o_sp + RMSNorm_weight(o_rla), None): the combine computes it
+    on the split form (the atomic forms in PyTorch after); the fp64 definition within fp32 rounding, and
+    on a GPU within bf16 rounding for bf16 inputs, whose o comes back in bf16 (the CPU interpreter does
+    not run these kernels' bf16 dots faithfully)."""
+    B, HQ, H, T, D, bs, nsel, use_rla, pad, prefix = case
+    q, k, v, idx, qpos, koff = make_case(B, HQ, H, T, D, bs, nsel, pad=pad, prefix=prefix, seed=sum(case[:7]),
+                                         future=0.1)
+    epi = epilogue_case(case)
+    epi = epi._replace(drop=epi.drop | (qpos < 0)[:, :, None])  # the caller's dropped rows include padding
+    want = epilogue_definition(definition(q.double(), k.double(), v.double(), idx, qpos, koff, bs, True), epi, qpos)
+    plan = triton_blocks.blocks_plan(HQ // H, D, DEV, True, **dict(TINY, **over))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2))[:2 if DEV == "cuda" else 1]:
+        ins = [x.to(dtype) for x in (q, k, v)]
+        o, none = triton_blocks.blocks_sparse_attention(*ins, idx, qpos, koff, True, bs, plan=plan, o_dtype=dtype,
+                                                        epilogue=epi)
+        assert none is None and o.dtype == dtype and torch.isfinite(o).all()
+        assert rel(o, want) <= tol, (dtype, rel(o, want))
+
+
+def test_the_epilogue_over_query_chunks_and_refused_with_gradients(monkeypatch):
+    """Past SPLIT_BYTES the epilogue's rows go with each query chunk; a call with gradients or without the
+    residual term refuses an epilogue with a reason."""
+    case = CASES[0]
+    B, HQ, H, T, D, bs, nsel, use_rla, pad, prefix = case
+    q, k, v, idx, qpos, koff = make_case(B, HQ, H, T, D, bs, nsel, pad=pad, seed=3, future=0.1)
+    epi = epilogue_case(case, seed=1)
+    epi = epi._replace(drop=epi.drop | (qpos < 0)[:, :, None])
+    want = epilogue_definition(definition(q.double(), k.double(), v.double(), idx, qpos, koff, bs, True), epi, qpos)
+    chunks = []
+    real_split = triton_blocks.split_pass
+    monkeypatch.setattr(triton_blocks, "split_pass",
+                        lambda q, *a, **kw: chunks.append(q.shape[2]) or real_split(q, *a, **kw))
+    monkeypatch.setattr(triton_blocks, "SPLIT_BYTES", B * T * HQ * nsel * D * 8 // 4)
+    plan = triton_blocks.blocks_plan(HQ // H, D, DEV, True, **TINY)
+    o, _ = triton_blocks.blocks_sparse_attention(q, k, v, idx, qpos, koff, True, bs, plan=plan, epilogue=epi)
+    assert len(chunks) >= 4 and sum(chunks) == T and rel(o, want) <= 1e-5
+    with pytest.raises(ValueError, match="without gradients"):
+        triton_blocks.blocks_sparse_attention(q.requires_grad_(), k, v, idx, qpos, koff, True, bs, epilogue=epi)
+    with pytest.raises(ValueError, match="residual term"):
+        triton_blocks.blocks_sparse_attention(q.detach(), k, v, idx, qpos, koff, False, bs, epilogue=epi)
+
+
 BWD = [(c, {}) for c in CASES[:4] + CASES[5:]] + [  # (case, plan overrides of TINY)
     (CASES[0], dict(rla_sum="atomic")), (CASES[6], dict(rla_sum="atomic", atomics="v4-split")),
     (CASES[0], dict(bwd="split")), (CASES[4], dict(bwd="split")), (CASES[6], dict(bwd="split", dq_keys=16)),

@@ -248,6 +248,47 @@ def test_zero_gamma_params_follow_a_config_change(monkeypatch):
     assert not any(p.use_rla for p in seen)
 
 
+def test_an_adapted_model_adds_its_residual_term_in_the_kernels_combine(monkeypatch):
+    """With `set_plan("spla", fuse_norm=True)` and without gradients, an adapted model (gamma != 0) on the
+    block-major kernels gets o + RMSNorm_gamma(o_rla) from the sparse kernels' combine (`RLAEpilogue`: the op
+    returns o_rla None, no norm-add after), with the PyTorch form's logits; without the field, or with
+    gradients, the op returns o_rla and the mixer adds the norm."""
+    pytest.importorskip("triton")
+    import subquadratic.kernels.spla.triton_parallel as tp
+
+    model = tiny_spla(block_size=16, top_k_blocks=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    gen = torch.Generator().manual_seed(5)
+    for m in model.modules():
+        if hasattr(m, "rla_norm"):
+            m.rla_norm.weight.data = 0.5 + torch.rand(m.rla_norm.weight.shape, generator=gen)
+    x = torch.randint(1, 128, (2, 80), generator=gen)
+    returned = []
+    real_kernel = tp.spla_parallel_triton
+
+    def kernel(*a, **kw):
+        out = real_kernel(*a, **kw)
+        returned.append(out[1] is None)
+        return out
+
+    monkeypatch.setattr(tp, "spla_parallel_triton", kernel)
+    with torch.no_grad():
+        want = model(x).logits  # the PyTorch form on the CPU
+        model.set_plan("spla", device="cuda", form="blocks")
+        unfused = model(x).logits
+        assert returned == [False] * model.config.num_hidden_layers
+        returned.clear()
+        model.set_plan("spla", device="cuda", form="blocks", fuse_norm=True)
+        got = model(x).logits
+    assert returned == [True] * model.config.num_hidden_layers
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+    torch.testing.assert_close(got, unfused, atol=2e-4, rtol=0)
+    returned.clear()
+    loss = model(x).logits.float().square().mean()
+    loss.backward()
+    assert returned == [False] * model.config.num_hidden_layers
+    assert all(m.rla_norm.weight.grad is not None for m in model.modules() if hasattr(m, "rla_norm"))
+
+
 def test_set_plan_spla_takes_the_caller_fields(monkeypatch):
     """`set_plan("spla", ...)` plans SPLA's calls with the caller's fields, once per forward for the layers
     that plan alike: device="cuda" takes the Triton kernels on this machine (the interpreter on a CPU) with
