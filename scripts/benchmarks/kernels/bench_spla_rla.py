@@ -80,8 +80,13 @@ def stages(q, k, v, qpos, pos, stats, sbar, koff, params, norm) -> dict[str, flo
     from subquadratic.kernels.spla.triton_blocks import blocks_sparse_attention
     from subquadratic.kernels.spla.triton_blocks_common import blocks_plan
     from subquadratic.kernels.spla.triton_common import key_features
-    from subquadratic.kernels.spla.triton_parallel import (causal_linear_term, dropped_rows, dropped_rows_reference,
-                                                          feature_rows, residual_term)
+    from subquadratic.kernels.spla.triton_parallel import (
+        causal_linear_term,
+        dropped_rows,
+        dropped_rows_reference,
+        feature_rows,
+        residual_term,
+    )
     from subquadratic.kernels.spla.triton_tile import query_tile_union, tile_sparse_attention
 
     B, T, HQ, D = q.shape

@@ -40,7 +40,8 @@ from .triton_tile import query_tile_union, select_indices_fast, tile_sparse_atte
 triton, tl = import_triton()
 
 __all__ = ["FeatureRows", "ResidualTerm", "SparseAttention", "causal_linear_term", "dropped_rows",
-           "dropped_rows_reference", "feature_rows", "key_features", "residual_term", "residual_term_reference", "sparse_forward", "spla_parallel_triton"]
+           "dropped_rows_reference", "feature_rows", "key_features", "residual_term", "residual_term_reference",
+           "sparse_forward", "spla_parallel_triton"]
 
 
 @jit
