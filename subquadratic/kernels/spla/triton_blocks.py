@@ -428,9 +428,10 @@ def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool,
     part = new_output((B, T, H, nsel, G, D), dev, pdtype)
     atomic = use_rla and plan.rla_sum == "atomic"  # otilde added to its rows, no partials
     part_t = new_output((B, T, H, nsel, G, D), dev, pdtype) if use_rla and not atomic else part
+    epi = epilogue is not None and use_rla and not atomic  # the combine writes o + RMSNorm(o_rla), no otilde
     o = new_output((B, T, HQ, D), dev, o_dtype)
     ot = (torch.zeros((B, T, HQ, D), device=dev, dtype=torch.float32) if atomic
-          else new_output((B, T, HQ, D), dev) if use_rla else o)
+          else new_output((B, T, HQ, D), dev) if use_rla and not epi else o)
     blocks_split_kernel[grid](
         q, k, v, *seg, qpos, koff, row_max(qpos), lse_slot, part, part_t, ot,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -438,7 +439,6 @@ def split_pass(q, k, v, pairs: BlockPairs, qpos, koff, nsel: int, use_rla: bool,
         ATOMICS=ATOMIC_MODES[plan.atomics], **meta,
     )
     lse = new_output((B, T, HQ), dev)
-    epi = epilogue is not None and use_rla and not atomic
     if B * T * H:
         o_lin, drop, w, eps = (epilogue.o_lin.contiguous(), epilogue.drop.contiguous().view(torch.uint8),
                                epilogue.weight.contiguous(), float(epilogue.eps)) if epi else (o, o, o, 0.0)

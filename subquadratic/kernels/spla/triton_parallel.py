@@ -365,14 +365,21 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
     out_dtype = torch.float64 if sbar.dtype == torch.float64 else q.dtype
     acc = acc_dtype(sbar)
     k_tok, v_tok = new_tokens(k, v, Tq, new_kv)  # [B, Tq, H, D]
+
+    def linear_term():
+        """(o_lin fp32, new Sbar, dropped rows): the causal linear term in the kernels' dtype (q's) at the
+        sparse kernels' precision, and the rows where every causal key is selected, so the residual term
+        is exactly zero (not a cancellation), or the token is padding."""
+        o_lin, sbar_new = causal_linear_term(feature_rows(q, kq.dtype), feature_rows(k_tok, kq.dtype), v_tok,
+                                             sbar.to(acc), None if causal else q_pos >= 0, prec)
+        return o_lin, sbar_new, dropped_rows(idx, q_pos, block_size)
+
     if (plan.fuse_norm and form == "blocks" and use_rla and rla_norm is not None and not plan.grad
             and out_dtype != torch.float64):
         # the residual term's subtraction and the norm-add in the sparse kernels' combine
-        o_lin, sbar_new = causal_linear_term(feature_rows(q, kq.dtype), feature_rows(k_tok, kq.dtype), v_tok,
-                                             sbar.to(acc), None if causal else q_pos >= 0, prec)
-        epilogue = RLAEpilogue(o_lin, dropped_rows(idx, q_pos, block_size), *rla_norm)
+        o_lin, sbar_new, drop = linear_term()
         o, _ = blocks_sparse_attention(kq, kk, kv, idx, qpos, koff, True, block_size, precision=prec,
-                                       o_dtype=half_or_fp32(q.dtype), epilogue=epilogue)
+                                       o_dtype=half_or_fp32(q.dtype), epilogue=RLAEpilogue(o_lin, drop, *rla_norm))
         return o.to(out_dtype), None, sbar_new
     if form == "blocks":  # differentiable when gradients are needed; else the forward alone
         o_sp, otilde = blocks_sparse_attention(kq, kk, kv, idx, qpos, koff, use_rla, block_size, precision=prec,
@@ -394,9 +401,5 @@ def spla_parallel_triton(q, k, v, q_pos, k_pos, stats: BlockStats, sbar, koff, p
         if not causal:
             phik = phik * (q_pos >= 0)[:, None, :, None]
         return o_sp.to(out_dtype), None, sbar + state_increment(phik, v_new, acc)
-    o_lin, sbar_new = causal_linear_term(  # the kernels' dtype: q's, at the sparse kernels' precision
-        feature_rows(q, kq.dtype), feature_rows(k_tok, kq.dtype), v_tok, sbar.to(acc),
-        None if causal else q_pos >= 0, prec)
-    # every causal key selected -> the residual term is exactly zero (not a cancellation); padding -> 0
-    o_rla = residual_term(o_lin, otilde, dropped_rows(idx, q_pos, block_size), out_dtype)  # [B, Tq, HQ, D]
-    return o_sp.to(out_dtype), o_rla, sbar_new
+    o_lin, sbar_new, drop = linear_term()  # after the sparse kernels: their partials are freed by now
+    return o_sp.to(out_dtype), residual_term(o_lin, otilde, drop, out_dtype), sbar_new  # o_rla [B, Tq, HQ, D]
