@@ -20,18 +20,18 @@ def test_bench_generate_quick_smoke(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     decode = [r for r in rows if r["what"].startswith("tok/s")]
-    # SPLA: 8 pairs of caches x 2 contexts; the adapted SPLA, HLA and SSE-H: their default against dense's (and
-    # steady) x 2
-    assert len(decode) == 16 + 12 and all(r["ratio"] > 0 for r in decode)
+    # SPLA: 8 pairs of caches x 2 contexts; the adapted SPLA, HLA, SSE-H and HLA-H: their default against dense's
+    # (and steady) x 2
+    assert len(decode) == 16 + 16 and all(r["ratio"] > 0 for r in decode)
     assert sum("spla-adapted default vs dense default" in r["what"] for r in decode) == 4
     assert sum("SPLA default vs dense default" in r["what"] for r in decode) == 4
-    assert sum(f"{f} default vs dense default" in r["what"] for r in decode for f in ("hla", "sse-h")) == 8
+    assert sum(f"{f} default vs dense default" in r["what"] for r in decode for f in ("hla", "sse-h", "hla-h")) == 12
     eager = [r for r in decode if "SPLA eager vs dense eager" in r["what"]]
     # generate == loop
     assert len(eager) == 4 and all(r["spla"]["same_tokens"] and r["dense"]["same_tokens"] for r in eager)
     same = [r for r in rows if "vs SPLA eager: equal greedy steps" in r["what"]]
     assert len(same) == 4 and all(r["ours"] == r["peer"] == "3" and r["ratio"] < 1e-5 for r in same)
     linear = {r["what"].split()[0]: r for r in rows if "linear-layer cache bytes" in r["what"]}
-    assert set(linear) == {"hla", "sse-h"} and all(r["ratio"] == 1.0 for r in linear.values())
+    assert set(linear) == {"hla", "sse-h", "hla-h"} and all(r["ratio"] == 1.0 for r in linear.values())
     soft = [r for r in rows if "softmax-layer KV bytes" in r["what"]]
-    assert len(soft) == 1 and soft[0]["ratio"] == 320 / 128  # SSE-H's softmax layer grows with the context
+    assert len(soft) == 2 and all(r["ratio"] == 320 / 128 for r in soft)  # the hybrids' softmax layers grow

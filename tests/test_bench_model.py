@@ -22,7 +22,7 @@ def test_bench_model_quick_smoke(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     keys = {(r["measure"], r["T"], r["family"]) for r in rows}
-    families = ("spla", "spla-adapted", "sse-h", "hla")
+    families = ("spla", "spla-adapted", "sse-h", "hla-h", "hla")
     assert keys == {("ttft", T, f) for T in (128, 320) for f in families} | {("train", 128, f) for f in families}
     assert all(r["error"] is None and r["dense_ms"] > 0 and r["ours_ms"] > 0 and r["ratio"] > 0 for r in rows)
     assert "| M1 | time to first token | 320 | spla |" in res.stdout  # the Markdown table for docs/benchmarks.md

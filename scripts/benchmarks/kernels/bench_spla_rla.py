@@ -65,7 +65,8 @@ def layer_case(T: int, S: int, B: int = 1, HQ: int = 32, H: int = 8, D: int = 64
         with torch.no_grad():
             out = {"op with the term": bench(op(with_rla)), "op without the term": bench(op(without))}
             if T >= 16:  # the plan's form against the block-major one
-                out["op with the term, block-major form"] = bench(op(with_rla, form="blocks"))
+                out["op with the term, block-major form, the norm-add after (fuse_norm=False)"] = bench(
+                    op(with_rla, form="blocks", fuse_norm=False))
                 out["op with the term, block-major, the norm-add in the combine (fuse_norm=True)"] = bench(
                     op(with_rla, form="blocks", fuse_norm=True))
             out.update(stages(q, k, v, qpos, pos, stats, sbar, koff, with_rla, norm) if T > 1 else {})

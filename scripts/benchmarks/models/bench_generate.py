@@ -276,7 +276,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="decode steps timed (default 64)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measure (median)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default 8192)")
-    ap.add_argument("--families", default="spla-adapted,spla,hla,sse-h",
+    ap.add_argument("--families", default="spla-adapted,spla,hla,sse-h,hla-h",
                     help="conversions to run (spla, the fresh conversion: every mode; spla-adapted, the same with "
                          "gamma = 0.1 as after adaptation, which computes the residual term: the default mode; hla, "
                          "sse-h, ...: cache bytes and the default mode)")

@@ -1,5 +1,5 @@
 """Whole-model speed where a user waits (BENCHMARKS.md M1, M2): time to first token and a training step
-of a 1B-class Llama with random bf16 weights (Llama-3.2-1B shapes) against its SPLA, SSE-H and HLA
+of a 1B-class Llama with random bf16 weights (Llama-3.2-1B shapes) against its SPLA, SSE-H, HLA-H and HLA
 conversions made by the package's converter with the defaults, every row a ratio to the dense model
 measured in the same run, with the peak GPU memory of each call. `spla` is the fresh conversion
 (gamma = 0: exactly sparse attention, and inference skips the residual term, which adds nothing);
@@ -7,7 +7,7 @@ measured in the same run, with the peak GPU memory of each call. `spla` is the f
 computes it.
 
   python -m scripts.benchmarks.models.bench_model [--lengths 4096,16384,32768,131072] [--train-lengths 8192,32768]
-                                [--families spla,spla-adapted,sse-h,hla] [--repeats 3] [--out r.json]
+                                [--families spla,spla-adapted,sse-h,hla-h,hla] [--repeats 3] [--out r.json]
   python -m scripts.benchmarks.models.bench_model --quick    # tiny model on CPU (PyTorch forms): a smoke run
   python -m scripts.benchmarks.models.bench_model --checkpoint DIR --text python   # a real model on real text
       (Python sources)
@@ -348,7 +348,7 @@ def main() -> None:
     ap.add_argument("--train-lengths", default=None, help="comma list of row lengths of the training step "
                                                           "(default 8192,32768; empty: none)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--families", default="spla,spla-adapted,sse-h,hla",
+    ap.add_argument("--families", default="spla,spla-adapted,sse-h,hla-h,hla",
                     help="conversions to measure beside the dense model: convert targets (spla, sse, sse-h, hla, "
                          "hla-h) or spla-adapted (SPLA with gamma = 0.1, as after adaptation: its residual term is "
                          "computed), sse-h-no-window, hla-h-no-window (the presets without their window branch), "
