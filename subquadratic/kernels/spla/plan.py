@@ -152,7 +152,7 @@ class SPLAPlan:
     "ieee"; 16-bit operands always run on the tensor cores with fp32 accumulation), `fuse_norm`
     (the block-major form without gradients, given the caller's norm: its combine subtracts the
     correction from the causal linear term and adds o_sp + RMSNorm_gamma(o_rla) itself,
-    `triton_blocks.RLAEpilogue`; off by default until it is timed on a GPU) and `launch` (the
+    `triton_blocks.RLAEpilogue`; on by default) and `launch` (the
     launch settings; None: `Launch()`)."""
 
     path: str
@@ -164,7 +164,7 @@ class SPLAPlan:
     tile_rows: int = 64
     select_prec: str = "ieee"
     precision: str = "ieee"
-    fuse_norm: bool = False
+    fuse_norm: bool = True
     launch: Launch | None = None
 
     def __post_init__(self) -> None:

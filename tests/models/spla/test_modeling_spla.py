@@ -249,10 +249,10 @@ def test_zero_gamma_params_follow_a_config_change(monkeypatch):
 
 
 def test_an_adapted_model_adds_its_residual_term_in_the_kernels_combine(monkeypatch):
-    """With `set_plan("spla", fuse_norm=True)` and without gradients, an adapted model (gamma != 0) on the
-    block-major kernels gets o + RMSNorm_gamma(o_rla) from the sparse kernels' combine (`RLAEpilogue`: the op
-    returns o_rla None, no norm-add after), with the PyTorch form's logits; without the field, or with
-    gradients, the op returns o_rla and the mixer adds the norm."""
+    """Without gradients an adapted model (gamma != 0) on the block-major kernels gets o + RMSNorm_gamma(o_rla)
+    from the sparse kernels' combine by default (`SPLAPlan.fuse_norm`, `RLAEpilogue`: the op returns o_rla None,
+    no norm-add after), with the PyTorch form's logits; with `fuse_norm=False`, or with gradients, the op
+    returns o_rla and the mixer adds the norm."""
     pytest.importorskip("triton")
     import subquadratic.kernels.spla.triton_parallel as tp
 
@@ -273,11 +273,11 @@ def test_an_adapted_model_adds_its_residual_term_in_the_kernels_combine(monkeypa
     monkeypatch.setattr(tp, "spla_parallel_triton", kernel)
     with torch.no_grad():
         want = model(x).logits  # the PyTorch form on the CPU
-        model.set_plan("spla", device="cuda", form="blocks")
+        model.set_plan("spla", device="cuda", form="blocks", fuse_norm=False)
         unfused = model(x).logits
         assert returned == [False] * model.config.num_hidden_layers
         returned.clear()
-        model.set_plan("spla", device="cuda", form="blocks", fuse_norm=True)
+        model.set_plan("spla", device="cuda", form="blocks")
         got = model(x).logits
     assert returned == [True] * model.config.num_hidden_layers
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
