@@ -847,11 +847,24 @@ class SubquadraticModel(SubquadraticPreTrainedModel):
         return out if return_dict else out.to_tuple()
 
 
+#: Tokens (rows x new tokens) of one cached call without gradients past which the causal LM runs its prompt
+#: in chunks of at most this many tokens over the cache (`SubquadraticForCausalLM.prefill_chunk_tokens`):
+#: the activations of a chunk, not of the whole batch, are live at once. 131072 keeps one row of 128k
+#: tokens in one call.
+PREFILL_CHUNK_TOKENS = 131072
+
+
 class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
     """The decoder plus the LM head. PreTrainedModel does not bring GenerationMixin, so each causal-LM
-    class names it among its direct bases (Transformers' `can_generate()` looks there first)."""
+    class names it among its direct bases (Transformers' `can_generate()` looks there first).
+
+    A cached call without gradients, labels, hidden states or attention weights whose rows x new tokens
+    exceed `prefill_chunk_tokens` (set it on the model; None or 0: never) runs in consecutive chunks of
+    the rows' tokens over its cache, each chunk's activations freed before the next: the logits and cache
+    of the one call (e.g. generate()'s prefill of 4 rows of 128k tokens)."""
 
     base_model_class = SubquadraticModel
+    prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: SubquadraticConfig) -> None:
@@ -896,14 +909,20 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
                                                 output_hidden_states or output_attentions):
             result = SubquadraticCausalLMOutput(logits=decode_step(self, cache, input_ids), **{CACHE_FIELD: cache})
             return result if return_dict else result.to_tuple()
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions, cache=cache, return_dict=True,
-            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-        )
-        hidden = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        step = self._prefill_chunk(input_ids, inputs_embeds, labels, cache, use_cache,
+                                   output_hidden_states or output_attentions, kwargs)
+        if step:
+            hidden, out = self._chunked_prefill(step, input_ids, inputs_embeds, attention_mask, position_ids, cache,
+                                                logits_to_keep)
+        else:
+            out = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
+                output_attentions=output_attentions, cache=cache, return_dict=True,
+                cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+            )
+            hidden = out.last_hidden_state
         logits = self.lm_head(hidden[:, keep, :])
         loss = None
         if labels is not None:
@@ -918,5 +937,42 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
             aux_loss=out.aux_loss, **{CACHE_FIELD: getattr(out, CACHE_FIELD)},
         )
         return result if return_dict else result.to_tuple()
+
+    def _prefill_chunk(self, input_ids, inputs_embeds, labels, cache, use_cache, outputs, kwargs) -> int:
+        """New tokens per row of each chunk of this call (`prefill_chunk_tokens`), or 0: one call."""
+        limit = self.prefill_chunk_tokens
+        x = input_ids if input_ids is not None else inputs_embeds
+        if not limit or x is None or torch.is_grad_enabled() or labels is not None or outputs:
+            return 0
+        if kwargs.get("cu_seq_lens_q") is not None or not (self.config.use_cache if use_cache is None else use_cache):
+            return 0  # a packed batch, or a call that keeps no cache
+        B, T = x.shape[:2]
+        return max(1, limit // B) if B * T > limit else 0
+
+    def _chunked_prefill(self, step: int, input_ids, inputs_embeds, attention_mask, position_ids, cache,
+                         logits_to_keep):
+        """The decoder over the call's new tokens in chunks of `step` per row, in order over one cache:
+        (the hidden states the logits need, the last chunk's output with that cache)."""
+        x = input_ids if input_ids is not None else inputs_embeds
+        T = x.shape[1]
+        past = 0 if attention_mask is None else attention_mask.shape[1] - T  # a mask may cover cached tokens too
+        tail = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else None
+        kept, aux = [], None
+        for s in range(0, T, step):
+            e = min(T, s + step)
+            out = self.model(
+                input_ids=None if input_ids is None else input_ids[:, s:e],
+                inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, s:e],
+                attention_mask=None if attention_mask is None else attention_mask[:, :past + e],
+                position_ids=None if position_ids is None else position_ids[:, s:e],
+                use_cache=True, cache=cache, return_dict=True,
+            )
+            cache = getattr(out, CACHE_FIELD)
+            aux = out.aux_loss if aux is None else aux + out.aux_loss if out.aux_loss is not None else aux
+            kept.append(out.last_hidden_state)
+            if tail is not None:  # only the last `tail` positions are kept
+                kept = [torch.cat(kept, 1)[:, -tail:]] if len(kept) > 1 else [kept[0][:, -tail:]]
+        out.aux_loss = aux
+        return torch.cat(kept, 1) if len(kept) > 1 else kept[0], out
 
 

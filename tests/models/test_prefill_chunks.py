@@ -1,0 +1,106 @@
+"""A long cached call without gradients runs in chunks over its cache (`SubquadraticForCausalLM.prefill_chunk_tokens`):
+the same logits and the same cache (the greedy steps after it) as one call, for every family, through a plain
+forward and through generate() with its default and static caches, with left padding; calls that need every
+activation (gradients, hidden states) or keep no cache run whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subquadratic import HLAForCausalLM
+from subquadratic.families.hla.configuration import tiny_hla_config
+from subquadratic.modeling.base import CACHE_FIELD, SubquadraticForCausalLM
+
+from .common import GEN, left_pad
+from .spla.tiny import tiny_spla
+from .sse.test_modeling_sse import lively
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = {
+    "spla+softmax": lambda: tiny_spla(mixer_types=["spla", "full_attention"], block_size=8, top_k_blocks=3,
+                                      num_sink_blocks=1, num_local_blocks=1),
+    "hla": lambda: HLAForCausalLM(tiny_hla_config(hla_chunk_size=8)).eval(),
+    "sse-h": lambda: lively("tiny-h", 0),
+}
+
+
+def adapted(model):
+    """SPLA's residual term on (gamma != 0), as after adaptation: the chunks must carry its state too."""
+    for m in model.modules():
+        if hasattr(m, "rla_norm"):
+            m.rla_norm.weight.data.fill_(0.3)
+    return model
+
+
+def calls(model, monkeypatch) -> list[int]:
+    """Records the new tokens of each decoder call."""
+    seen = []
+    inner = model.model.forward
+
+    def forward(*a, **kw):
+        x = kw.get("input_ids") if kw.get("input_ids") is not None else kw.get("inputs_embeds")
+        seen.append(x.shape[1])
+        return inner(*a, **kw)
+
+    monkeypatch.setattr(model.model, "forward", forward)
+    return seen
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_long_cached_call_runs_in_chunks_with_the_logits_and_cache_of_one(family, monkeypatch):
+    model = adapted(FAMILIES[family]())
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 128, (2, 45), generator=g)
+    nxt = torch.randint(3, 128, (2, 1), generator=g)
+    with torch.no_grad():
+        whole = model(ids, use_cache=True, logits_to_keep=0)
+        after_whole = model(nxt, **{CACHE_FIELD: getattr(whole, CACHE_FIELD)}).logits
+        model.prefill_chunk_tokens = 32  # 2 rows: chunks of 16 new tokens
+        seen = calls(model, monkeypatch)
+        for keep in (0, 1, 20):  # all logits, the last, and a tail longer than the last chunk (13 tokens)
+            seen.clear()
+            part = model(ids, use_cache=True, logits_to_keep=keep)
+            assert seen == [16, 16, 13]
+            want = whole.logits[:, -keep:] if keep else whole.logits
+            torch.testing.assert_close(part.logits, want, atol=1e-5, rtol=1e-5)
+        after_part = model(nxt, **{CACHE_FIELD: getattr(part, CACHE_FIELD)}).logits
+    torch.testing.assert_close(after_part, after_whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_with_chunked_prefill_gives_the_tokens_of_one_call(family, cache, monkeypatch):
+    """Left-padded rows of unequal lengths: the padding sits in the first chunk, the real tokens after it."""
+    model = adapted(FAMILIES[family]())
+    g = torch.Generator().manual_seed(4)
+    ids, mask = left_pad([torch.randint(3, 128, (n,), generator=g) for n in (40, 23)])
+
+    def run():
+        return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, output_scores=True,
+                              return_dict_in_generate=True, cache_implementation=cache, **GEN)
+
+    want = run()
+    model.prefill_chunk_tokens = 24  # 2 rows: chunks of 12
+    seen = calls(model, monkeypatch)
+    got = run()
+    assert seen[:4] == [12, 12, 12, 4] and set(seen[4:]) <= {1}  # the prompt in chunks, then one-token steps
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_calls_that_need_every_activation_or_keep_no_cache_run_whole(monkeypatch):
+    model = FAMILIES["hla"]()
+    model.prefill_chunk_tokens = 8
+    seen = calls(model, monkeypatch)
+    ids = torch.randint(3, 128, (1, 20))
+    model(ids, labels=ids)  # gradients (and labels)
+    with torch.no_grad():
+        model(ids, use_cache=False)
+        model(ids, use_cache=True, output_hidden_states=True)
+        model.prefill_chunk_tokens = None
+        model(ids, use_cache=True)
+    assert seen == [20, 20, 20, 20]
+    assert SubquadraticForCausalLM.prefill_chunk_tokens == 131072  # one row of 128k tokens runs in one call
