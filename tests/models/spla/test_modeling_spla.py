@@ -252,16 +252,20 @@ def test_an_adapted_model_adds_its_residual_term_in_the_kernels_combine(monkeypa
     """Without gradients an adapted model (gamma != 0) on the block-major kernels gets o + RMSNorm_gamma(o_rla)
     from the sparse kernels' combine by default (`SPLAPlan.fuse_norm`, `RLAEpilogue`: the op returns o_rla None,
     no norm-add after), with the PyTorch form's logits; with `fuse_norm=False`, or with gradients, the op
-    returns o_rla and the mixer adds the norm."""
+    returns o_rla and the mixer adds the norm. The kernels run on the GPU where there is one (exact fp32 dots),
+    else in the interpreter."""
     pytest.importorskip("triton")
     import subquadratic.kernels.spla.triton_parallel as tp
 
-    model = tiny_spla(block_size=16, top_k_blocks=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_spla(block_size=16, top_k_blocks=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      kernel_precision="ieee")
     gen = torch.Generator().manual_seed(5)
     for m in model.modules():
         if hasattr(m, "rla_norm"):
             m.rla_norm.weight.data = 0.5 + torch.rand(m.rla_norm.weight.shape, generator=gen)
-    x = torch.randint(1, 128, (2, 80), generator=gen)
+    x = torch.randint(1, 128, (2, 80), generator=gen).to(dev)
+    model.to(dev)
     returned = []
     real_kernel = tp.spla_parallel_triton
 
@@ -272,7 +276,8 @@ def test_an_adapted_model_adds_its_residual_term_in_the_kernels_combine(monkeypa
 
     monkeypatch.setattr(tp, "spla_parallel_triton", kernel)
     with torch.no_grad():
-        want = model(x).logits  # the PyTorch form on the CPU
+        model.set_plan("spla", path="torch")
+        want = model(x).logits  # the PyTorch form
         model.set_plan("spla", device="cuda", form="blocks", fuse_norm=False)
         unfused = model(x).logits
         assert returned == [False] * model.config.num_hidden_layers
