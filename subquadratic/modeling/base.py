@@ -910,7 +910,7 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
             result = SubquadraticCausalLMOutput(logits=decode_step(self, cache, input_ids), **{CACHE_FIELD: cache})
             return result if return_dict else result.to_tuple()
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        step = self._prefill_chunk(input_ids, inputs_embeds, labels, cache, use_cache,
+        step = self._prefill_chunk(input_ids if input_ids is not None else inputs_embeds, labels, use_cache,
                                    output_hidden_states or output_attentions, kwargs)
         if step:
             hidden, out = self._chunked_prefill(step, input_ids, inputs_embeds, attention_mask, position_ids, cache,
@@ -938,10 +938,10 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
         )
         return result if return_dict else result.to_tuple()
 
-    def _prefill_chunk(self, input_ids, inputs_embeds, labels, cache, use_cache, outputs, kwargs) -> int:
-        """New tokens per row of each chunk of this call (`prefill_chunk_tokens`), or 0: one call."""
+    def _prefill_chunk(self, x, labels, use_cache, outputs, kwargs) -> int:
+        """New tokens per row of each chunk of this call of inputs `x` (ids or embeddings; the
+        `prefill_chunk_tokens` bound), or 0: one call."""
         limit = self.prefill_chunk_tokens
-        x = input_ids if input_ids is not None else inputs_embeds
         if not limit or x is None or torch.is_grad_enabled() or labels is not None or outputs:
             return 0
         if kwargs.get("cu_seq_lens_q") is not None or not (self.config.use_cache if use_cache is None else use_cache):
@@ -968,11 +968,12 @@ class SubquadraticForCausalLM(SubquadraticPreTrainedModel, GenerationMixin):
                 use_cache=True, cache=cache, return_dict=True,
             )
             cache = getattr(out, CACHE_FIELD)
-            aux = out.aux_loss if aux is None else aux + out.aux_loss if out.aux_loss is not None else aux
+            if out.aux_loss is not None:
+                aux = out.aux_loss if aux is None else aux + out.aux_loss
             kept.append(out.last_hidden_state)
             if tail is not None:  # only the last `tail` positions are kept
-                kept = [torch.cat(kept, 1)[:, -tail:]] if len(kept) > 1 else [kept[0][:, -tail:]]
+                kept = [torch.cat(kept, 1)[:, -tail:]]
         out.aux_loss = aux
-        return torch.cat(kept, 1) if len(kept) > 1 else kept[0], out
+        return torch.cat(kept, 1), out
 
 
