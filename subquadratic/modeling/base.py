@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -334,11 +335,13 @@ def banded_window_attention(q, k, v, q_pos, k_pos, window: int, scaling: float, 
 #: The paths of a softmax layer's call (`plan_softmax`): "window_kernel" (causal rows over a window shorter
 #: than them: `kernels.window_attention`), "banded" (the same in PyTorch, or a window ring before the new
 #: tokens: `banded_window_attention`), "causal" (SDPA without a mask: causal rows, or one query over every
-#: slot, all real), "decode_kernel" (one query under a mask: `decode_attention`'s Triton kernels),
-#: "decode" (the same in PyTorch), "grouped" (a chunk under a mask without gradients:
-#: `grouped_query_attention`), "masked" (SDPA under a mask) and "eager" (Transformers' eager attention,
-#: which also gives the weights).
-SOFTMAX_PATHS = ("window_kernel", "banded", "causal", "decode_kernel", "decode", "grouped", "masked", "eager")
+#: slot, all real), "causal_lower_right" (a chunk of new tokens after a cache whose slots are all real: SDPA
+#: with PyTorch's lower-right causal bias, no mask built; a chunked prefill's), "decode_kernel" (one query
+#: under a mask: `decode_attention`'s Triton kernels), "decode" (the same in PyTorch), "grouped" (a chunk
+#: under a mask without gradients: `grouped_query_attention`), "masked" (SDPA under a mask) and "eager"
+#: (Transformers' eager attention, which also gives the weights).
+SOFTMAX_PATHS = ("window_kernel", "banded", "causal", "causal_lower_right", "decode_kernel", "decode", "grouped",
+                 "masked", "eager")
 
 
 def plan_softmax(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
@@ -358,7 +361,9 @@ def plan_softmax(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: torc
     A window shorter than the new tokens over causal rows (or after a window ring) runs O(T W): the
     Triton kernels by `utils.resolve_backend` ("auto" on CUDA for inputs they take, not with dropout),
     else the banded form; calls whose queries see every slot up to their own run SDPA without a mask;
-    the rest build the mask: one query (no dropout) `decode_attention` (its Triton kernels by
+    a chunk after a cache whose slots are all real (`causal`, T < S) SDPA with the lower-right causal bias
+    (each query sees the S - T cached slots and the new ones up to its own: flash attention on CUDA, no
+    [B, T, S] mask); the rest build the mask: one query (no dropout) `decode_attention` (its Triton kernels by
     `utils.resolve_backend` likewise: "decode_kernel"), a chunk `grouped_query_attention` where it packs
     the groups (`grouped_query_packs`), else SDPA, or the eager function."""
     if path is not None:
@@ -374,6 +379,8 @@ def plan_softmax(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: torc
         return "window_kernel" if causal_rows and window_kernel else "banded"
     if sdpa and (causal_rows or causal and T == 1) and (not window or S <= window):
         return "causal"
+    if sdpa and causal and 1 < T < S and (not window or S <= window):
+        return "causal_lower_right"
     if sdpa and T == 1 and not dropout:
         if decode_kernel is None:
             decode_kernel = resolve_backend(backend, torch.device(device), op="decode attention", has_triton=True,
@@ -445,6 +452,11 @@ class SoftmaxAttention(AttentionBase):
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
             o, _ = sdpa_attention_forward(self, q, k, v, None, dropout=dropout, scaling=self.scaling, is_causal=T > 1)
+        elif path == "causal_lower_right":  # a chunk after real cached slots: query i sees slots [0, S - T + i]
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S),
+                                                                 dropout_p=dropout, scale=self.scaling,
+                                                                 enable_gqa=q.shape[1] != k.shape[1])
+            o = o.transpose(1, 2)
         else:
             allowed = window_keys(seq.positions, seq.key_positions, self.window, self.sinks, sink_slots)
             if path in ("decode_kernel", "decode"):  # a decode step under a mask (a static cache's)

@@ -30,6 +30,10 @@ PLANS = [
     (dict(causal_rows=False, causal=False, k_shape=(2, 2, 40, 16)), "masked"),
     (dict(causal_rows=False, causal=False, k_shape=(2, 2, 40, 16), grad=False), "grouped"),
     (dict(causal_rows=False, causal=False, k_shape=(2, 4, 40, 16), grad=False), "masked"),  # no groups
+    # a chunk after a cache whose slots are all real (a chunked prefill): the lower-right causal bias, no mask
+    (dict(causal_rows=False, k_shape=(2, 2, 40, 16)), "causal_lower_right"),
+    (dict(causal_rows=False, k_shape=(2, 2, 40, 16), window=64), "causal_lower_right"),  # every key in view
+    (dict(causal_rows=False, k_shape=(2, 2, 40, 16), window=30), "masked"),  # a window: the mask
     (dict(path="eager"), "eager"),
 ]
 
@@ -95,3 +99,35 @@ def test_the_softmax_layers_plan_once_per_forward(monkeypatch):
         got = m(ids, use_cache=False).logits
     assert made == ["banded", "eager"]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_chunk_after_real_cached_slots_takes_the_lower_right_causal_bias(monkeypatch):
+    """A chunk of new tokens after a cache whose slots are all real (a chunked prefill's second chunk) runs SDPA
+    with the lower-right causal bias, no [B, T, S] mask: the logits and gradients of the masked path."""
+    from .sse.test_modeling_sse import lively
+
+    m = lively("tiny-h", 0).float()
+    made, real = [], base.plan_softmax
+    monkeypatch.setattr(base, "plan_softmax", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 128, (2, 30), generator=g)
+    weight = torch.randn(2, 12, m.config.vocab_size, generator=g)
+
+    def chunk():
+        with torch.no_grad():
+            past = getattr(m(ids[:, :18], use_cache=True), base.CACHE_FIELD)
+        made.clear()
+        emb = m.get_input_embeddings()(ids[:, 18:]).detach().requires_grad_()
+        logits = m(inputs_embeds=emb, use_cache=True, **{base.CACHE_FIELD: past}).logits
+        grads = torch.autograd.grad((logits * weight).sum(), [emb, *m.parameters()], allow_unused=True)
+        return logits, [x for x in grads if x is not None]
+
+    got, got_grads = chunk()
+    assert made == ["causal_lower_right"]
+    m.set_plan("softmax", path="masked")
+    want, want_grads = chunk()
+    assert made == ["masked"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(got_grads) == len(want_grads) > 2
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
