@@ -360,17 +360,21 @@ class SubquadraticCache(Cache):
         self.length = 0  # slots, padding included (what generate() counts)
         # every slot so far a real token in a growing cache, where known without a host sync (`all_real`)
         self.all_real = self.static is None
-        # the last call of a static cache was its first, of several tokens, all real (`causal_call`)
-        self.first_real = False
+        # a static cache: every slot so far a real token (its calls of several tokens all real; one-token
+        # steps are real by the rule above), and whether its last call was such a call (`causal_call`)
+        self.static_real = self.static is not None
+        self.real_call = False
 
     @property
     def causal_call(self) -> bool:
         """Whether the keys of the last `advance` call are real tokens in position order with the new
         tokens last (`SequenceInfo.causal`): every call of a growing cache whose tokens are all real
-        (`all_real`), and a static cache's first call when its tokens are all real (its keys are then
-        the new tokens alone, so the mixers may take their causal forms: SDPA with is_causal, the
-        window kernels, a window ring filled by slicing)."""
-        return self.all_real or self.first_real
+        (`all_real`), and a static cache's call of several tokens when they and every slot before them
+        are real (its keys are then the used slots, as a growing cache's: the first call's the new tokens
+        alone, a chunked prefill's later chunks the slots before them too), so that the mixers may take
+        their causal forms: SDPA with is_causal or the lower-right causal bias, the window kernels, a
+        window ring filled by slicing. A static one-token step returns the whole allocation: never."""
+        return self.all_real or self.real_call
 
     @property
     def max_length(self) -> int | None:
@@ -392,8 +396,8 @@ class SubquadraticCache(Cache):
         """Register T new tokens (new_valid [B, T] bool; `known_real`: the caller knows them all real,
         e.g. no attention mask was given). Returns (their positions [B, T], key positions [B, S]).
         Static: no host synchronisation in one-token steps (the slot and counts are updated in place
-        on the device); a longer call checks once that every row's tokens are consecutive (and the
-        first, whether they are all real: `causal_call`). Growing:
+        on the device); a longer call checks once that every row's tokens are consecutive (and, while
+        every slot before it is real, whether its tokens are all real: `causal_call`). Growing:
         whether every token so far is real (`all_real`) is read with one host synchronisation for a
         call of several tokens, never for one-token steps."""
         T = new_valid.shape[1]
@@ -411,7 +415,8 @@ class SubquadraticCache(Cache):
         if not self.has_room(T):
             raise ValueError(f"the static cache holds {self.static.max_length} tokens; {self.length} are cached and "
                              f"{T} more were given: build it with a larger max_length")
-        self.first_real = self.length == 0 and T > 1 and (known_real or all_real(new_valid, sync=True))
+        self.real_call = T > 1 and self.static_real and (known_real or all_real(new_valid, sync=True))
+        self.static_real = self.static_real and (T == 1 or self.real_call)
         if self.slot is None:
             self.slot = self.static.allocate((), torch.long, new_valid.device)
         self.static.index = self.slot + torch.arange(T, device=new_valid.device)

@@ -2,7 +2,8 @@
 `kernels.decode_attention.grouped_query_attention` (several new tokens) against the definition (keys and values repeated
 per query head, an additive mask), values and gradients in fp64; and a static cache's steps of a
 model with a grouped softmax layer: one-token steps on `kernels.decode_attention`, a chunk of tokens
-on the grouped form, both giving the full forward's logits."""
+on the lower-right causal form after real tokens and on the grouped form after left padding, each giving
+the full forward's logits."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_static_steps_of_a_softmax_layer_take_the_decode_attention_and_match_the
     """A static cache's one-token steps of a grouped softmax layer run `decode_attention` (on its Triton
     kernels as on CUDA: here forced by the softmax plan, `decode_kernel`, under the interpreter, fp32; else
     the PyTorch form, fp64) and give the full forward's logits; a chunk of several tokens after the prefill
-    takes the grouped form."""
+    of real tokens takes the lower-right causal form (every slot real: no mask)."""
     from .sse.test_modeling_sse import lively
 
     dev = "cuda" if kernel and torch.cuda.is_available() else "cpu"
@@ -87,9 +88,32 @@ def test_static_steps_of_a_softmax_layer_take_the_decode_attention_and_match_the
         logits.append(model(ids[:, 16:20], **{CACHE_FIELD: cache}).logits)
         logits += [model(ids[:, t:t + 1], **{CACHE_FIELD: cache}).logits for t in range(20, 23)]
     softmax_layers = len(model.config.softmax_layers)
-    assert len(steps) == 3 * softmax_layers and len(chunks) == softmax_layers
+    assert len(steps) == 3 * softmax_layers and not chunks
     assert len(on_kernel) == (len(steps) if kernel else 0)  # each step on the kernels asked for
     torch.testing.assert_close(torch.cat(logits, 1), full[:, 15:23], atol=1e-4 if kernel else 1e-9, rtol=0)
+
+
+def test_a_chunk_after_a_left_padded_prefill_takes_the_grouped_form(monkeypatch):
+    """A static cache's chunk of several tokens after a left-padded prefill runs the grouped form under the
+    mask (its slots are not all real) and gives the full forward's logits (fp64)."""
+    from .sse.test_modeling_sse import lively
+
+    model = lively("tiny-h", 0).double()
+    chunks, real_grouped = [], base.grouped_query_attention
+    monkeypatch.setattr(base, "grouped_query_attention", lambda *a, **kw: chunks.append(1) or real_grouped(*a, **kw))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # row 0: 5 slots of left padding
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        cache = model.new_cache(max_length=40, cuda_graph=False)
+        first = model(ids[:, :16], attention_mask=mask[:, :16], **{CACHE_FIELD: cache}).logits
+        chunks.clear()  # the prefill under its padding mask takes it too
+        chunk = model(ids[:, 16:20], attention_mask=mask[:, :20], **{CACHE_FIELD: cache}).logits
+    assert len(chunks) == len(model.config.softmax_layers)
+    torch.testing.assert_close(chunk, full[:, 16:20], atol=1e-9, rtol=0)
+    torch.testing.assert_close(first[1], full[1, :16], atol=1e-9, rtol=0)
 
 
 def test_takes_sdpa_outputs_in_any_layout(monkeypatch):

@@ -64,11 +64,13 @@ def test_a_long_cached_call_runs_in_chunks_with_the_logits_and_cache_of_one(fami
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_generate_with_chunked_prefill_gives_the_tokens_of_one_call(family, cache, monkeypatch):
-    """Left-padded rows of unequal lengths: the padding sits in the first chunk, the real tokens after it."""
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "real"])
+def test_generate_with_chunked_prefill_gives_the_tokens_of_one_call(family, cache, padded, monkeypatch):
+    """Left-padded rows of unequal lengths (the padding sits in the first chunk, the real tokens after it), or
+    rows of real tokens only (the later chunks take the mixers' causal forms over the cache)."""
     model = FAMILIES[family]()
     g = torch.Generator().manual_seed(4)
-    ids, mask = left_pad([torch.randint(3, 128, (n,), generator=g) for n in (40, 23)])
+    ids, mask = left_pad([torch.randint(3, 128, (n,), generator=g) for n in ((40, 23) if padded else (40, 40))])
 
     def run():
         return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, output_scores=True,
@@ -97,3 +99,30 @@ def test_calls_that_need_every_activation_or_keep_no_cache_run_whole(monkeypatch
         model(ids, use_cache=True)
     assert seen == [20, 20, 20, 20]
     assert SubquadraticForCausalLM.prefill_chunk_tokens == 131072  # one row of 128k tokens runs in one call
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_later_chunks_of_real_tokens_take_the_causal_forms(cache, monkeypatch):
+    """Rows of real tokens only: every chunk after the first, in a growing or a static cache, runs its softmax
+    layers on the lower-right causal bias and its window branches on the banded form (no [B, T, S] mask: at 4
+    rows of 128k tokens that mask took 24-32 GiB), with the tokens of one call."""
+    from subquadratic.modeling import base
+
+    model = lively("tiny-h", 0, sse_sliding_window=8, sse_window_sinks=2)
+    ids = torch.randint(3, 128, (2, 48), generator=torch.Generator().manual_seed(6))
+
+    def run():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=4,
+                              output_scores=True, return_dict_in_generate=True, cache_implementation=cache, **GEN)
+
+    want = run()
+    model.prefill_chunk_tokens = 32  # 2 rows: chunks of 16
+    made, real = [], base.plan_softmax
+    monkeypatch.setattr(base, "plan_softmax", lambda *a, **kw: made.append((a[0][2], a[1][2], real(*a, **kw)))
+                        or made[-1][2])
+    got = run()
+    chunks = {path for T, S, path in made if 1 < T < S}
+    assert chunks == {"causal_lower_right", "banded"}, made
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
