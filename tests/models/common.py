@@ -233,11 +233,12 @@ class ModelTesterMixin:
         kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, **GEN)
         assert torch.equal(m.generate(ids, cache_implementation="static", **kw), m.generate(ids, **kw))
 
-    def test_static_cache_first_call_of_real_tokens_takes_the_causal_forms(self, monkeypatch):
-        """A static cache's first call of real tokens runs as causal rows (`SequenceInfo.causal`:
-        SDPA with is_causal, the window kernels, a window ring filled by slicing), its later calls
-        (a second chunk, one-token steps) and a first call with padding do not, and the logits
-        equal the growing cache's."""
+    def test_static_cache_calls_of_real_tokens_take_the_causal_forms(self, monkeypatch):
+        """A static cache's calls of several real tokens after real slots run their causal forms
+        (`SequenceInfo.causal`: SDPA with is_causal or the lower-right causal bias, the window kernels, a
+        window ring filled by slicing): the first call and a second chunk, as a growing cache's; its
+        one-token steps (over the whole allocation) and a first call with padding do not, and the
+        logits equal the growing cache's."""
         from subquadratic.modeling.base import SubquadraticModel
 
         m, T = self.tester.model(), self.tester.seq_len
@@ -254,7 +255,7 @@ class ModelTesterMixin:
                 parts = [m(ids[:, :a], past_key_values=cache).logits, m(ids[:, a:b], past_key_values=cache).logits]
                 parts += [m(ids[:, t : t + 1], past_key_values=cache).logits for t in range(b, T)]
                 logits[name] = torch.cat(parts, 1)
-                want = [True] * (2 + T - b) if name == "growing" else [True] + [False] * (1 + T - b)
+                want = [True] * (2 + T - b) if name == "growing" else [True, True] + [False] * (T - b)
                 assert seen == want, (name, seen)
             seen.clear()
             m(ids[:, :a], attention_mask=torch.ones_like(ids[:, :a]), past_key_values=m.new_cache(max_length=T))
