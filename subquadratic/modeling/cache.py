@@ -360,10 +360,9 @@ class SubquadraticCache(Cache):
         self.length = 0  # slots, padding included (what generate() counts)
         # every slot so far a real token in a growing cache, where known without a host sync (`all_real`)
         self.all_real = self.static is None
-        # a static cache: every slot so far a real token (its calls of several tokens all real; one-token
-        # steps are real by the rule above), and whether its last call was such a call (`causal_call`)
+        # a static cache: every slot so far a real token (its calls of several tokens checked once each;
+        # one-token steps are real by the rule above)
         self.static_real = self.static is not None
-        self.real_call = False
 
     @property
     def causal_call(self) -> bool:
@@ -374,7 +373,7 @@ class SubquadraticCache(Cache):
         alone, a chunked prefill's later chunks the slots before them too), so that the mixers may take
         their causal forms: SDPA with is_causal or the lower-right causal bias, the window kernels, a
         window ring filled by slicing. A static one-token step returns the whole allocation: never."""
-        return self.all_real or self.real_call
+        return self.all_real or self.static_real and not self.static.whole
 
     @property
     def max_length(self) -> int | None:
@@ -415,8 +414,7 @@ class SubquadraticCache(Cache):
         if not self.has_room(T):
             raise ValueError(f"the static cache holds {self.static.max_length} tokens; {self.length} are cached and "
                              f"{T} more were given: build it with a larger max_length")
-        self.real_call = T > 1 and self.static_real and (known_real or all_real(new_valid, sync=True))
-        self.static_real = self.static_real and (T == 1 or self.real_call)
+        self.static_real = self.static_real and (T == 1 or known_real or all_real(new_valid, sync=True))
         if self.slot is None:
             self.slot = self.static.allocate((), torch.long, new_valid.device)
         self.static.index = self.slot + torch.arange(T, device=new_valid.device)
